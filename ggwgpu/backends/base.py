@@ -1,0 +1,70 @@
+"""What both backends share: planning a graph's storage, feeding and checking values."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..graph import topo_order
+from ..ops import OPS
+from ..tensor import ShapeError, Tensor
+
+
+class Plan:
+    """A graph planned once for a backend, then run any number of times.
+
+    Storage is allocated when the plan is made: one block per storage-owning tensor, with
+    `sentinel` guard elements on both sides (tests fill them and check nothing wrote there).
+    Leaves with a value (params, constants) are uploaded once; inputs come with each run.
+    """
+
+    def __init__(self, outputs, sentinel: int = 0):
+        self.outputs = list(outputs)
+        self.order = topo_order(self.outputs)
+        self.sentinel = int(sentinel)
+        self.roots = []
+        seen = set()
+        for t in self.order:
+            root = t.storage
+            if id(root) not in seen:
+                seen.add(id(root))
+                self.roots.append(root)
+        self.nodes = [t for t in self.order if t.op is not None and not OPS[t.op].is_view]
+        self._known = {id(t) for t in self.order}
+
+    def _check_value(self, t: Tensor, value) -> np.ndarray:
+        if id(t) not in self._known:
+            raise KeyError(f"{t} is not part of this plan")
+        value = np.asarray(value)
+        if value.shape != t.shape:
+            raise ShapeError(f"value for {t}: shape {value.shape}, expected {t.shape}")
+        if t.dtype == "i32" and value.dtype.kind not in "iu":
+            raise ShapeError(f"value for {t}: integer data expected, got {value.dtype}")
+        return value
+
+    def run(self, feeds=None):
+        """Write `feeds` ({input tensor: array}) and compute the whole graph."""
+        raise NotImplementedError
+
+    def read(self, t: Tensor) -> np.ndarray:
+        """The current value of `t` (a copy)."""
+        raise NotImplementedError
+
+    def write(self, t: Tensor, value):
+        """Overwrite the value of a tensor that owns or views storage (inputs, params)."""
+        raise NotImplementedError
+
+    def read_raw(self, root: Tensor) -> np.ndarray:
+        """The whole storage block of `root`, sentinels included (for tests)."""
+        raise NotImplementedError
+
+
+class Backend:
+    name = "?"
+
+    def plan(self, outputs, sentinel: int = 0) -> Plan:
+        raise NotImplementedError
+
+    def compute(self, outputs, feeds=None) -> list[np.ndarray]:
+        """Plan, run once and read every output: convenient, not for loops."""
+        plan = self.plan(outputs)
+        plan.run(feeds)
+        return [plan.read(t) for t in outputs]

@@ -1,0 +1,78 @@
+"""Graphs: topological order and reverse-mode autodiff as a graph rewrite (ggml style).
+
+Both walk the graph iteratively: deep graphs must not overflow Python's stack.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import ops as O
+from .tensor import ShapeError, Tensor, constant
+
+
+def topo_order(outputs) -> list[Tensor]:
+    """Every tensor the outputs depend on, each after its sources (and view sources)."""
+    order, done = [], set()
+    stack = [(t, False) for t in reversed(list(outputs))]
+    while stack:
+        t, expanded = stack.pop()
+        if id(t) in done:
+            continue
+        if expanded:
+            done.add(id(t))
+            order.append(t)
+            continue
+        stack.append((t, True))
+        deps = list(t.srcs)
+        if t.view_src is not None and t.view_src not in deps:
+            deps.append(t.view_src)
+        stack.extend((s, False) for s in reversed(deps) if id(s) not in done)
+    return order
+
+
+def build_backward(loss: Tensor, params=None) -> dict[Tensor, Tensor]:
+    """Gradient tensors of `loss` (one element) with respect to `params`.
+
+    params defaults to every leaf marked `is_param` that the loss depends on. The gradient
+    of a tensor used several times is the sum of its uses (a new add node per use, never
+    in place). Returns {param: gradient}, each gradient shaped like its param.
+    """
+    if loss.nelements != 1:
+        raise ShapeError(f"build_backward: loss must have one element, has shape {loss.shape}")
+    order = topo_order([loss])
+    if params is None:
+        params = [t for t in order if t.is_param]
+    params = list(params)
+    wanted = {id(p) for p in params}
+
+    # Only tensors between a param and the loss need a gradient.
+    needs = set()
+    for t in order:
+        if id(t) in wanted or any(id(s) in needs for s in t.srcs):
+            needs.add(id(t))
+
+    grads = {id(loss): constant(np.ones(loss.shape, np.float32), name="d_loss")}
+    for node in reversed(order):
+        g = grads.get(id(node))
+        if g is None or node.op is None:
+            continue
+        opdef = O.OPS[node.op]
+        src_grads = opdef.backward(node, g)
+        for i, (src, sg) in enumerate(zip(node.srcs, src_grads)):
+            if id(src) not in needs:
+                continue
+            if i in opdef.no_grad:
+                raise ShapeError(f"{node.op}: input {i} {src.shape} takes no gradient "
+                                 "(ids, positions; second derivatives of *_back ops)")
+            if sg is None:  # the gradient is zero
+                continue
+            if sg.shape != src.shape:
+                raise ShapeError(f"{node.op}: backward gave {sg.shape} for input {src.shape}")
+            prev = grads.get(id(src))
+            grads[id(src)] = sg if prev is None else O.add(prev, sg)
+
+    out = {}
+    for p in params:
+        g = grads.get(id(p))
+        out[p] = g if g is not None else constant(np.zeros(p.shape, np.float32), name="zeros")
+    return out

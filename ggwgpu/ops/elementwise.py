@@ -1,0 +1,178 @@
+"""Elementwise ops: binary with ggml broadcasting of the second operand, and unary maps.
+
+Shader: shaders/elementwise.wgsl, one entry point per op, one invocation per result element.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..tensor import ShapeError
+from .registry import WORKGROUP, Case, Input, can_repeat, need_f32, register, same_shape, tile
+
+# More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
+LARGE = WORKGROUP * 65535 + 77
+
+
+def unary_cases(lo=-1.0, hi=1.0):
+    def inp(shape, layout="contiguous"):
+        return (Input(shape, lo, hi, layout),)
+    return [Case(inp((1,))), Case(inp((5, 7))), Case(inp((2, 3, 5), "permuted")),
+            Case(inp((4, 9), "strided")), Case(inp((2, 3, 4, 5)), grad=False),
+            Case(inp((LARGE,)), grad=False)]
+
+
+def binary_cases(lo=-1.0, hi=1.0):
+    a = lambda shape, layout="contiguous": Input(shape, -1.0, 1.0, layout)
+    b = lambda shape, layout="contiguous": Input(shape, lo, hi, layout)
+    return [Case((a((1,)), b((1,)))),
+            Case((a((5, 7)), b((5, 7)))),
+            Case((a((5, 7)), b((1, 7)))),                       # broadcast rows
+            Case((a((3, 4, 5)), b((3, 1, 1)))),                 # broadcast columns
+            Case((a((2, 3, 2, 5)), b((1, 3, 1, 5)))),           # broadcast in 4-D
+            Case((a((6, 4), "permuted"), b((2, 4), "strided"))),
+            Case((a((3, 5, 6), "strided"), b((3, 5, 6), "permuted"))),
+            Case((a((LARGE,)), b((LARGE,))), grad=False)]
+
+
+def broadcast_shape(srcs, **_):
+    a, b = srcs
+    need_f32(a, b)
+    if not can_repeat(b.shape, a.shape):
+        raise ShapeError(f"second operand {b.shape} does not tile the first {a.shape}")
+    return a.shape, a.dtype, {}
+
+
+def unary_shape(srcs, **_):
+    need_f32(*srcs)
+    return same_shape(srcs)
+
+
+def reduce_to(g, like):
+    """The gradient of a broadcast operand: sum `g` over the tiles that made it."""
+    return g if g.shape == like.shape else O.repeat_back(g, like.shape)
+
+
+def binary(name, ref, backward, doc, lo=-1.0, hi=1.0):
+    return register(name, n_srcs=2, shape=broadcast_shape, shader="elementwise",
+                    reference=lambda a, b: ref(a, tile(b, a.shape)), backward=backward,
+                    cases=lambda: binary_cases(lo, hi), doc=doc)
+
+
+def unary(name, ref, backward, doc, lo=-1.0, hi=1.0, **kw):
+    return register(name, n_srcs=1, shape=unary_shape, shader="elementwise", reference=ref,
+                    backward=backward, cases=lambda: unary_cases(lo, hi), doc=doc, **kw)
+
+
+add = binary("add", np.add, lambda n, g: (g, reduce_to(g, n.srcs[1])),
+             "a + b, b tiled to a's shape (ggml broadcasting).")
+sub = binary("sub", np.subtract, lambda n, g: (g, O.neg(reduce_to(g, n.srcs[1]))),
+             "a - b, b tiled to a's shape.")
+mul = binary("mul", np.multiply,
+             lambda n, g: (O.mul(g, n.srcs[1]), reduce_to(O.mul(g, n.srcs[0]), n.srcs[1])),
+             "a * b, b tiled to a's shape.")
+div = binary("div", np.divide,
+             lambda n, g: (O.div(g, n.srcs[1]),
+                           O.neg(reduce_to(O.div(O.mul(g, n), n.srcs[1]), n.srcs[1]))),
+             "a / b, b tiled to a's shape.", lo=0.5, hi=2.0)
+
+
+def add1_shape(srcs, **_):
+    a, b = srcs
+    need_f32(a, b)
+    if b.nelements != 1:
+        raise ShapeError(f"second operand must have one element, has shape {b.shape}")
+    return a.shape, a.dtype, {}
+
+
+add1 = register(
+    "add1", n_srcs=2, shape=add1_shape, shader="elementwise",
+    reference=lambda a, b: a + b.reshape(-1)[0],
+    backward=lambda n, g: (g, O.reshape(O.sum(g), n.srcs[1].shape)),
+    cases=lambda: [Case((Input((1,)), Input((1,)))), Case((Input((5, 7)), Input((1, 1)))),
+                   Case((Input((3, 4, 5), layout="permuted"), Input((1,)))),
+                   Case((Input((LARGE,)), Input((1,))), grad=False)],
+    doc="a + b for a one-element tensor b.")
+
+scale = register(
+    "scale", n_srcs=1, params=("s",), shape=unary_shape, shader="elementwise",
+    reference=lambda a, s: a * a.dtype.type(s),
+    backward=lambda n, g: (O.scale(g, n.params["s"]),),
+    uniforms=lambda n: {"f": (float(n.params["s"]),)},
+    cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],
+    doc="a * s for a Python float s.")
+
+neg = unary("neg", np.negative, lambda n, g: (O.neg(g),), "-a")
+abs = unary("abs", np.abs, lambda n, g: (O.mul(O.sgn(n.srcs[0]), g),), "|a|")
+sgn = unary("sgn", np.sign, lambda n, g: (None,), "sign of a: -1, 0 or 1 (zero gradient)")
+step = unary("step", lambda a: (a > 0).astype(a.dtype), lambda n, g: (None,),
+             "1 where a > 0, else 0 (zero gradient)")
+relu = unary("relu", lambda a: np.maximum(a, 0), lambda n, g: (O.mul(O.step(n.srcs[0]), g),),
+             "max(a, 0)")
+sqr = unary("sqr", np.square, lambda n, g: (O.scale(O.mul(n.srcs[0], g), 2.0),), "a * a")
+sqrt = unary("sqrt", np.sqrt, lambda n, g: (O.div(O.scale(g, 0.5), n),), "sqrt(a)",
+             lo=2e-3, hi=2.0)
+log = unary("log", np.log, lambda n, g: (O.div(g, n.srcs[0]),), "natural log of a",
+            lo=0.05, hi=2.0)
+exp = unary("exp", np.exp, lambda n, g: (O.mul(g, n),), "e ** a", lo=-4.0, hi=4.0)
+
+
+def sigmoid_ref(a):
+    return 1 / (1 + np.exp(-a))
+
+
+def silu_ref(a):
+    return a * sigmoid_ref(a)
+
+
+def silu_back_ref(a, dy):
+    s = sigmoid_ref(a)
+    return dy * s * (1 + a * (1 - s))
+
+
+# gelu is ggml's tanh approximation.
+GELU_A, SQRT_2_OVER_PI = 0.044715, 0.7978845608028654
+
+
+def gelu_ref(a):
+    return 0.5 * a * (1 + np.tanh(SQRT_2_OVER_PI * a * (1 + GELU_A * a * a)))
+
+
+def gelu_back_ref(a, dy):
+    t = np.tanh(SQRT_2_OVER_PI * a * (1 + GELU_A * a * a))
+    return dy * (0.5 * (1 + t) + 0.5 * a * (1 - t * t) * SQRT_2_OVER_PI * (1 + 3 * GELU_A * a * a))
+
+
+silu = unary("silu", silu_ref, lambda n, g: (O.silu_back(n.srcs[0], g),), "a * sigmoid(a)",
+             lo=-4.0, hi=4.0)
+gelu = unary("gelu", gelu_ref, lambda n, g: (O.gelu_back(n.srcs[0], g),),
+             "gelu(a), tanh approximation as ggml", lo=-4.0, hi=4.0)
+
+
+def act_back(name, ref, fwd):
+    # Second derivatives are not supported: the forward input x takes no gradient here,
+    # the incoming gradient dy does (the op is linear in dy).
+    return register(
+        name, n_srcs=2, shape=back_shape,
+        shader="elementwise", reference=ref, no_grad=(0,),
+        backward=lambda n, g: (None, getattr(O, name)(n.srcs[0], g)),
+        cases=lambda: [Case((Input((1,), -4, 4), Input((1,)))),
+                       Case((Input((5, 7), -4, 4), Input((5, 7)))),
+                       Case((Input((3, 5), -4, 4, "permuted"), Input((3, 5), layout="strided"))),
+                       Case((Input((LARGE,), -4, 4), Input((LARGE,))), grad=False)],
+        doc=f"dy * {fwd}'(x): the backward of {fwd}. Inputs x, dy.")
+
+
+def back_shape(srcs, **_):
+    x, dy = srcs
+    need_f32(x, dy)
+    if x.shape != dy.shape:
+        raise ShapeError(f"x {x.shape} and dy {dy.shape} must have the same shape")
+    return x.shape, x.dtype, {}
+
+
+silu_back = act_back("silu_back", silu_back_ref, "silu")
+gelu_back = act_back("gelu_back", gelu_back_ref, "gelu")
+
+__all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
+           "sqr", "sqrt", "log", "exp", "silu", "gelu", "silu_back", "gelu_back"]

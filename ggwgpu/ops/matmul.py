@@ -1,0 +1,128 @@
+"""Matrix products with ggml semantics. Shader: shaders/matmul.wgsl.
+
+mul_mat(a, b): a [.., M, K], b [.., N, K] -> [.., N, M], result[n, m] = sum_k a[m, k] b[n, k]
+(ggml: both operands share the inner dim ne0). out_prod(a, b): a [.., K, M], b [.., K, N]
+-> [.., N, M], result[n, m] = sum_k a[k, m] b[k, n]. Both batch over the two outer dims; a
+is broadcast over b as ggml does it: b's batch index j reads a's batch j // (nb / na).
+out_prod runs the mul_mat kernel on transposed views, so no transpose is materialised.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..tensor import ShapeError
+from .registry import Case, Dispatch, Input, need_f32, pad4, register
+
+BLOCK = 4  # each invocation of the kernel computes a BLOCK x BLOCK tile of the result
+
+
+def product_shape(a_shape, b_shape, inner_a, inner_b, name):
+    """Result shape and checks shared by mul_mat (inner dim -1) and out_prod (inner dim -2)."""
+    if len(a_shape) < 2 or len(b_shape) < 2:
+        raise ShapeError(f"{name} needs operands with at least 2 dims")
+    if a_shape[inner_a] != b_shape[inner_b]:
+        raise ShapeError(f"inner dims differ: {a_shape[inner_a]} vs {b_shape[inner_b]}")
+    a4, b4 = pad4(a_shape), pad4(b_shape)
+    if b4[0] % a4[0] or b4[1] % a4[1]:
+        raise ShapeError(f"batch dims {a4[:2]} of a do not divide {b4[:2]} of b")
+    m = a_shape[-1] if inner_a == -2 else a_shape[-2]
+    n = b_shape[-1] if inner_b == -2 else b_shape[-2]
+    ndim = max(len(a_shape), len(b_shape))
+    return (b4[0], b4[1], n, m)[4 - ndim:]
+
+
+def expand_batch(a4: np.ndarray, b4: np.ndarray) -> np.ndarray:
+    """a's batch dims repeated (j // ratio) to b's, as the kernels broadcast."""
+    a4 = np.repeat(a4, b4.shape[0] // a4.shape[0], axis=0)
+    return np.repeat(a4, b4.shape[1] // a4.shape[1], axis=1)
+
+
+def mul_mat_ref(a, b):
+    shape = product_shape(a.shape, b.shape, -1, -1, "mul_mat")
+    a4, b4 = a.reshape(pad4(a.shape)), b.reshape(pad4(b.shape))
+    return np.matmul(b4, np.swapaxes(expand_batch(a4, b4), -1, -2)).reshape(shape)
+
+
+def out_prod_ref(a, b):
+    shape = product_shape(a.shape, b.shape, -2, -2, "out_prod")
+    a4, b4 = a.reshape(pad4(a.shape)), b.reshape(pad4(b.shape))
+    return np.matmul(np.swapaxes(b4, -1, -2), expand_batch(a4, b4)).reshape(shape)
+
+
+def sum_batch_to(x, shape):
+    """Sum contiguous `x` over the batch entries that broadcasting mapped to one entry of
+    `shape` (the adjoint of the j // ratio broadcast), then give it `shape`."""
+    if x.shape == tuple(shape):
+        return x
+    x4, s4 = pad4(x.shape), pad4(shape)
+    inner = x4[2] * x4[3]
+    if x4[1] != s4[1]:  # dim 2: entry j = i * r + k  ->  sum over k
+        r = x4[1] // s4[1]
+        x = O.sum_rows(O.permute(O.reshape(x, (x4[0] * s4[1], r, inner)), (0, 2, 1)))
+    if x4[0] != s4[0]:  # dim 3
+        r = x4[0] // s4[0]
+        x = O.sum_rows(O.permute(O.reshape(x, (s4[0], r, s4[1] * inner)), (0, 2, 1)))
+    return O.reshape(x, shape)
+
+
+def mul_mat_shape(srcs):
+    need_f32(*srcs)
+    return product_shape(srcs[0].shape, srcs[1].shape, -1, -1, "mul_mat"), "f32", {}
+
+
+def out_prod_shape(srcs):
+    need_f32(*srcs)
+    return product_shape(srcs[0].shape, srcs[1].shape, -2, -2, "out_prod"), "f32", {}
+
+
+def kernel_dispatch(node, a, b):
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K] (any strides)."""
+    m, n = node.shape[-1], node.shape[-2]
+    batches = node.nelements // (m * n)
+    blocks = -(-m // BLOCK) * -(-n // BLOCK) * batches
+    return [Dispatch("mul_mat", node, (a, b), n=blocks)]
+
+
+def transposed(t):
+    axes = list(range(t.ndim))
+    axes[-2:] = axes[-1], axes[-2]
+    return t.layout(tuple(t.shape[x] for x in axes), tuple(t.strides[x] for x in axes), t.offset)
+
+
+def mm_cases():
+    return [Case((Input((4, 5)), Input((3, 5)))),
+            Case((Input((7, 13)), Input((9, 13)))),
+            Case((Input((1, 1)), Input((1, 1)))),
+            Case((Input((2, 3, 6, 5)), Input((2, 3, 4, 5)))),
+            Case((Input((1, 2, 3, 5)), Input((3, 4, 2, 5)))),     # a broadcast over b
+            Case((Input((6, 5), layout="permuted"), Input((3, 5), layout="strided"))),
+            Case((Input((2, 5, 3), layout="strided"), Input((2, 4, 3), layout="permuted"))),
+            Case((Input((67, 129)), Input((65, 129))), grad=False),
+            Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False)]
+
+
+mul_mat = register(
+    "mul_mat", n_srcs=2, shape=mul_mat_shape, shader="matmul", reference=mul_mat_ref,
+    dispatches=lambda n: kernel_dispatch(n, *n.srcs),
+    backward=lambda n, g: (sum_batch_to(O.out_prod(n.srcs[1], g), n.srcs[0].shape),
+                           O.mul_mat(O.transpose(n.srcs[0]), g)),
+    cases=mm_cases,
+    doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
+        "b's batch dims.")
+
+out_prod = register(
+    "out_prod", n_srcs=2, shape=out_prod_shape, shader="matmul", entry="mul_mat",
+    reference=out_prod_ref,
+    dispatches=lambda n: kernel_dispatch(n, transposed(n.srcs[0]), transposed(n.srcs[1])),
+    backward=lambda n, g: (sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1]), n.srcs[0].shape),
+                           O.transpose(O.mul_mat(n.srcs[0], g))),
+    cases=lambda: [Case((Input((c.inputs[0].shape[:-2] + c.inputs[0].shape[:-3:-1]),
+                               layout=c.inputs[0].layout),
+                         Input((c.inputs[1].shape[:-2] + c.inputs[1].shape[:-3:-1]),
+                               layout=c.inputs[1].layout)), grad=c.grad)
+                   for c in mm_cases()],
+    doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = b.T @ a, a broadcast "
+        "over b's batch dims.")
+
+__all__ = ["mul_mat", "out_prod"]

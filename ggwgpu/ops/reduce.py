@@ -1,0 +1,99 @@
+"""Reductions and tiling: sum, sum_rows, mean, repeat, repeat_back.
+
+Shader: shaders/reduce.wgsl. Row reductions use one workgroup per row.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..tensor import ShapeError, check_shape
+from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile, untile
+from .elementwise import LARGE
+
+
+def reduce_cases():
+    return [Case((Input((1,)),)), Case((Input((5, 7)),)), Case((Input((3, 4, 70)),)),
+            Case((Input((2, 3, 5), layout="permuted"),)), Case((Input((4, 9), layout="strided"),)),
+            Case((Input((2, 3, 4, 5)),), grad=False), Case((Input((LARGE,)),), grad=False)]
+
+
+def sum_shape(srcs, **_):
+    need_f32(*srcs)
+    return (1,), "f32", {}
+
+
+def rows_shape(srcs, **_):
+    need_f32(*srcs)
+    return srcs[0].shape[:-1] + (1,), "f32", {}
+
+
+def row_dispatch(node, scale):
+    a = node.srcs[0]
+    rows = a.nelements // a.shape[-1]
+    return [Dispatch("sum_rows", node, (a,), n=rows, workgroups=rows, f=(scale,))]
+
+
+sum = register(
+    "sum", n_srcs=1, shape=sum_shape, shader="reduce",
+    reference=lambda a: np.sum(a, dtype=a.dtype).reshape(1),
+    dispatches=lambda n: [Dispatch("sum", n, n.srcs, n=n.srcs[0].nelements, workgroups=1)],
+    backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
+    cases=reduce_cases, doc="The sum of all elements, shape (1,).")
+
+sum_rows = register(
+    "sum_rows", n_srcs=1, shape=rows_shape, shader="reduce",
+    reference=lambda a: np.sum(a, axis=-1, keepdims=True, dtype=a.dtype),
+    dispatches=lambda n: row_dispatch(n, 1.0),
+    backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
+    cases=reduce_cases, doc="Sum over the innermost dim; that dim becomes 1.")
+
+mean = register(
+    "mean", n_srcs=1, shape=rows_shape, shader="reduce", entry="sum_rows",
+    reference=lambda a: np.mean(a, axis=-1, keepdims=True, dtype=a.dtype),
+    dispatches=lambda n: row_dispatch(n, 1.0 / n.srcs[0].shape[-1]),
+    backward=lambda n, g: (O.repeat(O.scale(g, 1.0 / n.srcs[0].shape[-1]), n.srcs[0].shape),),
+    cases=reduce_cases, doc="Mean over the innermost dim (as ggml_mean); that dim becomes 1.")
+
+
+def repeat_shape(srcs, shape):
+    need_f32(*srcs)
+    shape = check_shape(shape, "target")
+    if not can_repeat(srcs[0].shape, shape):
+        raise ShapeError(f"cannot tile {srcs[0].shape} to {shape}")
+    return shape, "f32", {}
+
+
+def repeat_back_shape(srcs, shape):
+    need_f32(*srcs)
+    shape = check_shape(shape, "target")
+    if not can_repeat(shape, srcs[0].shape):
+        raise ShapeError(f"{shape} does not tile {srcs[0].shape}")
+    return shape, "f32", {}
+
+
+repeat = register(
+    "repeat", n_srcs=1, params=("shape",), shape=repeat_shape, shader="reduce",
+    reference=lambda a, shape: tile(a, shape),
+    backward=lambda n, g: (O.repeat_back(g, n.srcs[0].shape),),
+    cases=lambda: [Case((Input((1,)),), {"shape": (3,)}),
+                   Case((Input((1, 7)),), {"shape": (5, 7)}),
+                   Case((Input((2, 3)),), {"shape": (2, 4, 6)}),
+                   Case((Input((3, 2), layout="permuted"),), {"shape": (2, 3, 6, 4)}),
+                   Case((Input((2, 5), layout="strided"),), {"shape": (4, 15)}),
+                   Case((Input((1,)),), {"shape": (LARGE,)}, grad=False)],
+    doc="Tile a to `shape` (every dim a multiple of a's), as ggml_repeat.")
+
+repeat_back = register(
+    "repeat_back", n_srcs=1, params=("shape",), shape=repeat_back_shape, shader="reduce",
+    reference=lambda a, shape: untile(a, shape),
+    backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
+    cases=lambda: [Case((Input((3,)),), {"shape": (1,)}),
+                   Case((Input((5, 7)),), {"shape": (1, 7)}),
+                   Case((Input((2, 4, 6)),), {"shape": (2, 3)}),
+                   Case((Input((2, 3, 6, 4), layout="permuted"),), {"shape": (3, 2)}),
+                   Case((Input((4, 15), layout="strided"),), {"shape": (2, 5)}),
+                   Case((Input((300, 7)),), {"shape": (1, 7)}, grad=False)],
+    doc="Sum the tiles of a into `shape`: the backward of repeat.")
+
+__all__ = ["sum", "sum_rows", "mean", "repeat", "repeat_back"]

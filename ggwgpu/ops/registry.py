@@ -1,0 +1,168 @@
+"""The op registry: one entry per op pairs everything about it.
+
+    shape rule  -> (srcs, params) -> (shape, dtype), checked when a node is built
+    reference   -> NumPy function over the source arrays (float32 or float64)
+    shader      -> WGSL file + entry point k_<name>; `dispatches` derives uniforms and grid
+    backward    -> builds the gradient of each source from other registered ops
+    cases       -> the op's rows in the test matrix (forward and gradient checks)
+
+Adding an op is one `register(...)` call plus one WGSL entry point.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from ..tensor import ShapeError, Tensor
+
+WORKGROUP = 64  # invocations per workgroup of the elementwise kernels (matches shaders)
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """One compute dispatch: entry point, the tensors bound, uniforms and grid size.
+
+    `dst` and `srcs` may be layouts (views) of node storage; the backend binds their storage
+    and passes shapes, strides and offsets through the uniform block.
+    """
+    entry: str
+    dst: Tensor
+    srcs: tuple[Tensor, ...] = ()
+    n: int = 0                      # invocations that do work (bounds check in the shader)
+    workgroups: int = 0             # 0: ceil(n / WORKGROUP)
+    f: tuple[float, ...] = ()       # up to 4 float parameters
+    u: tuple[int, ...] = ()         # up to 4 integer parameters
+
+    def grid(self) -> int:
+        return self.workgroups or max(1, math.ceil(self.n / WORKGROUP))
+
+
+@dataclass(frozen=True)
+class Input:
+    """An input of a test case. layout: 'contiguous', 'permuted' (a permuted view of a
+    leaf) or 'strided' (a view with padded rows and an offset into a bigger leaf)."""
+    shape: tuple[int, ...]
+    lo: float = -1.0
+    hi: float = 1.0
+    layout: str = "contiguous"
+
+
+@dataclass(frozen=True)
+class Case:
+    inputs: tuple[Input, ...]
+    params: dict = field(default_factory=dict)
+    grad: bool = True               # small enough for finite differences
+    nmse: float | None = None       # None: the op's bound
+
+
+@dataclass(frozen=True)
+class OpDef:
+    name: str
+    n_srcs: int
+    param_names: tuple[str, ...]
+    shape: Callable            # (srcs, **params) -> (shape, dtype, extra node kwargs)
+    reference: Callable        # (*arrays, **params) -> array
+    shader: str | None         # WGSL file stem, None for pure views (no dispatch)
+    entry: str | None
+    dispatches: Callable | None  # node -> list[Dispatch]
+    backward: Callable         # (node, grad) -> tuple of grads (None: no gradient)
+    cases: Callable            # () -> list[Case]
+    no_grad: tuple[int, ...] = ()   # sources that take no gradient (ids, positions, ...)
+    nmse: float = 1e-7
+    uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
+    doc: str = ""
+
+    @property
+    def is_view(self) -> bool:
+        return self.shader is None
+
+
+OPS: dict[str, OpDef] = {}
+
+
+def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
+    """The default: one invocation per element of the result, entry named like the op."""
+    opdef = OPS[node.op]
+    return [Dispatch(opdef.entry, node, node.srcs, n=node.nelements, **opdef.uniforms(node))]
+
+
+def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
+             entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
+             nmse=1e-7, doc=""):
+    """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`."""
+    if name in OPS:
+        raise ValueError(f"op {name} registered twice")
+    opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
+                  (entry or name) if shader else None, dispatches if shader else None,
+                  backward, cases, tuple(no_grad), nmse, uniforms, doc)
+    OPS[name] = opdef
+
+    def build(*args, **kwargs) -> Tensor:
+        return make_node(opdef, args, kwargs)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = doc
+    return build
+
+
+def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
+    srcs, rest = args[:opdef.n_srcs], args[opdef.n_srcs:]
+    if len(srcs) != opdef.n_srcs or not all(isinstance(s, Tensor) for s in srcs):
+        raise TypeError(f"{opdef.name}: expects {opdef.n_srcs} tensor argument(s), got "
+                        f"{[type(a).__name__ for a in args[:opdef.n_srcs]]}")
+    if len(rest) > len(opdef.param_names):
+        raise TypeError(f"{opdef.name}: too many arguments")
+    params = dict(zip(opdef.param_names, rest))
+    for k, v in kwargs.items():
+        if k not in opdef.param_names or k in params:
+            raise TypeError(f"{opdef.name}: unexpected or repeated argument {k!r}")
+        params[k] = v
+    missing = [p for p in opdef.param_names if p not in params]
+    if missing:
+        raise TypeError(f"{opdef.name}: missing argument(s) {missing}")
+    try:
+        shape, dtype, extra = opdef.shape(srcs, **params)
+    except ShapeError as e:
+        shapes = ", ".join(str(s.shape) for s in srcs)
+        raise ShapeError(f"{opdef.name}({shapes}): {e}") from None
+    return Tensor(shape, dtype, op=opdef.name, srcs=srcs, params=params, **extra)
+
+
+# -- shape rules shared by several ops ------------------------------------------------------
+
+def pad4(shape) -> tuple[int, ...]:
+    return (1,) * (4 - len(shape)) + tuple(shape)
+
+
+def can_repeat(small, big) -> bool:
+    """ggml_can_repeat: every dim of `big` is a multiple of that dim of `small`."""
+    return all(b % s == 0 for s, b in zip(pad4(small), pad4(big)))
+
+
+def same_shape(srcs, **_):
+    return srcs[0].shape, srcs[0].dtype, {}
+
+
+def need_f32(*srcs):
+    for s in srcs:
+        if s.dtype != "f32":
+            raise ShapeError(f"needs f32 tensors, got {s.dtype}")
+
+
+def tile(a: np.ndarray, shape) -> np.ndarray:
+    """ggml repeat: tile `a` to `shape` (index i reads a[i % a.shape])."""
+    a = a.reshape(pad4(a.shape))
+    reps = [b // s for s, b in zip(a.shape, pad4(shape))]
+    return np.tile(a, reps).reshape(shape)
+
+
+def untile(g: np.ndarray, shape) -> np.ndarray:
+    """ggml repeat_back: sum the tiles of `g` into `shape`."""
+    small, big = pad4(shape), pad4(g.shape)
+    split = []
+    for s, b in zip(small, big):
+        split += [b // s, s]
+    return g.reshape(split).sum(axis=(0, 2, 4, 6)).reshape(shape)

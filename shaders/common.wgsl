@@ -1,0 +1,48 @@
+// Prepended to every shader file: the parameter block, the bindings, index helpers.
+// Sizes (ne) and strides (nb) are in ggml order (x = innermost dim) and counted in elements;
+// off holds the element offsets of dst, src0, src1, src2 in their buffers.
+struct Params {
+    n: u32, _pad0: u32, _pad1: u32, _pad2: u32,   // invocations (or rows) that do work
+    off: vec4u,
+    ne_d: vec4u, nb_d: vec4u,
+    ne_0: vec4u, nb_0: vec4u,
+    ne_1: vec4u, nb_1: vec4u,
+    ne_2: vec4u, nb_2: vec4u,
+    f: vec4f,                                     // op parameters
+    u: vec4u,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+// Every binding is read_write: a buffer bound twice in one dispatch is then no validation
+// error, and in-place ops need no special case.
+@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
+@group(0) @binding(2) var<storage, read_write> src0: array<f32>;
+@group(0) @binding(3) var<storage, read_write> src1: array<f32>;
+@group(0) @binding(4) var<storage, read_write> src2: array<f32>;
+
+// Kernels are named k_<entry> so that e.g. k_exp does not shadow the builtin exp.
+const WG: u32 = 64u;
+
+// The flat invocation index of a grid that may be folded into 2-D (> 65535 workgroups).
+fn flat_id(gid: vec3u, nwg: vec3u) -> u32 {
+    return gid.x + gid.y * nwg.x * WG;
+}
+
+fn flat_group(wid: vec3u, nwg: vec3u) -> u32 {
+    return wid.x + wid.y * nwg.x;
+}
+
+// Flat row-major index -> 4-D index (x innermost).
+fn unravel(i: u32, ne: vec4u) -> vec4u {
+    let i0 = i % ne.x;
+    let r1 = i / ne.x;
+    let i1 = r1 % ne.y;
+    let r2 = r1 / ne.y;
+    let i2 = r2 % ne.z;
+    return vec4u(i0, i1, i2, r2 / ne.z);
+}
+
+fn at_d(idx: vec4u) -> u32 { return p.off.x + dot(idx, p.nb_d); }
+fn at_0(idx: vec4u) -> u32 { return p.off.y + dot(idx, p.nb_0); }
+fn at_1(idx: vec4u) -> u32 { return p.off.z + dot(idx, p.nb_1); }
+fn at_2(idx: vec4u) -> u32 { return p.off.w + dot(idx, p.nb_2); }

@@ -1,0 +1,18 @@
+// Copies between layouts.
+
+// cpy / cont: element i of dst (in its own shape) gets element i of src0 (in src0's shape);
+// both walk their elements in row-major order, so the shapes may differ.
+@compute @workgroup_size(WG)
+fn k_cpy(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    dst[at_d(unravel(i, p.ne_d))] = src0[at_0(unravel(i, p.ne_0))];
+}
+
+// acc, second step: dst is the view (of a fresh copy of a) that src0 is added into.
+// Views are non-overlapping, so each invocation owns its dst element.
+@compute @workgroup_size(WG)
+fn k_acc(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    dst[at_d(idx)] += src0[at_0(idx)];
+}

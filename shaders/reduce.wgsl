@@ -1,0 +1,67 @@
+// Reductions and tiling.
+
+var<workgroup> partial: array<f32, WG>;
+
+// Tree-sum of partial[] across the workgroup; every invocation must call it.
+fn workgroup_sum(lid: u32, v: f32) -> f32 {
+    partial[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial[lid] += partial[lid + s]; }
+        workgroupBarrier();
+    }
+    return partial[0];
+}
+
+// sum: one workgroup adds all p.n elements of src0 into dst[0].
+@compute @workgroup_size(WG)
+fn k_sum(@builtin(local_invocation_id) lid: vec3u) {
+    var acc = 0.0;
+    for (var i = lid.x; i < p.n; i += WG) {
+        acc += src0[at_0(unravel(i, p.ne_0))];
+    }
+    let total = workgroup_sum(lid.x, acc);
+    if (lid.x == 0u) { dst[p.off.x] = total; }
+}
+
+// sum_rows (mean with p.f.x = 1/ne0): one workgroup per row of src0; p.n rows.
+@compute @workgroup_size(WG)
+fn k_sum_rows(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+              @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }  // uniform per workgroup: barriers stay in uniform control flow
+    let r = unravel(row * p.ne_0.x, p.ne_0);
+    var acc = 0.0;
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        acc += src0[at_0(vec4u(i, r.yzw))];
+    }
+    let total = workgroup_sum(lid.x, acc);
+    if (lid.x == 0u) { dst[at_d(unravel(row, p.ne_d))] = total * p.f.x; }
+}
+
+// repeat: dst element idx reads src0[idx % ne_0].
+@compute @workgroup_size(WG)
+fn k_repeat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    dst[at_d(idx)] = src0[at_0(idx % p.ne_0)];
+}
+
+// repeat_back: dst element idx sums src0 over every tile: idx + t * ne_d.
+@compute @workgroup_size(WG)
+fn k_repeat_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    let tiles = p.ne_0 / p.ne_d;
+    var acc = 0.0;
+    for (var t3 = 0u; t3 < tiles.w; t3++) {
+        for (var t2 = 0u; t2 < tiles.z; t2++) {
+            for (var t1 = 0u; t1 < tiles.y; t1++) {
+                for (var t0 = 0u; t0 < tiles.x; t0++) {
+                    acc += src0[at_0(idx + vec4u(t0, t1, t2, t3) * p.ne_d)];
+                }
+            }
+        }
+    }
+    dst[at_d(idx)] = acc;
+}
