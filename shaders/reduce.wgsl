@@ -13,15 +13,21 @@ fn workgroup_sum(lid: u32, v: f32) -> f32 {
     return partial[0];
 }
 
-// sum: one workgroup adds all p.n elements of src0 into dst[0].
+// sum: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g]
+// (dst contiguous). Sums longer than one span run twice: partial sums, then their sum.
+// The span is bounded because lavapipe loses workgroup barriers after about 4M loads in one
+// workgroup (measured: 64 x 65000 fine, 64 x 65534 wrong).
 @compute @workgroup_size(WG)
-fn k_sum(@builtin(local_invocation_id) lid: vec3u) {
+fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+         @builtin(num_workgroups) nwg: vec3u) {
+    let g = flat_group(wid, nwg);
+    let end = min(p.n, (g + 1u) * p.u.x);
     var acc = 0.0;
-    for (var i = lid.x; i < p.n; i += WG) {
+    for (var i = g * p.u.x + lid.x; i < end; i += WG) {
         acc += src0[at_0(unravel(i, p.ne_0))];
     }
     let total = workgroup_sum(lid.x, acc);
-    if (lid.x == 0u) { dst[p.off.x] = total; }
+    if (lid.x == 0u) { dst[p.off.x + g] = total; }
 }
 
 // sum_rows (mean with p.f.x = 1/ne0): one workgroup per row of src0; p.n rows.

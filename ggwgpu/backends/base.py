@@ -7,6 +7,18 @@ from ..graph import topo_order
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
 
+# Guard elements: NaNs with payloads that no kernel produces, by element size in bytes.
+SENTINEL_BITS = {4: 0x7FC0BEEF, 8: 0x7FF80000DEADBEEF}
+
+
+def guarded_block(n: int, sentinel: int, dtype) -> np.ndarray:
+    """A zeroed storage block of n elements with `sentinel` guard elements on each side."""
+    dtype = np.dtype(dtype)
+    block = np.zeros(n + 2 * sentinel, dtype)
+    bits = block.view(f"u{dtype.itemsize}")
+    bits[:sentinel] = bits[len(bits) - sentinel:] = SENTINEL_BITS[dtype.itemsize]
+    return block
+
 
 class Plan:
     """A graph planned once for a backend, then run any number of times.
@@ -53,8 +65,22 @@ class Plan:
         raise NotImplementedError
 
     def read_raw(self, root: Tensor) -> np.ndarray:
-        """The whole storage block of `root`, sentinels included (for tests)."""
+        """The whole storage block of `root`, sentinels included."""
         raise NotImplementedError
+
+    def stray_writes(self) -> list[Tensor]:
+        """Storage blocks whose sentinel guard elements were overwritten (for tests)."""
+        s = self.sentinel
+        if not s:
+            return []
+        stray = []
+        for root in self.roots:
+            raw = self.read_raw(root)
+            bits = raw.view(f"u{raw.itemsize}")
+            if not (np.all(bits[:s] == SENTINEL_BITS[raw.itemsize])
+                    and np.all(bits[-s:] == SENTINEL_BITS[raw.itemsize])):
+                stray.append(root)
+        return stray
 
 
 class Backend:

@@ -5,9 +5,7 @@ import numpy as np
 
 from ..ops import OPS
 from ..tensor import Tensor
-from .base import Backend, Plan
-
-SENTINEL_VALUE = -7777.0
+from .base import Backend, Plan, guarded_block
 
 
 class NumpyPlan(Plan):
@@ -17,9 +15,7 @@ class NumpyPlan(Plan):
         self.storage = {}
         for root in self.roots:
             dtype = self.float_dtype if root.dtype == "f32" else root.np_dtype
-            block = np.full(root.nelements + 2 * self.sentinel, SENTINEL_VALUE, dtype)
-            block[self.sentinel:self.sentinel + root.nelements] = 0
-            self.storage[id(root)] = block
+            self.storage[id(root)] = guarded_block(root.nelements, self.sentinel, dtype)
             if root.value is not None:
                 self.write(root, root.value)
 

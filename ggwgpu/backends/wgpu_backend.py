@@ -14,12 +14,11 @@ import wgpu
 
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
-from .base import Backend, Plan
+from .base import Backend, Plan, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 UNIFORM_SIZE = 192          # sizeof(Params) in shaders/common.wgsl
 MAX_SRCS = 3
-SENTINEL_BITS = 0x7FC0BEEF  # a NaN with a payload no kernel produces
 MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
 
 
@@ -110,8 +109,11 @@ class WgpuPlan(Plan):
         self.backend = backend
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+        self.dispatches = [(OPS[node.op].shader, d) for node in self.nodes
+                           for d in OPS[node.op].dispatches(node)]
+        private = {id(t.storage): t.storage for _, d in self.dispatches for t in (d.dst, *d.srcs)}
         self.buffers = {}
-        for root in self.roots:
+        for root in self.roots + [t for k, t in private.items() if k not in self._known]:
             nbytes = (root.nelements + 2 * self.sentinel) * root.np_dtype.itemsize
             if nbytes > backend.max_binding:
                 raise ShapeError(f"{root}: {nbytes} bytes exceed the adapter's storage binding "
@@ -119,14 +121,10 @@ class WgpuPlan(Plan):
             buf = device.create_buffer(size=max(16, nbytes), usage=usage)
             self.buffers[id(root)] = buf
             if self.sentinel:
-                raw = np.full(root.nelements + 2 * self.sentinel, SENTINEL_BITS, np.uint32)
-                raw[self.sentinel:-self.sentinel] = 0
-                device.queue.write_buffer(buf, 0, raw)
+                device.queue.write_buffer(
+                    buf, 0, guarded_block(root.nelements, self.sentinel, root.np_dtype))
             if root.value is not None:
                 self.write(root, root.value)
-
-        self.dispatches = [(OPS[node.op].shader, d) for node in self.nodes
-                           for d in OPS[node.op].dispatches(node)]
         arena = np.zeros((max(1, len(self.dispatches)), UNIFORM_SLOT // 4), np.uint32)
         for i, (_, d) in enumerate(self.dispatches):
             arena[i, :UNIFORM_SIZE // 4] = self._uniforms(d)

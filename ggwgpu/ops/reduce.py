@@ -7,15 +7,16 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, check_shape
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile, untile
+from ..tensor import ShapeError, Tensor, check_shape
+from .registry import (WORKGROUP, Case, Dispatch, Input, can_repeat, need_f32, register, tile,
+                       untile)
 from .elementwise import LARGE
 
 
-def reduce_cases():
+def reduce_cases(large):
     return [Case((Input((1,)),)), Case((Input((5, 7)),)), Case((Input((3, 4, 70)),)),
             Case((Input((2, 3, 5), layout="permuted"),)), Case((Input((4, 9), layout="strided"),)),
-            Case((Input((2, 3, 4, 5)),), grad=False), Case((Input((LARGE,)),), grad=False)]
+            Case((Input((2, 3, 4, 5)),), grad=False), Case((Input(large),), grad=False)]
 
 
 def sum_shape(srcs, **_):
@@ -28,6 +29,19 @@ def rows_shape(srcs, **_):
     return srcs[0].shape[:-1] + (1,), "f32", {}
 
 
+SUM_SPAN = WORKGROUP * 1024  # elements one workgroup of k_sum adds
+
+
+def sum_dispatch(node):
+    a = node.srcs[0]
+    if a.nelements <= SUM_SPAN:
+        return [Dispatch("sum", node, (a,), n=a.nelements, workgroups=1, u=(SUM_SPAN,))]
+    groups = -(-a.nelements // SUM_SPAN)
+    partial = Tensor((groups,), name=f"{node} partial sums")  # dispatch-private storage
+    return [Dispatch("sum", partial, (a,), n=a.nelements, workgroups=groups, u=(SUM_SPAN,)),
+            Dispatch("sum", node, (partial,), n=groups, workgroups=1, u=(SUM_SPAN,))]
+
+
 def row_dispatch(node, scale):
     a = node.srcs[0]
     rows = a.nelements // a.shape[-1]
@@ -37,23 +51,23 @@ def row_dispatch(node, scale):
 sum = register(
     "sum", n_srcs=1, shape=sum_shape, shader="reduce",
     reference=lambda a: np.sum(a, dtype=a.dtype).reshape(1),
-    dispatches=lambda n: [Dispatch("sum", n, n.srcs, n=n.srcs[0].nelements, workgroups=1)],
+    dispatches=sum_dispatch,
     backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
-    cases=reduce_cases, doc="The sum of all elements, shape (1,).")
+    cases=lambda: reduce_cases((LARGE,)), doc="The sum of all elements, shape (1,).")
 
 sum_rows = register(
     "sum_rows", n_srcs=1, shape=rows_shape, shader="reduce",
     reference=lambda a: np.sum(a, axis=-1, keepdims=True, dtype=a.dtype),
     dispatches=lambda n: row_dispatch(n, 1.0),
     backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
-    cases=reduce_cases, doc="Sum over the innermost dim; that dim becomes 1.")
+    cases=lambda: reduce_cases((3, 70001)), doc="Sum over the innermost dim; that dim becomes 1.")
 
 mean = register(
     "mean", n_srcs=1, shape=rows_shape, shader="reduce", entry="sum_rows",
     reference=lambda a: np.mean(a, axis=-1, keepdims=True, dtype=a.dtype),
     dispatches=lambda n: row_dispatch(n, 1.0 / n.srcs[0].shape[-1]),
     backward=lambda n, g: (O.repeat(O.scale(g, 1.0 / n.srcs[0].shape[-1]), n.srcs[0].shape),),
-    cases=reduce_cases, doc="Mean over the innermost dim (as ggml_mean); that dim becomes 1.")
+    cases=lambda: reduce_cases((70001, 3)), doc="Mean over the innermost dim (as ggml_mean); that dim becomes 1.")
 
 
 def repeat_shape(srcs, shape):
