@@ -1,0 +1,1 @@
+"""The `ggwgpu` command-line app (installed as the ggwgpu_cli package)."""

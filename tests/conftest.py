@@ -1,0 +1,47 @@
+"""Shared fixtures. `wgpu` gives the WebGPU backend; without an adapter its tests skip, or
+fail when GGWGPU_REQUIRE_ADAPTER=1 (as CI sets it): CI must never pass on skips."""
+import os
+
+import pytest
+
+REQUIRE_ADAPTER = os.environ.get("GGWGPU_REQUIRE_ADAPTER") == "1"
+_wgpu_cases = {"passed": 0, "failed": 0}
+
+
+@pytest.fixture(scope="session")
+def wgpu_session():
+    from ggwgpu.backends import shared_wgpu_backend
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+    try:
+        return shared_wgpu_backend()
+    except NoAdapterError as e:
+        if REQUIRE_ADAPTER:
+            pytest.fail(f"GGWGPU_REQUIRE_ADAPTER=1 but {e}")
+        pytest.skip(str(e))
+
+
+@pytest.fixture
+def wgpu(wgpu_session, request):
+    """The wgpu backend; counts the cases that ran on it for the closing summary."""
+    yield wgpu_session
+    failed = request.node.rep_call.failed if hasattr(request.node, "rep_call") else True
+    _wgpu_cases["failed" if failed else "passed"] += 1
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    if rep.when == "call":
+        item.rep_call = rep
+
+
+def pytest_terminal_summary(terminalreporter):
+    from ggwgpu.backends import shared_wgpu_backend
+    if not sum(_wgpu_cases.values()):
+        terminalreporter.write_line("wgpu: no test ran on a WebGPU adapter")
+        return
+    info = shared_wgpu_backend().info
+    terminalreporter.write_line(
+        f"wgpu: {_wgpu_cases['passed']} cases passed, {_wgpu_cases['failed']} failed on "
+        f"adapter '{info.get('device')}' ({info.get('adapter_type')}, {info.get('backend_type')})")

@@ -1,0 +1,116 @@
+"""Graph building, autodiff, planning and backend choice."""
+import warnings
+
+import numpy as np
+import pytest
+
+import ggwgpu as gg
+from ggwgpu import backends
+from ggwgpu.backends.numpy_backend import NumpyBackend
+
+
+def test_topo_order_of_a_deep_chain_needs_no_recursion():
+    x = gg.input_tensor((2,))
+    y = x
+    for _ in range(20000):
+        y = gg.neg(y)
+    order = gg.topo_order([y])
+    assert len(order) == 20001 and order[0] is x and order[-1] is y
+
+
+def test_gradients_of_a_tensor_used_several_times_accumulate():
+    x = gg.param(np.array([1.5, -2.0, 3.0]), name="x")
+    loss = gg.sum(gg.add(gg.mul(x, x), gg.scale(x, 3.0)))  # sum(x^2 + 3x)
+    grads = gg.build_backward(loss)
+    (g,) = NumpyBackend(np.float64).compute([grads[x]])
+    np.testing.assert_allclose(g, 2 * x.value + 3)
+
+
+def test_only_params_get_gradients():
+    x = gg.input_tensor((3,), name="x")
+    w = gg.param(np.ones(3), name="w")
+    grads = gg.build_backward(gg.sum(gg.mul(w, x)))
+    assert list(grads) == [w]
+    (g,) = NumpyBackend().compute([grads[w]], {x: np.array([1, 2, 3])})
+    np.testing.assert_array_equal(g, [1, 2, 3])
+
+
+def test_a_param_the_loss_ignores_gets_zero_gradient():
+    w, unused = gg.param(np.ones(2)), gg.param(np.ones(4))
+    grads = gg.build_backward(gg.sum(w), [w, unused])
+    (g,) = NumpyBackend().compute([grads[unused]])
+    np.testing.assert_array_equal(g, np.zeros(4))
+
+
+def test_loss_must_be_a_scalar():
+    with pytest.raises(gg.ShapeError, match="one element"):
+        gg.build_backward(gg.sqr(gg.param(np.ones(3))))
+
+
+def test_second_derivative_through_a_back_op_is_refused():
+    x = gg.param(np.ones(3), name="x")
+    dy = gg.input_tensor((3,))
+    with pytest.raises(gg.ShapeError, match="silu_back: input 0"):
+        gg.build_backward(gg.sum(gg.silu_back(x, dy)))
+
+
+def test_plan_runs_again_with_new_inputs_and_keeps_params(wgpu):
+    x = gg.input_tensor((2, 3), name="x")
+    w = gg.param(np.full((4, 3), 0.5), name="w")
+    y = gg.mul_mat(w, x)
+    plan = wgpu.plan([y])
+    a = np.random.rand(2, 3).astype(np.float32)
+    plan.run({x: a})
+    np.testing.assert_allclose(plan.read(y), a @ w.value.T, rtol=1e-6)
+    plan.write(w, np.ones((4, 3)))
+    plan.run({x: 2 * a})
+    np.testing.assert_allclose(plan.read(y), 2 * a @ np.ones((3, 4)), rtol=1e-6)
+    np.testing.assert_array_equal(plan.read(w), np.ones((4, 3)))
+
+
+def test_a_whole_step_is_one_pass_of_planned_dispatches(wgpu):
+    x = gg.input_tensor((8, 16))
+    w = gg.param(np.random.rand(5, 16))
+    loss = gg.sum(gg.sqr(gg.silu(gg.mul_mat(w, x))))
+    grads = gg.build_backward(loss)
+    plan = wgpu.plan([loss, *grads.values()])
+    ops = [n.op for n in plan.nodes]
+    assert len(plan.recorded) >= len(ops) and "out_prod" in ops and "silu_back" in ops
+    feeds = {x: np.random.rand(8, 16)}
+    ref = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    ref.run(feeds)
+    plan.run(feeds)
+    np.testing.assert_allclose(plan.read(grads[w]), ref.read(grads[w]), rtol=1e-4)
+
+
+def test_feeding_a_wrong_shape_names_the_tensor():
+    x = gg.input_tensor((2, 3), name="tokens")
+    plan = NumpyBackend().plan([gg.neg(x)])
+    with pytest.raises(gg.ShapeError, match="tokens.*expected \\(2, 3\\)"):
+        plan.run({x: np.zeros((3, 2))})
+
+
+def test_backend_choice_by_argument_and_environment(monkeypatch):
+    assert isinstance(gg.get_backend("numpy"), NumpyBackend)
+    monkeypatch.setenv("GGWGPU_BACKEND", "numpy")
+    assert isinstance(gg.get_backend(), NumpyBackend)
+    monkeypatch.setenv("GGWGPU_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="unknown backend 'cuda'"):
+        gg.get_backend()
+
+
+def test_without_an_adapter_auto_falls_back_to_numpy_with_one_warning(monkeypatch):
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+
+    def no_adapter():
+        raise NoAdapterError("no WebGPU adapter: test")
+    monkeypatch.setattr(backends, "shared_wgpu_backend", no_adapter)
+    backends._warn_no_adapter.cache_clear()
+    monkeypatch.delenv("GGWGPU_BACKEND", raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert isinstance(gg.get_backend(), NumpyBackend)
+        assert isinstance(gg.get_backend("auto"), NumpyBackend)
+    assert len([w for w in caught if "NumPy backend" in str(w.message)]) == 1
+    with pytest.raises(NoAdapterError):
+        gg.get_backend("wgpu")

@@ -1,0 +1,108 @@
+"""The op matrix, generated from the registry: every op x its cases, on the device against
+the NumPy reference, and every backward against finite differences and across backends."""
+import re
+
+import numpy as np
+import pytest
+
+import ggwgpu as gg
+from ggwgpu import testing
+from ggwgpu.backends.wgpu_backend import kernel_name, shader_dir
+from ggwgpu.ops import OPS
+
+FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
+GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
+
+
+def case_id(item):
+    name, case = item
+    return f"{name}[{testing.describe(case)}]"
+
+
+@pytest.mark.parametrize("name,case", FORWARD, ids=[case_id(c) for c in FORWARD])
+def test_forward_matches_reference(wgpu, name, case):
+    result = testing.forward(OPS[name], case, wgpu)
+    assert result.ok, result.detail
+
+
+@pytest.mark.parametrize("name,case", GRAD, ids=[case_id(c) for c in GRAD])
+def test_backward_matches_finite_differences(name, case):
+    result = testing.finite_differences(OPS[name], case)
+    assert result.ok, result.detail
+
+
+@pytest.mark.parametrize("name,case", GRAD, ids=[case_id(c) for c in GRAD])
+def test_device_backward_matches_numpy(wgpu, name, case):
+    result = testing.backward_on(OPS[name], case, wgpu)
+    assert result.ok, result.detail
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_registry_entry_is_complete(name):
+    """An op without reference, shader entry point, backward or test cases fails here."""
+    opdef = OPS[name]
+    assert callable(opdef.reference) and callable(opdef.backward) and callable(opdef.shape)
+    assert getattr(gg, name).__doc__, f"{name} has no docstring"
+    cases = opdef.cases()
+    assert cases, f"{name} has no test cases"
+    assert any(c.grad for c in cases), f"{name} has no gradient test case"
+    differentiable = [i for i in range(opdef.n_srcs) if i not in opdef.no_grad]
+    assert differentiable, f"{name} differentiates none of its inputs"
+    if opdef.is_view:
+        assert opdef.dispatches is None
+        return
+    source = (shader_dir() / f"{opdef.shader}.wgsl").read_text()
+    for entry in {opdef.entry} | {d.entry for d in dispatches_of(opdef, cases[0])}:
+        assert re.search(rf"\bfn {kernel_name(entry)}\(", source), \
+            f"{name}: no entry point {kernel_name(entry)} in shaders/{opdef.shader}.wgsl"
+
+
+def dispatches_of(opdef, case):
+    _, _, node = testing.build_case(opdef, case, np.random.default_rng(0))
+    return opdef.dispatches(node)
+
+
+def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):
+    x = gg.input_tensor((testing.O.elementwise.LARGE,))
+    plan = wgpu.plan([gg.exp(x)])
+    (_, _, (groups_x, groups_y)), = plan.recorded
+    assert groups_x <= 65535 and groups_y > 1
+
+
+def test_sentinels_catch_writes_outside_a_tensor(wgpu):
+    x = gg.input_tensor((5,))
+    y = gg.neg(x)
+    plan = wgpu.plan([y], sentinel=8)
+    plan.run({x: np.ones(5, np.float32)})
+    assert plan.stray_writes() == []
+    root = y.storage
+    wgpu.device.queue.write_buffer(plan.buffers[id(root)], 4 * 13, np.zeros(1, np.float32))
+    assert plan.stray_writes() == [root]
+
+
+def test_one_buffer_bound_twice_in_a_dispatch(wgpu):
+    x = gg.input_tensor((3, 4))
+    v = np.arange(12, dtype=np.float32).reshape(3, 4)
+    (out,) = wgpu.compute([gg.mul(x, x)], {x: v})
+    np.testing.assert_array_equal(out, v * v)
+
+
+def test_views_are_zero_copy(wgpu):
+    x = gg.input_tensor((2, 3, 4))
+    t = gg.transpose(gg.permute(gg.reshape(x, (6, 4)), (1, 0)))
+    plan = wgpu.plan([t])
+    assert plan.roots == [x] and plan.recorded == []
+    v = np.random.rand(2, 3, 4).astype(np.float32)
+    plan.run({x: v})
+    np.testing.assert_array_equal(plan.read(t), v.reshape(6, 4))
+
+
+def test_shape_mismatch_names_op_and_shapes():
+    with pytest.raises(gg.ShapeError, match=r"mul_mat\(\(3, 5\), \(4, 6\)\).*inner dims"):
+        gg.mul_mat(gg.input_tensor((3, 5)), gg.input_tensor((4, 6)))
+    with pytest.raises(gg.ShapeError, match=r"add\(\(3, 5\), \(2, 5\)\)"):
+        gg.add(gg.input_tensor((3, 5)), gg.input_tensor((2, 5)))
+    with pytest.raises(gg.ShapeError, match="reshape needs a contiguous"):
+        gg.reshape(gg.transpose(gg.input_tensor((3, 5))), (15,))
+    with pytest.raises(gg.ShapeError, match="reaches element"):
+        gg.view(gg.input_tensor((4,)), (3,), (2,), 0)
