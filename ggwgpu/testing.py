@@ -21,8 +21,6 @@ from .ops.registry import Case, OpDef
 from .tensor import constant, input_tensor
 
 SENTINEL = 37           # guard elements on each side of every storage block
-FD_EPS = 1e-6           # central differences in float64
-FD_ATOL, FD_RTOL = 1e-5, 1e-3
 GRAD_NMSE = 1e-6        # device backward vs NumPy backward
 
 
@@ -50,19 +48,30 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
         shape = tuple(spec.shape)
         if spec.layout == "permuted" and len(shape) > 1:
             axes = tuple(reversed(range(len(shape))))
-            leaf = input_tensor(tuple(shape[a] for a in axes), name=f"in{k}")
+            leaf = input_tensor(tuple(shape[a] for a in axes), spec.dtype, name=f"in{k}")
             src = O.permute(leaf, axes)
         elif spec.layout == "strided":
             # rows padded by 3 elements and one element of offset: a view inside a bigger leaf
-            leaf = input_tensor(shape[:-1] + (shape[-1] + 3,), name=f"in{k}")
+            leaf = input_tensor(shape[:-1] + (shape[-1] + 3,), spec.dtype, name=f"in{k}")
             src = O.view(leaf, shape, leaf.strides, 1)
         else:
-            leaf = src = input_tensor(shape, name=f"in{k}")
+            leaf = src = input_tensor(shape, spec.dtype, name=f"in{k}")
         leaves.append(leaf)
-        values[leaf] = rng.uniform(spec.lo, spec.hi, leaf.shape)
+        if spec.dtype == "i32":
+            values[leaf] = rng.integers(spec.lo, spec.hi, leaf.shape, dtype=np.int32)
+        elif spec.dist == "probs":
+            v = rng.uniform(0.01, 1.0, leaf.shape)
+            values[leaf] = v / v.sum(axis=-1, keepdims=True)
+        else:
+            values[leaf] = rng.uniform(spec.lo, spec.hi, leaf.shape)
         srcs.append(src)
     node = getattr(O, opdef.name)(*srcs, **case.params)
     return leaves, values, node
+
+
+def as_f32(values: dict) -> dict:
+    """The float64 test values as a float32 device gets them (integers stay as they are)."""
+    return {t: v.astype(np.float32) if v.dtype.kind == "f" else v for t, v in values.items()}
 
 
 def nmse(out: np.ndarray, ref: np.ndarray) -> float:
@@ -88,7 +97,7 @@ def forward(opdef: OpDef, case: Case, backend, seed=0) -> Result:
     ref_plan.run(values)
     ref = ref_plan.read(node)
     plan = backend.plan([node], sentinel=SENTINEL)
-    plan.run({t: v.astype(np.float32) for t, v in values.items()})
+    plan.run(as_f32(values))
     ok, detail = compare(plan.read(node), ref, case.nmse or opdef.nmse)
     stray = plan.stray_writes()
     if stray:
@@ -103,7 +112,8 @@ def grad_graph(opdef: OpDef, case: Case, seed=0):
     leaves, values, node = build_case(opdef, case, rng)
     weights = constant(rng.uniform(-1, 1, node.shape).astype(np.float32), name="R")
     loss = O.sum(O.mul(node, weights))
-    params = [leaf for k, leaf in enumerate(leaves) if k not in opdef.no_grad]
+    params = [leaf for k, leaf in enumerate(leaves)
+              if k not in opdef.no_grad and leaf.dtype == "f32"]
     return loss, build_backward(loss, params), values
 
 
@@ -113,6 +123,7 @@ def finite_differences(opdef: OpDef, case: Case, seed=0) -> Result:
     plan = backend.plan([loss, *grads.values()])
     plan.run(values)
     fwd = backend.plan([loss])
+    eps, atol, rtol = opdef.fd
     worst = 0.0
     for leaf, g in grads.items():
         analytic = plan.read(g)
@@ -120,15 +131,15 @@ def finite_differences(opdef: OpDef, case: Case, seed=0) -> Result:
         v = values[leaf].copy()
         for i in np.ndindex(leaf.shape):
             x = v[i]
-            v[i] = x + FD_EPS
+            v[i] = x + eps
             fwd.run({**values, leaf: v})
             hi = fwd.read(loss)[0]
-            v[i] = x - FD_EPS
+            v[i] = x - eps
             fwd.run({**values, leaf: v})
             lo = fwd.read(loss)[0]
             v[i] = x
-            numeric[i] = (hi - lo) / (2 * FD_EPS)
-        excess = np.abs(analytic - numeric) - (FD_ATOL + FD_RTOL * np.abs(numeric))
+            numeric[i] = (hi - lo) / (2 * eps)
+        excess = np.abs(analytic - numeric) - (atol + rtol * np.abs(numeric))
         worst = max(worst, float(np.max(np.abs(analytic - numeric))))
         if np.any(excess > 0):
             at = np.unravel_index(np.argmax(excess), leaf.shape)
@@ -144,7 +155,7 @@ def backward_on(opdef: OpDef, case: Case, backend, seed=0) -> Result:
     ref = NumpyBackend(np.float64).plan([loss, *grads.values()])
     ref.run(values)
     plan = backend.plan([loss, *grads.values()], sentinel=SENTINEL)
-    plan.run({t: v.astype(np.float32) for t, v in values.items()})
+    plan.run(as_f32(values))
     details = []
     for leaf, g in grads.items():
         ok, detail = compare(plan.read(g), ref.read(g), max(GRAD_NMSE, opdef.nmse))

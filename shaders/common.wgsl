@@ -46,3 +46,34 @@ fn at_d(idx: vec4u) -> u32 { return p.off.x + dot(idx, p.nb_d); }
 fn at_0(idx: vec4u) -> u32 { return p.off.y + dot(idx, p.nb_0); }
 fn at_1(idx: vec4u) -> u32 { return p.off.z + dot(idx, p.nb_1); }
 fn at_2(idx: vec4u) -> u32 { return p.off.w + dot(idx, p.nb_2); }
+
+// Row reductions: one workgroup per row, then a tree over the workgroup.
+// Bound the work of one workgroup: lavapipe loses workgroup barriers after about 4M loads in
+// one workgroup (measured: 64 x 65000 fine, 64 x 65534 wrong).
+var<workgroup> partial: array<f32, WG>;
+
+// Tree-sum of v across the workgroup; every invocation must call it (uniform control flow).
+fn workgroup_sum(lid: u32, v: f32) -> f32 {
+    partial[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial[lid] += partial[lid + s]; }
+        workgroupBarrier();
+    }
+    let total = partial[0];
+    workgroupBarrier();  // partial may be reused right after
+    return total;
+}
+
+// Tree-max of v across the workgroup, as workgroup_sum.
+fn workgroup_max(lid: u32, v: f32) -> f32 {
+    partial[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial[lid] = max(partial[lid], partial[lid + s]); }
+        workgroupBarrier();
+    }
+    let total = partial[0];
+    workgroupBarrier();
+    return total;
+}

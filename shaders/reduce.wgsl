@@ -1,22 +1,8 @@
 // Reductions and tiling.
 
-var<workgroup> partial: array<f32, WG>;
-
-// Tree-sum of partial[] across the workgroup; every invocation must call it.
-fn workgroup_sum(lid: u32, v: f32) -> f32 {
-    partial[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (lid < s) { partial[lid] += partial[lid + s]; }
-        workgroupBarrier();
-    }
-    return partial[0];
-}
-
 // sum: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g]
-// (dst contiguous). Sums longer than one span run twice: partial sums, then their sum.
-// The span is bounded because lavapipe loses workgroup barriers after about 4M loads in one
-// workgroup (measured: 64 x 65000 fine, 64 x 65534 wrong).
+// (dst contiguous). Sums longer than one span run twice: partial sums, then their sum
+// (a workgroup's work is bounded, see common.wgsl).
 @compute @workgroup_size(WG)
 fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
          @builtin(num_workgroups) nwg: vec3u) {

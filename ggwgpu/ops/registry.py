@@ -42,12 +42,15 @@ class Dispatch:
 
 @dataclass(frozen=True)
 class Input:
-    """An input of a test case. layout: 'contiguous', 'permuted' (a permuted view of a
-    leaf) or 'strided' (a view with padded rows and an offset into a bigger leaf)."""
+    """An input of a test case: values uniform in [lo, hi) (integers in [lo, hi) for i32).
+    layout: 'contiguous', 'permuted' (a permuted view of a leaf) or 'strided' (a view with
+    padded rows and an offset into a bigger leaf)."""
     shape: tuple[int, ...]
     lo: float = -1.0
     hi: float = 1.0
     layout: str = "contiguous"
+    dtype: str = "f32"
+    dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets)
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class OpDef:
     cases: Callable            # () -> list[Case]
     no_grad: tuple[int, ...] = ()   # sources that take no gradient (ids, positions, ...)
     nmse: float = 1e-7
+    fd: tuple = (1e-6, 1e-5, 1e-3)  # finite differences: eps, atol, rtol (float64)
     uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
     doc: str = ""
 
@@ -91,13 +95,13 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
-             nmse=1e-7, doc=""):
+             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), doc=""):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`."""
     if name in OPS:
         raise ValueError(f"op {name} registered twice")
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
-                  backward, cases, tuple(no_grad), nmse, uniforms, doc)
+                  backward, cases, tuple(no_grad), nmse, tuple(fd), uniforms, doc)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
