@@ -1,13 +1,15 @@
 // Prepended to every shader file: the parameter block, the bindings, index helpers.
 // Sizes (ne) and strides (nb) are in ggml order (x = innermost dim) and counted in elements;
-// off holds the element offsets of dst, src0, src1, src2 in their buffers.
+// off holds the element offsets of dst, src0, src1, src2 in their buffers, off3.x src3's.
 struct Params {
     n: u32, _pad0: u32, _pad1: u32, _pad2: u32,   // invocations (or rows) that do work
     off: vec4u,
+    off3: vec4u,
     ne_d: vec4u, nb_d: vec4u,
     ne_0: vec4u, nb_0: vec4u,
     ne_1: vec4u, nb_1: vec4u,
     ne_2: vec4u, nb_2: vec4u,
+    ne_3: vec4u, nb_3: vec4u,
     f: vec4f,                                     // op parameters
     u: vec4u,
 }
@@ -19,6 +21,7 @@ struct Params {
 @group(0) @binding(2) var<storage, read_write> src0: array<f32>;
 @group(0) @binding(3) var<storage, read_write> src1: array<f32>;
 @group(0) @binding(4) var<storage, read_write> src2: array<f32>;
+@group(0) @binding(5) var<storage, read_write> src3: array<f32>;
 
 // Kernels are named k_<entry> so that e.g. k_exp does not shadow the builtin exp.
 const WG: u32 = 64u;
@@ -46,6 +49,7 @@ fn at_d(idx: vec4u) -> u32 { return p.off.x + dot(idx, p.nb_d); }
 fn at_0(idx: vec4u) -> u32 { return p.off.y + dot(idx, p.nb_0); }
 fn at_1(idx: vec4u) -> u32 { return p.off.z + dot(idx, p.nb_1); }
 fn at_2(idx: vec4u) -> u32 { return p.off.w + dot(idx, p.nb_2); }
+fn at_3(idx: vec4u) -> u32 { return p.off3.x + dot(idx, p.nb_3); }
 
 // Row reductions: one workgroup per row, then a tree over the workgroup.
 // Bound the work of one workgroup: lavapipe loses workgroup barriers after about 4M loads in

@@ -17,8 +17,8 @@ from ..tensor import ShapeError, Tensor
 from .base import Backend, Plan, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
-UNIFORM_SIZE = 192          # sizeof(Params) in shaders/common.wgsl
-MAX_SRCS = 3
+UNIFORM_SIZE = 240          # sizeof(Params) in shaders/common.wgsl
+MAX_SRCS = 4
 MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
 
 
@@ -150,11 +150,11 @@ class WgpuPlan(Plan):
             raise ValueError(f"{d.entry}: at most {MAX_SRCS} sources per dispatch")
         u[0] = d.n
         for k, t in enumerate(tensors):
-            u[4 + k] = self.sentinel + t.offset
-            u[8 + 8 * k: 12 + 8 * k] = t.ne
-            u[12 + 8 * k: 16 + 8 * k] = t.nb
-        u[40:40 + len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
-        u[44:44 + len(d.u)] = d.u
+            u[4 + k] = self.sentinel + t.offset       # off, then off3.x
+            u[12 + 8 * k: 16 + 8 * k] = t.ne
+            u[16 + 8 * k: 20 + 8 * k] = t.nb
+        u[52:52 + len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
+        u[56:56 + len(d.u)] = d.u
         return u
 
     def run(self, feeds=None):
