@@ -57,6 +57,8 @@ def build_backward(loss: Tensor, params=None) -> dict[Tensor, Tensor]:
         if g is None or node.op is None:
             continue
         opdef = O.OPS[node.op]
+        if opdef.backward is None:
+            raise ShapeError(f"{node.op} is an optimizer update and cannot be differentiated")
         src_grads = opdef.backward(node, g)
         for i, (src, sg) in enumerate(zip(node.srcs, src_grads)):
             if id(src) not in needs:

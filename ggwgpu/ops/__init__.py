@@ -4,3 +4,4 @@ from .elementwise import *  # noqa: F401,F403
 from .reduce import *  # noqa: F401,F403
 from .layout import *  # noqa: F401,F403
 from .matmul import *  # noqa: F401,F403
+from .optim import *  # noqa: F401,F403

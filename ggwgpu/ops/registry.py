@@ -3,7 +3,9 @@
     shape rule  -> (srcs, params) -> (shape, dtype), checked when a node is built
     reference   -> NumPy function over the source arrays (float32 or float64)
     shader      -> WGSL file + entry point k_<name>; `dispatches` derives uniforms and grid
-    backward    -> builds the gradient of each source from other registered ops
+    backward    -> builds the gradient of each source from other registered ops (None only
+                   for optimizer updates, which run after the backward and are never
+                   differentiated)
     cases       -> the op's rows in the test matrix (forward and gradient checks)
 
 Adding an op is one `register(...)` call plus one WGSL entry point.
@@ -71,9 +73,10 @@ class OpDef:
     shader: str | None         # WGSL file stem, None for pure views (no dispatch)
     entry: str | None
     dispatches: Callable | None  # node -> list[Dispatch]
-    backward: Callable         # (node, grad) -> tuple of grads (None: no gradient)
+    backward: Callable | None  # (node, grad) -> tuple of grads (None: no gradient)
     cases: Callable            # () -> list[Case]
     no_grad: tuple[int, ...] = ()   # sources that take no gradient (ids, positions, ...)
+    updates: bool = False           # an optimizer step: writes its sources' state in place
     nmse: float = 1e-7
     fd: tuple = (1e-6, 1e-5, 1e-3)  # finite differences: eps, atol, rtol (float64)
     uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
@@ -95,13 +98,15 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
-             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), doc=""):
+             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, doc=""):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`."""
     if name in OPS:
         raise ValueError(f"op {name} registered twice")
+    if (backward is None) != updates:
+        raise ValueError(f"op {name}: only optimizer updates (updates=True) have no backward")
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
-                  backward, cases, tuple(no_grad), nmse, tuple(fd), uniforms, doc)
+                  backward, cases, tuple(no_grad), updates, nmse, tuple(fd), uniforms, doc)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:

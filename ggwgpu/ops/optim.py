@@ -1,0 +1,62 @@
+"""Optimizer updates: in-place ops that run after the backward. Shader: shaders/optim.wgsl.
+
+opt_step_adamw(param, grad, m, v, hparams, decay) updates m and v in place and writes the new
+parameter into param's storage; the result is a view of param. hparams is a 7-element f32
+tensor, written before each step, as ggml's opt_step_adamw takes it:
+    [alpha (lr x schedule), beta1, beta2, eps, weight decay, 1/(1-beta1^t), 1/(1-beta2^t)]
+`decay` says whether this tensor takes weight decay (the reference: only tensors >= 2-D).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..tensor import ShapeError
+from .registry import Case, Dispatch, Input, need_f32, register
+
+ADAMW_HPARAMS = ("alpha", "beta1", "beta2", "eps", "wd", "beta1h", "beta2h")
+
+
+def adamw_shape(srcs, decay):
+    param, grad, m, v, hp = srcs
+    need_f32(*srcs)
+    for what, t in (("grad", grad), ("m", m), ("v", v)):
+        if t.shape != param.shape:
+            raise ShapeError(f"{what} {t.shape} differs from the parameter's {param.shape}")
+    for what, t in (("param", param), ("m", m), ("v", v)):
+        if not t.is_contiguous():
+            raise ShapeError(f"{what} must be contiguous: it is updated in place")
+    if hp.shape != (len(ADAMW_HPARAMS),):
+        raise ShapeError(f"hparams must have shape ({len(ADAMW_HPARAMS)},), got {hp.shape}")
+    return param.shape, "f32", {"strides": param.strides, "offset": param.offset,
+                                "view_src": param}
+
+
+def adamw_ref(param, grad, m, v, hp, decay):
+    """The update; m and v are NumPy views of the optimizer state and change in place."""
+    alpha, beta1, beta2, eps, wd, beta1h, beta2h = hp
+    keep = 1 - alpha * (wd if decay else 0)
+    m[...] = m * beta1 + grad * (1 - beta1)
+    v[...] = v * beta2 + grad * grad * (1 - beta2)
+    return param * keep - alpha * (m * beta1h) / (np.sqrt(v * beta2h) + eps)
+
+
+def adamw_cases():
+    def state(shape, layout="contiguous"):
+        return (Input(shape), Input(shape, layout=layout), Input(shape), Input(shape, 0.0, 1.0),
+                Input((7,), 0.05, 0.95))
+    return [Case(state((1,)), {"decay": False}, grad=False),
+            Case(state((5, 7)), {"decay": True}, grad=False),
+            Case(state((3, 4, 5), "permuted"), {"decay": True}, grad=False),
+            Case(state((70001,)), {"decay": False}, grad=False)]
+
+
+opt_step_adamw = register(
+    "opt_step_adamw", n_srcs=5, params=("decay",), shape=adamw_shape, shader="optim",
+    reference=adamw_ref, backward=None, updates=True, cases=adamw_cases,
+    # dst is the parameter itself (the node is a view of it), so bind only the other four
+    dispatches=lambda n: [Dispatch("opt_step_adamw", n, n.srcs[1:], n=n.nelements,
+                                   u=(int(bool(n.params["decay"])),))],
+    doc="AdamW step in place: (param, grad, m, v, hparams[7], decay) -> param updated "
+        "(a view of param); m and v are updated too.")
+
+__all__ = ["opt_step_adamw", "ADAMW_HPARAMS"]

@@ -1,0 +1,60 @@
+"""The AdamW update op: state updated in place, the same on both backends, and it trains."""
+import numpy as np
+import pytest
+
+import ggwgpu as gg
+from ggwgpu.backends.numpy_backend import NumpyBackend
+
+
+def hparams(step, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, wd=0.1):
+    return np.array([lr, beta1, beta2, eps, wd, 1 / (1 - beta1 ** step), 1 / (1 - beta2 ** step)])
+
+
+def adamw_graph(decay):
+    """loss = sum((w x - y)^2) and one AdamW step of w, all in one graph."""
+    rng = np.random.default_rng(0)
+    w = gg.param(rng.normal(size=(3, 4)), name="w")
+    x, y = gg.input_tensor((6, 4), name="x"), gg.input_tensor((6, 3), name="y")
+    m, v = gg.constant(np.zeros((3, 4))), gg.constant(np.zeros((3, 4)))
+    hp = gg.input_tensor((7,), name="hparams")
+    loss = gg.sum(gg.sqr(gg.sub(gg.mul_mat(w, x), y)))
+    step = gg.opt_step_adamw(w, gg.build_backward(loss)[w], m, v, hp, decay)
+    feeds = {x: rng.normal(size=(6, 4)), y: rng.normal(size=(6, 3))}
+    return loss, step, (w, m, v, hp), feeds
+
+
+@pytest.mark.parametrize("decay", [False, True])
+def test_adamw_steps_match_across_backends_and_the_formula(wgpu, decay):
+    loss, step, (w, m, v, hp), feeds = adamw_graph(decay)
+    plans = [wgpu.plan([loss, step]), NumpyBackend(np.float64).plan([loss, step])]
+    # the update by hand, in float64
+    wv, mv, vv = w.value.astype(np.float64), np.zeros((3, 4)), np.zeros((3, 4))
+    xv, yv = feeds.values()
+    for t in range(1, 4):
+        for plan in plans:
+            plan.run({**feeds, hp: hparams(t)})
+        g = 2 * ((xv @ wv.T - yv).T @ xv)
+        mv = 0.9 * mv + 0.1 * g
+        vv = 0.999 * vv + 0.001 * g * g
+        keep = 1 - 1e-2 * (0.1 if decay else 0)
+        wv = wv * keep - 1e-2 * (mv * hparams(t)[5]) / (np.sqrt(vv * hparams(t)[6]) + 1e-8)
+    for plan in plans:
+        np.testing.assert_allclose(plan.read(w), wv, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(plan.read(m), mv, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(plan.read(v), vv, rtol=1e-4, atol=1e-9)
+
+
+def test_adamw_lowers_the_loss(wgpu):
+    loss, step, (w, m, v, hp), feeds = adamw_graph(False)
+    plan = wgpu.plan([loss, step])
+    losses = []
+    for t in range(1, 201):
+        plan.run({**feeds, hp: hparams(t, lr=0.05)})
+        losses.append(plan.read(loss)[0])
+    assert losses[-1] < 0.2 * losses[0]
+
+
+def test_adamw_cannot_be_differentiated():
+    loss, step, (w, m, v, hp), feeds = adamw_graph(False)
+    with pytest.raises(gg.ShapeError, match="optimizer update"):
+        gg.build_backward(gg.sum(step), [w])
