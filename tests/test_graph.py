@@ -114,3 +114,25 @@ def test_without_an_adapter_auto_falls_back_to_numpy_with_one_warning(monkeypatc
     assert len([w for w in caught if "NumPy backend" in str(w.message)]) == 1
     with pytest.raises(NoAdapterError):
         gg.get_backend("wgpu")
+
+
+def test_intermediates_share_buffers_and_results_stay_exact(wgpu):
+    x = gg.input_tensor((16, 32), name="x")
+    w1, w2 = gg.param(np.random.rand(24, 32) - 0.5), gg.param(np.random.rand(8, 24) - 0.5)
+    h = x
+    for _ in range(6):  # a chain of same-sized intermediates: buffers can be reused
+        h = gg.silu(gg.scale(h, 0.9))
+    loss = gg.sum(gg.sqr(gg.mul_mat(w2, gg.gelu(gg.mul_mat(w1, h)))))
+    grads = gg.build_backward(loss)
+    plan = wgpu.plan([loss, *grads.values()])
+    every_block = sum(plan.nbytes(r) for r in plan.roots)
+    assert plan.layout.total_bytes < 0.8 * every_block
+    assert plan.layout.peak_bytes <= plan.layout.total_bytes
+    feeds = {x: np.random.rand(16, 32)}
+    ref = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    ref.run(feeds)
+    plan.run(feeds)
+    for w in (w1, w2):
+        np.testing.assert_allclose(plan.read(grads[w]), ref.read(grads[w]), rtol=1e-4, atol=1e-6)
+    with pytest.raises(KeyError, match="list it among the plan's outputs"):
+        plan.read(h)

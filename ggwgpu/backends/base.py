@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..alloc import Block, Layout, pack
 from ..graph import topo_order
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
@@ -41,6 +42,38 @@ class Plan:
                 self.roots.append(root)
         self.nodes = [t for t in self.order if t.op is not None and not OPS[t.op].is_view]
         self._known = {id(t) for t in self.order}
+        self._shared = set()    # storage keys that share a buffer with another block
+
+    def storage_layout(self, private=()) -> Layout:
+        """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
+        shared buffers by liveness. Leaves and outputs live throughout: they hold values
+        between runs. With sentinels nothing is shared, so every guard stays checkable."""
+        forever = len(self.nodes) + 1
+        first, last = {}, {}
+        for step, node in enumerate(self.nodes):
+            for t in (node, *node.srcs):
+                key = id(t.storage)
+                first.setdefault(key, step)
+                last[key] = step
+        for t in self.order:
+            if t.op is None or self.sentinel:
+                first[id(t.storage)], last[id(t.storage)] = -1, forever
+        for t in self.outputs:
+            last[id(t.storage)] = forever
+        blocks = [Block(id(r), self.nbytes(r), first.get(id(r), -1), last.get(id(r), forever))
+                  for r in self.roots]
+        blocks += [Block(id(t), self.nbytes(t), step, forever if self.sentinel else step)
+                   for t, step in private]
+        return pack(blocks)
+
+    def nbytes(self, root: Tensor) -> int:
+        return (root.nelements + 2 * self.sentinel) * root.np_dtype.itemsize
+
+    def _check_readable(self, t: Tensor):
+        key = id(t.storage)
+        if key in self._shared and not any(key == id(o.storage) for o in self.outputs):
+            raise KeyError(f"{t} is an intermediate whose storage is reused within a run; "
+                           "list it among the plan's outputs to read it")
 
     def _check_value(self, t: Tensor, value) -> np.ndarray:
         if id(t) not in self._known:

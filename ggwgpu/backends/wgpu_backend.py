@@ -109,20 +109,28 @@ class WgpuPlan(Plan):
         self.backend = backend
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        self.dispatches = [(OPS[node.op].shader, d) for node in self.nodes
-                           for d in OPS[node.op].dispatches(node)]
-        private = {id(t.storage): t.storage for _, d in self.dispatches for t in (d.dst, *d.srcs)}
-        self.buffers = {}
-        for root in self.roots + [t for k, t in private.items() if k not in self._known]:
-            nbytes = (root.nelements + 2 * self.sentinel) * root.np_dtype.itemsize
-            if nbytes > backend.max_binding:
-                raise ShapeError(f"{root}: {nbytes} bytes exceed the adapter's storage binding "
-                                 f"limit of {backend.max_binding}")
-            buf = device.create_buffer(size=max(16, nbytes), usage=usage)
-            self.buffers[id(root)] = buf
+        self.dispatches, private = [], []
+        for step, node in enumerate(self.nodes):
+            for d in OPS[node.op].dispatches(node):
+                self.dispatches.append((OPS[node.op].shader, d))
+                private += [(t.storage, step) for t in (d.dst, *d.srcs)
+                            if id(t.storage) not in self._known]
+        for root in self.roots + [t for t, _ in private]:
+            if self.nbytes(root) > backend.max_binding:
+                raise ShapeError(f"{root}: {self.nbytes(root)} bytes exceed the adapter's storage"
+                                 f" binding limit of {backend.max_binding}")
+        self.layout = self.storage_layout(private)
+        slot_buffers = [device.create_buffer(size=max(16, n), usage=usage)
+                        for n in self.layout.slot_bytes]
+        self.buffers = {key: slot_buffers[slot] for key, slot in self.layout.slot_of.items()}
+        users = {}
+        for key, slot in self.layout.slot_of.items():
+            users.setdefault(slot, []).append(key)
+        self._shared = {k for keys in users.values() if len(keys) > 1 for k in keys}
+        for root in self.roots:
             if self.sentinel:
-                device.queue.write_buffer(
-                    buf, 0, guarded_block(root.nelements, self.sentinel, root.np_dtype))
+                device.queue.write_buffer(self.buffers[id(root)], 0,
+                                          guarded_block(root.nelements, self.sentinel, root.np_dtype))
             if root.value is not None:
                 self.write(root, root.value)
         arena = np.zeros((max(1, len(self.dispatches)), UNIFORM_SLOT // 4), np.uint32)
@@ -203,6 +211,7 @@ class WgpuPlan(Plan):
             self._staging.unmap()
 
     def read(self, t: Tensor) -> np.ndarray:
+        self._check_readable(t)
         block = self.read_raw(t.storage)
         return np.lib.stride_tricks.as_strided(
             block[self.sentinel + t.offset:], t.shape,
