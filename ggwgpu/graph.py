@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops as O
+from .ops.registry import make_node
 from .tensor import ShapeError, Tensor, constant
 
 
@@ -30,12 +31,30 @@ def topo_order(outputs) -> list[Tensor]:
     return order
 
 
-def build_backward(loss: Tensor, params=None) -> dict[Tensor, Tensor]:
+def recompute_from(order, checkpoints) -> dict[int, Tensor]:
+    """For gradient checkpointing: a copy of every forward node that recomputes it from the
+    nearest checkpoints (or leaves), so that only checkpoints stay alive for the backward."""
+    keep = {id(t) for t in checkpoints}
+    copies = {}
+    for t in order:  # topological: sources are mapped before their users
+        if t.op is None or id(t) in keep:
+            copies[id(t)] = t
+        else:
+            srcs = [copies[id(s)] for s in t.srcs]
+            copies[id(t)] = make_node(O.OPS[t.op], srcs, t.params)
+    return copies
+
+
+def build_backward(loss: Tensor, params=None, checkpoints=None) -> dict[Tensor, Tensor]:
     """Gradient tensors of `loss` (one element) with respect to `params`.
 
     params defaults to every leaf marked `is_param` that the loss depends on. The gradient
     of a tensor used several times is the sum of its uses (a new add node per use, never
     in place). Returns {param: gradient}, each gradient shaped like its param.
+
+    checkpoints: forward tensors to keep for the backward (gradient checkpointing, as ggml's
+    build_backward_gradient_checkpointing); every other forward value the backward needs is
+    recomputed from them, trading compute for activation memory.
     """
     if loss.nelements != 1:
         raise ShapeError(f"build_backward: loss must have one element, has shape {loss.shape}")
@@ -51,6 +70,7 @@ def build_backward(loss: Tensor, params=None) -> dict[Tensor, Tensor]:
         if id(t) in wanted or any(id(s) in needs for s in t.srcs):
             needs.add(id(t))
 
+    copies = recompute_from(order, checkpoints) if checkpoints is not None else None
     grads = {id(loss): constant(np.ones(loss.shape, np.float32), name="d_loss")}
     for node in reversed(order):
         g = grads.get(id(node))
@@ -59,7 +79,7 @@ def build_backward(loss: Tensor, params=None) -> dict[Tensor, Tensor]:
         opdef = O.OPS[node.op]
         if opdef.backward is None:
             raise ShapeError(f"{node.op} is an optimizer update and cannot be differentiated")
-        src_grads = opdef.backward(node, g)
+        src_grads = opdef.backward(copies[id(node)] if copies else node, g)
         for i, (src, sg) in enumerate(zip(node.srcs, src_grads)):
             if id(src) not in needs:
                 continue
