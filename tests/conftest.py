@@ -45,3 +45,19 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"wgpu: {_wgpu_cases['passed']} cases passed, {_wgpu_cases['failed']} failed on "
         f"adapter '{info.get('device')}' ({info.get('adapter_type')}, {info.get('backend_type')})")
+
+
+# `import ggwgpu_cli` from a source checkout: pyproject installs the top-level cli/ folder
+# under that name; without an install, register the folder under it here.
+try:
+    import ggwgpu_cli  # noqa: F401
+except ModuleNotFoundError:
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    _cli_init = Path(__file__).resolve().parents[1] / "cli" / "__init__.py"
+    _spec = importlib.util.spec_from_file_location(
+        "ggwgpu_cli", _cli_init, submodule_search_locations=[str(_cli_init.parent)])
+    sys.modules["ggwgpu_cli"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["ggwgpu_cli"])

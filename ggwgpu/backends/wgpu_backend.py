@@ -80,7 +80,10 @@ class WgpuBackend(Backend):
         self.bind_group_layout = self.device.create_bind_group_layout(entries=entries)
         self.pipeline_layout = self.device.create_pipeline_layout(
             bind_group_layouts=[self.bind_group_layout])
-        self.dummy = self.device.create_buffer(size=16, usage=wgpu.BufferUsage.STORAGE)
+        self.dummy = self.device.create_buffer(
+            size=16, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
+        self.fence = self.device.create_buffer(
+            size=16, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self._modules, self._pipelines = {}, {}
 
     @property
@@ -218,5 +221,11 @@ class WgpuPlan(Plan):
             [s * block.itemsize for s in t.strides]).copy()
 
     def sync(self):
-        """Wait until all submitted work is done (for timing)."""
-        self.read_raw(self.roots[0])
+        """Wait until all submitted work is done (for timing): a 16-byte copy queued behind
+        it, then mapped (on_submitted_work_done_sync is broken in wgpu 0.32)."""
+        backend = self.backend
+        encoder = backend.device.create_command_encoder()
+        encoder.copy_buffer_to_buffer(backend.dummy, 0, backend.fence, 0, 16)
+        backend.device.queue.submit([encoder.finish()])
+        backend.fence.map_sync(wgpu.MapMode.READ)
+        backend.fence.unmap()

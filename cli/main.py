@@ -1,0 +1,372 @@
+"""The `ggwgpu` command: adapter info, the op test matrix, a matmul benchmark, a demo fit.
+
+Only absolute imports of `ggwgpu` here: this module runs as `ggwgpu_cli.main` when installed
+and as `cli.main` from a source checkout.
+"""
+from __future__ import annotations
+
+import os
+import textwrap
+import time
+import warnings
+
+import click
+import numpy as np
+
+import ggwgpu
+from ggwgpu import testing
+from ggwgpu.backends import CHOICES, ENV_VAR, get_backend, shared_wgpu_backend
+
+# (adapter limit, label, is a size in bytes)
+LIMITS = (
+    ("max-storage-buffer-binding-size", "max storage buffer binding size", True),
+    ("max-buffer-size", "max buffer size", True),
+    ("max-compute-workgroups-per-dimension", "max compute workgroups per dimension", False),
+    ("max-compute-invocations-per-workgroup", "max invocations per workgroup", False),
+    ("max-compute-workgroup-storage-size", "max workgroup storage size", True),
+    ("min-storage-buffer-offset-alignment", "min storage buffer offset alignment", True),
+    ("max-storage-buffers-per-shader-stage", "max storage buffers per shader stage", False),
+)
+
+# (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
+# layer (d_model 256, ffn 768, 512 tokens) and the classic cube.
+BENCH_SIZES = ((256, 512, 256), (768, 512, 256), (256, 512, 768), (1024, 1024, 1024))
+BENCH_MAX_REL_ERR = 1e-4
+
+
+def wgpu_or_reason():
+    """(the shared wgpu backend, None), or (None, why there is none)."""
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+    try:
+        return shared_wgpu_backend(), None
+    except NoAdapterError as e:
+        return None, str(e)
+    except Exception as e:  # an adapter but no device: report it, info must not crash
+        return None, f"the WebGPU device failed to start: {type(e).__name__}: {e}"
+
+
+def backend_choice(ctx) -> tuple[str, str]:
+    """The backend name asked for (--backend, else $GGWGPU_BACKEND, else auto) and by whom."""
+    if ctx.obj["backend"]:
+        return ctx.obj["backend"].lower(), "--backend"
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR].lower(), f"${ENV_VAR}"
+    return "auto", "default"
+
+
+def select_backend(ctx):
+    """The backend get_backend() picks for the --backend choice, as a click error if none."""
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+    name, by = backend_choice(ctx)
+    try:
+        # get_backend warns when auto falls back to NumPy: one plain line, not file:line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend = get_backend(name)
+        for w in caught:
+            click.echo(f"warning: {w.message}", err=True)
+        return backend
+    except NoAdapterError as e:
+        raise click.ClickException(f"backend wgpu asked for by {by}, but {e}") from None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def describe_backend(backend) -> str:
+    if backend.name == "wgpu":
+        info = backend.info
+        return (f"wgpu ({info.get('device')}, {info.get('adapter_type')}, "
+                f"{info.get('backend_type')})")
+    return f"{backend.name} (the NumPy reference backend, no GPU)"
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n} ({n / size:.4g} {unit})"
+    return str(n)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(ggwgpu.__version__, prog_name="ggwgpu")
+@click.option("--backend", type=click.Choice(CHOICES, case_sensitive=False), default=None,
+              help=f"Where graphs run. Default: ${ENV_VAR}, else auto (wgpu when an adapter "
+                   "exists, else numpy).")
+@click.pass_context
+def cli(ctx, backend):
+    """ggwgpu: ggml's training machinery as WGSL compute shaders on any WebGPU GPU."""
+    ctx.obj = {"backend": backend}
+
+
+# -- info -----------------------------------------------------------------------------------
+
+@cli.command()
+@click.pass_context
+def info(ctx):
+    """Show the WebGPU adapter and the backend ggwgpu will use.
+
+    Adapter name, type and vendor, its key limits and features, where the WGSL shaders
+    were found, and which backend graphs run on.
+    """
+    from ggwgpu.backends.wgpu_backend import shader_dir
+    click.echo(f"ggwgpu {ggwgpu.__version__}")
+    backend, why = wgpu_or_reason()
+    if backend is None:
+        click.echo(f"adapter: none ({why})")
+    else:
+        adapter, ai = backend.adapter, backend.info
+        click.echo("adapter:")
+        for label, value in (("device", ai.get("device")),
+                             ("adapter type", ai.get("adapter_type")),
+                             ("backend type", ai.get("backend_type")),
+                             ("vendor", f"{ai.get('vendor') or '?'} "
+                                        f"(id {ai.get('vendor_id', 0):#06x})"),
+                             ("description", ai.get("description"))):
+            click.echo(f"  {label:<14}{value}")
+        click.echo("limits:")
+        for key, label, is_bytes in LIMITS:
+            value = adapter.limits.get(key)
+            shown = human_bytes(value) if is_bytes and value is not None else value
+            click.echo(f"  {label:<38}{shown}")
+        features = sorted(str(f) for f in adapter.features)
+        click.echo(f"features ({len(features)}):")
+        click.echo(textwrap.fill(", ".join(features), width=88, initial_indent="  ",
+                                 subsequent_indent="  ", break_on_hyphens=False))
+    try:
+        click.echo(f"shaders: {shader_dir()}")
+    except FileNotFoundError as e:
+        click.echo(f"shaders: not found ({e})")
+
+    name, by = backend_choice(ctx)
+    if name == "numpy":
+        used = f"numpy (asked for by {by})"
+    elif backend is not None:
+        used = describe_backend(backend) + (f", asked for by {by}" if name == "wgpu" else "")
+    elif name == "wgpu":
+        used = f"none: wgpu asked for by {by}, but {why}"
+    else:
+        used = "numpy: no WebGPU adapter, so graphs run on the NumPy reference backend"
+    click.echo(f"backend: {used}")
+
+
+# -- ops test | grad ------------------------------------------------------------------------
+
+def op_names(ctx, param, values) -> list[str]:
+    names = []
+    for value in values:
+        name = value.lower()
+        if name not in ggwgpu.OPS:
+            raise click.BadParameter(f"unknown op {value!r}; valid ops: "
+                                     f"{', '.join(sorted(ggwgpu.OPS))}")
+        names.append(name)
+    return names or list(ggwgpu.OPS)
+
+
+op_option = click.option("--op", "names", multiple=True, callback=op_names, metavar="NAME",
+                          help="Only this op (repeatable; RMS_NORM style accepted). "
+                               "Default: every registered op.")
+
+
+def run_cases(title: str, work) -> None:
+    """Run `work` [(opdef, case, check)], print one line per case and a summary; exit 1 on
+    any failure. A case that raises is a failure, not the end of the run."""
+    descs = [testing.describe(case) for _, case, _ in work]
+    op_w = max([len(opdef.name) for opdef, _, _ in work] + [2])
+    case_w = min(36, max([len(d) for d in descs] + [4]))
+    passed = failed = 0
+    t0 = time.perf_counter()
+    for (opdef, case, check), desc in zip(work, descs):
+        try:
+            result = check(opdef, case)
+        except Exception as e:  # a broken kernel must not hide the other cases' results
+            result = testing.Result(opdef.name, desc, False, f"{type(e).__name__}: {e}")
+        passed, failed = passed + result.ok, failed + (not result.ok)
+        status = "OK" if result.ok else click.style("FAIL", fg="red")
+        click.echo(f"{result.op:<{op_w}}  {result.case:<{case_w}}  {status:<4}  {result.detail}")
+    click.echo(f"{title}: {passed} passed, {failed} failed "
+               f"({time.perf_counter() - t0:.1f} s)")
+    if failed:
+        raise SystemExit(1)
+
+
+@cli.group()
+def ops():
+    """Check ops against their NumPy references.
+
+    The op matrix of the test suite, as ggml's test-backend-ops: `ops test` for forward
+    results, `ops grad` for gradients, optionally only for some ops (--op NAME).
+    """
+
+
+@ops.command("test")
+@op_option
+@click.pass_context
+def ops_test(ctx, names):
+    """Forward results of every case against the NumPy reference.
+
+    Each case runs on the backend and is compared with the float64 NumPy reference: NaN and
+    infinity placement, then normalized MSE; sentinels around every buffer catch stray writes.
+    """
+    backend = select_backend(ctx)
+    work = [(ggwgpu.OPS[name], case, lambda o, c: testing.forward(o, c, backend))
+            for name in names for case in testing.cases_of(name)]
+    title = f"ops test on {describe_backend(backend)}"
+    if backend.name != "wgpu":
+        title += ": float32 references against float64 ones, no shader ran"
+    run_cases(title, work)
+
+
+def grad_check(backend):
+    def check(opdef, case):
+        fd = testing.finite_differences(opdef, case)
+        if backend.name == "numpy":
+            return fd
+        dev = testing.backward_on(opdef, case, backend)
+        return testing.Result(opdef.name, fd.case, fd.ok and dev.ok,
+                              f"fd: {fd.detail}; {backend.name}: {dev.detail}")
+    return check
+
+
+@ops.command("grad")
+@op_option
+@click.pass_context
+def ops_grad(ctx, names):
+    """Backward of every gradient case against finite differences.
+
+    The backward graph in float64 against central finite differences of the NumPy forward
+    and, on a device backend, the device backward against the NumPy backward.
+    """
+    backend = select_backend(ctx)
+    check = grad_check(backend)
+    work = [(ggwgpu.OPS[name], case, check)
+            for name in names for case in testing.cases_of(name, grad_only=True)]
+    if backend.name == "numpy":
+        title = "ops grad: finite differences only (numpy backend, no device backward)"
+    else:
+        title = f"ops grad: finite differences and backward on {describe_backend(backend)}"
+    run_cases(title, work)
+
+
+# -- bench matmul ---------------------------------------------------------------------------
+
+def parse_sizes(ctx, param, values) -> list[tuple[int, int, int]]:
+    sizes = []
+    for value in values:
+        for item in value.split(","):
+            parts = item.strip().lower().split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise click.BadParameter(f"{item!r} is not MxNxK with positive integers, "
+                                         "e.g. 256x512x768")
+            sizes.append(tuple(int(p) for p in parts))
+    return sizes or list(BENCH_SIZES)
+
+
+def median_seconds(fn, repeat: int) -> float:
+    """Median time of `repeat` calls after a warm-up: robust to another process's (or
+    lavapipe's) threads stealing the CPU for one call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+@cli.group()
+def bench():
+    """Benchmarks of the wgpu kernels against NumPy."""
+
+
+@bench.command("matmul")
+@click.option("--sizes", multiple=True, callback=parse_sizes, metavar="MxNxK[,...]",
+              help="mul_mat(a [M,K], b [N,K]) -> [N,M] shapes (repeatable or comma-separated). "
+                   f"Default: {','.join('x'.join(map(str, s)) for s in BENCH_SIZES)}.")
+@click.option("--repeat", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed runs per shape, after one warm-up run.")
+@click.pass_context
+def bench_matmul(ctx, sizes, repeat):
+    """GFLOP/s of the wgpu mul_mat and of NumPy's matmul on the same shapes.
+
+    wgpu: the mean time of back-to-back runs of a planned graph (one submit each) up to the
+    GPU finishing. NumPy: the median time of `b @ a.T` in float32. Each shape's wgpu result
+    is checked against float64 NumPy before any number is printed.
+    """
+    name, by = backend_choice(ctx)
+    if name == "numpy" and by == "--backend":
+        raise click.UsageError("bench matmul times the wgpu backend against NumPy; "
+                               "--backend numpy leaves nothing to time")
+    backend, why = wgpu_or_reason()
+    if backend is None:
+        raise click.ClickException(f"bench matmul needs a WebGPU adapter: {why}")
+
+    click.echo(f"bench matmul on {describe_backend(backend)}, {repeat} timed runs per shape")
+    click.echo(f"{'M':>5} {'N':>5} {'K':>5}  {'wgpu GFLOP/s':>12}  {'numpy GFLOP/s':>13}  "
+               f"{'wgpu/numpy':>10}  {'max rel err':>11}")
+    rng = np.random.default_rng(0)
+    for m, n, k in sizes:
+        a_val = rng.standard_normal((m, k), dtype=np.float32)
+        b_val = rng.standard_normal((n, k), dtype=np.float32)
+        a, b = ggwgpu.input_tensor((m, k), name="a"), ggwgpu.input_tensor((n, k), name="b")
+        out = ggwgpu.mul_mat(a, b)
+        plan = backend.plan([out])
+        plan.write(a, a_val)
+        plan.write(b, b_val)
+
+        # NumPy first: on a software adapter, lavapipe's threads are busy for a while after
+        # the wgpu runs and would slow NumPy down.
+        t_numpy = median_seconds(lambda: b_val @ a_val.T, repeat)
+
+        # The warm-up run (pipelines compiled) is also the one checked before any timing.
+        plan.run()
+        ref = b_val.astype(np.float64) @ a_val.T.astype(np.float64)
+        rel = float(np.max(np.abs(plan.read(out) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        if not rel <= BENCH_MAX_REL_ERR:  # also catches NaN
+            raise click.ClickException(
+                f"wgpu mul_mat is wrong for M={m} N={n} K={k}: max relative error {rel:.2e} "
+                f"> {BENCH_MAX_REL_ERR:.0e}; no timing reported")
+
+        # Runs queue up on the GPU in order: submit them back to back, wait once at the end.
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            plan.run()
+        plan.sync()
+        t_wgpu = (time.perf_counter() - t0) / repeat
+
+        flop = 2.0 * m * n * k
+        g_wgpu, g_numpy = flop / t_wgpu / 1e9, flop / t_numpy / 1e9
+        click.echo(f"{m:>5} {n:>5} {k:>5}  {g_wgpu:>12.2f}  {g_numpy:>13.2f}  "
+                   f"{g_wgpu / g_numpy:>10.3f}  {rel:>11.1e}")
+
+
+# -- demo -----------------------------------------------------------------------------------
+
+@cli.command()
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
+              help="Full-batch AdamW steps.")
+@click.option("--lr", default=0.02, show_default=True,
+              type=click.FloatRange(min=0, min_open=True), help="AdamW learning rate.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Data and init seed.")
+@click.pass_context
+def demo(ctx, steps, lr, seed):
+    """Fit a tiny MLP through the autodiff graph; the loss must fall.
+
+    A 2-layer MLP regresses a fixed nonlinear function of random inputs. The graph
+    (mul_mat, bias add, silu, mul_mat, mean squared error, its backward and an AdamW update
+    of every parameter) is built and planned once; every step is one submission.
+    """
+    from ggwgpu.demo import fit_demo
+    backend = select_backend(ctx)
+    click.echo(f"demo on {describe_backend(backend)}: {steps} steps, lr {lr}, seed {seed}")
+    t0 = time.perf_counter()
+    history = fit_demo(backend, steps=steps, lr=lr, seed=seed, log=click.echo)
+    first, last = history[0], history[-1]
+    if not (np.isfinite(last) and last < first):
+        raise click.ClickException(f"loss did not fall: {first:.6g} -> {last:.6g} "
+                                   f"(try a smaller --lr)")
+    click.echo(f"loss fell from {first:.6f} to {last:.6f} ({first / last:.0f}x) in {steps} "
+               f"steps, {time.perf_counter() - t0:.1f} s")
+
+
+if __name__ == "__main__":
+    cli()
