@@ -7,6 +7,9 @@ once; nothing is read back unless asked for.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +51,12 @@ def kernel_name(entry: str) -> str:
 
 
 def request_adapter():
+    if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):
+        # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" on every start without
+        # one (headless machines, CI); a private empty directory keeps that noise away.
+        runtime = Path(tempfile.gettempdir()) / f"ggwgpu-runtime-{os.getuid()}"
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
     try:
         adapter = wgpu.gpu.request_adapter_sync(power_preference="high-performance")
     except Exception as e:  # wgpu raises when no driver exposes an adapter
