@@ -56,7 +56,7 @@ def test_registry_entry_is_complete(name):
         assert opdef.dispatches is None
         return
     source = (shader_dir() / f"{opdef.shader}.wgsl").read_text()
-    for entry in {opdef.entry} | {d.entry for d in dispatches_of(opdef, cases[0])}:
+    for entry in {opdef.entry} | {d.entry for c in cases for d in dispatches_of(opdef, c)}:
         assert re.search(rf"\bfn {kernel_name(entry)}\(", source), \
             f"{name}: no entry point {kernel_name(entry)} in shaders/{opdef.shader}.wgsl"
 
@@ -64,6 +64,17 @@ def test_registry_entry_is_complete(name):
 def dispatches_of(opdef, case):
     _, _, node = testing.build_case(opdef, case, np.random.default_rng(0))
     return opdef.dispatches(node)
+
+
+def test_mul_mat_reads_vec4s_only_when_the_layout_allows():
+    def entry(a, b):
+        (d,) = OPS["mul_mat"].dispatches(gg.mul_mat(a, b))
+        return d.entry
+    a, b = gg.input_tensor((6, 8)), gg.input_tensor((5, 8))
+    assert entry(a, b) == "mul_mat_v4"
+    assert entry(gg.input_tensor((6, 7)), gg.input_tensor((5, 7))) == "mul_mat"   # K % 4
+    assert entry(gg.transpose(gg.input_tensor((8, 6))), b) == "mul_mat"           # strided K
+    assert entry(gg.view(gg.input_tensor((50,)), (5, 8), (8, 1), 2), a) == "mul_mat"  # offset
 
 
 def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):

@@ -32,7 +32,8 @@ class Plan:
     def __init__(self, outputs, sentinel: int = 0):
         self.outputs = list(outputs)
         self.order = topo_order(self.outputs)
-        self.sentinel = int(sentinel)
+        # a multiple of 4 elements: storage then starts 16-byte aligned for vec4 kernels
+        self.sentinel = -(-int(sentinel) // 4) * 4
         self.roots = []
         seen = set()
         for t in self.order:

@@ -5,3 +5,5 @@ from .reduce import *  # noqa: F401,F403
 from .layout import *  # noqa: F401,F403
 from .matmul import *  # noqa: F401,F403
 from .optim import *  # noqa: F401,F403
+from .rows import *  # noqa: F401,F403
+from .rope import *  # noqa: F401,F403

@@ -14,7 +14,8 @@ from .. import ops as O
 from ..tensor import ShapeError
 from .registry import Case, Dispatch, Input, need_f32, pad4, register
 
-BLOCK = 4  # each invocation of the kernel computes a BLOCK x BLOCK tile of the result
+BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
+BLOCK_V4 = 8  # k_mul_mat_v4: 8 x 8 tiles, vec4 loads along K
 
 
 def product_shape(a_shape, b_shape, inner_a, inner_b, name):
@@ -76,12 +77,23 @@ def out_prod_shape(srcs):
     return product_shape(srcs[0].shape, srcs[1].shape, -2, -2, "out_prod"), "f32", {}
 
 
+def vec4_ready(t) -> bool:
+    """Contiguous along K with every offset and stride a multiple of 4 elements: rows can be
+    read as vec4s. (The storage of a plan starts at a multiple of 4 elements too.)"""
+    return (t.strides[-1] == 1 and t.offset % 4 == 0
+            and all(s % 4 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1))
+
+
 def kernel_dispatch(node, a, b):
-    """The mul_mat kernel over a [.., M, K] and b [.., N, K] (any strides)."""
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K]: the vec4 variant when the
+    layout allows it, else the one that reads any strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
-    blocks = -(-m // BLOCK) * -(-n // BLOCK) * batches
-    return [Dispatch("mul_mat", node, (a, b), n=blocks)]
+    if a.shape[-1] % 4 == 0 and vec4_ready(a) and vec4_ready(b):
+        entry, block = "mul_mat_v4", BLOCK_V4
+    else:
+        entry, block = "mul_mat", BLOCK
+    return [Dispatch(entry, node, (a, b), n=-(-m // block) * -(-n // block) * batches)]
 
 
 def transposed(t):
@@ -99,6 +111,10 @@ def mm_cases():
             Case((Input((6, 5), layout="permuted"), Input((3, 5), layout="strided"))),
             Case((Input((2, 5, 3), layout="strided"), Input((2, 4, 3), layout="permuted"))),
             Case((Input((67, 129)), Input((65, 129))), grad=False),
+            Case((Input((9, 8)), Input((3, 8)))),                  # vec4 kernel
+            Case((Input((2, 1, 7, 12)), Input((2, 3, 10, 12)))),   # vec4 kernel, broadcast
+            Case((Input((67, 128)), Input((70, 128))), grad=False),
+            Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
             Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False)]
 
 
