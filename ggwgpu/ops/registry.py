@@ -98,8 +98,9 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
-             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, doc=""):
-    """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`."""
+             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, doc=""):
+    """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
+    `defaults` gives values for trailing params the caller may leave out."""
     if name in OPS:
         raise ValueError(f"op {name} registered twice")
     if (backward is None) != updates:
@@ -110,6 +111,8 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
+        given = set(opdef.param_names[:max(0, len(args) - n_srcs)]) | set(kwargs)
+        kwargs.update({k: v for k, v in (defaults or {}).items() if k not in given})
         return make_node(opdef, args, kwargs)
 
     build.__name__ = build.__qualname__ = name

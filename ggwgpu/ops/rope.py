@@ -23,6 +23,9 @@ MODES = {"normal": 0, "neox": 2}  # ggml's mode numbers; the shader takes them i
 PARAMS = ("n_dims", "mode", "freq_base", "freq_scale")
 
 
+ROPE_DEFAULTS = {"mode": "normal", "freq_base": 10000.0, "freq_scale": 1.0}
+
+
 def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
     x, pos = srcs
     need_f32(x)
@@ -86,37 +89,25 @@ def rope_back_cases():
     return [Case(c.inputs, c.params, c.grad) for c in rope_cases()]
 
 
-_rope = register(
+rope = register(
     "rope", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope",
     reference=rope_ref, uniforms=lambda n: uniforms(n, 1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope_back(g, n.srcs[1], **n.params), None),
-    cases=rope_cases,
-    doc="Rotary position embedding (ggml_rope_ext, no YaRN).")
+    cases=rope_cases, defaults=ROPE_DEFAULTS,
+    doc="Rotary position embedding as ggml_rope_ext (ext_factor 0, attn_factor 1):\n"
+        "rope(x, positions, n_dims, mode='normal', freq_base=10000, freq_scale=1).\n"
+        "x: f32 ([batch,] n_tokens, n_head, head_dim); positions: i32 (n_tokens,). Rotates\n"
+        "the first n_dims (even, <= head_dim) dims of every head, pair k by\n"
+        "theta_k = pos * freq_scale * freq_base ** (-2k / n_dims); the rest pass through.\n"
+        "mode 'normal' (ggml 0) pairs (2k, 2k + 1), 'neox' (ggml 2) pairs (k, k + n_dims/2).")
 
-_rope_back = register(
+rope_back = register(
     "rope_back", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope", entry="rope",
     reference=lambda g, pos, **kw: rope_ref(g, pos, **kw, sign=-1.0),
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope(g, n.srcs[1], **n.params), None),
-    cases=rope_back_cases,
+    cases=rope_back_cases, defaults=ROPE_DEFAULTS,
     doc="The backward of rope: the inverse rotation (sin negated).")
-
-
-# The registry takes no parameter defaults: these constructors give ggml's.
-def rope(x, positions, n_dims, mode="normal", freq_base=10000.0, freq_scale=1.0):
-    """Rotary position embedding as ggml_rope_ext (ext_factor 0, attn_factor 1).
-
-    x: f32 ([batch,] n_tokens, n_head, head_dim); positions: i32 (n_tokens,). Rotates the
-    first n_dims (even, <= head_dim) dims of every head, pair k by
-    theta_k = pos * freq_scale * freq_base ** (-2k / n_dims); the rest pass through.
-    mode "normal" (ggml 0) pairs (2k, 2k + 1), "neox" (ggml 2) pairs (k, k + n_dims / 2).
-    """
-    return _rope(x, positions, n_dims, mode, freq_base, freq_scale)
-
-
-def rope_back(g, positions, n_dims, mode="normal", freq_base=10000.0, freq_scale=1.0):
-    """The backward of rope: rotates g by -theta (same parameters as rope)."""
-    return _rope_back(g, positions, n_dims, mode, freq_base, freq_scale)
 
 
 __all__ = ["rope", "rope_back"]
