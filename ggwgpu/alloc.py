@@ -32,6 +32,8 @@ class Layout:
 
 def pack(blocks: list[Block]) -> Layout:
     """Assign blocks to buffers so that no two blocks live at the same step share one."""
+    if len({b.key for b in blocks}) != len(blocks):
+        raise ValueError("storage blocks must have distinct keys")
     slot_of, slot_bytes, free = {}, [], []   # free: buffer indices not in use now
     by_start = sorted(blocks, key=lambda b: (b.first, -b.nbytes))
     ending = sorted(blocks, key=lambda b: b.last)

@@ -150,21 +150,25 @@ def finite_differences(opdef: OpDef, case: Case, seed=0) -> Result:
 
 
 def backward_on(opdef: OpDef, case: Case, backend, seed=0) -> Result:
-    """The device backward against the NumPy float64 backward of the same graph."""
+    """The device backward against the NumPy float64 backward of the same graph: once with
+    sentinels around every buffer, once with buffers shared by liveness as in training."""
     loss, grads, values = grad_graph(opdef, case, seed)
-    ref = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    outputs = [loss, *grads.values()]
+    ref = NumpyBackend(np.float64).plan(outputs)
     ref.run(values)
-    plan = backend.plan([loss, *grads.values()], sentinel=SENTINEL)
-    plan.run(as_f32(values))
     details = []
-    for leaf, g in grads.items():
-        ok, detail = compare(plan.read(g), ref.read(g), max(GRAD_NMSE, opdef.nmse))
-        details.append(f"d{leaf.name}: {detail}")
-        if not ok:
-            return Result(opdef.name, describe(case), False, "; ".join(details))
-    stray = plan.stray_writes()
-    if stray:
-        return Result(opdef.name, describe(case), False, f"wrote outside {stray}")
+    for label, plan in (("", backend.plan(outputs, sentinel=SENTINEL)),
+                        ("shared buffers: ", backend.plan(outputs))):
+        plan.run(as_f32(values))
+        for leaf, g in grads.items():
+            ok, detail = compare(plan.read(g), ref.read(g), max(GRAD_NMSE, opdef.nmse))
+            if not ok:
+                return Result(opdef.name, describe(case), False, f"{label}d{leaf.name}: {detail}")
+            if not label:
+                details.append(f"d{leaf.name}: {detail}")
+        stray = plan.stray_writes()
+        if stray:
+            return Result(opdef.name, describe(case), False, f"wrote outside {stray}")
     return Result(opdef.name, describe(case), True, "; ".join(details))
 
 

@@ -164,3 +164,22 @@ def test_checkpointing_gives_the_same_gradients_with_a_lower_peak(wgpu):
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
     assert peaks[1] < 0.85 * peaks[0], peaks
+
+
+def test_packed_blocks_that_share_a_buffer_never_live_at_once():
+    from ggwgpu.alloc import Block, pack
+    rng = np.random.default_rng(0)
+    for _ in range(500):
+        blocks = []
+        for key in range(rng.integers(1, 14)):
+            first = int(rng.integers(-1, 9))
+            blocks.append(Block(key, int(rng.choice([4, 16, 140, 400])), first,
+                                int(rng.integers(max(first, 0), 13))))
+        layout = pack(blocks)
+        for a in blocks:
+            assert layout.slot_bytes[layout.slot_of[a.key]] >= a.nbytes
+            for b in blocks:
+                if a.key < b.key and layout.slot_of[a.key] == layout.slot_of[b.key]:
+                    assert a.last < b.first or b.last < a.first, (a, b)
+    with pytest.raises(ValueError, match="distinct"):
+        pack([Block(1, 4, 0, 1), Block(1, 4, 0, 1)])

@@ -121,12 +121,13 @@ class WgpuPlan(Plan):
         self.backend = backend
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        self.dispatches, private = [], []
+        self.dispatches, private = [], {}
         for step, node in enumerate(self.nodes):
             for d in OPS[node.op].dispatches(node):
                 self.dispatches.append((OPS[node.op].shader, d))
-                private += [(t.storage, step) for t in (d.dst, *d.srcs)
-                            if id(t.storage) not in self._known]
+                private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
+                                if id(t.storage) not in self._known})
+        private = list(private.values())
         for root in self.roots + [t for t, _ in private]:
             if self.nbytes(root) > backend.max_binding:
                 raise ShapeError(f"{root}: {self.nbytes(root)} bytes exceed the adapter's storage"
