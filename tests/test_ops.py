@@ -55,10 +55,12 @@ def test_registry_entry_is_complete(name):
     if opdef.is_view:
         assert opdef.dispatches is None
         return
-    source = (shader_dir() / f"{opdef.shader}.wgsl").read_text()
-    for entry in {opdef.entry} | {d.entry for c in cases for d in dispatches_of(opdef, c)}:
+    kernels = {(opdef.shader, opdef.entry)} | {(d.shader or opdef.shader, d.entry)
+                                               for c in cases for d in dispatches_of(opdef, c)}
+    for stem, entry in kernels:
+        source = (shader_dir() / f"{stem}.wgsl").read_text()
         assert re.search(rf"\bfn {kernel_name(entry)}\(", source), \
-            f"{name}: no entry point {kernel_name(entry)} in shaders/{opdef.shader}.wgsl"
+            f"{name}: no entry point {kernel_name(entry)} in shaders/{stem}.wgsl"
 
 
 def dispatches_of(opdef, case):

@@ -124,7 +124,7 @@ class WgpuPlan(Plan):
         self.dispatches, private = [], {}
         for step, node in enumerate(self.nodes):
             for d in OPS[node.op].dispatches(node):
-                self.dispatches.append((OPS[node.op].shader, d))
+                self.dispatches.append((d.shader or OPS[node.op].shader, d))
                 private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
                                 if id(t.storage) not in self._known})
         private = list(private.values())

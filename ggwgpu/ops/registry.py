@@ -37,6 +37,7 @@ class Dispatch:
     workgroups: int = 0             # 0: ceil(n / WORKGROUP)
     f: tuple[float, ...] = ()       # up to 4 float parameters
     u: tuple[int, ...] = ()         # up to 4 integer parameters
+    shader: str | None = None       # another family's file, to reuse its kernel (else the op's)
 
     def grid(self) -> int:
         return self.workgroups or max(1, math.ceil(self.n / WORKGROUP))
