@@ -7,3 +7,6 @@ from .matmul import *  # noqa: F401,F403
 from .optim import *  # noqa: F401,F403
 from .rows import *  # noqa: F401,F403
 from .rope import *  # noqa: F401,F403
+from .norm import *  # noqa: F401,F403
+from .softmax import *  # noqa: F401,F403
+from .attention import *  # noqa: F401,F403

@@ -80,6 +80,9 @@ class OpDef:
     updates: bool = False           # an optimizer step: writes its sources' state in place
     nmse: float = 1e-7
     fd: tuple = (1e-6, 1e-5, 1e-3)  # finite differences: eps, atol, rtol (float64)
+    # gradient checks see grad_head(op output) when the output itself is no smooth loss
+    # term (diag_mask_inf's -inf goes through soft_max, as ggml's test-grad0 does)
+    grad_head: Callable | None = None
     uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
     doc: str = ""
 
@@ -99,7 +102,8 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
-             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, doc=""):
+             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
+             doc=""):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
     if name in OPS:
@@ -108,7 +112,8 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
         raise ValueError(f"op {name}: only optimizer updates (updates=True) have no backward")
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
-                  backward, cases, tuple(no_grad), updates, nmse, tuple(fd), uniforms, doc)
+                  backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
+                  doc)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:

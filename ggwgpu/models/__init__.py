@@ -1,0 +1,1 @@
+"""Model graphs built from the registered ops."""

@@ -1,0 +1,287 @@
+"""Softmax family over the innermost dim: soft_max, soft_max_ext (additive mask), their
+backward soft_max_back, the causal masks diag_mask_inf / diag_mask_zero, and
+cross_entropy_loss with cross_entropy_loss_back.
+
+Shader: shaders/softmax.wgsl; the row ops run one workgroup per row and subtract the row
+max before exp (f32 exp overflows past 88).
+
+    soft_max(x, s)             y = softmax(x * s)
+    soft_max_ext(x, m, s)      y = softmax(x * s + m), m tiled over x (ggml broadcasting;
+                               the usual mask is [rows, cols], shared by batches and heads)
+    soft_max_back(y, dy)       dx = y * (dy - sum(y * dy))  (linear time, no n x n Jacobian)
+    diag_mask_inf(x, n_past)   x with -inf where col > n_past + row, in every matrix
+    cross_entropy_loss(x, p)   -sum(p * log_softmax(x)) / n_rows, shape (1,)
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..tensor import ShapeError, Tensor, constant
+from .registry import WORKGROUP, Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .elementwise import LARGE, reduce_to
+
+
+def n_rows(t) -> int:
+    """Rows of a tensor or array: elements / innermost dim."""
+    return int(np.prod(t.shape[:-1]))
+
+
+def row_dispatch(node, **uniforms):
+    """One workgroup per row of the first source."""
+    rows = n_rows(node.srcs[0])
+    return [Dispatch(O.OPS[node.op].entry, node, node.srcs, n=rows, workgroups=rows,
+                     **uniforms)]
+
+
+def same_shapes(*srcs):
+    need_f32(*srcs)
+    if any(s.shape != srcs[0].shape for s in srcs):
+        raise ShapeError(f"inputs must have the same shape, got {[s.shape for s in srcs]}")
+
+
+def softmax_ref(v):
+    e = np.exp(v - np.max(v, axis=-1, keepdims=True))
+    return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def log_softmax_ref(v):
+    c = v - np.max(v, axis=-1, keepdims=True)
+    return c - np.log(np.sum(np.exp(c), axis=-1, keepdims=True))
+
+
+# Shapes of the row-op cases: a row of one, rows longer than one workgroup (67, odd), views,
+# and more than 65535 rows (the row grid folds into 2-D; grad=False; attention has that many
+# rows: n_ctx * n_head * batch).
+ROW_SHAPES = [((1,), "contiguous", True), ((5, 1, 7), "contiguous", True),
+              ((3, 4, 67), "contiguous", True), ((2, 3, 5), "permuted", True),
+              ((4, 9), "strided", True), ((2, 3, 4, 5), "contiguous", False),
+              ((70001, 3), "contiguous", False)]
+OTHER = {"contiguous": "contiguous", "permuted": "strided", "strided": "permuted"}
+
+# -- soft_max ----------------------------------------------------------------------------------
+
+
+def soft_max_shape(srcs, scale):
+    need_f32(*srcs)
+    return srcs[0].shape, "f32", {}
+
+
+def soft_max_ext_shape(srcs, scale):
+    x, mask = srcs
+    need_f32(x, mask)
+    if not can_repeat(mask.shape, x.shape):
+        raise ShapeError(f"mask {mask.shape} does not tile x {x.shape}")
+    return x.shape, "f32", {}
+
+
+def scaled(g, s):
+    return g if s == 1.0 else O.scale(g, s)
+
+
+def soft_max_ext_backward(node, g):
+    d = O.soft_max_back(node, g)  # the gradient w.r.t. x * scale + mask
+    return scaled(d, node.params["scale"]), reduce_to(d, node.srcs[1])
+
+
+soft_max = register(
+    "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
+    reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)),
+    dispatches=lambda n: row_dispatch(n, f=(float(n.params["scale"]),), u=(0,)),
+    backward=lambda n, g: (scaled(O.soft_max_back(n, g), n.params["scale"]),),
+    cases=lambda: [Case((Input(shape, -4, 4, layout),), {"scale": 1.0}, grad)
+                   for shape, layout, grad in ROW_SHAPES]
+    + [Case((Input((3, 17), 60, 100),), {"scale": 1.0}),    # exp(x) alone would overflow
+       Case((Input((4, 6), layout="permuted"),), {"scale": -0.35})],
+    doc="softmax(x * scale) over the innermost dim (ggml_soft_max with scale; scale 1.0 "
+        "for the plain one).")
+
+soft_max_ext = register(
+    "soft_max_ext", n_srcs=2, params=("scale",), shape=soft_max_ext_shape, shader="softmax",
+    entry="soft_max",
+    reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
+    dispatches=lambda n: row_dispatch(n, f=(float(n.params["scale"]),), u=(1,)),
+    backward=soft_max_ext_backward,
+    cases=lambda: [Case((Input((5, 7), -4, 4), Input((5, 7))), {"scale": 1.0}),
+                   Case((Input((2, 3, 5, 7), -4, 4), Input((5, 7))), {"scale": 0.35}),
+                   Case((Input((5, 7), -4, 4), Input((1, 7))), {"scale": 1.0}),
+                   Case((Input((3, 4, 67), -4, 4), Input((4, 67), layout="strided")),
+                        {"scale": 0.125}),
+                   Case((Input((2, 4, 6), -4, 4, "permuted"), Input((4, 6), layout="permuted")),
+                        {"scale": 2.0}),
+                   Case((Input((1,)), Input((1,))), {"scale": 1.0}),
+                   Case((Input((3, 8, 16, 40), -4, 4), Input((16, 40))), {"scale": 0.25},
+                        grad=False)],
+    doc="softmax(x * scale + mask) over the innermost dim, mask tiled over x (ggml "
+        "broadcasting, e.g. [rows, cols] shared by every batch and head), as "
+        "ggml_soft_max_ext without ALiBi (max_bias 0).")
+
+
+def soft_max_back_shape(srcs):
+    same_shapes(*srcs)
+    return srcs[0].shape, "f32", {}
+
+
+def soft_max_back_ref(y, dy):
+    return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
+
+
+# Second derivatives are not supported: y takes no gradient. The op is linear in dy with
+# the symmetric Jacobian diag(y) - y y^T, so its dy-gradient is the op itself.
+soft_max_back = register(
+    "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
+    reference=soft_max_back_ref, no_grad=(0,),
+    dispatches=row_dispatch,
+    backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
+    cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
+                         Input(shape, layout=OTHER[layout])), {}, grad)
+                   for shape, layout, grad in ROW_SHAPES],
+    doc="The backward of soft_max: y * (dy - sum(y * dy)) per row. Inputs y (the softmax "
+        "output), dy.")
+
+# -- causal masks --------------------------------------------------------------------------------
+
+
+def diag_mask_shape(srcs, n_past):
+    need_f32(*srcs)
+    if not 0 <= int(n_past) < 2 ** 31:
+        raise ShapeError(f"n_past must be in [0, 2^31), got {n_past}")
+    return srcs[0].shape, "f32", {}
+
+
+def diag_mask_ref(x, n_past, fill):
+    rows = x.shape[-2] if x.ndim > 1 else 1
+    masked = np.arange(x.shape[-1])[None, :] > n_past + np.arange(rows)[:, None]  # [rows, cols]
+    return np.where(masked if x.ndim > 1 else masked[0], x.dtype.type(fill), x)
+
+
+def diag_mask_dispatch(node, fill):
+    # fill comes in as a uniform: WGSL has no infinity literal.
+    return [Dispatch("diag_mask", node, node.srcs, n=node.nelements, f=(fill,),
+                     u=(int(node.params["n_past"]),))]
+
+
+def diag_mask_cases(large=False):
+    cases = [Case((Input((5, 7)),), {"n_past": 2}),
+             Case((Input((3, 4, 6)),), {"n_past": 0}),
+             Case((Input((2, 3, 5), layout="permuted"),), {"n_past": 1}),
+             Case((Input((4, 9), layout="strided"),), {"n_past": 3}),
+             Case((Input((4, 3)),), {"n_past": 5}),      # nothing masked
+             Case((Input((1,)),), {"n_past": 0}),
+             Case((Input((2, 3, 4, 5)),), {"n_past": 1}, grad=False)]
+    # a folded 2-D grid: only once for the kernel both masks share (0.4 s on lavapipe)
+    return cases + [Case((Input((LARGE,)),), {"n_past": LARGE // 2}, grad=False)] * large
+
+
+diag_mask_inf = register(
+    "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
+    dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
+    backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
+    cases=diag_mask_cases, grad_head=lambda n: O.soft_max(n, 1.0),
+    doc="x with -inf at (row i, col j) where j > n_past + i, in every matrix of the two "
+        "innermost dims (causal attention mask, as ggml_diag_mask_inf).")
+
+diag_mask_zero = register(
+    "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
+    dispatches=lambda n: diag_mask_dispatch(n, 0.0),
+    backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
+    cases=lambda: diag_mask_cases(large=True),
+    doc="x with 0 where diag_mask_inf puts -inf: the backward of diag_mask_inf.")
+
+# -- cross-entropy -------------------------------------------------------------------------------
+
+SPAN = WORKGROUP * 1024  # row losses one workgroup of k_ce_total adds (bounded work)
+
+
+def ce_shape(srcs):
+    same_shapes(*srcs)
+    return (1,), "f32", {}
+
+
+def ce_ref(x, p):
+    return (-np.sum(p * log_softmax_ref(x), dtype=x.dtype) / n_rows(x)).reshape(1)
+
+
+def ce_dispatch(node):
+    """Each row's share of the loss into a private scratch, then their sum (two steps past
+    SPAN rows, as sum_dispatch in reduce.py)."""
+    x = node.srcs[0]
+    rows = n_rows(x)
+    losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
+    out = [Dispatch("cross_entropy_loss", losses, node.srcs, n=rows, workgroups=rows,
+                    f=(1.0 / rows,))]
+    if rows > SPAN:
+        groups = -(-rows // SPAN)
+        partial = Tensor((groups,), name=f"{node} partial sums")
+        out.append(Dispatch("ce_total", partial, (losses,), n=rows, workgroups=groups,
+                            u=(SPAN,)))
+        losses, rows = partial, groups
+    return out + [Dispatch("ce_total", node, (losses,), n=rows, workgroups=1, u=(SPAN,))]
+
+
+def ce_backward(node, g):
+    x, p = node.srcs
+    # d/dp = -log_softmax(x) * g / n_rows, composed from existing ops as log(soft_max(x)):
+    # -inf where a softmax entry underflows f32 (logits more than ~87 apart). Targets are
+    # data in training; this gradient is for the rare graph that learns them.
+    dp = O.mul(O.log(O.soft_max(x, 1.0)), O.scale(g, -1.0 / n_rows(x)))
+    return O.cross_entropy_loss_back(x, p, g), dp
+
+
+def ce_cases():
+    probs = lambda shape, layout="contiguous": Input(shape, layout=layout, dist="probs")
+    return [Case((Input((1, 3), -0.1, 0.1), probs((1, 3)))),
+            Case((Input((5, 7), -4, 4), probs((5, 7)))),
+            Case((Input((3, 4, 67), -4, 4), probs((3, 4, 67)))),
+            # views: permuted / strided target rows no longer sum to 1; the loss and its
+            # gradient hold for any p
+            Case((Input((2, 3, 5), -4, 4, "permuted"), probs((2, 3, 5), "strided"))),
+            Case((Input((4, 9), -0.1, 0.1, "strided"), probs((4, 9), "permuted"))),
+            Case((Input((2, 3, 4, 5), -4, 4), probs((2, 3, 4, 5))), grad=False),
+            Case((Input((70001, 3), -4, 4), probs((70001, 3))), grad=False)]
+
+
+cross_entropy_loss = register(
+    "cross_entropy_loss", n_srcs=2, shape=ce_shape, shader="softmax", reference=ce_ref,
+    dispatches=ce_dispatch, backward=ce_backward, cases=ce_cases,
+    doc="-sum(p * log_softmax(x)) / n_rows for logits x and target probabilities p (rows "
+        "over the innermost dim), shape (1,); as ggml_cross_entropy_loss, with an exact "
+        "log-sum-exp instead of log(softmax * (1 - 1e-9) + 1e-9).")
+
+
+def ce_back_shape(srcs):
+    x, p, d = srcs
+    same_shapes(x, p)
+    need_f32(d)
+    if d.nelements != 1:
+        raise ShapeError(f"dloss must have one element, has shape {d.shape}")
+    return x.shape, "f32", {}
+
+
+def ce_back_ref(x, p, d):
+    s = softmax_ref(x)
+    return (s * np.sum(p, axis=-1, keepdims=True) - p) * (d.reshape(-1)[0] / n_rows(x))
+
+
+def ce_back_backward(node, g):
+    # Linear in dloss: d/d(dloss) = sum(g * cross_entropy_loss_back(x, p, 1)). Second
+    # derivatives in x and p are not supported.
+    x, p, d = node.srcs
+    one = constant(np.ones(d.shape, np.float32), name="one")
+    return None, None, O.reshape(O.sum(O.mul(g, O.cross_entropy_loss_back(x, p, one))), d.shape)
+
+
+cross_entropy_loss_back = register(
+    "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
+    reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
+    dispatches=lambda n: row_dispatch(n, f=(1.0 / n_rows(n.srcs[0]),)),
+    # no 70001-row case (0.4 s): the row indexing is cross_entropy_loss's
+    cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_cases()[:-1]],
+    doc="The backward of cross_entropy_loss w.r.t. the logits: (softmax(x) * sum(p) - p) * "
+        "dloss / n_rows (ggml's (softmax(x) - p) * dloss / n_rows when rows of p sum to 1). "
+        "Inputs x, p, dloss (one element).")
+
+__all__ = ["soft_max", "soft_max_ext", "soft_max_back", "diag_mask_inf", "diag_mask_zero",
+           "cross_entropy_loss", "cross_entropy_loss_back"]

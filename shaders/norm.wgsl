@@ -1,0 +1,126 @@
+// Row normalisations: one workgroup per row, p.n rows; p.f.x = eps.
+// src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides.
+// Element i of a row: vec4u(i, r.yzw), r = the row's start index (same for all three).
+
+fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
+
+// workgroup_sum (common.wgsl) of up to four values at once: one tree, one set of barriers
+// (barriers dominate a short row's cost on CPU devices).
+var<workgroup> partial4: array<vec4f, WG>;
+
+fn workgroup_sum4(lid: u32, v: vec4f) -> vec4f {
+    partial4[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial4[lid] += partial4[lid + s]; }
+        workgroupBarrier();
+    }
+    let total = partial4[0];
+    workgroupBarrier();  // partial4 may be reused right after
+    return total;
+}
+
+// rms_norm: y = x / sqrt(mean(x^2) + eps).
+@compute @workgroup_size(WG)
+fn k_rms_norm(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+              @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }  // uniform per workgroup: barriers stay in uniform control flow
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    var ss = 0.0;
+    for (var i = lid.x; i < n; i += WG) {
+        let x = src0[at_0(vec4u(i, r.yzw))];
+        ss += x * x;
+    }
+    let rs = 1.0 / sqrt(workgroup_sum(lid.x, ss) / f32(n) + p.f.x);
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = src0[at_0(idx)] * rs;
+    }
+}
+
+// rms_norm_back: with r = 1 / sqrt(mean(x^2) + eps) and y = x * r,
+// dx = r * (dy - y * mean(dy * y)) = r * (dy - x * r^2 * mean(dy * x)).
+@compute @workgroup_size(WG)
+fn k_rms_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+                   @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    var xx = 0.0;
+    var dx = 0.0;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        let x = src0[at_0(idx)];
+        xx += x * x;
+        dx += src1[at_1(idx)] * x;
+    }
+    let sums = workgroup_sum4(lid.x, vec4f(xx, dx, 0.0, 0.0)) / f32(n);
+    let rs = 1.0 / sqrt(sums.x + p.f.x);
+    let k = rs * rs * sums.y;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = rs * (src1[at_1(idx)] - src0[at_0(idx)] * k);
+    }
+}
+
+// The row mean of src0 (every invocation gets it).
+fn row_mean(lid: u32, r: vec4u) -> f32 {
+    var acc = 0.0;
+    for (var i = lid; i < p.ne_0.x; i += WG) { acc += src0[at_0(vec4u(i, r.yzw))]; }
+    return workgroup_sum(lid, acc) / f32(p.ne_0.x);
+}
+
+// norm: y = (x - mean) / sqrt(var + eps); var from a second pass (no cancellation).
+@compute @workgroup_size(WG)
+fn k_norm(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+          @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    let mu = row_mean(lid.x, r);
+    var cc = 0.0;
+    for (var i = lid.x; i < n; i += WG) {
+        let c = src0[at_0(vec4u(i, r.yzw))] - mu;
+        cc += c * c;
+    }
+    let s = 1.0 / sqrt(workgroup_sum(lid.x, cc) / f32(n) + p.f.x);
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = (src0[at_0(idx)] - mu) * s;
+    }
+}
+
+// norm_back: with c = x - mean, s = 1 / sqrt(var + eps), y = c * s,
+// dx = s * (dy - mean(dy) - y * mean(dy * y)) = s * (dy - mean(dy) - c * s^2 * mean(dy * c)).
+@compute @workgroup_size(WG)
+fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+               @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    let mu = row_mean(lid.x, r);
+    var cc = 0.0;
+    var dd = 0.0;
+    var dc = 0.0;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        let c = src0[at_0(idx)] - mu;
+        let d = src1[at_1(idx)];
+        cc += c * c;
+        dd += d;
+        dc += d * c;
+    }
+    let sums = workgroup_sum4(lid.x, vec4f(cc, dd, dc, 0.0)) / f32(n);
+    let s = 1.0 / sqrt(sums.x + p.f.x);
+    let mean_dy = sums.y;
+    let k = s * s * sums.z;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = s * (src1[at_1(idx)] - mean_dy - (src0[at_0(idx)] - mu) * k);
+    }
+}

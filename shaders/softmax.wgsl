@@ -1,0 +1,152 @@
+// Softmax family. Row kernels: one workgroup per row of src0, p.n rows; every tensor of a
+// row kernel has src0's shape (a mask tiles it), any strides. Element i of a row:
+// vec4u(i, r.yzw), r = the row's start index.
+
+const LOWEST: f32 = -3.40282347e+38;  // the max of an empty set (WGSL has no -inf literal)
+
+fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
+
+// Online softmax statistics: x = running max m, y = sum of exp(v - m); z, w plain sums.
+// Adding v rescales the sum whenever the max grows, so one pass over the row suffices.
+fn ms_add(a: vec4f, v: f32) -> vec4f {
+    let m = max(a.x, v);
+    return vec4f(m, a.y * exp(a.x - m) + exp(v - m), a.z, a.w);
+}
+
+fn ms_merge(a: vec4f, b: vec4f) -> vec4f {
+    let m = max(a.x, b.x);
+    return vec4f(m, a.y * exp(a.x - m) + b.y * exp(b.x - m), a.z + b.z, a.w + b.w);
+}
+
+var<workgroup> partial4: array<vec4f, WG>;
+
+// ms_merge over the workgroup (a tree, as workgroup_sum in common.wgsl); uniform control flow.
+fn workgroup_ms(lid: u32, v: vec4f) -> vec4f {
+    partial4[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial4[lid] = ms_merge(partial4[lid], partial4[lid + s]); }
+        workgroupBarrier();
+    }
+    let total = partial4[0];
+    workgroupBarrier();  // partial4 may be reused right after
+    return total;
+}
+
+// soft_max / soft_max_ext: the logit x * scale (+ mask when p.u.x = 1), p.f.x = scale.
+fn logit(idx: vec4u) -> f32 {
+    var v = src0[at_0(idx)] * p.f.x;
+    if (p.u.x != 0u) { v += src1[at_1(idx % p.ne_1)]; }  // the mask tiles x
+    return v;
+}
+
+// soft_max: y = exp(v - max) / sum(exp(v - max)) per row (-inf logits give 0).
+@compute @workgroup_size(WG)
+fn k_soft_max(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+              @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }  // uniform per workgroup: barriers stay in uniform control flow
+    let r = row_start(row);
+    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) { acc = ms_add(acc, logit(vec4u(i, r.yzw))); }
+    let ms = workgroup_ms(lid.x, acc);
+    let inv = 1.0 / ms.y;
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = exp(logit(idx) - ms.x) * inv;
+    }
+}
+
+// soft_max_back: src0 y, src1 dy; dx = y * (dy - sum(y * dy)).
+@compute @workgroup_size(WG)
+fn k_soft_max_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+                   @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    var acc = 0.0;
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        acc += src0[at_0(idx)] * src1[at_1(idx)];
+    }
+    let yd = workgroup_sum(lid.x, acc);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = src0[at_0(idx)] * (src1[at_1(idx)] - yd);
+    }
+}
+
+// diag_mask_inf / diag_mask_zero: one invocation per element; (row i, col j) of every matrix
+// becomes p.f.x (-inf or 0) where j > n_past + i, n_past = p.u.x.
+@compute @workgroup_size(WG)
+fn k_diag_mask(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    dst[at_d(idx)] = select(src0[at_0(idx)], p.f.x, idx.x > p.u.x + idx.y);
+}
+
+// cross_entropy_loss, step 1: src0 logits x, src1 targets p; dst [rows] gets each row's
+// -sum(p * log_softmax(x)) * p.f.x (p.f.x = 1 / rows), with
+// log_softmax(x) = x - m - log(sum(exp(x - m))), m = the row max.
+@compute @workgroup_size(WG)
+fn k_cross_entropy_loss(@builtin(local_invocation_id) lid: vec3u,
+                        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        acc = ms_add(acc, src0[at_0(idx)]);
+        acc.z += src1[at_1(idx)];                     // sum(p)
+    }
+    let ms = workgroup_ms(lid.x, acc);
+    var px = 0.0;
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        px += src1[at_1(idx)] * (src0[at_0(idx)] - ms.x);   // sum(p * (x - m))
+    }
+    let total = workgroup_sum(lid.x, px);
+    if (lid.x == 0u) {
+        dst[at_d(unravel(row, p.ne_d))] = (ms.z * log(ms.y) - total) * p.f.x;
+    }
+}
+
+// cross_entropy_loss, step 2 (as k_sum in reduce.wgsl): workgroup g adds elements
+// [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g].
+@compute @workgroup_size(WG)
+fn k_ce_total(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+              @builtin(num_workgroups) nwg: vec3u) {
+    let g = flat_group(wid, nwg);
+    let end = min(p.n, (g + 1u) * p.u.x);
+    var acc = 0.0;
+    for (var i = g * p.u.x + lid.x; i < end; i += WG) {
+        acc += src0[at_0(unravel(i, p.ne_0))];
+    }
+    let total = workgroup_sum(lid.x, acc);
+    if (lid.x == 0u) { dst[at_d(unravel(g, p.ne_d))] = total; }
+}
+
+// cross_entropy_loss_back: src0 logits x, src1 targets p, src2 dloss (one element);
+// dx = (softmax(x) * sum(p) - p) * dloss * p.f.x (p.f.x = 1 / rows).
+@compute @workgroup_size(WG)
+fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
+                             @builtin(workgroup_id) wid: vec3u,
+                             @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        acc = ms_add(acc, src0[at_0(idx)]);
+        acc.z += src1[at_1(idx)];
+    }
+    let ms = workgroup_ms(lid.x, acc);
+    let k = src2[at_2(vec4u(0u))] * p.f.x;
+    let sk = ms.z / ms.y;  // sum(p) / sum(exp(x - m))
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = (exp(src0[at_0(idx)] - ms.x) * sk - src1[at_1(idx)]) * k;
+    }
+}
