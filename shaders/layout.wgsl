@@ -16,3 +16,13 @@ fn k_acc(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg
     let idx = unravel(i, p.ne_d);
     dst[at_d(idx)] += src0[at_0(idx)];
 }
+
+// diag: dst [.., n, n] from the row src0 [.., 1, n]: dst[.., i, j] = (i == j) ? src0[.., 0, j] : 0.
+@compute @workgroup_size(WG)
+fn k_diag(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    var v = 0.0;
+    if (idx.x == idx.y) { v = src0[at_0(vec4u(idx.x, 0u, idx.z, idx.w))]; }
+    dst[at_d(idx)] = v;
+}

@@ -47,8 +47,9 @@ def test_llama_gradients_on_the_device_match_numpy(wgpu, flash, checkpoint):
 
 
 @pytest.mark.parametrize("flash", [False, True])
-def test_llama_gradients_match_finite_differences(flash):
-    g, grads, feeds = setup(flash)
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_llama_gradients_match_finite_differences(flash, checkpoint):
+    g, grads, feeds = setup(flash, checkpoint)
     backend = NumpyBackend(np.float64)
     _, analytic = run(backend, g, grads, feeds)
     fwd = backend.plan([g.loss])

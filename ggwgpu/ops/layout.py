@@ -197,4 +197,37 @@ acc = register(
     doc="A copy of a with b added into its view (strides, offset in elements, non-"
         "overlapping): the backward of view.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "acc", "reshape_any"]
+def diag_shape(srcs):
+    (a,) = srcs
+    need_f32(a)
+    if a.ndim > 1 and a.shape[-2] != 1:
+        raise ShapeError(f"diag takes rows: shape (n,) or (.., 1, n), got {a.shape}")
+    n = a.shape[-1]
+    return (a.shape[:-2] if a.ndim > 1 else ()) + (n, n), "f32", {}
+
+
+def diag_ref(a):
+    n = a.shape[-1]
+    return a.reshape(a.shape[:-2] + (1, n) if a.ndim > 1 else (1, n)) * np.eye(n, dtype=a.dtype)
+
+
+def diag_backward(node, g):
+    """The gradient of the row is the diagonal of g: a strided view, step n + 1."""
+    a = node.srcs[0]
+    g = g if g.is_contiguous() else O.cont(g)
+    n = a.shape[-1]
+    strides = g.strides[:-2] + (n * n, n + 1) if a.ndim > 1 else (n + 1,)
+    return (O.view(g, a.shape, strides, 0),)
+
+
+diag = register(
+    "diag", n_srcs=1, shape=diag_shape, shader="layout", reference=diag_ref,
+    backward=diag_backward,
+    cases=lambda: [Case((Input((1,)),)), Case((Input((7,)),)), Case((Input((1, 5)),)),
+                   Case((Input((2, 3, 1, 4), layout="strided"),)),
+                   Case((Input((3, 1, 6), layout="permuted"),)),
+                   Case((Input((1, 130)),), grad=False)],
+    doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
+
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "acc", "diag",
+           "reshape_any"]
