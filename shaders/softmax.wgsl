@@ -112,21 +112,6 @@ fn k_cross_entropy_loss(@builtin(local_invocation_id) lid: vec3u,
     }
 }
 
-// cross_entropy_loss, step 2 (as k_sum in reduce.wgsl): workgroup g adds elements
-// [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g].
-@compute @workgroup_size(WG)
-fn k_ce_total(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
-              @builtin(num_workgroups) nwg: vec3u) {
-    let g = flat_group(wid, nwg);
-    let end = min(p.n, (g + 1u) * p.u.x);
-    var acc = 0.0;
-    for (var i = g * p.u.x + lid.x; i < end; i += WG) {
-        acc += src0[at_0(unravel(i, p.ne_0))];
-    }
-    let total = workgroup_sum(lid.x, acc);
-    if (lid.x == 0u) { dst[at_d(unravel(g, p.ne_d))] = total; }
-}
-
 // cross_entropy_loss_back: src0 logits x, src1 targets p, src2 dloss (one element);
 // dx = (softmax(x) * sum(p) - p) * dloss * p.f.x (p.f.x = 1 / rows).
 @compute @workgroup_size(WG)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, check_shape, constant, contiguous_strides
+from ..tensor import ShapeError, check_shape, constant
 from .registry import Case, Dispatch, Input, need_f32, register
 from .elementwise import LARGE
 

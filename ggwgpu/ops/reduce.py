@@ -32,14 +32,18 @@ def rows_shape(srcs, **_):
 SUM_SPAN = WORKGROUP * 1024  # elements one workgroup of k_sum adds
 
 
-def sum_dispatch(node):
-    a = node.srcs[0]
+def sum_into(dst, a) -> list[Dispatch]:
+    """Dispatches of k_sum adding all of `a` into the one-element `dst`: in two steps past
+    one span (partial sums into dispatch-private storage). Other families reuse it."""
     if a.nelements <= SUM_SPAN:
-        return [Dispatch("sum", node, (a,), n=a.nelements, workgroups=1, u=(SUM_SPAN,))]
+        return [Dispatch("sum", dst, (a,), n=a.nelements, workgroups=1, u=(SUM_SPAN,),
+                         shader="reduce")]
     groups = -(-a.nelements // SUM_SPAN)
-    partial = Tensor((groups,), name=f"{node} partial sums")  # dispatch-private storage
-    return [Dispatch("sum", partial, (a,), n=a.nelements, workgroups=groups, u=(SUM_SPAN,)),
-            Dispatch("sum", node, (partial,), n=groups, workgroups=1, u=(SUM_SPAN,))]
+    partial = Tensor((groups,), name=f"{dst} partial sums")
+    return [Dispatch("sum", partial, (a,), n=a.nelements, workgroups=groups, u=(SUM_SPAN,),
+                     shader="reduce"),
+            Dispatch("sum", dst, (partial,), n=groups, workgroups=1, u=(SUM_SPAN,),
+                     shader="reduce")]
 
 
 def row_dispatch(node, scale):
@@ -51,7 +55,7 @@ def row_dispatch(node, scale):
 sum = register(
     "sum", n_srcs=1, shape=sum_shape, shader="reduce",
     reference=lambda a: np.sum(a, dtype=a.dtype).reshape(1),
-    dispatches=sum_dispatch,
+    dispatches=lambda n: sum_into(n, n.srcs[0]),
     backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
     cases=lambda: reduce_cases((LARGE,)), doc="The sum of all elements, shape (1,).")
 

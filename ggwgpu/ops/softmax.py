@@ -18,8 +18,9 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, Tensor, constant
-from .registry import WORKGROUP, Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 from .elementwise import LARGE, reduce_to
+from .reduce import sum_into
 
 
 def n_rows(t) -> int:
@@ -192,9 +193,6 @@ diag_mask_zero = register(
 
 # -- cross-entropy -------------------------------------------------------------------------------
 
-SPAN = WORKGROUP * 1024  # row losses one workgroup of k_ce_total adds (bounded work)
-
-
 def ce_shape(srcs):
     same_shapes(*srcs)
     return (1,), "f32", {}
@@ -205,20 +203,13 @@ def ce_ref(x, p):
 
 
 def ce_dispatch(node):
-    """Each row's share of the loss into a private scratch, then their sum (two steps past
-    SPAN rows, as sum_dispatch in reduce.py)."""
+    """Each row's share of the loss into a private scratch, then their sum with reduce's
+    k_sum."""
     x = node.srcs[0]
     rows = n_rows(x)
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    out = [Dispatch("cross_entropy_loss", losses, node.srcs, n=rows, workgroups=rows,
-                    f=(1.0 / rows,))]
-    if rows > SPAN:
-        groups = -(-rows // SPAN)
-        partial = Tensor((groups,), name=f"{node} partial sums")
-        out.append(Dispatch("ce_total", partial, (losses,), n=rows, workgroups=groups,
-                            u=(SPAN,)))
-        losses, rows = partial, groups
-    return out + [Dispatch("ce_total", node, (losses,), n=rows, workgroups=1, u=(SPAN,))]
+    return [Dispatch("cross_entropy_loss", losses, node.srcs, n=rows, workgroups=rows,
+                     f=(1.0 / rows,)), *sum_into(node, losses)]
 
 
 def ce_backward(node, g):
