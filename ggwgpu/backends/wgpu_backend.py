@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 import sys
 import tempfile
 from pathlib import Path
@@ -190,6 +191,26 @@ class WgpuPlan(Plan):
             cpass.dispatch_workgroups(x, y, 1)
         cpass.end()
         device.queue.submit([encoder.finish()])
+
+    def profile(self, feeds=None) -> list[tuple[str, float]]:
+        """Run the graph once dispatch by dispatch, waiting after each: (kernel, seconds)
+        per dispatch. Slower than run(); for finding the kernels that dominate a step."""
+        for t, value in (feeds or {}).items():
+            self.write(t, value)
+        device, times = self.backend.device, []
+        self.sync()
+        for (stem, d), (pipeline, group, (x, y)) in zip(self.dispatches, self.recorded):
+            start = time.perf_counter()
+            encoder = device.create_command_encoder()
+            cpass = encoder.begin_compute_pass()
+            cpass.set_pipeline(pipeline)
+            cpass.set_bind_group(0, group)
+            cpass.dispatch_workgroups(x, y, 1)
+            cpass.end()
+            device.queue.submit([encoder.finish()])
+            self.sync()
+            times.append((f"{stem}:{d.entry}", time.perf_counter() - start))
+        return times
 
     def write(self, t, value):
         value = self._check_value(t, value)

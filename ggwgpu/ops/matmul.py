@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError
+from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_f32, pad4, register
 
 BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
@@ -67,6 +67,17 @@ def sum_batch_to(x, shape):
     return O.reshape(x, shape)
 
 
+def mul_mat_grad_a(a, b, g):
+    """d(mul_mat(a, b))/da = sum over b's batch of out_prod(b, g). When a has no batch
+    (a weight) the batch folds into the token rows: one product, nothing to sum after."""
+    if all(n == 1 for n in pad4(a.shape)[:2]):
+        k, m = b.shape[-1], g.shape[-1]
+        b2 = O.reshape_any(b, (b.nelements // k, k))
+        g2 = O.reshape_any(g, (g.nelements // m, m))
+        return O.reshape(O.out_prod(b2, g2), a.shape)
+    return sum_batch_to(O.out_prod(b, g), a.shape)
+
+
 def mul_mat_shape(srcs):
     need_f32(*srcs)
     return product_shape(srcs[0].shape, srcs[1].shape, -1, -1, "mul_mat"), "f32", {}
@@ -85,15 +96,23 @@ def vec4_ready(t) -> bool:
 
 
 def kernel_dispatch(node, a, b):
-    """The mul_mat kernel over a [.., M, K] and b [.., N, K]: the vec4 variant when the
-    layout allows it, else the one that reads any strides."""
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K]. When K % 4 == 0 the vec4
+    kernel runs, after copying an operand that is not laid out for it (a transposed view, as
+    in every backward) into dispatch-private contiguous storage: the copy moves M*K
+    elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
-    if a.shape[-1] % 4 == 0 and vec4_ready(a) and vec4_ready(b):
-        entry, block = "mul_mat_v4", BLOCK_V4
-    else:
-        entry, block = "mul_mat", BLOCK
-    return [Dispatch(entry, node, (a, b), n=-(-m // block) * -(-n // block) * batches)]
+    if a.shape[-1] % 4:
+        return [Dispatch("mul_mat", node, (a, b), n=-(-m // BLOCK) * -(-n // BLOCK) * batches)]
+    copies, operands = [], []
+    for t in (a, b):
+        if not vec4_ready(t):
+            dense = Tensor(t.shape, name=f"{node} contiguous operand")  # dispatch-private
+            copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
+            t = dense
+        operands.append(t)
+    blocks = -(-m // BLOCK_V4) * -(-n // BLOCK_V4) * batches
+    return copies + [Dispatch("mul_mat_v4", node, tuple(operands), n=blocks)]
 
 
 def transposed(t):
@@ -121,8 +140,7 @@ def mm_cases():
 mul_mat = register(
     "mul_mat", n_srcs=2, shape=mul_mat_shape, shader="matmul", reference=mul_mat_ref,
     dispatches=lambda n: kernel_dispatch(n, *n.srcs),
-    backward=lambda n, g: (sum_batch_to(O.out_prod(n.srcs[1], g), n.srcs[0].shape),
-                           O.mul_mat(O.transpose(n.srcs[0]), g)),
+    backward=lambda n, g: (mul_mat_grad_a(*n.srcs, g), O.mul_mat(O.transpose(n.srcs[0]), g)),
     cases=mm_cases,
     doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
         "b's batch dims.")
