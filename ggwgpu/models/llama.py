@@ -23,7 +23,8 @@ class LlamaConfig:
     n_layer: int = 16
     n_ff: int = 768
     n_ctx: int = 128
-    n_rot: int | None = None        # rotated dims per head; default min(64, head_dim)
+    n_rot: int | None = None        # rotated dims per head; default head_dim (llama.cpp's
+                                    # llama loader requires it; the reference had min(64, .))
     norm_eps: float = 1e-5
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0
@@ -40,7 +41,7 @@ class LlamaConfig:
 
     @property
     def rot(self) -> int:
-        return self.n_rot if self.n_rot is not None else min(64, self.head_dim)
+        return self.n_rot if self.n_rot is not None else self.head_dim
 
 
 def parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:

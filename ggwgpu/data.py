@@ -1,0 +1,184 @@
+"""Training text and training samples, as llama.cpp's train-text-from-scratch makes them.
+
+The whole text is tokenized once (no BOS). A sample is the n_ctx tokens starting at some
+position s; its input is [BOS, t_s, ..., t_{s+n_ctx-2}] and its targets t_s ... t_{s+n_ctx-1}
+(each position predicts the token it has not yet seen). `Samples` shuffles the start
+positions with the seed, reshuffles every epoch, and hands out batches; its `state()`
+resumes it exactly.
+
+The bundled corpus, ggwgpu/data/shakespeare.txt, is Macbeth followed by The Tempest
+(William Shakespeare, public domain; the Project Gutenberg plain-text editions without the
+Gutenberg header and license), separated by four blank lines.
+"""
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+BUNDLED_CORPUS = "data/shakespeare.txt"     # inside the ggwgpu package
+STATE_VERSION = 1
+
+
+class DataError(ValueError):
+    """Training text or samples that cannot be used; the message names the file or the
+    numbers at fault, ready to show a user (e.g. as a click.UsageError)."""
+
+
+# -- text ------------------------------------------------------------------------------------
+
+def read_text(path) -> str:
+    """One UTF-8 text file, exactly as stored (no newline translation, a BOM is kept)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    if path.is_dir():
+        raise DataError(f"{path}: is a directory, not a text file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    if not data:
+        raise DataError(f"{path}: is empty")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start} (line {line}): "
+                        f"{e.reason}, byte 0x{data[e.start]:02X}") from None
+
+
+def read_texts(paths) -> str:
+    """The given UTF-8 text files concatenated in the given order, with nothing put between
+    them (end a file with a newline to keep its last line apart from the next file's first).
+    A single path may be passed as well. Raises DataError naming the file that is missing,
+    a directory, empty or not valid UTF-8 (with the byte offset)."""
+    if isinstance(paths, (str, Path)):
+        paths = [paths]
+    paths = list(paths)
+    if not paths:
+        raise DataError("no text files given")
+    return "".join(read_text(p) for p in paths)
+
+
+def bundled_corpus() -> str:
+    """The small public-domain corpus shipped inside the package (~200 KB of ASCII)."""
+    return resources.files("ggwgpu").joinpath(BUNDLED_CORPUS).read_text(encoding="utf-8")
+
+
+# -- samples ---------------------------------------------------------------------------------
+
+class Samples:
+    """Shuffled n_ctx-token training windows of a token stream, in batches.
+
+    Every start position s with s + n_ctx <= len(tokens) is a sample; with `after_newline`
+    only the line starts are: s = 0 and every s right after a token in `newline_ids` (the
+    ids of the tokens that end with "\\n", e.g. `tokenizer.newline_ids`).
+
+    The order of epoch e is a permutation drawn by numpy's Generator seeded with (seed, e),
+    so (seed, epoch, position) is the whole state: `state()` / `load_state()` resume
+    exactly. A batch that runs past the end of an epoch continues with the next epoch's
+    order.
+    """
+
+    def __init__(self, tokens, n_ctx: int, batch: int, seed: int, bos_id: int,
+                 after_newline: bool = False, newline_ids=None):
+        tokens = np.ascontiguousarray(np.asarray(tokens).reshape(-1), dtype=np.int32)
+        n_ctx, batch, seed, bos_id = int(n_ctx), int(batch), int(seed), int(bos_id)
+        if n_ctx < 1:
+            raise DataError(f"n_ctx must be at least 1, got {n_ctx}")
+        if batch < 1:
+            raise DataError(f"batch must be at least 1, got {batch}")
+        if seed < 0:
+            raise DataError(f"seed must be >= 0, got {seed}")
+        if len(tokens) < n_ctx:
+            raise DataError(f"the text has {len(tokens)} tokens, but n_ctx {n_ctx} needs at "
+                            f"least {n_ctx} for one sample: give more text or a smaller n_ctx")
+        last = len(tokens) - n_ctx                  # the last possible start
+        if after_newline:
+            if newline_ids is None:
+                raise DataError("after_newline needs newline_ids, the token ids of \"\\n\"")
+            nl = np.atleast_1d(np.asarray(newline_ids, dtype=np.int64))
+            after = np.flatnonzero(np.isin(tokens[:last], nl)) + 1
+            if len(after) == 0:
+                raise DataError(
+                    f"no sample starts after a newline: none of the newline tokens "
+                    f"{nl.tolist()} occurs in the first {last} of the text's {len(tokens)} "
+                    f"tokens (n_ctx {n_ctx}); give text with more lines or drop "
+                    f"the newline option")
+            starts = np.concatenate([[0], after])
+        else:
+            starts = np.arange(last + 1)
+        self.tokens = tokens
+        self.starts = starts.astype(np.int64)
+        self.n_ctx, self.batch, self.seed, self.bos_id = n_ctx, batch, seed, bos_id
+        self.after_newline = bool(after_newline)
+        self._epoch, self._pos = 0, 0
+        self._order = self._permutation(0)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.starts)
+
+    @property
+    def epoch(self) -> float:
+        """Epochs done, with the fraction of the current one (1.5: half-way through the
+        second)."""
+        return self._epoch + self._pos / self.n_samples
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+
+    def next_starts(self, count: int) -> np.ndarray:
+        """The start positions of the next `count` samples (advances the state)."""
+        out = []
+        while count > 0:
+            take = min(count, self.n_samples - self._pos)
+            out.append(self.starts[self._order[self._pos:self._pos + take]])
+            self._pos += take
+            count -= take
+            if self._pos == self.n_samples:
+                self._epoch += 1
+                self._pos = 0
+                self._order = self._permutation(self._epoch)
+        return np.concatenate(out)
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets): int32 arrays (batch, n_ctx); inputs = [BOS, t_s .. t_{s+n_ctx-2}],
+        targets = t_s .. t_{s+n_ctx-1}."""
+        starts = self.next_starts(self.batch)
+        targets = self.tokens[starts[:, None] + np.arange(self.n_ctx)]
+        inputs = np.empty_like(targets)
+        inputs[:, 0] = self.bos_id
+        inputs[:, 1:] = targets[:, :-1]
+        return inputs, targets
+
+    def state(self) -> dict:
+        """JSON-serialisable position in the sample order; `load_state` resumes from it."""
+        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
+                "position": self._pos, "n_samples": self.n_samples, "n_ctx": self.n_ctx}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()`: the following batches are exactly those a run that never
+        stopped would have got. The state's seed replaces the constructor's. The samples must
+        be the same (same text, tokenizer, n_ctx and newline option); the batch size may
+        differ."""
+        try:
+            version = int(state["version"])
+            seed, epoch, pos = int(state["seed"]), int(state["epoch"]), int(state["position"])
+            n_samples, n_ctx = int(state["n_samples"]), int(state["n_ctx"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"not a sample-order state: {state!r} ({e})") from None
+        if version != STATE_VERSION:
+            raise DataError(f"sample-order state version {version} is not supported "
+                            f"(this ggwgpu writes version {STATE_VERSION})")
+        if (n_samples, n_ctx) != (self.n_samples, self.n_ctx):
+            raise DataError(
+                f"the saved sample order is for {n_samples} samples of n_ctx {n_ctx}, but "
+                f"this data has {self.n_samples} samples of n_ctx {self.n_ctx}: resume with "
+                f"the same text, vocabulary, n_ctx and newline option")
+        if seed < 0 or epoch < 0 or not 0 <= pos < n_samples:
+            raise DataError(f"sample-order state out of range: {state!r}")
+        self.seed, self._epoch, self._pos = seed, epoch, pos
+        self._order = self._permutation(epoch)

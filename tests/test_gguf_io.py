@@ -1,0 +1,444 @@
+"""GGUF models and checkpoints: what gguf-py reads back is bit-exact, checkpoints round-trip
+with their optimizer and training state, writes are atomic, and every malformed file is a
+GGUFError naming the file and the key or tensor."""
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+
+from ggwgpu import gguf_io
+from ggwgpu.gguf_io import GGUFError, load_checkpoint, load_model, save_checkpoint, save_model
+from ggwgpu.models.llama import LlamaConfig, init_parameters, parameter_shapes
+from ggwgpu.tokenizer import ByteTokenizer
+
+TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+T = GGUFValueType
+
+
+class TinyVocab:
+    """A stand-in tokenizer: 11 SentencePiece-style tokens, with every key type the
+    tokenizer interface uses."""
+
+    def gguf_metadata(self):
+        tokens = ["<unk>", "<s>", "</s>", "\u2581", "a", "b", "c", "\u2581a", "ab", "<0x0A>",
+                  "<0x41>"]
+        return {"tokenizer.ggml.model": "llama",
+                "tokenizer.ggml.tokens": tokens,
+                "tokenizer.ggml.scores": [0.0, 0.0, 0.0, -1.0, -2.0, -2.5, -3.0, -0.5, -0.25,
+                                          0.0, 0.0],
+                "tokenizer.ggml.token_type": [2, 3, 3, 1, 1, 1, 1, 1, 1, 6, 6],
+                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2,
+                "tokenizer.ggml.unknown_token_id": 0,
+                "tokenizer.ggml.add_space_prefix": True, "tokenizer.ggml.add_bos_token": True,
+                "tokenizer.ggml.add_eos_token": False}
+
+
+def model(seed=0, cfg=TINY):
+    params = init_parameters(cfg, seed)
+    rng = np.random.default_rng(seed + 1)
+    for name, value in params.items():       # norm weights generic too, not all ones
+        if value.ndim == 1:
+            params[name] = rng.uniform(0.5, 1.5, value.shape).astype(np.float32)
+    return params
+
+
+def moments(seed=0, cfg=TINY):
+    rng = np.random.default_rng(seed + 7)
+    return {name: (rng.standard_normal(shape).astype(np.float32),
+                   rng.uniform(0, 1e-3, shape).astype(np.float32))
+            for name, shape in parameter_shapes(cfg).items()}
+
+
+def fields(path):
+    reader = GGUFReader(path)
+    out = {name: (gguf_io._field_value(f), f.types[-1] if f.types else None)
+           for name, f in reader.fields.items() if not name.startswith("GGUF.")}
+    return out, reader
+
+
+def forge(path, cfg=TINY, tok=None, drop=(), set_keys=None, tensors=None):
+    """Write a model file with keys dropped or replaced and tensors replaced (None removes)."""
+    meta = gguf_io._model_metadata(path, cfg, tok or TinyVocab(), None)
+    for key in drop:
+        del meta[key]
+    meta.update(set_keys or {})
+    arrays = dict(model(cfg=cfg))
+    for name, value in (tensors or {}).items():
+        if value is None:
+            del arrays[name]
+        else:
+            arrays[name] = value
+    gguf_io._write_gguf(path, meta, arrays)
+    return path
+
+
+def only_file(directory):
+    return sorted(p.name for p in directory.iterdir())
+
+
+# -- what gguf-py and llama.cpp see ------------------------------------------------------------
+
+def test_saved_model_reads_back_bit_exact_with_gguf_reader(tmp_path):
+    path, params, tok = tmp_path / "m.gguf", model(), TinyVocab()
+    save_model(path, TINY, params, tok)
+    meta, reader = fields(path)
+
+    assert [t.name for t in reader.tensors] == list(parameter_shapes(TINY))
+    for t in reader.tensors:
+        want = params[t.name]
+        assert t.tensor_type == GGMLQuantizationType.F32
+        assert tuple(t.shape.tolist()) == tuple(reversed(want.shape))    # ggml's ne order
+        assert t.data.shape == want.shape
+        assert t.data.tobytes() == want.tobytes()
+
+    expected = {
+        "general.architecture": ("llama", T.STRING), "general.file_type": (0, T.UINT32),
+        "llama.context_length": (5, T.UINT32), "llama.embedding_length": (8, T.UINT32),
+        "llama.block_count": (1, T.UINT32), "llama.feed_forward_length": (12, T.UINT32),
+        "llama.attention.head_count": (2, T.UINT32),
+        "llama.attention.head_count_kv": (2, T.UINT32),
+        "llama.rope.dimension_count": (4, T.UINT32), "llama.vocab_size": (11, T.UINT32),
+        "llama.rope.freq_base": (10000.0, T.FLOAT32),
+        "llama.attention.layer_norm_rms_epsilon": (float(np.float32(1e-5)), T.FLOAT32),
+    }
+    for key, value in expected.items():
+        assert meta[key] == value, key
+    assert meta["general.name"][1] == T.STRING
+    assert "llama.rope.scaling.type" not in meta        # freq_scale 1: no scaling keys
+    assert not any(k.startswith(("optimizer.", "training.", "ggwgpu.checkpoint")) for k in meta)
+
+    kinds = {str: T.STRING, bool: T.BOOL, int: T.UINT32, float: T.FLOAT32}
+    for key, value in tok.gguf_metadata().items():
+        got, kind = meta[key]
+        if isinstance(value, list):             # the scores chosen are exact in float32
+            assert got == value, key
+            assert kind == {str: T.STRING, int: T.INT32, float: T.FLOAT32}[type(value[0])], key
+        else:
+            assert (got, kind) == (value, kinds[type(value)]), key
+
+
+def test_rope_freq_scale_is_written_as_llama_cpp_linear_scaling_factor(tmp_path):
+    cfg = LlamaConfig(**{**TINY.__dict__, "rope_freq_scale": 0.25})
+    save_model(tmp_path / "m.gguf", cfg, model(cfg=cfg), TinyVocab())
+    meta, _ = fields(tmp_path / "m.gguf")
+    assert meta["llama.rope.scaling.type"] == ("linear", T.STRING)
+    assert meta["llama.rope.scaling.factor"] == (4.0, T.FLOAT32)     # llama.cpp: scale = 1/factor
+
+
+def test_extra_keys_are_written_and_cannot_replace_model_keys(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_model(path, TINY, model(), TinyVocab(),
+               extra={"general.name": "shakespeare", "general.description": "tiny"})
+    meta, _ = fields(path)
+    assert meta["general.name"][0] == "shakespeare"
+    assert meta["general.description"][0] == "tiny"
+    with pytest.raises(GGUFError, match="llama.block_count"):
+        save_model(path, TINY, model(), TinyVocab(), extra={"llama.block_count": 3})
+
+
+# -- round trips ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cfg, tok", [
+    (TINY, TinyVocab()),
+    (LlamaConfig(n_vocab=259, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, norm_eps=1e-6,
+                 rope_freq_base=5000.5, rope_freq_scale=0.3), ByteTokenizer()),
+])
+def test_load_model_round_trip_is_exact(tmp_path, cfg, tok):
+    path, params = tmp_path / "m.gguf", model(cfg=cfg)
+    save_model(path, cfg, params, tok)
+    cfg2, params2, tok2 = load_model(path)
+    assert cfg2 == cfg              # float hyper-parameters exact, not rounded to float32
+    assert list(params2) == list(params)
+    for name, value in params.items():
+        assert params2[name].dtype == np.float32 and params2[name].flags.writeable
+        assert params2[name].tobytes() == value.tobytes()
+    if isinstance(tok, ByteTokenizer):
+        assert isinstance(tok2, ByteTokenizer)
+    got, want = tok2.gguf_metadata(), tok.gguf_metadata()
+    assert got.keys() == want.keys()
+    for key in want:
+        assert got[key] == (pytest.approx(want[key]) if key.endswith("scores") else want[key])
+
+
+def test_loaded_arrays_own_their_memory(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_model(path, TINY, model(0), TinyVocab())
+    _, params, _ = load_model(path)
+    before = {k: v.copy() for k, v in params.items()}
+    save_model(path, TINY, model(5), TinyVocab())     # the file is replaced
+    for name, value in params.items():
+        assert not isinstance(value, np.memmap)
+        np.testing.assert_array_equal(value, before[name])
+
+
+def test_f16_tensors_are_converted_and_a_missing_output_is_tied(tmp_path):
+    params = model()
+    half = params["blk.0.attn_q.weight"].astype(np.float16)
+    path = forge(tmp_path / "m.gguf", tensors={"blk.0.attn_q.weight": half,
+                                               "output.weight": None})
+    _, loaded, _ = load_model(path)
+    np.testing.assert_array_equal(loaded["blk.0.attn_q.weight"], half.astype(np.float32))
+    assert loaded["blk.0.attn_q.weight"].dtype == np.float32
+    np.testing.assert_array_equal(loaded["output.weight"], params["token_embd.weight"])
+
+
+def test_checkpoint_round_trip(tmp_path):
+    path, params, opt = tmp_path / "c.gguf", model(), moments()
+    state = {"step": 17, "samples": 34, "tokens": 170, "epoch": 0, "lr_schedule": [17, 0.5],
+             "sampler": {"order_seed": 3, "next": 5},
+             "rng": {"bit_generator": "PCG64", "state": {"state": 2 ** 127 + 12345}},
+             "hparams": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}}
+    save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
+
+    cfg2, params2, tok2, opt2, state2 = load_checkpoint(path)
+    assert cfg2 == TINY and state2 == state
+    for name in params:
+        assert params2[name].tobytes() == params[name].tobytes()
+        assert opt2[name][0].tobytes() == opt[name][0].tobytes()
+        assert opt2[name][1].tobytes() == opt[name][1].tobytes()
+    assert list(opt2) == list(parameter_shapes(TINY))
+
+    meta, reader = fields(path)
+    assert meta["ggwgpu.checkpoint.version"] == (1, T.UINT32)
+    assert meta["optimizer.type"] == ("adamw", T.STRING)
+    assert meta["optimizer.iteration_count"] == (17, T.UINT64)
+    assert meta["optimizer.just_initialized"] == (False, T.BOOL)
+    assert meta["training.iteration_count"] == (17, T.UINT64)
+    assert meta["training.sample_count"] == (34, T.UINT64)
+    assert meta["training.token_count"] == (170, T.UINT64)
+    assert meta["training.epoch_count"] == (0, T.UINT64)
+    names = [t.name for t in reader.tensors]
+    assert "optimizer.adamw.m.blk.0.attn_q.weight" in names
+    assert "optimizer.adamw.v.output.weight" in names
+
+    # a checkpoint is also a model
+    cfg3, params3, _ = load_model(path)
+    assert cfg3 == TINY and params3.keys() == params.keys()
+
+
+def test_checkpoint_without_moments(tmp_path):
+    save_checkpoint(tmp_path / "c.gguf", TINY, model(), TinyVocab(), {}, {"step": 0})
+    *_, opt, state = load_checkpoint(tmp_path / "c.gguf")
+    assert opt == {} and state == {"step": 0}
+    assert fields(tmp_path / "c.gguf")[0]["optimizer.type"][0] == "none"
+
+
+def test_a_model_is_not_a_checkpoint(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_model(path, TINY, model(), TinyVocab())
+    with pytest.raises(GGUFError, match="is a model, not a training checkpoint") as e:
+        load_checkpoint(path)
+    assert str(path) in str(e.value)
+
+
+# -- atomic writes ----------------------------------------------------------------------------
+
+def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "c.gguf"
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    before = path.read_bytes()
+
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(gguf_io.os, "replace", refuse)
+    with pytest.raises(GGUFError, match="previous file is unchanged"):
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+    assert path.read_bytes() == before
+    assert only_file(tmp_path) == ["c.gguf"]
+
+
+@pytest.mark.parametrize("error", [RuntimeError("disk gone"), KeyboardInterrupt()])
+def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeypatch, error):
+    path = tmp_path / "c.gguf"
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    before = path.read_bytes()
+    real = GGUFWriter.write_tensors_to_file
+
+    def half_then_fail(self, *args, **kwargs):
+        self.fout[0].write(b"\0" * 100)            # some of the new file is on disk already
+        self.fout[0].flush()
+        raise error
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", half_then_fail)
+    with pytest.raises(type(error)):
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+    assert path.read_bytes() == before
+    assert only_file(tmp_path) == ["c.gguf"]
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", real)
+    save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+    assert load_checkpoint(path)[4] == {"step": 2}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda p, o, s: p.pop("blk.0.ffn_up.weight"), "blk.0.ffn_up.weight is missing"),
+    (lambda p, o, s: p.__setitem__("blk.0.attn_k.weight", np.zeros((8, 7), np.float32)),
+     "blk.0.attn_k.weight has shape"),
+    (lambda p, o, s: p.__setitem__("blk.1.attn_k.weight", np.zeros((8, 8), np.float32)),
+     "'blk.1.attn_k.weight' is not a parameter"),
+    (lambda p, o, s: p["output_norm.weight"].__setitem__(3, np.nan),
+     "output_norm.weight holds non-finite"),
+    (lambda p, o, s: o.__setitem__("output.weight", (o["output.weight"][0], np.zeros(3))),
+     "optimizer.adamw.v.output.weight has shape"),
+    (lambda p, o, s: o["token_embd.weight"][0].__setitem__((0, 0), np.inf),
+     "optimizer.adamw.m.token_embd.weight holds non-finite"),
+    (lambda p, o, s: s.__setitem__("when", object()), "not JSON-serialisable"),
+    (lambda p, o, s: s.__setitem__("loss", float("nan")), "not JSON-serialisable"),
+])
+def test_bad_state_is_refused_before_writing(tmp_path, change, match):
+    path = tmp_path / "c.gguf"
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    before = path.read_bytes()
+    params, opt, state = model(1), moments(1), {"step": 2}
+    change(params, opt, state)
+    with pytest.raises(GGUFError, match=match) as e:
+        save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
+    assert str(path) in str(e.value)
+    assert path.read_bytes() == before
+    assert only_file(tmp_path) == ["c.gguf"]
+
+
+# -- malformed files --------------------------------------------------------------------------
+
+def raises_naming(path, *words, loader=load_model):
+    with pytest.raises(GGUFError) as e:
+        loader(path)
+    message = str(e.value)
+    assert str(path) in message
+    for word in words:
+        assert word in message, message
+    return message
+
+
+def test_truncated_files(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    data = path.read_bytes()
+    cut_path = tmp_path / "cut.gguf"
+    for cut in [0, 3, 7, 20, 40, 300, 1000, len(data) // 2, len(data) - 1]:
+        cut_path.write_bytes(data[:cut])
+        raises_naming(cut_path, loader=load_checkpoint)
+        raises_naming(cut_path)
+
+
+def test_wrong_magic_and_version(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_model(path, TINY, model(), TinyVocab())
+    data = path.read_bytes()
+    path.write_bytes(b"GGML" + data[4:])
+    raises_naming(path, "magic")
+    path.write_bytes(data[:4] + (99).to_bytes(4, "little") + data[8:])
+    raises_naming(path, "version 99")
+    raises_naming(tmp_path / "absent.gguf", "no such file")
+    raises_naming(tmp_path, "directory")
+
+
+def test_forged_counts_and_sizes_are_errors_not_hangs(tmp_path):
+    path = tmp_path / "m.gguf"
+    save_model(path, TINY, model(), TinyVocab())
+    data = path.read_bytes()
+    huge = (2 ** 62).to_bytes(8, "little")
+    path.write_bytes(data[:8] + huge + data[16:])              # tensor count
+    raises_naming(path, "tensor infos")
+    path.write_bytes(data[:16] + huge + data[24:])             # metadata count
+    raises_naming(path, "metadata entries")
+    path.write_bytes(data[:24] + huge + data[32:])             # length of the first key name
+    raises_naming(path, "metadata entry 0")
+    tokens_at = data.index(b"tokenizer.ggml.tokens") + len(b"tokenizer.ggml.tokens") + 8
+    path.write_bytes(data[:tokens_at] + huge + data[tokens_at + 8:])   # string array length
+    raises_naming(path, "tokenizer.ggml.tokens")
+
+
+@pytest.mark.parametrize("key", ["general.architecture", "llama.embedding_length",
+                                 "llama.block_count", "llama.attention.head_count",
+                                 "llama.context_length", "llama.feed_forward_length",
+                                 "llama.attention.layer_norm_rms_epsilon",
+                                 "tokenizer.ggml.tokens"])
+def test_missing_required_key(tmp_path, key):
+    if key == "general.architecture":       # gguf-py always writes it: rename it in place
+        path = tmp_path / "m.gguf"
+        save_model(path, TINY, model(), TinyVocab())
+        path.write_bytes(path.read_bytes().replace(key.encode(), b"general.architecturX"))
+    else:
+        path = forge(tmp_path / "m.gguf", drop=[key])
+    raises_naming(path, key, "missing")
+
+
+def test_wrong_architecture_and_bad_key_values(tmp_path):
+    path = forge(tmp_path / "a.gguf", set_keys={"general.architecture": ("gpt2", T.STRING)})
+    raises_naming(path, "general.architecture", "gpt2")
+    path = forge(tmp_path / "b.gguf", set_keys={"llama.embedding_length": ("8", T.STRING)})
+    raises_naming(path, "llama.embedding_length")
+    path = forge(tmp_path / "c.gguf", set_keys={"llama.attention.head_count_kv": (1, T.UINT32)})
+    raises_naming(path, "llama.attention.head_count_kv", "grouped-query")
+    path = forge(tmp_path / "d.gguf", set_keys={"llama.block_count": (2 ** 30, T.UINT32)})
+    raises_naming(path, "llama.block_count")
+    path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("yarn", T.STRING)})
+    raises_naming(path, "llama.rope.scaling.type", "yarn")
+
+
+def test_tensor_with_wrong_shape_missing_or_unexpected(tmp_path):
+    path = forge(tmp_path / "a.gguf", tensors={"blk.0.ffn_down.weight": np.zeros((12, 8),
+                                                                                np.float32)})
+    raises_naming(path, "blk.0.ffn_down.weight", "(12, 8)", "(8, 12)")
+    path = forge(tmp_path / "b.gguf", tensors={"blk.0.attn_v.weight": None})
+    raises_naming(path, "blk.0.attn_v.weight", "missing")
+    path = forge(tmp_path / "c.gguf", tensors={"rope_freqs.weight": np.ones(2, np.float32)})
+    raises_naming(path, "rope_freqs.weight", "unexpected")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    path = forge(tmp_path / "a.gguf", tensors={"blk.0.attn_q.weight": np.zeros((8, 8), np.int32)})
+    raises_naming(path, "blk.0.attn_q.weight", "I32")
+    # a quantized tensor: Q8_0, blocks of 32 values in 34 bytes (n_embd 32 for whole blocks)
+    cfg = LlamaConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+    path = tmp_path / "q.gguf"
+    writer = GGUFWriter(path, "llama")
+    for key, (value, vtype) in gguf_io._model_metadata(path, cfg, TinyVocab(), None).items():
+        if key != "general.architecture":
+            writer.add_key_value(key, value, vtype)
+    for name, shape in parameter_shapes(cfg).items():
+        if name == "blk.0.attn_q.weight":
+            writer.add_tensor(name, np.zeros((32, 34), np.uint8),
+                              raw_dtype=GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(name, np.zeros(shape, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    raises_naming(path, "blk.0.attn_q.weight", "Q8_0")
+
+
+def test_vocabulary_size_mismatch(tmp_path):
+    path = forge(tmp_path / "a.gguf", set_keys={"llama.vocab_size": (12, T.UINT32)})
+    raises_naming(path, "vocabulary size mismatch", "llama.vocab_size", "11")
+    path = forge(tmp_path / "b.gguf",
+                 tensors={"token_embd.weight": np.zeros((12, 8), np.float32)})
+    raises_naming(path, "vocabulary size mismatch", "token_embd.weight", "12")
+
+
+def test_checkpoint_specific_errors(tmp_path):
+    path = tmp_path / "c.gguf"
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
+    meta["ggwgpu.checkpoint.version"] = (2, T.UINT32)
+    meta["training.state_json"] = ("{}", T.STRING)
+    gguf_io._write_gguf(path, meta, model())
+    raises_naming(path, "ggwgpu.checkpoint.version", loader=load_checkpoint)
+
+    meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
+    opt = {"optimizer.adamw.m.blk.0.attn_q.weight": np.zeros((8, 4), np.float32),
+           "optimizer.adamw.v.blk.0.attn_q.weight": np.zeros((8, 8), np.float32)}
+    gguf_io._write_gguf(path, meta, {**model(), **opt})
+    raises_naming(path, "optimizer.adamw.m.blk.0.attn_q.weight", "shape",
+                  loader=load_checkpoint)
+
+    del opt["optimizer.adamw.m.blk.0.attn_q.weight"]
+    gguf_io._write_gguf(path, meta, {**model(), **opt})
+    raises_naming(path, "optimizer.adamw.m.blk.0.attn_q.weight", "missing",
+                  loader=load_checkpoint)
+
+    del meta["training.state_json"]
+    gguf_io._write_gguf(path, meta, model())
+    raises_naming(path, "training.state_json", "missing", loader=load_checkpoint)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
