@@ -368,5 +368,166 @@ def demo(ctx, steps, lr, seed):
                f"steps, {time.perf_counter() - t0:.1f} s")
 
 
+# -- train ----------------------------------------------------------------------------------
+
+def positive(kind=int):
+    return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
+
+
+@cli.command()
+@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", default="model.gguf", show_default=True, type=click.Path(dir_okay=False),
+              help="The trained model, a llama GGUF.")
+@click.option("--vocab-model", type=click.Path(exists=True, dir_okay=False),
+              help="Use the vocabulary of this llama GGUF (default: bytes, no file needed).")
+@click.option("--n-embd", default=128, show_default=True, type=positive())
+@click.option("--n-head", default=4, show_default=True, type=positive())
+@click.option("--n-layer", default=4, show_default=True, type=positive())
+@click.option("--n-ff", default=352, show_default=True, type=positive())
+@click.option("--n-ctx", default=64, show_default=True, type=positive(), help="Tokens per sample.")
+@click.option("--n-rot", type=positive(), help="Rotated dims per head. Default: the head dim (llama.cpp requires that).")
+@click.option("--rope-freq-base", default=10000.0, show_default=True, type=positive(float))
+@click.option("--rope-freq-scale", default=1.0, show_default=True, type=positive(float))
+@click.option("--norm-eps", default=1e-5, show_default=True, type=positive(float))
+@click.option("--batch", default=8, show_default=True, type=positive(), help="Samples per step.")
+@click.option("--samples-after-nl", is_flag=True, help="Start samples only after newlines.")
+@click.option("--steps", default=300, show_default=True, type=positive(), help="Optimizer steps.")
+@click.option("--epochs", type=positive(float), help="Train this many epochs instead of --steps.")
+@click.option("--lr", default=1e-3, show_default=True, type=positive(float))
+@click.option("--beta1", default=0.9, show_default=True, type=click.FloatRange(0, 1, max_open=True))
+@click.option("--beta2", default=0.999, show_default=True, type=click.FloatRange(0, 1, max_open=True))
+@click.option("--adam-eps", default=1e-8, show_default=True, type=positive(float))
+@click.option("--weight-decay", default=0.1, show_default=True, type=click.FloatRange(min=0),
+              help="AdamW decay, relative to the learning rate, on tensors with >= 2 dims.")
+@click.option("--grad-clip", default=1.0, show_default=True, type=click.FloatRange(min=0),
+              help="Clip gradients to this global norm (0: off).")
+@click.option("--warmup", default=50, show_default=True, type=click.IntRange(min=1))
+@click.option("--cos-decay-steps", default=1000, show_default=True, type=positive())
+@click.option("--cos-decay-min", default=0.1, show_default=True, type=click.FloatRange(0, 1))
+@click.option("--cos-decay-restart", default=1.1, show_default=True, type=click.FloatRange(min=1))
+@click.option("--restarts/--no-restarts", default=False, show_default=True)
+@click.option("--flash-attn", is_flag=True, help="Fused attention (same results, less memory).")
+@click.option("--checkpointing", is_flag=True,
+              help="Gradient checkpointing: recompute activations, keep block outputs only.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
+              help="Resume from this checkpoint (model, optimizer, data order, options).")
+@click.option("--checkpoint-out", type=click.Path(dir_okay=False),
+              help="Write a checkpoint here (atomically) every --save-every steps and at the end.")
+@click.option("--save-every", default=100, show_default=True, type=positive())
+@click.option("--log", "log_path", type=click.Path(dir_okay=False),
+              help="Append a JSON line per step here.")
+@click.pass_context
+def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot,
+          rope_freq_base, rope_freq_scale, norm_eps, batch, samples_after_nl, steps, epochs, lr,
+          beta1, beta2, adam_eps, weight_decay, grad_clip, warmup, cos_decay_steps,
+          cos_decay_min, cos_decay_restart, restarts, flash_attn, checkpointing, seed,
+          checkpoint_in, checkpoint_out, save_every, log_path):
+    """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
+
+    The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
+    that trains in minutes on a CPU; llama.cpp's train-text-from-scratch used --n-embd 256
+    --n-head 8 --n-layer 16 --n-ff 768 --n-ctx 128.
+    """
+    import json
+
+    from ggwgpu import data, gguf_io, tokenizer as tok
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tensor import ShapeError
+    from ggwgpu.train import Trainer, TrainOptions, token_digest, unigram_entropy
+
+    try:
+        text = data.read_texts(texts) if texts else data.bundled_corpus()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    source = ", ".join(texts) if texts else "the bundled corpus (Shakespeare)"
+
+    if checkpoint_in:
+        try:
+            cfg, values, tokenizer, opt_state, state = gguf_io.load_checkpoint(checkpoint_in)
+        except gguf_io.GGUFError as e:
+            raise click.ClickException(str(e)) from None
+        options = TrainOptions(**state["options"])
+        step = state["step"]
+    else:
+        tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
+        try:
+            cfg = LlamaConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
+                              n_layer=n_layer, n_ff=n_ff, n_ctx=n_ctx, n_rot=n_rot,
+                              norm_eps=norm_eps, rope_freq_base=rope_freq_base,
+                              rope_freq_scale=rope_freq_scale)
+        except ShapeError as e:
+            raise click.UsageError(str(e)) from None
+        options = TrainOptions(batch=batch, lr=lr, beta1=beta1, beta2=beta2, eps=adam_eps,
+                               weight_decay=weight_decay, grad_clip=grad_clip, warmup=warmup,
+                               cos_decay_steps=cos_decay_steps, cos_decay_min=cos_decay_min,
+                               cos_decay_restart=cos_decay_restart, restarts=restarts,
+                               flash_attn=flash_attn, checkpointing=checkpointing, seed=seed)
+        values, opt_state, state, step = init_parameters(cfg, seed), None, None, 0
+
+    tokens = tokenizer.encode(text)
+    digest = token_digest(tokens)
+    if state is not None and state.get("tokens_digest") != digest:
+        raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "
+                               f"{state.get('tokens_digest')}, these are {digest}): pass "
+                               "the same text files to resume")
+    try:
+        samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, tokenizer.bos_id,
+                               after_newline=samples_after_nl,
+                               newline_ids=tokenizer.newline_ids)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if state is not None:
+        samples.load_state(state["data"])
+    if epochs:
+        steps = max(1, round(epochs * samples.n_samples / options.batch))
+
+    backend = select_backend(ctx)
+    trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
+    entropy = unigram_entropy(tokens)
+    click.echo(f"train on {describe_backend(backend)}")
+    click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
+               f"{cfg.n_ctx}; unigram entropy {entropy:.3f} nats/token")
+    n_params = sum(v.size for v in values.values())
+    click.echo(f"model: {n_params / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
+               f"{cfg.n_embd}, {cfg.n_head} heads, ff {cfg.n_ff}; {steps} steps of "
+               f"{options.batch} x {cfg.n_ctx} tokens" +
+               (f", resuming at step {step}" if step else ""))
+
+    def save_checkpoint():
+        state = {**trainer.state(), "tokens_digest": digest}
+        gguf_io.save_checkpoint(checkpoint_out, cfg, trainer.parameters(), tokenizer,
+                                trainer.optimizer_state(), state)
+
+    log = open(log_path, "a") if log_path else None
+    first = last = None
+    t0, shown = time.perf_counter(), {}
+    try:
+        with click.progressbar(length=steps, label="training", show_eta=True,
+                               item_show_func=lambda _: shown.get("text")) as bar:
+            for _ in range(steps):
+                record = trainer.train_step()
+                elapsed = time.perf_counter() - t0
+                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - step) / elapsed
+                first = record["loss"] if first is None else first
+                last = record["loss"]
+                shown["text"] = (f"step {record['step']} loss {last:.3f} "
+                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if checkpoint_out and record["step"] % save_every == 0:
+                    save_checkpoint()
+                bar.update(1)
+    finally:
+        if log:
+            log.close()
+    if checkpoint_out:
+        save_checkpoint()
+    gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
+    click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
+               f"in {time.perf_counter() - t0:.0f} s; model written to {out}")
+
+
 if __name__ == "__main__":
     cli()

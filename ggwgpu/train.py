@@ -1,0 +1,148 @@
+"""Training a llama: the schedule, the planned train step, checkpoints.
+
+One training step is one planned graph, built and planned once: the forward of a batch, its
+backward, gradient clipping by global norm and an in-place AdamW update of every parameter.
+Per step the host writes the batch and the 7 AdamW hyper-parameters (the schedule lives on
+the host, as in ggml) and reads back the loss and the gradient norm.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from . import ops as O
+from .graph import build_backward
+from .models.llama import LlamaConfig, build_train_graph, one_hot
+from .tensor import constant, input_tensor
+
+
+@dataclass
+class TrainOptions:
+    """Optimizer and schedule (llama.cpp train-text-from-scratch defaults)."""
+    batch: int = 8
+    lr: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    weight_decay: float = 0.1          # only tensors with >= 2 dims (decay_min_ndim 2)
+    grad_clip: float = 1.0             # global gradient norm; 0 turns clipping off
+    warmup: int = 100
+    cos_decay_steps: int = 1000
+    cos_decay_min: float = 0.1
+    cos_decay_restart: float = 1.1     # growth of each restart's length
+    restarts: bool = False
+    flash_attn: bool = False
+    checkpointing: bool = False        # gradient checkpointing: keep only block outputs
+    seed: int = 0
+
+
+def schedule(step: int, o: TrainOptions) -> float:
+    """Learning-rate multiplier of `step` (0-based): linear warmup, then cosine decay to
+    cos_decay_min, optionally restarting with periods growing by cos_decay_restart (as a
+    float: the reference truncates it to an int)."""
+    if step < o.warmup:
+        return (step + 1) / o.warmup
+    t, period = step - o.warmup, float(o.cos_decay_steps)
+    if o.restarts:
+        while t >= period:
+            t -= period
+            period *= o.cos_decay_restart
+    elif t >= period:
+        return o.cos_decay_min
+    return o.cos_decay_min + (1 - o.cos_decay_min) * 0.5 * (1 + math.cos(math.pi * t / period))
+
+
+def clip_scale(grads, max_norm: float):
+    """Graph tensors (sum of squared gradients, factor min(1, max_norm / norm)) — all on the
+    device, no readback: min(1, r) = (1 + r - |1 - r|) / 2."""
+    sumsq = None
+    for g in grads:
+        s = O.sum(O.sqr(g))
+        sumsq = s if sumsq is None else O.add(sumsq, s)
+    if not max_norm:
+        return sumsq, None
+    tiny = constant(np.array([1e-12], np.float32), name="tiny")
+    r = O.div(constant(np.array([max_norm], np.float32), name="max_norm"),
+              O.sqrt(O.add(sumsq, tiny)))
+    one = constant(np.ones(1, np.float32), name="one")
+    return sumsq, O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
+
+
+class Trainer:
+    """A llama and its optimizer state, planned on a backend, stepping through batches."""
+
+    def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
+                 batch_source, opt_state: dict | None = None, step: int = 0):
+        self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
+        g = build_train_graph(cfg, values, options.batch, flash=options.flash_attn)
+        self.graph = g
+        grads = build_backward(g.loss, list(g.params.values()),
+                               checkpoints=g.checkpoints if options.checkpointing else None)
+        self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
+        self.hparams = input_tensor((len(O.ADAMW_HPARAMS),), name="adamw hparams")
+        self.moments, updates = {}, []
+        for p, grad in grads.items():
+            m, v = (constant(np.zeros(p.shape, np.float32), name=f"{p.name}.{k}")
+                    for k in ("m", "v"))
+            self.moments[p.name] = (m, v)
+            if factor is not None:
+                grad = O.mul(grad, factor)
+            updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, p.ndim >= 2))
+        # sumsq depends on every gradient and comes before the updates among the outputs, so
+        # the plan's order finishes every reader of a parameter before any in-place update
+        self.plan = backend.plan([g.loss, self.sumsq, *updates])
+        self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        for name, (m, v) in (opt_state or {}).items():
+            self.plan.write(self.moments[name][0], m)
+            self.plan.write(self.moments[name][1], v)
+
+    @property
+    def step_tokens(self) -> int:
+        return self.options.batch * self.cfg.n_ctx
+
+    def adamw_hparams(self) -> tuple[np.ndarray, float]:
+        o, t = self.options, self.step + 1
+        lr = o.lr * schedule(self.step, o)
+        return np.array([lr, o.beta1, o.beta2, o.eps, o.weight_decay,
+                         1 / (1 - o.beta1 ** t), 1 / (1 - o.beta2 ** t)], np.float32), lr
+
+    def train_step(self) -> dict:
+        """One optimizer step on the next batch; returns what a log line needs."""
+        inputs, targets = self.batches.next_batch()
+        hp, lr = self.adamw_hparams()
+        g = self.graph
+        self.plan.run({g.tokens: inputs, g.targets: one_hot(targets, self.cfg.n_vocab),
+                       self.hparams: hp})
+        loss = float(self.plan.read(g.loss)[0])
+        grad_norm = math.sqrt(float(self.plan.read(self.sumsq)[0]))
+        self.step += 1
+        return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                "tokens": self.step * self.step_tokens}
+
+    def parameters(self) -> dict[str, np.ndarray]:
+        return {name: self.plan.read(p) for name, p in self.graph.params.items()}
+
+    def optimizer_state(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        return {name: (self.plan.read(m), self.plan.read(v))
+                for name, (m, v) in self.moments.items()}
+
+    def state(self) -> dict:
+        """Everything besides tensors that resuming needs (JSON-serialisable)."""
+        return {"step": self.step, "samples": self.step * self.options.batch,
+                "tokens": self.step * self.step_tokens, "options": asdict(self.options),
+                "model": asdict(self.cfg), "data": self.batches.state()}
+
+
+def unigram_entropy(tokens: np.ndarray) -> float:
+    """Entropy in nats of the token frequencies: the loss of a model that knows only them."""
+    counts = np.bincount(tokens)
+    p = counts[counts > 0] / len(tokens)
+    return float(-(p * np.log(p)).sum())
+
+
+def token_digest(tokens: np.ndarray) -> str:
+    """Identifies the training tokens, so a resumed run can check it sees the same data."""
+    import hashlib
+    return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:16]
