@@ -1,9 +1,9 @@
 """Training a llama: the schedule, the planned train step, checkpoints.
 
 One training step is one planned graph, built and planned once: the forward of a batch, its
-backward, gradient clipping by global norm and an in-place AdamW update of every parameter.
-Per step the host writes the batch and the 7 AdamW hyper-parameters (the schedule lives on
-the host, as in ggml) and reads back the loss and the gradient norm.
+backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter. Per step
+the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
+host, as in ggml) and reads back the loss and the gradient norm.
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from .tensor import constant, input_tensor
 @dataclass
 class TrainOptions:
     """Optimizer and schedule (llama.cpp train-text-from-scratch defaults)."""
+    optimizer: str = "adamw"           # or "sgd" (no moments, decoupled weight decay)
     batch: int = 8
     lr: float = 1e-3
     beta1: float = 0.9
@@ -81,15 +82,23 @@ class Trainer:
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None)
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
-        self.hparams = input_tensor((len(O.ADAMW_HPARAMS),), name="adamw hparams")
+        if options.optimizer not in ("adamw", "sgd"):
+            raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
+        adamw = options.optimizer == "adamw"
+        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS)
+        self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
         self.moments, updates = {}, []
         for p, grad in grads.items():
+            if factor is not None:
+                grad = O.mul(grad, factor)
+            decay = p.ndim >= 2
+            if not adamw:
+                updates.append(O.opt_step_sgd(p, grad, self.hparams, decay))
+                continue
             m, v = (constant(np.zeros(p.shape, np.float32), name=f"{p.name}.{k}")
                     for k in ("m", "v"))
             self.moments[p.name] = (m, v)
-            if factor is not None:
-                grad = O.mul(grad, factor)
-            updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, p.ndim >= 2))
+            updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
         # sumsq depends on every gradient and comes before the updates among the outputs, so
         # the plan's order finishes every reader of a parameter before any in-place update
         self.plan = backend.plan([g.loss, self.sumsq, *updates])
@@ -102,16 +111,19 @@ class Trainer:
     def step_tokens(self) -> int:
         return self.options.batch * self.cfg.n_ctx
 
-    def adamw_hparams(self) -> tuple[np.ndarray, float]:
+    def step_hparams(self) -> tuple[np.ndarray, float]:
+        """The optimizer's hyper-parameter tensor for this step, and the learning rate."""
         o, t = self.options, self.step + 1
         lr = o.lr * schedule(self.step, o)
+        if o.optimizer == "sgd":
+            return np.array([lr, o.weight_decay], np.float32), lr
         return np.array([lr, o.beta1, o.beta2, o.eps, o.weight_decay,
                          1 / (1 - o.beta1 ** t), 1 / (1 - o.beta2 ** t)], np.float32), lr
 
     def train_step(self) -> dict:
         """One optimizer step on the next batch; returns what a log line needs."""
         inputs, targets = self.batches.next_batch()
-        hp, lr = self.adamw_hparams()
+        hp, lr = self.step_hparams()
         g = self.graph
         self.plan.run({g.tokens: inputs, g.targets: one_hot(targets, self.cfg.n_vocab),
                        self.hparams: hp})

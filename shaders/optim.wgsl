@@ -21,3 +21,15 @@ fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     let d = at_d(idx);
     dst[d] = dst[d] * (1.0 - alpha * wd) - alpha * (m * src3[h + 5u]) / (sqrt(v * src3[h + 6u]) + eps);
 }
+
+// opt_step_sgd, in place: dst = param (contiguous), src0 = grad, src1 = hparams [lr, wd];
+// p.u.x: decay or not.
+@compute @workgroup_size(WG)
+fn k_opt_step_sgd(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    let lr = src1[p.off.z];
+    let wd = select(0.0, src1[p.off.z + 1u], p.u.x != 0u);
+    let d = at_d(idx);
+    dst[d] = dst[d] * (1.0 - lr * wd) - lr * src0[at_0(idx)];
+}

@@ -53,6 +53,14 @@ def test_loss_falls_on_wgpu(wgpu):
     assert np.mean(losses[-5:]) < 0.7 * losses[0]
 
 
+def test_sgd_lowers_the_loss_and_keeps_no_moments(wgpu):
+    options = TrainOptions(optimizer="sgd", batch=4, lr=0.5, warmup=5)
+    t, losses = trainer(wgpu, steps=40, options=options)
+    assert np.mean(losses[-5:]) < 0.8 * losses[0] and t.optimizer_state() == {}
+    _, ref = trainer(NumpyBackend(), steps=3, options=options)
+    np.testing.assert_allclose(losses[:3], ref, rtol=1e-4)
+
+
 def test_wgpu_and_numpy_training_agree(wgpu):
     (_, a), (_, b) = trainer(wgpu, steps=5), trainer(NumpyBackend(), steps=5)
     np.testing.assert_allclose(a, b, rtol=1e-4)

@@ -59,4 +59,35 @@ opt_step_adamw = register(
     doc="AdamW step in place: (param, grad, m, v, hparams[7], decay) -> param updated "
         "(a view of param); m and v are updated too.")
 
-__all__ = ["opt_step_adamw", "ADAMW_HPARAMS"]
+SGD_HPARAMS = ("lr", "wd")
+
+
+def sgd_shape(srcs, decay):
+    param, grad, hp = srcs
+    need_f32(*srcs)
+    if grad.shape != param.shape:
+        raise ShapeError(f"grad {grad.shape} differs from the parameter's {param.shape}")
+    if not param.is_contiguous():
+        raise ShapeError("param must be contiguous: it is updated in place")
+    if hp.shape != (len(SGD_HPARAMS),):
+        raise ShapeError(f"hparams must have shape ({len(SGD_HPARAMS)},), got {hp.shape}")
+    return param.shape, "f32", {"strides": param.strides, "offset": param.offset,
+                                "view_src": param}
+
+
+def sgd_ref(param, grad, hp, decay):
+    lr, wd = hp
+    return param * (1 - lr * (wd if decay else 0)) - lr * grad
+
+
+opt_step_sgd = register(
+    "opt_step_sgd", n_srcs=3, params=("decay",), shape=sgd_shape, shader="optim",
+    reference=sgd_ref, backward=None, updates=True,
+    dispatches=lambda n: [Dispatch("opt_step_sgd", n, n.srcs[1:], n=n.nelements,
+                                   u=(int(bool(n.params["decay"])),))],
+    cases=lambda: [Case((Input(c.inputs[0].shape), c.inputs[1], Input((2,), 0.05, 0.95)),
+                        c.params, grad=False) for c in adamw_cases()],
+    doc="SGD step in place: (param, grad, hparams [lr, weight decay], decay) -> param "
+        "updated (a view of param); decoupled weight decay as AdamW's.")
+
+__all__ = ["opt_step_adamw", "opt_step_sgd", "ADAMW_HPARAMS", "SGD_HPARAMS"]
