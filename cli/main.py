@@ -393,6 +393,8 @@ def positive(kind=int):
 @click.option("--samples-after-nl", is_flag=True, help="Start samples only after newlines.")
 @click.option("--steps", default=300, show_default=True, type=positive(), help="Optimizer steps.")
 @click.option("--epochs", type=positive(float), help="Train this many epochs instead of --steps.")
+@click.option("--optimizer", default="adamw", show_default=True,
+              type=click.Choice(["adamw", "sgd"]))
 @click.option("--lr", default=1e-3, show_default=True, type=positive(float))
 @click.option("--beta1", default=0.9, show_default=True, type=click.FloatRange(0, 1, max_open=True))
 @click.option("--beta2", default=0.999, show_default=True, type=click.FloatRange(0, 1, max_open=True))
@@ -419,10 +421,10 @@ def positive(kind=int):
               help="Append a JSON line per step here.")
 @click.pass_context
 def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot,
-          rope_freq_base, rope_freq_scale, norm_eps, batch, samples_after_nl, steps, epochs, lr,
-          beta1, beta2, adam_eps, weight_decay, grad_clip, warmup, cos_decay_steps,
-          cos_decay_min, cos_decay_restart, restarts, flash_attn, checkpointing, seed,
-          checkpoint_in, checkpoint_out, save_every, log_path):
+          rope_freq_base, rope_freq_scale, norm_eps, batch, samples_after_nl, steps, epochs,
+          optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
+          cos_decay_steps, cos_decay_min, cos_decay_restart, restarts, flash_attn,
+          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
@@ -458,7 +460,8 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                               rope_freq_scale=rope_freq_scale)
         except ShapeError as e:
             raise click.UsageError(str(e)) from None
-        options = TrainOptions(batch=batch, lr=lr, beta1=beta1, beta2=beta2, eps=adam_eps,
+        options = TrainOptions(optimizer=optimizer, batch=batch, lr=lr, beta1=beta1,
+                               beta2=beta2, eps=adam_eps,
                                weight_decay=weight_decay, grad_clip=grad_clip, warmup=warmup,
                                cos_decay_steps=cos_decay_steps, cos_decay_min=cos_decay_min,
                                cos_decay_restart=cos_decay_restart, restarts=restarts,
