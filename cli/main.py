@@ -368,6 +368,49 @@ def demo(ctx, steps, lr, seed):
                f"steps, {time.perf_counter() - t0:.1f} s")
 
 
+# -- plot -----------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="The PNG to write. Default: the log's name with .png.")
+def plot(log, out):
+    """Plot the loss (and learning rate) of a `train --log` JSONL file as a PNG.
+
+    Needs matplotlib: pip install 'ggwgpu[plot]'.
+    """
+    import json
+    from pathlib import Path
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
+    records = []
+    for number, line in enumerate(Path(log).read_text().splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise click.ClickException(f"{log}, line {number}: not JSON ({e})") from None
+    if not records or not all("step" in r and "loss" in r for r in records):
+        raise click.ClickException(f"{log} has no training records (step and loss)")
+    out = out or str(Path(log).with_suffix(".png"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    if all("lr" in r for r in records):
+        lr_ax = ax.twinx()
+        lr_ax.plot([r["step"] for r in records], [r["lr"] for r in records], color="gray",
+                   linewidth=0.8, label="learning rate")
+        lr_ax.set_ylabel("learning rate")
+    ax.set_title(Path(log).name)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    click.echo(f"wrote {out}")
+
+
 # -- train ----------------------------------------------------------------------------------
 
 def positive(kind=int):

@@ -131,3 +131,19 @@ def test_train_command_refuses_bad_options(tmp_path):
     empty.write_text("")
     r = train_cli(tmp_path, str(empty))
     assert r.exit_code == 2 and "empty" in r.output
+
+
+def test_plot_writes_a_png_or_says_what_it_needs(tmp_path, monkeypatch):
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(json.dumps({"step": i, "loss": 5 - i / 10, "lr": 1e-3}) + "\n"
+                           for i in range(1, 20)))
+    try:
+        import matplotlib  # noqa: F401
+        r = CliRunner().invoke(cli, ["plot", str(log)])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "log.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    except ImportError:
+        pass
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    r = CliRunner().invoke(cli, ["plot", str(log)])
+    assert r.exit_code == 1 and "pip install 'ggwgpu[plot]'" in r.output
