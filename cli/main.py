@@ -432,7 +432,10 @@ def positive(kind=int):
 @click.option("--rope-freq-base", default=10000.0, show_default=True, type=positive(float))
 @click.option("--rope-freq-scale", default=1.0, show_default=True, type=positive(float))
 @click.option("--norm-eps", default=1e-5, show_default=True, type=positive(float))
-@click.option("--batch", default=8, show_default=True, type=positive(), help="Samples per step.")
+@click.option("--batch", default=8, show_default=True, type=positive(),
+              help="Samples per micro-batch.")
+@click.option("--grad-accum", default=1, show_default=True, type=positive(),
+              help="Micro-batches whose gradients add up to one optimizer step.")
 @click.option("--samples-after-nl", is_flag=True, help="Start samples only after newlines.")
 @click.option("--steps", default=300, show_default=True, type=positive(), help="Optimizer steps.")
 @click.option("--epochs", type=positive(float), help="Train this many epochs instead of --steps.")
@@ -464,8 +467,8 @@ def positive(kind=int):
               help="Append a JSON line per step here.")
 @click.pass_context
 def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot,
-          rope_freq_base, rope_freq_scale, norm_eps, batch, samples_after_nl, steps, epochs,
-          optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
+          rope_freq_base, rope_freq_scale, norm_eps, batch, grad_accum, samples_after_nl, steps,
+          epochs, optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
           cos_decay_steps, cos_decay_min, cos_decay_restart, restarts, flash_attn,
           checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
@@ -503,7 +506,8 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                               rope_freq_scale=rope_freq_scale)
         except ShapeError as e:
             raise click.UsageError(str(e)) from None
-        options = TrainOptions(optimizer=optimizer, batch=batch, lr=lr, beta1=beta1,
+        options = TrainOptions(optimizer=optimizer, batch=batch, grad_accum=grad_accum, lr=lr,
+                               beta1=beta1,
                                beta2=beta2, eps=adam_eps,
                                weight_decay=weight_decay, grad_clip=grad_clip, warmup=warmup,
                                cos_decay_steps=cos_decay_steps, cos_decay_min=cos_decay_min,
@@ -526,7 +530,7 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     if state is not None:
         samples.load_state(state["data"])
     if epochs:
-        steps = max(1, round(epochs * samples.n_samples / options.batch))
+        steps = max(1, round(epochs * samples.n_samples / (options.batch * options.grad_accum)))
 
     backend = select_backend(ctx)
     trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
@@ -537,7 +541,7 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     n_params = sum(v.size for v in values.values())
     click.echo(f"model: {n_params / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, {cfg.n_head} heads, ff {cfg.n_ff}; {steps} steps of "
-               f"{options.batch} x {cfg.n_ctx} tokens" +
+               f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens" +
                (f", resuming at step {step}" if step else ""))
 
     def save_checkpoint():

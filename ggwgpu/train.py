@@ -23,6 +23,7 @@ class TrainOptions:
     """Optimizer and schedule (llama.cpp train-text-from-scratch defaults)."""
     optimizer: str = "adamw"           # or "sgd" (no moments, decoupled weight decay)
     batch: int = 8
+    grad_accum: int = 1                # micro-batches of `batch` samples per optimizer step
     lr: float = 1e-3
     beta1: float = 0.9
     beta2: float = 0.999
@@ -81,6 +82,9 @@ class Trainer:
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None)
+        accumulated = []
+        if options.grad_accum > 1:
+            grads, accumulated = self.accumulate(grads, options.grad_accum)
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
@@ -101,15 +105,36 @@ class Trainer:
             updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
         # sumsq depends on every gradient and comes before the updates among the outputs, so
         # the plan's order finishes every reader of a parameter before any in-place update
-        self.plan = backend.plan([g.loss, self.sumsq, *updates])
+        self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *updates])
         self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
         for name, (m, v) in (opt_state or {}).items():
             self.plan.write(self.moments[name][0], m)
             self.plan.write(self.moments[name][1], v)
 
+    def accumulate(self, grads: dict, n: int):
+        """Gradient accumulation inside the one planned graph: each micro-batch adds its
+        gradient into a persistent sum (restarted by keep = 0 on the first micro-batch), and
+        the update sees sum / n. The micro-batches before the last run the update with
+        hyper-parameters that make it an exact no-op (see train_step)."""
+        self.keep = input_tensor((1,), name="keep accumulated")
+        averaged, persist = {}, []
+        for p, grad in grads.items():
+            total = constant(np.zeros(p.shape, np.float32), name=f"{p.name}.grad_sum")
+            new_total = O.add(O.mul(total, self.keep), grad)
+            persist.append(O.cpy(new_total, total))
+            averaged[p] = O.scale(new_total, 1.0 / n)
+        return averaged, persist
+
     @property
     def step_tokens(self) -> int:
-        return self.options.batch * self.cfg.n_ctx
+        return self.options.batch * self.options.grad_accum * self.cfg.n_ctx
+
+    def noop_hparams(self) -> np.ndarray:
+        """Hyper-parameters under which the update changes nothing: lr 0, and AdamW's betas
+        1 so the moments stay as they are."""
+        if self.options.optimizer == "sgd":
+            return np.zeros(2, np.float32)
+        return np.array([0, 1, 1, self.options.eps, 0, 1, 1], np.float32)
 
     def step_hparams(self) -> tuple[np.ndarray, float]:
         """The optimizer's hyper-parameter tensor for this step, and the learning rate."""
@@ -121,13 +146,18 @@ class Trainer:
                          1 / (1 - o.beta1 ** t), 1 / (1 - o.beta2 ** t)], np.float32), lr
 
     def train_step(self) -> dict:
-        """One optimizer step on the next batch; returns what a log line needs."""
-        inputs, targets = self.batches.next_batch()
+        """One optimizer step on the next batch (grad_accum micro-batches); returns what a
+        log line needs."""
         hp, lr = self.step_hparams()
-        g = self.graph
-        self.plan.run({g.tokens: inputs, g.targets: one_hot(targets, self.cfg.n_vocab),
-                       self.hparams: hp})
-        loss = float(self.plan.read(g.loss)[0])
+        g, n, loss = self.graph, self.options.grad_accum, 0.0
+        for i in range(n):
+            inputs, targets = self.batches.next_batch()
+            feeds = {g.tokens: inputs, g.targets: one_hot(targets, self.cfg.n_vocab),
+                     self.hparams: hp if i == n - 1 else self.noop_hparams()}
+            if n > 1:
+                feeds[self.keep] = np.array([float(i > 0)], np.float32)
+            self.plan.run(feeds)
+            loss += float(self.plan.read(g.loss)[0]) / n
         grad_norm = math.sqrt(float(self.plan.read(self.sumsq)[0]))
         self.step += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
@@ -142,7 +172,8 @@ class Trainer:
 
     def state(self) -> dict:
         """Everything besides tensors that resuming needs (JSON-serialisable)."""
-        return {"step": self.step, "samples": self.step * self.options.batch,
+        return {"step": self.step,
+                "samples": self.step * self.options.batch * self.options.grad_accum,
                 "tokens": self.step * self.step_tokens, "options": asdict(self.options),
                 "model": asdict(self.cfg), "data": self.batches.state()}
 

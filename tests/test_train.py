@@ -147,3 +147,17 @@ def test_plot_writes_a_png_or_says_what_it_needs(tmp_path, monkeypatch):
     monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
     r = CliRunner().invoke(cli, ["plot", str(log)])
     assert r.exit_code == 1 and "pip install 'ggwgpu[plot]'" in r.output
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_accumulating_two_micro_batches_equals_one_double_batch(optimizer):
+    lr = 3e-3 if optimizer == "adamw" else 0.3
+    whole, a = trainer(NumpyBackend(np.float64), steps=3,
+                       options=TrainOptions(optimizer=optimizer, batch=4, lr=lr, warmup=2))
+    parts, b = trainer(NumpyBackend(np.float64), steps=3,
+                       options=TrainOptions(optimizer=optimizer, batch=2, grad_accum=2, lr=lr,
+                                            warmup=2))
+    np.testing.assert_allclose(a, b, rtol=1e-6)
+    for name, value in whole.parameters().items():
+        np.testing.assert_allclose(parts.parameters()[name], value, rtol=1e-5, atol=1e-7)
+    assert parts.state()["samples"] == whole.state()["samples"] == 12
