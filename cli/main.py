@@ -16,6 +16,7 @@ import numpy as np
 import ggwgpu
 from ggwgpu import testing
 from ggwgpu.backends import CHOICES, ENV_VAR, get_backend, shared_wgpu_backend
+from ggwgpu.generate import Sampling
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -465,12 +466,16 @@ def positive(kind=int):
 @click.option("--save-every", default=100, show_default=True, type=positive())
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Append a JSON line per step here.")
+@click.option("--predict", default=0, show_default=True, type=click.IntRange(min=0),
+              help="At the end, sample this many tokens from the trained model (prompt: the "
+                   "text's first line; generate's default sampling, --seed).")
 @click.pass_context
 def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot,
           rope_freq_base, rope_freq_scale, norm_eps, batch, grad_accum, samples_after_nl, steps,
           epochs, optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
           cos_decay_steps, cos_decay_min, cos_decay_restart, restarts, flash_attn,
-          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path):
+          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path,
+          predict):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
@@ -577,6 +582,78 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
                f"in {time.perf_counter() - t0:.0f} s; model written to {out}")
+    if predict:
+        prompt = text.split("\n", 1)[0]
+        click.echo(f"sample of {predict} tokens:")
+        stream_sample(backend, cfg, trainer.parameters(), tokenizer, prompt, predict,
+                      Sampling(), seed)
+
+
+# -- generate -------------------------------------------------------------------------------
+
+def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed):
+    """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
+    timing line on stderr."""
+    from ggwgpu.generate import Decoder, TextStream, generate_tokens, prompt_tokens
+    t0 = time.perf_counter()
+    decoder = Decoder(backend, cfg, values)
+    ids = prompt_tokens(tokenizer, prompt)
+    stream = TextStream(tokenizer, ids)
+    click.echo(stream.push(), nl=False)
+    t1, count = time.perf_counter(), 0
+    for token in generate_tokens(decoder, ids, n, sampling, seed, tokenizer.bos_id,
+                                 tokenizer.eos_id):
+        count += 1
+        piece = stream.push(token)
+        if piece:
+            click.echo(piece, nl=False)
+            click.get_text_stream("stdout").flush()
+    click.echo(stream.finish())
+    t2 = time.perf_counter()
+    click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
+               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s)", err=True)
+
+
+@cli.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompt", "-p", default="", help="Text to continue (BOS is put before it).")
+@click.option("--n-predict", "-n", default=200, show_default=True, type=click.IntRange(min=0),
+              help="Tokens to generate at most (it stops earlier at EOS).")
+@click.option("--temp", default=Sampling.temperature, show_default=True,
+              type=click.FloatRange(min=0), help="Temperature; 0 is greedy (the most likely "
+                                                 "token, whatever the seed).")
+@click.option("--top-k", default=Sampling.top_k, show_default=True, type=int,
+              help="Keep the k most likely tokens (<= 0: all).")
+@click.option("--top-p", default=Sampling.top_p, show_default=True,
+              type=click.FloatRange(0, 1, min_open=True),
+              help="Then keep the most likely tokens up to this probability mass (1: all).")
+@click.option("--repeat-penalty", default=Sampling.repeat_penalty, show_default=True,
+              type=click.FloatRange(min=0, min_open=True),
+              help="Make the tokens of the last --repeat-last-n less likely (1: off).")
+@click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
+              type=click.IntRange(min=0), help="Context tokens the repeat penalty looks at.")
+@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
+@click.pass_context
+def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, repeat_last_n,
+             seed):
+    """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
+
+    The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
+    does: repeat penalty, top-k, top-p, temperature. When the model's context (n_ctx) is
+    full, the window slides to BOS plus its last half and is recomputed.
+    """
+    from ggwgpu import gguf_io
+    try:
+        cfg, values, tokenizer = gguf_io.load_model(model)
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    if not prompt and tokenizer.bos_id is None:
+        raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
+    backend = select_backend(ctx)
+    click.echo(f"generate on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, "
+               f"seed {seed}", err=True)
+    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n)
+    stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@ Token embedding, n_layer blocks of (rms_norm -> attention with rope and a causal
 residual -> rms_norm -> SwiGLU feed-forward -> residual), a final rms_norm and the output
 matrix. Parameter names are llama.cpp's GGUF tensor names. Shapes in NumPy order: a weight
 that maps n_in features to n_out is stored (n_out, n_in), as GGUF stores it (ne0 = n_in).
+
+build_train_graph is the training forward with its loss; build_decode_graph is the same
+model for inference with a KV cache (ggwgpu.generate runs and samples it).
 """
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, input_tensor, param
+from ..tensor import ShapeError, constant, input_tensor, param
 
 
 @dataclass(frozen=True)
@@ -105,25 +108,18 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
     rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
 
-    def norm(x, weight):
-        return O.mul(O.rms_norm(x, cfg.norm_eps), weight)
-
     x = O.get_rows(p["token_embd.weight"], tokens)                # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        h = norm(x, p[b + "attn_norm.weight"])
+        h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
         q = O.rope(O.reshape(O.mul_mat(p[b + "attn_q.weight"], h), heads), positions, *rope_args)
         k = O.rope(O.reshape(O.mul_mat(p[b + "attn_k.weight"], h), heads), positions, *rope_args)
         v = O.reshape(O.mul_mat(p[b + "attn_v.weight"], h), heads)
         att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.n_embd))
-        x = O.add(x, O.mul_mat(p[b + "attn_output.weight"], att))
-        h = norm(x, p[b + "ffn_norm.weight"])
-        gate = O.silu(O.mul_mat(p[b + "ffn_gate.weight"], h))
-        x = O.add(x, O.mul_mat(p[b + "ffn_down.weight"],
-                               O.mul(gate, O.mul_mat(p[b + "ffn_up.weight"], h))))
+        x = feed_forward(cfg, p, b, O.add(x, O.mul_mat(p[b + "attn_output.weight"], att)))
         checkpoints.append(x)
-    logits = O.mul_mat(p["output.weight"], norm(x, p["output_norm.weight"]))
+    logits = O.mul_mat(p["output.weight"], weighted_rms_norm(cfg, x, p["output_norm.weight"]))
     flat = O.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab))
     loss = O.cross_entropy_loss(flat, targets)
     return TrainGraph(tokens, positions, targets, logits, loss, p, checkpoints)
@@ -133,3 +129,122 @@ def one_hot(ids: np.ndarray, n_vocab: int) -> np.ndarray:
     out = np.zeros((ids.size, n_vocab), np.float32)
     out[np.arange(ids.size), ids.reshape(-1)] = 1.0
     return out
+
+
+# -- inference with a KV cache ----------------------------------------------------------------
+
+def weighted_rms_norm(cfg: LlamaConfig, x, weight):
+    """rms_norm(x) * weight, the llama's normalisation."""
+    return O.mul(O.rms_norm(x, cfg.norm_eps), weight)
+
+
+def feed_forward(cfg: LlamaConfig, p: dict, b: str, x):
+    """x + the SwiGLU feed-forward of block `b` ("blk.N.") applied to ffn_norm(x)."""
+    h = weighted_rms_norm(cfg, x, p[b + "ffn_norm.weight"])
+    gate = O.silu(O.mul_mat(p[b + "ffn_gate.weight"], h))
+    return O.add(x, O.mul_mat(p[b + "ffn_down.weight"],
+                              O.mul(gate, O.mul_mat(p[b + "ffn_up.weight"], h))))
+
+
+@dataclass
+class DecodeGraph:
+    """The graph of `build_decode_graph`; `feeds(tokens, past)` gives its per-run inputs."""
+    n_tokens: int             # tokens per run (a run may use fewer: the rest is padding)
+    max_ctx: int              # cache rows: positions 0 .. max_ctx - 1
+    tokens: object            # i32 input (n_tokens,)
+    positions: object         # i32 input (n_tokens,)
+    slots: object             # i32 input (max_ctx,): the row of [new | cache] each cache row takes
+    mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
+    last: object              # i32 input (1,): the token whose logits are computed
+    logits: object            # (1, n_vocab): the logits of token `last`
+    kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, n_embd)
+    params: dict              # name -> param tensor
+
+    def feeds(self, tokens, past: int) -> dict:
+        """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
+        past + 1, ... to a cache holding positions 0 .. past - 1; returns the logits of the
+        last of them."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n, past = len(tokens), int(past)
+        if not 1 <= n <= self.n_tokens:
+            raise ShapeError(f"a run takes 1 to {self.n_tokens} tokens, got {n}")
+        if past < 0 or past + n > self.max_ctx:
+            raise ShapeError(f"positions {past} .. {past + n - 1} do not fit a cache of "
+                             f"{self.max_ctx}")
+        ids = np.zeros(self.n_tokens, np.int32)
+        ids[:n] = tokens
+        rows = np.arange(self.n_tokens)
+        slots = np.arange(self.max_ctx, dtype=np.int32) + self.n_tokens   # keep every row ...
+        slots[past:past + n] = rows[:n]                                   # ... but the new ones
+        seen = np.arange(self.max_ctx)[None, :] <= (past + rows)[:, None]
+        return {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
+                self.slots: slots, self.mask: np.where(seen, 0.0, -np.inf).astype(np.float32),
+                self.last: np.array([n - 1], np.int32)}
+
+
+def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
+                       name: str = "kv cache") -> DecodeGraph:
+    """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
+    gives the logits of one of them. Plan it once (one graph of n_tokens = max_ctx for
+    prompts, one of n_tokens = 1 for each sampled token) and run it per step.
+
+    The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
+    V of positions 0 .. max_ctx - 1, one row of n_embd each, after n_tokens rows of scratch:
+        kv[2 * layer + (0 for K, 1 for V)] = [n_tokens new rows | max_ctx cache rows]
+
+    Writing the new rows at position `past` is the catch: a view's offset is fixed when the
+    graph is built, but `past` changes every run. So a run writes its new K/V rows to the
+    fixed scratch rows (cpy into a static view), then rebuilds the cache rows with get_rows
+    over [scratch | cache] through the i32 input `slots` (slot r = r + n_tokens keeps cache
+    row r, slot i < n_tokens takes new row i), and cpy writes that back over the cache rows.
+    Every run thus copies the whole cache twice (2 * max_ctx * n_embd floats per layer, for K
+    and V) and attends to all max_ctx rows, with a mask input (-inf on rows past a query's
+    position) through soft_max_ext instead of the static diag_mask_inf. For the small models
+    this trains (n_ctx 64 .. 512) that costs less than the projections of one token; the
+    alternatives are one graph per position (a plan per token) or a new op that writes rows
+    at i32 positions (ggml's set_rows), which would make the copies and the padding go away.
+
+    Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
+    a token equal the training graph's logits at its position (tests/test_generate.py).
+    """
+    max_ctx = int(max_ctx or cfg.n_ctx)
+    n_tokens = int(n_tokens)
+    if not 1 <= n_tokens <= max_ctx:
+        raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
+    e, rows = cfg.n_embd, n_tokens + max_ctx
+    p = {k: param(v, name=k) for k, v in values.items()}
+    tokens = input_tensor((n_tokens,), "i32", name="tokens")
+    positions = input_tensor((n_tokens,), "i32", name="positions")
+    slots = input_tensor((max_ctx,), "i32", name="cache slots")
+    mask = input_tensor((n_tokens, max_ctx), name="attention mask")
+    last = input_tensor((1,), "i32", name="last token")
+    kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), name=name)
+    heads = (1, n_tokens, cfg.n_head, cfg.head_dim)
+    rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
+
+    def cached(index, new):
+        """Write `new` (1, n_tokens, n_head, head_dim) into the cache rows chosen by slots;
+        the updated cache rows, (1, max_ctx, n_head, head_dim)."""
+        base = index * rows * e
+        staged = O.cpy(new, O.view(kv, (n_tokens, e), (e, 1), base))
+        table = O.view(staged, (rows, e), (e, 1), 0)      # [new | cache], after the write
+        cache = O.cpy(O.get_rows(table, slots), O.view(kv, (max_ctx, e), (e, 1),
+                                                       base + n_tokens * e))
+        return O.reshape(cache, (1, max_ctx, cfg.n_head, cfg.head_dim))
+
+    x = O.get_rows(p["token_embd.weight"], tokens)               # (n_tokens, embd)
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
+        q = O.rope(O.reshape(O.mul_mat(p[b + "attn_q.weight"], h), heads), positions, *rope_args)
+        k = O.rope(O.reshape(O.mul_mat(p[b + "attn_k.weight"], h), heads), positions, *rope_args)
+        v = O.reshape(O.mul_mat(p[b + "attn_v.weight"], h), heads)
+        q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, cached(2 * i, k), cached(2 * i + 1, v)))
+        kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
+        probs = O.soft_max_ext(kq, mask, 1.0 / np.sqrt(cfg.head_dim))
+        att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
+        att = O.reshape(O.cont(att), (n_tokens, e))
+        x = feed_forward(cfg, p, b, O.add(x, O.mul_mat(p[b + "attn_output.weight"], att)))
+    x = weighted_rms_norm(cfg, O.get_rows(x, last), p["output_norm.weight"])
+    logits = O.mul_mat(p["output.weight"], x)                    # (1, n_vocab)
+    return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv, p)

@@ -1,0 +1,228 @@
+"""Text generation: a llama with a KV cache on any backend, sampled on the host.
+
+    decoder = Decoder(backend, cfg, values)          # two planned graphs, built once
+    text = generate(backend, cfg, values, tokenizer, "ROMEO:", 100, seed=1)
+
+`Decoder` runs the model: `prefill(tokens)` puts a whole window of tokens into the cache in
+one run of a max_ctx-token graph and `step(token)` appends one token with a one-token graph
+(see `build_decode_graph` for how the cache works with static views); each gives the logits
+of its last token, the only thing read back.
+
+Sampling follows llama.cpp's sampler chain on those logits, in NumPy: repeat penalty over
+the last `repeat_last_n` tokens of the context, then top-k, then top-p (nucleus, on the
+softmax of what top-k kept), then a softmax at the temperature and one draw from
+numpy.random.default_rng(seed). Temperature <= 0 is greedy: the most likely token after the
+repeat penalty (the lowest id on ties), whatever the seed.
+
+Context limit: the model saw windows of n_ctx tokens that start with BOS at position 0 (see
+data.Samples). When the window is full, generation slides: the window becomes BOS plus the
+last max_ctx // 2 tokens and is recomputed in one prefill run, at positions from 0 again
+(llama.cpp's context shift with n_keep = BOS, but recomputed rather than re-roped, so every
+logit is exactly the model's on a window it could have been trained on). A prompt longer
+than the window is cut the same way. Generation stops at EOS or after n tokens.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+from .models.llama import LlamaConfig, build_decode_graph
+
+
+# -- sampling ---------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Sampling:
+    """llama.cpp's sampling parameters (its defaults). top_k <= 0 and top_p >= 1 turn those
+    filters off; repeat_penalty 1 or repeat_last_n 0 turn the penalty off."""
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    repeat_penalty: float = 1.1
+    repeat_last_n: int = 64
+
+
+def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
+    """llama.cpp's repetition penalty: each distinct token of `recent` has its logit divided
+    by `penalty` if positive, multiplied by it otherwise (so it always becomes less likely
+    for penalty > 1). Returns a new array."""
+    out = np.array(logits, np.float64)
+    ids = np.unique(np.asarray(recent, np.int64))
+    if penalty != 1.0 and len(ids):
+        hit = out[ids]
+        out[ids] = np.where(hit > 0, hit / penalty, hit * penalty)
+    return out
+
+
+def top_k_filter(logits: np.ndarray, k: int) -> np.ndarray:
+    """The logits with -inf everywhere but the k largest (ties: the lower ids are kept);
+    k <= 0 or k >= len(logits) keeps all."""
+    logits = np.asarray(logits, np.float64)
+    if k <= 0 or k >= len(logits):
+        return logits.copy()
+    keep = np.argsort(-logits, kind="stable")[:k]
+    out = np.full_like(logits, -np.inf)
+    out[keep] = logits[keep]
+    return out
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    logits = np.asarray(logits, np.float64)
+    e = np.exp(logits - np.max(logits))
+    return e / e.sum()
+
+
+def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """Nucleus filtering as llama.cpp: the most likely tokens (by the softmax of `logits`)
+    whose probabilities first reach a sum >= p are kept, at least one; the others get -inf.
+    p >= 1 keeps all."""
+    logits = np.asarray(logits, np.float64)
+    if p >= 1.0:
+        return logits.copy()
+    order = np.argsort(-logits, kind="stable")
+    cum = np.cumsum(softmax(logits)[order])
+    n_keep = min(int(np.searchsorted(cum, p)) + 1, len(order))   # first index with cum >= p
+    out = np.full_like(logits, -np.inf)
+    out[order[:n_keep]] = logits[order[:n_keep]]
+    return out
+
+
+def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generator) -> int:
+    """One token id from `logits` (n_vocab,) after the sampler chain (module docstring);
+    `recent` are the context's token ids, the last s.repeat_last_n of which are penalised."""
+    recent = list(recent)[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
+    logits = apply_repeat_penalty(logits, recent, s.repeat_penalty)
+    if s.temperature <= 0:
+        return int(np.argmax(logits))
+    logits = top_p_filter(top_k_filter(logits, s.top_k), s.top_p)
+    probs = softmax(logits / s.temperature)
+    return int(rng.choice(len(probs), p=probs))
+
+
+# -- the model ----------------------------------------------------------------------------------
+
+class Decoder:
+    """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
+    two plans on `backend`, built once: a max_ctx-token graph for prefills and a one-token
+    graph for steps. Each plan holds its own copy of the weights (plans share no buffers); a
+    prefill hands its cache to the step plan (one read and one write of the cache)."""
+
+    def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None):
+        self.cfg = cfg
+        self.max_ctx = int(max_ctx or cfg.n_ctx)
+        if self.max_ctx < 2:
+            raise ValueError(f"generation needs a context of at least 2 tokens, got "
+                             f"{self.max_ctx}")
+        self.prefill_graph = build_decode_graph(cfg, values, self.max_ctx, self.max_ctx,
+                                                name="prefill kv cache")
+        self.step_graph = build_decode_graph(cfg, values, 1, self.max_ctx)
+        self.prefill_plan = backend.plan([self.prefill_graph.logits])
+        self.step_plan = backend.plan([self.step_graph.logits])
+        self.past = 0      # positions in the step plan's cache
+
+    def prefill(self, tokens) -> np.ndarray:
+        """Start over with `tokens` (1 .. max_ctx ids) at positions 0 ..; the logits of the
+        last one, (n_vocab,)."""
+        g = self.prefill_graph
+        self.prefill_plan.run(g.feeds(tokens, 0))
+        logits = self.prefill_plan.read(g.logits)[0]
+        kv = self.prefill_plan.read(g.kv)                         # [scratch | cache] per layer
+        step_kv = np.zeros(self.step_graph.kv.shape, kv.dtype)
+        step_kv[:, self.step_graph.n_tokens:] = kv[:, g.n_tokens:]
+        self.step_plan.write(self.step_graph.kv, step_kv)
+        self.past = len(np.atleast_1d(tokens))
+        return logits
+
+    def step(self, token: int) -> np.ndarray:
+        """Append one token at position `past`; its logits, (n_vocab,)."""
+        if self.past >= self.max_ctx:
+            raise ValueError(f"the cache is full ({self.max_ctx} positions): prefill a window")
+        g = self.step_graph
+        self.step_plan.run(g.feeds([token], self.past))
+        self.past += 1
+        return self.step_plan.read(g.logits)[0]
+
+
+def window(context: list[int], bos_id, max_ctx: int) -> list[int]:
+    """The tokens the model sees for `context` (BOS first when the tokenizer has one): all
+    of them if they fit in max_ctx, else BOS plus the last max_ctx // 2."""
+    head = [bos_id] if bos_id is not None else []
+    body = context[1:] if head and context[:1] == head else context
+    if len(head) + len(body) <= max_ctx:
+        return head + body
+    return head + body[len(body) - max_ctx // 2:]
+
+
+def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = Sampling(),
+                    seed: int = 0, bos_id: int | None = None,
+                    eos_id: int | None = None) -> Iterator[int]:
+    """Sampled token ids, one at a time, after `prompt_ids` (BOS included if wanted): at
+    most n, ending early at eos_id (not yielded). Deterministic for a given seed."""
+    rng = np.random.default_rng(seed)
+    context = [int(t) for t in prompt_ids]
+    if not context:
+        raise ValueError("the prompt has no tokens (and the tokenizer no BOS to start with)")
+    if n <= 0:
+        return
+    logits = decoder.prefill(window(context, bos_id, decoder.max_ctx))
+    for i in range(n):
+        if i:   # the logits after the last token, computed only when another is wanted
+            if decoder.past < decoder.max_ctx:
+                logits = decoder.step(context[-1])
+            else:
+                logits = decoder.prefill(window(context, bos_id, decoder.max_ctx))
+        token = sample_token(logits, context, sampling, rng)
+        if token == eos_id:
+            return
+        context.append(token)
+        yield token
+
+
+def prompt_tokens(tokenizer, prompt: str) -> list[int]:
+    """BOS (when the tokenizer has one) + tokenizer.encode(prompt)."""
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
+    return bos + [int(t) for t in tokenizer.encode(prompt)]
+
+
+class TextStream:
+    """Decodes a growing token sequence into text pieces safe to print as they come: text
+    that ends in an incomplete UTF-8 character (byte tokens) waits for the next token."""
+
+    def __init__(self, tokenizer, ids=()):
+        self.tokenizer, self.ids, self.shown = tokenizer, list(ids), ""
+
+    def push(self, *ids: int) -> str:
+        """The new printable text after adding `ids` (none: the text of the ids so far)."""
+        self.ids.extend(int(i) for i in ids)
+        return self._advance(self.tokenizer.decode(self.ids).rstrip("\ufffd"))
+
+    def finish(self) -> str:
+        """Whatever is left, replacement characters included."""
+        return self._advance(self.tokenizer.decode(self.ids))
+
+    def _advance(self, text: str) -> str:
+        # decoding more tokens only appends to the text (pieces decode one by one); should a
+        # vocabulary ever change earlier text, what was printed stays and the rest follows
+        same = len(os.path.commonprefix([self.shown, text]))
+        new, self.shown = text[same:], text
+        return new
+
+
+def generate(backend, cfg: LlamaConfig, values: dict, tokenizer, prompt: str, n: int,
+             temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
+             repeat_penalty: float = 1.1, repeat_last_n: int = 64, seed: int = 0,
+             decoder: Decoder | None = None) -> str:
+    """The text the model writes after `prompt` (the prompt itself not included): up to n
+    tokens, sampled as the module docstring says. Pass a `decoder` made for the same
+    cfg/values to reuse its plans across calls."""
+    decoder = decoder or Decoder(backend, cfg, values)
+    ids = prompt_tokens(tokenizer, prompt)
+    stream = TextStream(tokenizer, ids)
+    stream.push()
+    sampling = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+    pieces = [stream.push(t) for t in generate_tokens(decoder, ids, n, sampling, seed,
+                                                      tokenizer.bos_id, tokenizer.eos_id)]
+    return "".join(pieces) + stream.finish()

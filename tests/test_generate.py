@@ -1,0 +1,230 @@
+"""Generation: the KV-cache graphs give the training graph's logits (NumPy float64 and wgpu),
+the sampler chain on hand-made logits, greedy generation (window sliding included) against
+a plain recomputation, seeds, and the `generate` and `train --predict` commands."""
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ggwgpu import gguf_io
+from ggwgpu.backends import ENV_VAR
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, generate_tokens,
+                             sample_token, top_k_filter, top_p_filter, window)
+from ggwgpu.models.llama import (LlamaConfig, build_decode_graph, build_train_graph,
+                                 init_parameters)
+from ggwgpu.tokenizer import ByteTokenizer
+from ggwgpu_cli.main import cli
+
+TINY = LlamaConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=8, n_rot=4)
+BYTES = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
+                    n_ctx=12)
+
+
+def tiny_values(cfg=TINY, seed=1):
+    """Random parameters, norm weights too, and a sharper output so logits differ clearly."""
+    rng = np.random.default_rng(seed)
+    values = init_parameters(cfg, seed=seed)
+    values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+              for k, v in values.items()}
+    values["output.weight"] *= 8
+    return values
+
+
+class TrainingForward:
+    """Reference logits: the training graph (batch 1, padded to n_ctx) of a whole window."""
+
+    def __init__(self, backend, cfg, values):
+        self.cfg, self.g = cfg, build_train_graph(cfg, values, 1)
+        self.plan = backend.plan([self.g.logits])
+        self.plan.write(self.g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+
+    def __call__(self, tokens) -> np.ndarray:
+        """Logits (len(tokens), n_vocab) of every position."""
+        padded = np.zeros((1, self.cfg.n_ctx), np.int32)
+        padded[0, :len(tokens)] = tokens
+        self.plan.run({self.g.tokens: padded})
+        return self.plan.read(self.g.logits)[0, :len(tokens)]
+
+
+def decoded_logits(backend, cfg, values, tokens, n_prompt):
+    """Logits of positions n_prompt - 1 .. len(tokens) - 1: a prefill, then one step each."""
+    d = Decoder(backend, cfg, values)
+    out = [d.prefill(tokens[:n_prompt])]
+    out += [d.step(t) for t in tokens[n_prompt:]]
+    return np.array(out)
+
+
+@pytest.mark.parametrize("n_prompt", [1, 3, TINY.n_ctx])
+def test_kv_cache_logits_equal_the_training_forward_in_float64(n_prompt):
+    backend = NumpyBackend(np.float64)
+    values = tiny_values()
+    tokens = np.random.default_rng(n_prompt).integers(0, TINY.n_vocab, TINY.n_ctx)
+    ref = TrainingForward(backend, TINY, values)(tokens)
+    got = decoded_logits(backend, TINY, values, tokens, n_prompt)
+    np.testing.assert_allclose(got, ref[n_prompt - 1:], rtol=0, atol=1e-12)
+
+
+def test_kv_cache_takes_several_tokens_after_a_past():
+    """A run that appends 3 tokens at positions 2..4 of a cache holding 0..1 (chunked
+    prompt): the logits of its last token are the training graph's at position 4."""
+    backend = NumpyBackend(np.float64)
+    values = tiny_values()
+    tokens = np.arange(2, 2 + TINY.n_ctx) % TINY.n_vocab
+    g = build_decode_graph(TINY, values, 3)
+    plan = backend.plan([g.logits])
+    plan.run(g.feeds(tokens[:2], 0))
+    plan.run(g.feeds(tokens[2:5], 2))
+    ref = TrainingForward(backend, TINY, values)(tokens)
+    np.testing.assert_allclose(plan.read(g.logits)[0], ref[4], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="do not fit"):
+        g.feeds(tokens[:3], TINY.n_ctx - 2)
+
+
+def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu):
+    values = tiny_values()
+    tokens = np.random.default_rng(0).integers(0, TINY.n_vocab, TINY.n_ctx)
+    ref = TrainingForward(NumpyBackend(np.float64), TINY, values)(tokens)
+    dev_ref = TrainingForward(wgpu, TINY, values)(tokens)
+    got = decoded_logits(wgpu, TINY, values, tokens, 3)
+    scale = np.abs(ref).max()
+    assert np.abs(got - ref[2:]).max() <= 1e-5 * scale
+    assert np.abs(got - dev_ref[2:]).max() <= 1e-5 * scale
+
+
+# -- sampling on hand-made logits ----------------------------------------------------------
+
+def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():
+    logits = np.array([2.0, -2.0, 1.0, 0.5])
+    got = apply_repeat_penalty(logits, [0, 1, 1], 2.0)    # repeats count once
+    np.testing.assert_array_equal(got, [1.0, -4.0, 1.0, 0.5])
+    np.testing.assert_array_equal(apply_repeat_penalty(logits, [], 2.0), logits)
+    np.testing.assert_array_equal(logits, [2.0, -2.0, 1.0, 0.5])   # input untouched
+
+
+def test_top_k_keeps_the_k_largest_lower_ids_first_on_ties():
+    logits = np.array([1.0, 3.0, 2.0, 3.0, 2.0])
+    inf = -np.inf
+    np.testing.assert_array_equal(top_k_filter(logits, 2), [inf, 3.0, inf, 3.0, inf])
+    np.testing.assert_array_equal(top_k_filter(logits, 3), [inf, 3.0, 2.0, 3.0, inf])
+    np.testing.assert_array_equal(top_k_filter(logits, 0), logits)
+    np.testing.assert_array_equal(top_k_filter(logits, 9), logits)
+
+
+def test_top_p_keeps_the_smallest_head_reaching_p():
+    probs = np.array([0.15, 0.5, 0.05, 0.3])
+    logits = np.log(probs)
+    kept = lambda p: np.flatnonzero(np.isfinite(top_p_filter(logits, p))).tolist()  # noqa: E731
+    assert kept(0.1) == [1]                   # at least the most likely one
+    assert kept(0.6) == [1, 3]
+    assert kept(0.81) == [0, 1, 3]
+    assert kept(1.0) == [0, 1, 2, 3]
+    np.testing.assert_allclose(top_p_filter(logits, 0.6)[[1, 3]], logits[[1, 3]])
+
+
+def test_sampling_draws_from_the_tempered_softmax_of_what_the_filters_keep():
+    logits = np.array([1.0, 0.0, 2.0, -1.0, 0.5])
+    s = Sampling(temperature=0.7, top_k=3, top_p=1.0, repeat_penalty=1.0)
+    rng = np.random.default_rng(0)
+    draws = np.bincount([sample_token(logits, [], s, rng) for _ in range(4000)], minlength=5)
+    want = np.zeros(5)
+    want[[0, 2, 4]] = np.exp(logits[[0, 2, 4]] / 0.7) / np.exp(logits[[0, 2, 4]] / 0.7).sum()
+    np.testing.assert_allclose(draws / 4000, want, atol=0.03)
+
+
+def test_temperature_zero_is_greedy_after_the_repeat_penalty():
+    logits = np.array([3.0, 2.9, -1.0])
+    greedy = Sampling(temperature=0.0, repeat_penalty=1.1)
+    picks = {sample_token(logits, [0], greedy, np.random.default_rng(seed)) for seed in range(5)}
+    assert picks == {1}                       # 3.0 / 1.1 < 2.9
+    assert sample_token(logits, [0, 2], Sampling(0.0, repeat_last_n=1), None) == 0
+
+
+# -- generation ------------------------------------------------------------------------------
+
+def test_window_keeps_bos_and_the_last_half_when_full():
+    assert window([1, 5, 6], 1, 4) == [1, 5, 6]
+    assert window([1, 5, 6, 7, 8], 1, 4) == [1, 7, 8]
+    assert window([5, 6, 7, 8, 9], None, 4) == [8, 9]
+
+
+def test_greedy_generation_past_the_context_equals_recomputing_every_window():
+    """Greedy tokens against the training graph run on the whole window for every token
+    (what the cache must compute): the window grows to n_ctx, then starts over as BOS and
+    the last n_ctx // 2 tokens (here four times)."""
+    backend, bos = NumpyBackend(np.float64), 1
+    values = tiny_values()
+    s = Sampling(temperature=0.0, repeat_penalty=1.3, repeat_last_n=5)
+    prompt = [bos, 4, 7]
+    got = list(generate_tokens(Decoder(backend, TINY, values), prompt, 20, s, 0, bos, None))
+    forward, context, win = TrainingForward(backend, TINY, values), list(prompt), list(prompt)
+    for _ in range(20):
+        logits = forward(win)[-1]
+        token = int(np.argmax(apply_repeat_penalty(logits, context[-5:], 1.3)))
+        context.append(token)
+        full = len(win) == TINY.n_ctx
+        win = [bos] + context[-(TINY.n_ctx // 2):] if full else win + [token]
+    assert got == context[len(prompt):]
+
+
+@pytest.fixture(scope="module")
+def byte_model():
+    return BYTES, tiny_values(BYTES, seed=2), ByteTokenizer()
+
+
+def test_generate_is_deterministic_under_a_seed_and_differs_across_seeds(byte_model):
+    cfg, values, tok = byte_model
+    backend = NumpyBackend()
+    d = Decoder(backend, cfg, values)
+    run = lambda seed, **kw: generate(backend, cfg, values, tok, "ab", 30,  # noqa: E731
+                                      seed=seed, decoder=d, **kw)
+    assert run(1, temperature=1.5) == run(1, temperature=1.5)
+    assert len({run(seed, temperature=1.5) for seed in range(4)}) > 1
+    assert len({run(seed, temperature=0.0) for seed in range(4)}) == 1
+
+
+def test_generate_on_the_device_is_deterministic_under_a_seed(wgpu, byte_model):
+    cfg, values, tok = byte_model
+    d = Decoder(wgpu, cfg, values)
+    first = generate(wgpu, cfg, values, tok, "ab", 20, temperature=1.5, seed=3, decoder=d)
+    assert first == generate(wgpu, cfg, values, tok, "ab", 20, temperature=1.5, seed=3,
+                             decoder=d)
+
+
+def test_generation_stops_at_eos():
+    backend, values = NumpyBackend(), tiny_values()
+    d = Decoder(backend, TINY, values)
+    free = list(generate_tokens(d, [1, 2], 12, Sampling(temperature=2.0), 5, 1, None))
+    eos = free[4]
+    stopped = list(generate_tokens(d, [1, 2], 12, Sampling(temperature=2.0), 5, 1, eos))
+    assert stopped == free[:free.index(eos)]
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+def invoke(*args):
+    return CliRunner().invoke(cli, list(args), env={ENV_VAR: None})
+
+
+def test_generate_command_prints_prompt_and_continuation(tmp_path, byte_model):
+    cfg, values, tok = byte_model
+    path = tmp_path / "model.gguf"
+    gguf_io.save_model(path, cfg, values, tok)
+    args = ("generate", str(path), "--prompt", "To be", "-n", "16", "--seed", "4")
+    first, again = invoke(*args), invoke(*args)
+    assert first.exit_code == 0, first.output
+    assert first.stdout.startswith("To be") and len(first.stdout) > len("To be\n")
+    assert first.stdout == again.stdout
+    assert "tokens/s" in first.stderr
+    greedy = {invoke(*args, "--temp", "0", "--seed", seed).stdout for seed in ("1", "2")}
+    assert len(greedy) == 1
+
+
+def test_train_predict_prints_a_sample(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("First line\n" + "some text to learn from. " * 20)
+    size = [f"--{k.replace('_', '-')}={v}" for k, v in
+            dict(n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=12).items()]
+    r = invoke("--backend", "numpy", "train", str(text), *size, "--batch", "2", "--steps", "2",
+               "--out", str(tmp_path / "m.gguf"), "--predict", "10")
+    assert r.exit_code == 0, r.output
+    assert "sample of 10 tokens:\nFirst line" in r.stdout
