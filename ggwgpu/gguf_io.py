@@ -561,7 +561,7 @@ class _GGUFFile:
             if name.startswith("GGUF."):    # gguf-py's pseudo-fields for the header
                 continue
             try:
-                self.meta[name] = _field_value(field)
+                self.meta[name] = field_value(field)
             except UnicodeDecodeError:
                 raise GGUFError(f"{path}: key {name} holds a string that is not UTF-8") from None
             self._kinds[name] = field.types[0] if field.types else None
@@ -609,7 +609,7 @@ class _GGUFFile:
         return np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
 
 
-def _field_value(field):
+def field_value(field):
     """A gguf-py ReaderField as a Python value: `parts` holds the field's raw pieces and
     `data` the indices of the parts that are its value (one per array element)."""
     kind = field.types[0] if field.types else None

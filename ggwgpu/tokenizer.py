@@ -376,31 +376,11 @@ def tokenizer_from_metadata(meta: dict):
     return SentencePieceVocab(tokens, scores, types, extra=extra, **flags, **special)
 
 
-def _field_value(field):
-    """A GGUFReader field as a Python value: `parts` holds the raw pieces of the field
-    (key length, key, type, ..., value) and `data` the indices of the parts that are the
-    value itself: one part for a scalar, one part per element for an array."""
-    from gguf import GGUFValueType as T
-    kind = field.types[0] if field.types else None
-    if kind == T.STRING:
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    if kind == T.ARRAY:
-        sub = field.types[1] if len(field.types) > 1 else None
-        if sub == T.STRING:
-            return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-        if sub == T.ARRAY:
-            return None                       # nested arrays: no tokenizer key has them
-        if not field.data:
-            return []
-        return np.concatenate([field.parts[i] for i in field.data]).tolist()
-    if kind is None:
-        return None
-    return field.parts[field.data[0]].tolist()[0]
-
-
 def read_metadata(path) -> dict[str, object]:
     """The tokenizer.ggml.* keys of a GGUF file, as Python values."""
     from gguf import GGUFReader
+
+    from .gguf_io import field_value
     path = Path(path)
     if not path.exists():
         raise VocabError(f"{path}: no such file")
@@ -414,7 +394,7 @@ def read_metadata(path) -> dict[str, object]:
     for name, field in reader.fields.items():
         if name.startswith(KEY):
             try:
-                meta[name] = _field_value(field)
+                meta[name] = field_value(field)
             except UnicodeDecodeError as e:
                 raise VocabError(f"{path}: {name} holds a string that is not UTF-8 ({e})") from None
     return meta

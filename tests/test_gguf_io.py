@@ -52,7 +52,7 @@ def moments(seed=0, cfg=TINY):
 
 def fields(path):
     reader = GGUFReader(path)
-    out = {name: (gguf_io._field_value(f), f.types[-1] if f.types else None)
+    out = {name: (gguf_io.field_value(f), f.types[-1] if f.types else None)
            for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     return out, reader
 

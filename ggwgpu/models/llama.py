@@ -106,16 +106,12 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")
     heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
-    rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
 
     x = O.get_rows(p["token_embd.weight"], tokens)                # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
-        q = O.rope(O.reshape(O.mul_mat(p[b + "attn_q.weight"], h), heads), positions, *rope_args)
-        k = O.rope(O.reshape(O.mul_mat(p[b + "attn_k.weight"], h), heads), positions, *rope_args)
-        v = O.reshape(O.mul_mat(p[b + "attn_v.weight"], h), heads)
+        q, k, v = project_qkv(cfg, p, b, x, heads, positions)
         att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.n_embd))
         x = feed_forward(cfg, p, b, O.add(x, O.mul_mat(p[b + "attn_output.weight"], att)))
         checkpoints.append(x)
@@ -136,6 +132,14 @@ def one_hot(ids: np.ndarray, n_vocab: int) -> np.ndarray:
 def weighted_rms_norm(cfg: LlamaConfig, x, weight):
     """rms_norm(x) * weight, the llama's normalisation."""
     return O.mul(O.rms_norm(x, cfg.norm_eps), weight)
+
+
+def project_qkv(cfg: LlamaConfig, p: dict, b: str, x, heads, positions):
+    """Block `b`'s attn_norm(x) projected to q, k (both roped) and v, split into heads."""
+    h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
+    rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
+    q, k, v = (O.reshape(O.mul_mat(p[b + f"attn_{n}.weight"], h), heads) for n in "qkv")
+    return O.rope(q, positions, *rope_args), O.rope(k, positions, *rope_args), v
 
 
 def feed_forward(cfg: LlamaConfig, p: dict, b: str, x):
@@ -220,7 +224,6 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     last = input_tensor((1,), "i32", name="last token")
     kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), name=name)
     heads = (1, n_tokens, cfg.n_head, cfg.head_dim)
-    rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
 
     def cached(index, new):
         """Write `new` (1, n_tokens, n_head, head_dim) into the cache rows chosen by slots;
@@ -235,10 +238,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     x = O.get_rows(p["token_embd.weight"], tokens)               # (n_tokens, embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
-        q = O.rope(O.reshape(O.mul_mat(p[b + "attn_q.weight"], h), heads), positions, *rope_args)
-        k = O.rope(O.reshape(O.mul_mat(p[b + "attn_k.weight"], h), heads), positions, *rope_args)
-        v = O.reshape(O.mul_mat(p[b + "attn_v.weight"], h), heads)
+        q, k, v = project_qkv(cfg, p, b, x, heads, positions)
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, cached(2 * i, k), cached(2 * i + 1, v)))
         kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
         probs = O.soft_max_ext(kq, mask, 1.0 / np.sqrt(cfg.head_dim))
