@@ -6,6 +6,7 @@ and as `cli.main` from a source checkout.
 from __future__ import annotations
 
 import os
+import sys
 import textwrap
 import time
 import warnings
@@ -607,7 +608,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed):
         piece = stream.push(token)
         if piece:
             click.echo(piece, nl=False)
-            click.get_text_stream("stdout").flush()
+            sys.stdout.flush()
     click.echo(stream.finish())
     t2 = time.perf_counter()
     click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
