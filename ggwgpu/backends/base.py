@@ -24,9 +24,11 @@ def guarded_block(n: int, sentinel: int, dtype) -> np.ndarray:
 class Plan:
     """A graph planned once for a backend, then run any number of times.
 
-    Storage is allocated when the plan is made: one block per storage-owning tensor, with
-    `sentinel` guard elements on both sides (tests fill them and check nothing wrote there).
-    Leaves with a value (params, constants) are uploaded once; inputs come with each run.
+    Storage is planned when the plan is made: one block per storage-owning tensor, blocks
+    with disjoint lifetimes sharing a buffer (storage_layout), and `sentinel` guard elements
+    on both sides of each (tests fill them and check nothing wrote there; sentinels turn
+    sharing off). Leaves with a value (params, constants) are uploaded once; inputs come
+    with each run.
     """
 
     def __init__(self, outputs, sentinel: int = 0):
