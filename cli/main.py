@@ -341,6 +341,223 @@ def bench_matmul(ctx, sizes, repeat):
                    f"{g_wgpu / g_numpy:>10.3f}  {rel:>11.1e}")
 
 
+# -- bench train ----------------------------------------------------------------------------
+
+# The issue's configs: model shapes and samples per batch.
+BENCH_TRAIN_CONFIGS = {
+    "tiny": dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=352, n_ctx=64, batch=8),
+    "small": dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704, n_ctx=128, batch=8),
+}
+BENCH_TRAIN_MAX_REL_ERR = 1e-3
+
+
+class RandomBatches:
+    """Uniformly random tokens, as a Trainer's batch source: the same batches for the same
+    seed, so every backend trains on the same data."""
+
+    def __init__(self, n_vocab: int, n_ctx: int, batch: int, seed: int = 0):
+        self.shape, self.n_vocab = (batch, n_ctx + 1), n_vocab
+        self.rng, self.taken = np.random.default_rng(seed), 0
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        tokens = self.rng.integers(0, self.n_vocab, self.shape, dtype=np.int32)
+        self.taken += 1
+        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+
+    def state(self) -> dict:
+        return {"batches": self.taken}
+
+
+def timed_steps(step, n: int) -> tuple[float, float]:
+    """(the loss of one warm-up step, mean seconds of the next n steps)."""
+    loss = step()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return loss, (time.perf_counter() - t0) / n
+
+
+def torch_llama_step(cfg, options, values: dict, batches):
+    """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
+    returns the loss; None when torch is not importable (it is no dependency of ggwgpu)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    params = {name: torch.tensor(v, requires_grad=True) for name, v in values.items()}
+    groups = [{"params": [p for p in params.values() if p.ndim >= 2],
+               "weight_decay": options.weight_decay},
+              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=options.lr, betas=(options.beta1, options.beta2),
+                            eps=options.eps)
+    t, rot = cfg.n_ctx, cfg.rot
+    inv_freq = cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * np.arange(rot // 2) / rot)
+    theta = np.arange(t)[:, None] * inv_freq                       # (ctx, rot / 2)
+    cos = torch.tensor(np.cos(theta), dtype=torch.float32)[:, None, :]
+    sin = torch.tensor(np.sin(theta), dtype=torch.float32)[:, None, :]
+    mask = torch.full((t, t), float("-inf")).triu(1)
+    scale = 1.0 / float(np.sqrt(cfg.head_dim))
+
+    def rms_norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def rope(x):  # (batch, ctx, head, dim), ggml's "normal" mode: pairs (2k, 2k + 1)
+        x0, x1 = x[..., 0:rot:2], x[..., 1:rot:2]
+        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+        return torch.cat((rotated, x[..., rot:]), -1)
+
+    def step() -> float:
+        inputs, targets = batches.next_batch()
+        b = inputs.shape[0]
+        x = params["token_embd.weight"][torch.from_numpy(inputs).long()]
+        for i in range(cfg.n_layer):
+            w = {name[len(f"blk.{i}."):-len(".weight")]: p for name, p in params.items()
+                 if name.startswith(f"blk.{i}.")}
+            h = rms_norm(x, w["attn_norm"])
+            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, cfg.n_head, cfg.head_dim)
+                       for n in "qkv")
+            q, k, v = (y.transpose(1, 2) for y in (rope(q), rope(k), v))
+            att = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
+            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.n_embd), w["attn_output"])
+            h = rms_norm(x, w["ffn_norm"])
+            x = x + F.linear(F.silu(F.linear(h, w["ffn_gate"])) * F.linear(h, w["ffn_up"]),
+                             w["ffn_down"])
+        logits = F.linear(rms_norm(x, params["output_norm.weight"]), params["output.weight"])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.n_vocab),
+                               torch.from_numpy(targets).long().reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if options.grad_clip:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), options.grad_clip)
+        opt.step()
+        return float(loss)
+
+    return step
+
+
+@bench.command("train")
+@click.option("--config", "config_name", default="tiny", show_default=True,
+              type=click.Choice(sorted(BENCH_TRAIN_CONFIGS)),
+              help="tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; small: vocab "
+                   "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both.")
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed training steps per backend, after one warm-up step.")
+@click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
+              help="Also time PyTorch CPU training of the same llama, when torch is importable.")
+@click.pass_context
+def bench_train(ctx, config_name, steps, use_torch):
+    """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch CPU.
+
+    Every backend trains the same model (same initial weights, AdamW, lr 1e-3) on the same
+    random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
+    The wgpu and NumPy losses of the warm-up step must agree before any number is printed.
+    For wgpu also: dispatches per step, host µs per dispatch (recording and submitting a
+    step), device ms per step (from its submit until it is done) and the planned memory.
+    """
+    from ggwgpu.backends import NumpyBackend
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.train import Trainer, TrainOptions
+
+    shapes = dict(BENCH_TRAIN_CONFIGS[config_name])
+    batch = shapes.pop("batch")
+    cfg, options = LlamaConfig(**shapes), TrainOptions(batch=batch, lr=1e-3)
+    name, by = backend_choice(ctx)
+    wgpu_backend, why = (None, f"numpy asked for by {by}") if name == "numpy" \
+        else wgpu_or_reason()
+    if wgpu_backend is None and name == "wgpu":
+        raise click.ClickException(f"backend wgpu asked for by {by}, but {why}")
+
+    def trainer_on(backend):
+        return Trainer(cfg, init_parameters(cfg, 0), backend, options,
+                       RandomBatches(cfg.n_vocab, cfg.n_ctx, batch))
+
+    n_params = sum(v.size for v in init_parameters(cfg, 0).values())
+    tokens = batch * cfg.n_ctx
+    click.echo(f"bench train {config_name}: {n_params / 1e6:.2f} M parameters (vocab "
+               f"{cfg.n_vocab}, embd {cfg.n_embd}, {cfg.n_head} heads, {cfg.n_layer} layers, "
+               f"ff {cfg.n_ff}), {batch} x {cfg.n_ctx} tokens per step, AdamW; 1 warm-up + "
+               f"{steps} timed steps per backend")
+    click.echo("wgpu: " + (describe_backend(wgpu_backend) if wgpu_backend else f"none ({why})"))
+
+    # Correctness first: the warm-up steps, same weights and batch, before any timing.
+    trainers = {"numpy": trainer_on(NumpyBackend())}
+    if wgpu_backend is not None:
+        trainers["wgpu"] = trainer_on(wgpu_backend)
+    warm = {key: tr.train_step()["loss"] for key, tr in trainers.items()}
+    if wgpu_backend is not None:
+        rel = abs(warm["wgpu"] - warm["numpy"]) / max(abs(warm["numpy"]), 1e-30)
+        if not rel <= BENCH_TRAIN_MAX_REL_ERR:  # also catches NaN
+            raise click.ClickException(
+                f"wgpu training is wrong: warm-up loss {warm['wgpu']:.6f}, NumPy's "
+                f"{warm['numpy']:.6f} (relative difference {rel:.2e} > "
+                f"{BENCH_TRAIN_MAX_REL_ERR:.0e}); no timing reported")
+
+    # NumPy and torch before wgpu: lavapipe's threads stay busy for a while after its runs.
+    loss, seconds = {}, {}
+    _, seconds["numpy"] = timed_steps(lambda: trainers["numpy"].train_step()["loss"], steps)
+    loss["numpy"] = warm["numpy"]
+    torch_why = "--no-torch"
+    if use_torch:
+        torch_step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
+                                      RandomBatches(cfg.n_vocab, cfg.n_ctx, batch))
+        torch_why = "not importable"
+        if torch_step is not None:
+            loss["torch"], seconds["torch"] = timed_steps(torch_step, steps)
+    if wgpu_backend is not None:
+        _, seconds["wgpu"] = timed_steps(lambda: trainers["wgpu"].train_step()["loss"], steps)
+        loss["wgpu"] = warm["wgpu"]
+
+    rate = {key: tokens / s for key, s in seconds.items()}
+    click.echo(f"{'backend':<8} {'tokens/s':>10} {'ms/step':>9} {'warm-up loss':>13} "
+               f"{'x torch':>8}")
+    for key in ("wgpu", "numpy", "torch"):
+        if key not in rate:
+            shown = why if key == "wgpu" else torch_why
+            click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({shown})")
+            continue
+        ratio = f"{rate[key] / rate['torch']:.3f}" if "torch" in rate else "-"
+        click.echo(f"{key:<8} {rate[key]:>10.0f} {1e3 * seconds[key]:>9.1f} "
+                   f"{loss[key]:>13.6f} {ratio:>8}")
+    if "torch" in rate:
+        click.echo("ratios: " + ", ".join(f"{key}/torch {rate[key] / rate['torch']:.3f}"
+                                          for key in ("wgpu", "numpy") if key in rate))
+    if "wgpu" in rate:
+        click.echo(f"ratio: wgpu/numpy {rate['wgpu'] / rate['numpy']:.3f}")
+    if wgpu_backend is None:
+        return
+
+    # One planned step, inputs already written: recording + submitting, then the device.
+    plan = trainers["wgpu"].plan
+    n_dispatch = len(plan.recorded)
+    host, device = [], []
+    for _ in range(steps):
+        plan.sync()
+        t0 = time.perf_counter()
+        plan.run()
+        t1 = time.perf_counter()
+        plan.sync()
+        host.append(t1 - t0)
+        device.append(time.perf_counter() - t1)
+    profile = plan.profile()
+    by_kernel = {}
+    for kernel, s in profile:
+        by_kernel[kernel] = by_kernel.get(kernel, 0.0) + s
+    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:3]
+    click.echo(f"wgpu step: {n_dispatch} dispatches, host {1e6 * np.median(host) / n_dispatch:.2f}"
+               f" µs/dispatch ({1e3 * np.median(host):.2f} ms to record and submit), device "
+               f"{1e3 * np.median(device):.1f} ms/step (submit to done, wall clock)")
+    click.echo(f"wgpu profile (each dispatch waited on alone): "
+               f"{1e3 * sum(s for _, s in profile):.1f} ms; most: " +
+               ", ".join(f"{k} {1e3 * s:.1f} ms" for k, s in top))
+    layout = plan.layout
+    state = 4 * 4 * n_params    # weights, gradients, 2 AdamW moments; float32
+    click.echo(f"wgpu memory (planned): peak {human_bytes(layout.peak_bytes)}, buffers "
+               f"{human_bytes(layout.total_bytes)} ({layout.total_bytes / layout.peak_bytes:.3f}"
+               f" x peak); weights+grads+moments {human_bytes(state)}, peak = "
+               f"{layout.peak_bytes / state:.3f} x that")
+
+
 # -- demo -----------------------------------------------------------------------------------
 
 @cli.command()

@@ -177,3 +177,19 @@ def test_bench_matmul_refuses_the_numpy_backend():
     result = invoke("--backend", "numpy", "bench", "matmul")
     assert result.exit_code == 2
     assert "nothing to time" in result.output
+
+
+def test_bench_train_checks_the_losses_and_prints_tokens_per_s():
+    adapter = has_adapter()
+    result = invoke("bench", "train", "--config", "tiny", "--steps", "1", "--no-torch")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split() for line in result.output.splitlines()
+            if re.match(r"(wgpu|numpy|torch)\s+([\d.]+|-)\s", line)}
+    assert float(rows["numpy"][1]) > 0                      # tokens/s
+    assert "(--no-torch)" in result.output
+    if adapter:
+        wgpu_loss, numpy_loss = float(rows["wgpu"][3]), float(rows["numpy"][3])
+        assert abs(wgpu_loss - numpy_loss) <= cli_main.BENCH_TRAIN_MAX_REL_ERR * numpy_loss
+        assert "ratio: wgpu/numpy" in result.output
+        assert re.search(r"wgpu step: \d+ dispatches, host [\d.]+ µs/dispatch", result.output)
+        assert "wgpu memory (planned): peak" in result.output
