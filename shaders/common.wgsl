@@ -51,6 +51,10 @@ fn at_1(idx: vec4u) -> u32 { return p.off.z + dot(idx, p.nb_1); }
 fn at_2(idx: vec4u) -> u32 { return p.off.w + dot(idx, p.nb_2); }
 fn at_3(idx: vec4u) -> u32 { return p.off3.x + dot(idx, p.nb_3); }
 
+// Row kernels: one workgroup per row of src0. Element i of a row is vec4u(i, r.yzw), with r
+// the row's start index.
+fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
+
 // Row reductions: one workgroup per row, then a tree over the workgroup.
 // Bound the work of one workgroup: lavapipe loses workgroup barriers after about 4M loads in
 // one workgroup (measured: 64 x 65000 fine, 64 x 65534 wrong).
@@ -78,6 +82,22 @@ fn workgroup_max(lid: u32, v: f32) -> f32 {
         workgroupBarrier();
     }
     let total = partial[0];
+    workgroupBarrier();
+    return total;
+}
+
+// workgroup_sum of up to four values at once: one tree, one set of barriers (barriers
+// dominate a short row's cost on CPU devices).
+var<workgroup> partial4: array<vec4f, WG>;
+
+fn workgroup_sum4(lid: u32, v: vec4f) -> vec4f {
+    partial4[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial4[lid] += partial4[lid + s]; }
+        workgroupBarrier();
+    }
+    let total = partial4[0];
     workgroupBarrier();
     return total;
 }

@@ -1,24 +1,6 @@
 // Row normalisations: one workgroup per row, p.n rows; p.f.x = eps.
-// src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides.
-// Element i of a row: vec4u(i, r.yzw), r = the row's start index (same for all three).
-
-fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
-
-// workgroup_sum (common.wgsl) of up to four values at once: one tree, one set of barriers
-// (barriers dominate a short row's cost on CPU devices).
-var<workgroup> partial4: array<vec4f, WG>;
-
-fn workgroup_sum4(lid: u32, v: vec4f) -> vec4f {
-    partial4[lid] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s = s / 2u) {
-        if (lid < s) { partial4[lid] += partial4[lid + s]; }
-        workgroupBarrier();
-    }
-    let total = partial4[0];
-    workgroupBarrier();  // partial4 may be reused right after
-    return total;
-}
+// src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides
+// (row_start and workgroup_sum4 in common.wgsl).
 
 // rms_norm: y = x / sqrt(mean(x^2) + eps).
 @compute @workgroup_size(WG)

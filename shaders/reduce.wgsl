@@ -22,7 +22,7 @@ fn k_sum_rows(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
               @builtin(num_workgroups) nwg: vec3u) {
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }  // uniform per workgroup: barriers stay in uniform control flow
-    let r = unravel(row * p.ne_0.x, p.ne_0);
+    let r = row_start(row);
     var acc = 0.0;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         acc += src0[at_0(vec4u(i, r.yzw))];

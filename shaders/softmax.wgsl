@@ -1,10 +1,7 @@
-// Softmax family. Row kernels: one workgroup per row of src0, p.n rows; every tensor of a
-// row kernel has src0's shape (a mask tiles it), any strides. Element i of a row:
-// vec4u(i, r.yzw), r = the row's start index.
+// Softmax family. Row kernels (common.wgsl): one workgroup per row of src0, p.n rows; every
+// tensor of a row kernel has src0's shape (a mask tiles it), any strides.
 
 const LOWEST: f32 = -3.40282347e+38;  // the max of an empty set (WGSL has no -inf literal)
-
-fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
 
 // Online softmax statistics: x = running max m, y = sum of exp(v - m); z, w plain sums.
 // Adding v rescales the sum whenever the max grows, so one pass over the row suffices.
@@ -18,9 +15,8 @@ fn ms_merge(a: vec4f, b: vec4f) -> vec4f {
     return vec4f(m, a.y * exp(a.x - m) + b.y * exp(b.x - m), a.z + b.z, a.w + b.w);
 }
 
-var<workgroup> partial4: array<vec4f, WG>;
-
-// ms_merge over the workgroup (a tree, as workgroup_sum in common.wgsl); uniform control flow.
+// ms_merge over the workgroup: a tree in common.wgsl's partial4, as workgroup_sum4 adds;
+// uniform control flow.
 fn workgroup_ms(lid: u32, v: vec4f) -> vec4f {
     partial4[lid] = v;
     workgroupBarrier();
@@ -85,6 +81,17 @@ fn k_diag_mask(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
     dst[at_d(idx)] = select(src0[at_0(idx)], p.f.x, idx.x > p.u.x + idx.y);
 }
 
+// The row max of logits src0, sum(exp(x - max)) and sum(p) of targets src1 (in x, y, z).
+fn ce_row_stats(lid: u32, r: vec4u) -> vec4f {
+    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
+    for (var i = lid; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        acc = ms_add(acc, src0[at_0(idx)]);
+        acc.z += src1[at_1(idx)];
+    }
+    return workgroup_ms(lid, acc);
+}
+
 // cross_entropy_loss, step 1: src0 logits x, src1 targets p; dst [rows] gets each row's
 // -sum(p * log_softmax(x)) * p.f.x (p.f.x = 1 / rows), with
 // log_softmax(x) = x - m - log(sum(exp(x - m))), m = the row max.
@@ -94,13 +101,7 @@ fn k_cross_entropy_loss(@builtin(local_invocation_id) lid: vec3u,
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }
     let r = row_start(row);
-    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
-    for (var i = lid.x; i < p.ne_0.x; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        acc = ms_add(acc, src0[at_0(idx)]);
-        acc.z += src1[at_1(idx)];                     // sum(p)
-    }
-    let ms = workgroup_ms(lid.x, acc);
+    let ms = ce_row_stats(lid.x, r);
     var px = 0.0;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
@@ -121,13 +122,7 @@ fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }
     let r = row_start(row);
-    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
-    for (var i = lid.x; i < p.ne_0.x; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        acc = ms_add(acc, src0[at_0(idx)]);
-        acc.z += src1[at_1(idx)];
-    }
-    let ms = workgroup_ms(lid.x, acc);
+    let ms = ce_row_stats(lid.x, r);
     let k = src2[at_2(vec4u(0u))] * p.f.x;
     let sk = ms.z / ms.y;  // sum(p) / sum(exp(x - m))
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
