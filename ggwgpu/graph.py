@@ -11,22 +11,72 @@ from .ops.registry import make_node
 from .tensor import ShapeError, Tensor, constant
 
 
+def sources(t: Tensor) -> list[Tensor]:
+    deps = list(t.srcs)
+    if t.view_src is not None and t.view_src not in deps:
+        deps.append(t.view_src)
+    return deps
+
+
 def topo_order(outputs) -> list[Tensor]:
-    """Every tensor the outputs depend on, each after its sources (and view sources)."""
-    order, done = [], set()
+    """Every tensor the outputs depend on, each after its sources (and view sources).
+
+    A node that writes into another tensor (cpy, optimizer updates: the node is a view of its
+    destination) also comes after every node that reads that destination, directly or
+    through views of it, without depending on the write: a parameter is updated only once
+    everything that reads its old value has run. Writes into different views of one storage
+    are ordered only by their dependencies, as in ggml.
+    """
+    order = _depth_first(outputs, {})
+    writers = [t for t in order if t.view_src is not None and not O.OPS[t.op].is_view]
+    if not writers:
+        return order
+    users = {}
+    for t in order:
+        for s in sources(t):
+            users.setdefault(id(s), []).append(t)
+    extra = {}
+    for w in writers:
+        after, todo = {id(w)}, [w]
+        while todo:  # everything that depends on w
+            for u in users.get(id(todo.pop()), ()):
+                if id(u) not in after:
+                    after.add(id(u))
+                    todo.append(u)
+        dest = w.view_src
+        extra[id(w)] = [n for n in order if n.op is not None and id(n) not in after
+                        and any(views_of(s, dest) for s in n.srcs)]
+    return _depth_first(outputs, extra)
+
+
+def views_of(t: Tensor, dest: Tensor) -> bool:
+    """Whether t is dest or a view (of a view ...) of it."""
+    while t is not None:
+        if t is dest:
+            return True
+        t = t.view_src
+    return False
+
+
+def _depth_first(outputs, extra: dict) -> list[Tensor]:
+    """Post-order of a depth-first walk; `extra` adds ordering edges {id(node): [before]}."""
+    order, done, open_ = [], set(), set()
     stack = [(t, False) for t in reversed(list(outputs))]
     while stack:
         t, expanded = stack.pop()
         if id(t) in done:
             continue
         if expanded:
+            open_.discard(id(t))
             done.add(id(t))
             order.append(t)
             continue
+        if id(t) in open_:
+            raise ShapeError(f"{t}: in-place writes make the graph cyclic (a tensor is "
+                             "written while a value computed from its old contents is needed)")
+        open_.add(id(t))
         stack.append((t, True))
-        deps = list(t.srcs)
-        if t.view_src is not None and t.view_src not in deps:
-            deps.append(t.view_src)
+        deps = sources(t) + extra.get(id(t), [])
         stack.extend((s, False) for s in reversed(deps) if id(s) not in done)
     return order
 

@@ -103,8 +103,7 @@ class Trainer:
                     for k in ("m", "v"))
             self.moments[p.name] = (m, v)
             updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
-        # sumsq depends on every gradient and comes before the updates among the outputs, so
-        # the plan's order finishes every reader of a parameter before any in-place update
+        # topo_order runs each in-place update after every reader of the old parameter
         self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *updates])
         self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
         for name, (m, v) in (opt_state or {}).items():

@@ -183,3 +183,22 @@ def test_packed_blocks_that_share_a_buffer_never_live_at_once():
                     assert a.last < b.first or b.last < a.first, (a, b)
     with pytest.raises(ValueError, match="distinct"):
         pack([Block(1, 4, 0, 1), Block(1, 4, 0, 1)])
+
+
+def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):
+    # w2's update needs only dL/dw2, but the gradient for w1 reads w2 too: it must see the
+    # old w2 whatever order the outputs are listed in
+    rng = np.random.default_rng(0)
+    x = gg.constant(rng.normal(size=(4, 3)))
+    w1, w2 = gg.param(rng.normal(size=(5, 3)), name="w1"), gg.param(rng.normal(size=(2, 5)))
+    loss = gg.sum(gg.sqr(gg.mul_mat(w2, gg.mul_mat(w1, x))))
+    grads = gg.build_backward(loss)
+    lr = gg.constant(np.array([0.5, 0.0]))
+    updates = [gg.opt_step_sgd(w, grads[w], lr, False) for w in (w2, w1)]
+    expected = {w: w.value - 0.5 * g for w, g in
+                zip(grads, NumpyBackend(np.float64).compute(list(grads.values())))}
+    for backend in (wgpu, NumpyBackend(np.float64)):
+        plan = backend.plan([*updates, loss])
+        plan.run()
+        for w in (w1, w2):
+            np.testing.assert_allclose(plan.read(w), expected[w], rtol=1e-5)
