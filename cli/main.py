@@ -636,6 +636,40 @@ def positive(kind=int):
     return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
 
 
+def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint):
+    """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
+    `save_checkpoint()` every `save_every` steps (0: never) and once at the end. Returns the
+    first and last loss and the seconds taken. The train and finetune commands share it."""
+    import json
+    start = trainer.step
+    log = open(log_path, "a") if log_path else None
+    first = last = None
+    t0, shown = time.perf_counter(), {}
+    try:
+        with click.progressbar(length=steps, label="training", show_eta=True,
+                               item_show_func=lambda _: shown.get("text")) as bar:
+            for _ in range(steps):
+                record = trainer.train_step()
+                elapsed = time.perf_counter() - t0
+                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
+                first = record["loss"] if first is None else first
+                last = record["loss"]
+                shown["text"] = (f"step {record['step']} loss {last:.3f} "
+                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if save_every and record["step"] % save_every == 0:
+                    save_checkpoint()
+                bar.update(1)
+    finally:
+        if log:
+            log.close()
+    if save_every:
+        save_checkpoint()
+    return first, last, time.perf_counter() - t0
+
+
 @cli.command()
 @click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="model.gguf", show_default=True, type=click.Path(dir_okay=False),
@@ -700,8 +734,6 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     that trains in minutes on a CPU; llama.cpp's train-text-from-scratch used --n-embd 256
     --n-head 8 --n-layer 16 --n-ff 768 --n-ctx 128.
     """
-    import json
-
     from ggwgpu import data, gguf_io, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
@@ -772,34 +804,12 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
         gguf_io.save_checkpoint(checkpoint_out, cfg, trainer.parameters(), tokenizer,
                                 trainer.optimizer_state(), state)
 
-    log = open(log_path, "a") if log_path else None
-    first = last = None
-    t0, shown = time.perf_counter(), {}
-    try:
-        with click.progressbar(length=steps, label="training", show_eta=True,
-                               item_show_func=lambda _: shown.get("text")) as bar:
-            for _ in range(steps):
-                record = trainer.train_step()
-                elapsed = time.perf_counter() - t0
-                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - step) / elapsed
-                first = record["loss"] if first is None else first
-                last = record["loss"]
-                shown["text"] = (f"step {record['step']} loss {last:.3f} "
-                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                if checkpoint_out and record["step"] % save_every == 0:
-                    save_checkpoint()
-                bar.update(1)
-    finally:
-        if log:
-            log.close()
-    if checkpoint_out:
-        save_checkpoint()
+    first, last, seconds = training_loop(trainer, steps, log_path,
+                                         save_every if checkpoint_out else 0,
+                                         save_checkpoint)
     gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
-               f"in {time.perf_counter() - t0:.0f} s; model written to {out}")
+               f"in {seconds:.0f} s; model written to {out}")
     if predict:
         prompt = text.split("\n", 1)[0]
         click.echo(f"sample of {predict} tokens:")

@@ -76,9 +76,11 @@ class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
     def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
-                 batch_source, opt_state: dict | None = None, step: int = 0):
+                 batch_source, opt_state: dict | None = None, step: int = 0, graph=None):
+        """`graph` (a TrainGraph) replaces the default one built from `values`: finetuning
+        passes one whose params are the trainable tensors only."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
-        g = build_train_graph(cfg, values, options.batch, flash=options.flash_attn)
+        g = graph or build_train_graph(cfg, values, options.batch, flash=options.flash_attn)
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None)
