@@ -1,13 +1,18 @@
-"""The `ggwgpu` command: adapter info, the op test matrix, a matmul benchmark, a demo fit.
+"""The `ggwgpu` command: adapter info, the op test matrix, a demo fit, training.
+Benchmarks live in bench.py.
 
 Only absolute imports of `ggwgpu` here: this module runs as `ggwgpu_cli.main` when installed
 and as `cli.main` from a source checkout.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import shlex
+import signal
 import sys
 import textwrap
+import threading
 import time
 import warnings
 
@@ -16,8 +21,13 @@ import numpy as np
 
 import ggwgpu
 from ggwgpu import testing
-from ggwgpu.backends import CHOICES, ENV_VAR, get_backend, shared_wgpu_backend
+from ggwgpu.backends import CHOICES, ENV_VAR, get_backend
 from ggwgpu.generate import Sampling
+
+try:
+    from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+except ImportError:  # run as a script: python cli/main.py
+    from common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -29,31 +39,6 @@ LIMITS = (
     ("min-storage-buffer-offset-alignment", "min storage buffer offset alignment", True),
     ("max-storage-buffers-per-shader-stage", "max storage buffers per shader stage", False),
 )
-
-# (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
-# layer (d_model 256, ffn 768, 512 tokens) and the classic cube.
-BENCH_SIZES = ((256, 512, 256), (768, 512, 256), (256, 512, 768), (1024, 1024, 1024))
-BENCH_MAX_REL_ERR = 1e-4
-
-
-def wgpu_or_reason():
-    """(the shared wgpu backend, None), or (None, why there is none)."""
-    from ggwgpu.backends.wgpu_backend import NoAdapterError
-    try:
-        return shared_wgpu_backend(), None
-    except NoAdapterError as e:
-        return None, str(e)
-    except Exception as e:  # an adapter but no device: report it, info must not crash
-        return None, f"the WebGPU device failed to start: {type(e).__name__}: {e}"
-
-
-def backend_choice(ctx) -> tuple[str, str]:
-    """The backend name asked for (--backend, else $GGWGPU_BACKEND, else auto) and by whom."""
-    if ctx.obj["backend"]:
-        return ctx.obj["backend"].lower(), "--backend"
-    if os.environ.get(ENV_VAR):
-        return os.environ[ENV_VAR].lower(), f"${ENV_VAR}"
-    return "auto", "default"
 
 
 def select_backend(ctx):
@@ -72,21 +57,6 @@ def select_backend(ctx):
         raise click.ClickException(f"backend wgpu asked for by {by}, but {e}") from None
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-
-
-def describe_backend(backend) -> str:
-    if backend.name == "wgpu":
-        info = backend.info
-        return (f"wgpu ({info.get('device')}, {info.get('adapter_type')}, "
-                f"{info.get('backend_type')})")
-    return f"{backend.name} (the NumPy reference backend, no GPU)"
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size:
-            return f"{n} ({n / size:.4g} {unit})"
-    return str(n)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -249,315 +219,6 @@ def ops_grad(ctx, names):
     run_cases(title, work)
 
 
-# -- bench matmul ---------------------------------------------------------------------------
-
-def parse_sizes(ctx, param, values) -> list[tuple[int, int, int]]:
-    sizes = []
-    for value in values:
-        for item in value.split(","):
-            parts = item.strip().lower().split("x")
-            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
-                raise click.BadParameter(f"{item!r} is not MxNxK with positive integers, "
-                                         "e.g. 256x512x768")
-            sizes.append(tuple(int(p) for p in parts))
-    return sizes or list(BENCH_SIZES)
-
-
-def median_seconds(fn, repeat: int) -> float:
-    """Median time of `repeat` calls after a warm-up: robust to another process's (or
-    lavapipe's) threads stealing the CPU for one call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
-
-
-@cli.group()
-def bench():
-    """Benchmarks of the wgpu kernels against NumPy."""
-
-
-@bench.command("matmul")
-@click.option("--sizes", multiple=True, callback=parse_sizes, metavar="MxNxK[,...]",
-              help="mul_mat(a [M,K], b [N,K]) -> [N,M] shapes (repeatable or comma-separated). "
-                   f"Default: {','.join('x'.join(map(str, s)) for s in BENCH_SIZES)}.")
-@click.option("--repeat", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Timed runs per shape, after one warm-up run.")
-@click.pass_context
-def bench_matmul(ctx, sizes, repeat):
-    """GFLOP/s of the wgpu mul_mat and of NumPy's matmul on the same shapes.
-
-    wgpu: the mean time of back-to-back runs of a planned graph (one submit each) up to the
-    GPU finishing. NumPy: the median time of `b @ a.T` in float32. Each shape's wgpu result
-    is checked against float64 NumPy before any number is printed.
-    """
-    name, by = backend_choice(ctx)
-    if name == "numpy" and by == "--backend":
-        raise click.UsageError("bench matmul times the wgpu backend against NumPy; "
-                               "--backend numpy leaves nothing to time")
-    backend, why = wgpu_or_reason()
-    if backend is None:
-        raise click.ClickException(f"bench matmul needs a WebGPU adapter: {why}")
-
-    click.echo(f"bench matmul on {describe_backend(backend)}, {repeat} timed runs per shape")
-    click.echo(f"{'M':>5} {'N':>5} {'K':>5}  {'wgpu GFLOP/s':>12}  {'numpy GFLOP/s':>13}  "
-               f"{'wgpu/numpy':>10}  {'max rel err':>11}")
-    rng = np.random.default_rng(0)
-    for m, n, k in sizes:
-        a_val = rng.standard_normal((m, k), dtype=np.float32)
-        b_val = rng.standard_normal((n, k), dtype=np.float32)
-        a, b = ggwgpu.input_tensor((m, k), name="a"), ggwgpu.input_tensor((n, k), name="b")
-        out = ggwgpu.mul_mat(a, b)
-        plan = backend.plan([out])
-        plan.write(a, a_val)
-        plan.write(b, b_val)
-
-        # NumPy first: on a software adapter, lavapipe's threads are busy for a while after
-        # the wgpu runs and would slow NumPy down.
-        t_numpy = median_seconds(lambda: b_val @ a_val.T, repeat)
-
-        # The warm-up run (pipelines compiled) is also the one checked before any timing.
-        plan.run()
-        ref = b_val.astype(np.float64) @ a_val.T.astype(np.float64)
-        rel = float(np.max(np.abs(plan.read(out) - ref)) / max(np.max(np.abs(ref)), 1e-30))
-        if not rel <= BENCH_MAX_REL_ERR:  # also catches NaN
-            raise click.ClickException(
-                f"wgpu mul_mat is wrong for M={m} N={n} K={k}: max relative error {rel:.2e} "
-                f"> {BENCH_MAX_REL_ERR:.0e}; no timing reported")
-
-        # Runs queue up on the GPU in order: submit them back to back, wait once at the end.
-        t0 = time.perf_counter()
-        for _ in range(repeat):
-            plan.run()
-        plan.sync()
-        t_wgpu = (time.perf_counter() - t0) / repeat
-
-        flop = 2.0 * m * n * k
-        g_wgpu, g_numpy = flop / t_wgpu / 1e9, flop / t_numpy / 1e9
-        click.echo(f"{m:>5} {n:>5} {k:>5}  {g_wgpu:>12.2f}  {g_numpy:>13.2f}  "
-                   f"{g_wgpu / g_numpy:>10.3f}  {rel:>11.1e}")
-
-
-# -- bench train ----------------------------------------------------------------------------
-
-# The issue's configs: model shapes and samples per batch.
-BENCH_TRAIN_CONFIGS = {
-    "tiny": dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=352, n_ctx=64, batch=8),
-    "small": dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704, n_ctx=128, batch=8),
-}
-BENCH_TRAIN_MAX_REL_ERR = 1e-3
-
-
-class RandomBatches:
-    """Uniformly random tokens, as a Trainer's batch source: the same batches for the same
-    seed, so every backend trains on the same data."""
-
-    def __init__(self, n_vocab: int, n_ctx: int, batch: int, seed: int = 0):
-        self.shape, self.n_vocab = (batch, n_ctx + 1), n_vocab
-        self.rng, self.taken = np.random.default_rng(seed), 0
-
-    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        tokens = self.rng.integers(0, self.n_vocab, self.shape, dtype=np.int32)
-        self.taken += 1
-        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
-
-    def state(self) -> dict:
-        return {"batches": self.taken}
-
-
-def timed_steps(step, n: int) -> tuple[float, float]:
-    """(the loss of one warm-up step, mean seconds of the next n steps)."""
-    loss = step()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        step()
-    return loss, (time.perf_counter() - t0) / n
-
-
-def torch_llama_step(cfg, options, values: dict, batches):
-    """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
-    returns the loss; None when torch is not importable (it is no dependency of ggwgpu)."""
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return None
-    params = {name: torch.tensor(v, requires_grad=True) for name, v in values.items()}
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2],
-               "weight_decay": options.weight_decay},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=options.lr, betas=(options.beta1, options.beta2),
-                            eps=options.eps)
-    t, rot = cfg.n_ctx, cfg.rot
-    inv_freq = cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * np.arange(rot // 2) / rot)
-    theta = np.arange(t)[:, None] * inv_freq                       # (ctx, rot / 2)
-    cos = torch.tensor(np.cos(theta), dtype=torch.float32)[:, None, :]
-    sin = torch.tensor(np.sin(theta), dtype=torch.float32)[:, None, :]
-    mask = torch.full((t, t), float("-inf")).triu(1)
-    scale = 1.0 / float(np.sqrt(cfg.head_dim))
-
-    def rms_norm(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
-
-    def rope(x):  # (batch, ctx, head, dim), ggml's "normal" mode: pairs (2k, 2k + 1)
-        x0, x1 = x[..., 0:rot:2], x[..., 1:rot:2]
-        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
-        return torch.cat((rotated, x[..., rot:]), -1)
-
-    def step() -> float:
-        inputs, targets = batches.next_batch()
-        b = inputs.shape[0]
-        x = params["token_embd.weight"][torch.from_numpy(inputs).long()]
-        for i in range(cfg.n_layer):
-            w = {name[len(f"blk.{i}."):-len(".weight")]: p for name, p in params.items()
-                 if name.startswith(f"blk.{i}.")}
-            h = rms_norm(x, w["attn_norm"])
-            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, cfg.n_head, cfg.head_dim)
-                       for n in "qkv")
-            q, k, v = (y.transpose(1, 2) for y in (rope(q), rope(k), v))
-            att = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
-            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.n_embd), w["attn_output"])
-            h = rms_norm(x, w["ffn_norm"])
-            x = x + F.linear(F.silu(F.linear(h, w["ffn_gate"])) * F.linear(h, w["ffn_up"]),
-                             w["ffn_down"])
-        logits = F.linear(rms_norm(x, params["output_norm.weight"]), params["output.weight"])
-        loss = F.cross_entropy(logits.reshape(-1, cfg.n_vocab),
-                               torch.from_numpy(targets).long().reshape(-1))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if options.grad_clip:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), options.grad_clip)
-        opt.step()
-        return float(loss)
-
-    return step
-
-
-@bench.command("train")
-@click.option("--config", "config_name", default="tiny", show_default=True,
-              type=click.Choice(sorted(BENCH_TRAIN_CONFIGS)),
-              help="tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; small: vocab "
-                   "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both.")
-@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Timed training steps per backend, after one warm-up step.")
-@click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
-              help="Also time PyTorch CPU training of the same llama, when torch is importable.")
-@click.pass_context
-def bench_train(ctx, config_name, steps, use_torch):
-    """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch CPU.
-
-    Every backend trains the same model (same initial weights, AdamW, lr 1e-3) on the same
-    random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
-    The wgpu and NumPy losses of the warm-up step must agree before any number is printed.
-    For wgpu also: dispatches per step, host µs per dispatch (recording and submitting a
-    step), device ms per step (from its submit until it is done) and the planned memory.
-    """
-    from ggwgpu.backends import NumpyBackend
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
-    from ggwgpu.train import Trainer, TrainOptions
-
-    shapes = dict(BENCH_TRAIN_CONFIGS[config_name])
-    batch = shapes.pop("batch")
-    cfg, options = LlamaConfig(**shapes), TrainOptions(batch=batch, lr=1e-3)
-    name, by = backend_choice(ctx)
-    wgpu_backend, why = (None, f"numpy asked for by {by}") if name == "numpy" \
-        else wgpu_or_reason()
-    if wgpu_backend is None and name == "wgpu":
-        raise click.ClickException(f"backend wgpu asked for by {by}, but {why}")
-
-    def trainer_on(backend):
-        return Trainer(cfg, init_parameters(cfg, 0), backend, options,
-                       RandomBatches(cfg.n_vocab, cfg.n_ctx, batch))
-
-    n_params = sum(v.size for v in init_parameters(cfg, 0).values())
-    tokens = batch * cfg.n_ctx
-    click.echo(f"bench train {config_name}: {n_params / 1e6:.2f} M parameters (vocab "
-               f"{cfg.n_vocab}, embd {cfg.n_embd}, {cfg.n_head} heads, {cfg.n_layer} layers, "
-               f"ff {cfg.n_ff}), {batch} x {cfg.n_ctx} tokens per step, AdamW; 1 warm-up + "
-               f"{steps} timed steps per backend")
-    click.echo("wgpu: " + (describe_backend(wgpu_backend) if wgpu_backend else f"none ({why})"))
-
-    # Correctness first: the warm-up steps, same weights and batch, before any timing.
-    trainers = {"numpy": trainer_on(NumpyBackend())}
-    if wgpu_backend is not None:
-        trainers["wgpu"] = trainer_on(wgpu_backend)
-    warm = {key: tr.train_step()["loss"] for key, tr in trainers.items()}
-    if wgpu_backend is not None:
-        rel = abs(warm["wgpu"] - warm["numpy"]) / max(abs(warm["numpy"]), 1e-30)
-        if not rel <= BENCH_TRAIN_MAX_REL_ERR:  # also catches NaN
-            raise click.ClickException(
-                f"wgpu training is wrong: warm-up loss {warm['wgpu']:.6f}, NumPy's "
-                f"{warm['numpy']:.6f} (relative difference {rel:.2e} > "
-                f"{BENCH_TRAIN_MAX_REL_ERR:.0e}); no timing reported")
-
-    # NumPy and torch before wgpu: lavapipe's threads stay busy for a while after its runs.
-    loss, seconds = {}, {}
-    _, seconds["numpy"] = timed_steps(lambda: trainers["numpy"].train_step()["loss"], steps)
-    loss["numpy"] = warm["numpy"]
-    torch_why = "--no-torch"
-    if use_torch:
-        torch_step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
-                                      RandomBatches(cfg.n_vocab, cfg.n_ctx, batch))
-        torch_why = "not importable"
-        if torch_step is not None:
-            loss["torch"], seconds["torch"] = timed_steps(torch_step, steps)
-    if wgpu_backend is not None:
-        _, seconds["wgpu"] = timed_steps(lambda: trainers["wgpu"].train_step()["loss"], steps)
-        loss["wgpu"] = warm["wgpu"]
-
-    rate = {key: tokens / s for key, s in seconds.items()}
-    click.echo(f"{'backend':<8} {'tokens/s':>10} {'ms/step':>9} {'warm-up loss':>13} "
-               f"{'x torch':>8}")
-    for key in ("wgpu", "numpy", "torch"):
-        if key not in rate:
-            shown = why if key == "wgpu" else torch_why
-            click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({shown})")
-            continue
-        ratio = f"{rate[key] / rate['torch']:.3f}" if "torch" in rate else "-"
-        click.echo(f"{key:<8} {rate[key]:>10.0f} {1e3 * seconds[key]:>9.1f} "
-                   f"{loss[key]:>13.6f} {ratio:>8}")
-    if "torch" in rate:
-        click.echo("ratios: " + ", ".join(f"{key}/torch {rate[key] / rate['torch']:.3f}"
-                                          for key in ("wgpu", "numpy") if key in rate))
-    if "wgpu" in rate:
-        click.echo(f"ratio: wgpu/numpy {rate['wgpu'] / rate['numpy']:.3f}")
-    if wgpu_backend is None:
-        return
-
-    # One planned step, inputs already written: recording + submitting, then the device.
-    plan = trainers["wgpu"].plan
-    n_dispatch = len(plan.recorded)
-    host, device = [], []
-    for _ in range(steps):
-        plan.sync()
-        t0 = time.perf_counter()
-        plan.run()
-        t1 = time.perf_counter()
-        plan.sync()
-        host.append(t1 - t0)
-        device.append(time.perf_counter() - t1)
-    profile = plan.profile()
-    by_kernel = {}
-    for kernel, s in profile:
-        by_kernel[kernel] = by_kernel.get(kernel, 0.0) + s
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:3]
-    click.echo(f"wgpu step: {n_dispatch} dispatches, host {1e6 * np.median(host) / n_dispatch:.2f}"
-               f" µs/dispatch ({1e3 * np.median(host):.2f} ms to record and submit), device "
-               f"{1e3 * np.median(device):.1f} ms/step (submit to done, wall clock)")
-    click.echo(f"wgpu profile (each dispatch waited on alone): "
-               f"{1e3 * sum(s for _, s in profile):.1f} ms; most: " +
-               ", ".join(f"{k} {1e3 * s:.1f} ms" for k, s in top))
-    layout = plan.layout
-    state = 4 * 4 * n_params    # weights, gradients, 2 AdamW moments; float32
-    click.echo(f"wgpu memory (planned): peak {human_bytes(layout.peak_bytes)}, buffers "
-               f"{human_bytes(layout.total_bytes)} ({layout.total_bytes / layout.peak_bytes:.3f}"
-               f" x peak); weights+grads+moments {human_bytes(state)}, peak = "
-               f"{layout.peak_bytes / state:.3f} x that")
-
-
 # -- demo -----------------------------------------------------------------------------------
 
 @cli.command()
@@ -636,20 +297,126 @@ def positive(kind=int):
     return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
 
 
-def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint):
+def default_checkpoint_path(out: str) -> str:
+    """Where a stopped run saves when no --checkpoint-out was given: next to the output,
+    model.gguf -> model.checkpoint.gguf."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.checkpoint{ext or '.gguf'}"
+
+
+def existing_directory(ctx, param, value):
+    """Option callback for output files: their directory must exist before training starts,
+    not only when the result is written."""
+    if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
+        raise click.BadParameter(f"the directory of {value} does not exist")
+    return value
+
+
+def device_errors() -> tuple:
+    """What a failing device raises: wgpu's errors (lost device, out of memory, validation,
+    internal) and MemoryError (the host's, and wgpu's out-of-memory error is one too)."""
+    try:
+        import wgpu
+    except ImportError:
+        return (MemoryError,)
+    return (wgpu.GPUError, MemoryError)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during training. The first asks for a stop at the next step
+    boundary; a second one during a step stops at once (KeyboardInterrupt) without saving;
+    any that arrive while a checkpoint is written (`saving()`) wait until it is complete.
+    Python lets only the main thread install handlers; elsewhere nothing changes."""
+
+    def __init__(self):
+        self.signum, self._saving, self._previous = None, False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and not self._saving:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    @contextlib.contextmanager
+    def saving(self):
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+
+
+def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
+                  checkpoint_path=None, resume_command=None, on_nan: str = "stop"):
     """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
     `save_checkpoint()` every `save_every` steps (0: never) and once at the end. Returns the
-    first and last loss and the seconds taken. The train and finetune commands share it."""
+    first and last loss and the seconds taken. The train and finetune commands share it.
+
+    Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
+    (atomically: the previous file stays whole until the new one is complete) and
+    `resume_command(steps_left)` is the command line that continues from it.
+    - SIGINT, SIGTERM: the step under way finishes, a checkpoint is saved, the command that
+      continues is printed and the process exits with 128 + the signal number.
+    - A step whose loss or gradients are not finite changes nothing (Trainer skips its
+      update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
+      goes on.
+    - The device failing (lost, out of memory) ends the run with an error; nothing of the
+      failed step is saved and the last checkpoint stays.
+    - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
+      previous one stays.
+    """
     import json
+    from ggwgpu.gguf_io import GGUFError
     start = trainer.step
+    first = last = saved = None         # saved: the step of this run's last checkpoint
+    t0, shown, signals = time.perf_counter(), {}, StopSignals()
+
+    def kept() -> str:
+        if saved is not None:
+            return f"{checkpoint_path} holds the checkpoint of step {saved}"
+        return "this run wrote no checkpoint"
+
+    def save():
+        nonlocal saved
+        if saved == trainer.step:
+            return
+        with signals.saving():
+            try:
+                save_checkpoint()
+            except GGUFError as e:
+                raise click.ClickException(f"step {trainer.step}: the checkpoint was not "
+                                           f"written: {e}; {kept()}") from None
+        saved = trainer.step
+
+    def save_and_resume_hint() -> str:
+        if checkpoint_path is None:
+            return "no checkpoint path was given: nothing was saved"
+        save()
+        hint = f"checkpoint of step {trainer.step} saved to {checkpoint_path}"
+        if resume_command is not None:
+            hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
+        return hint
+
     log = open(log_path, "a") if log_path else None
-    first = last = None
-    t0, shown = time.perf_counter(), {}
     try:
-        with click.progressbar(length=steps, label="training", show_eta=True,
-                               item_show_func=lambda _: shown.get("text")) as bar:
+        with signals, click.progressbar(length=steps, label="training", show_eta=True,
+                                        item_show_func=lambda _: shown.get("text")) as bar:
             for _ in range(steps):
-                record = trainer.train_step()
+                try:
+                    record = trainer.train_step()
+                except device_errors() as e:
+                    raise click.ClickException(
+                        f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
+                        f"{e}); nothing of that step was saved; {kept()}") from None
                 elapsed = time.perf_counter() - t0
                 record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
                 first = record["loss"] if first is None else first
@@ -659,21 +426,46 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 if log:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
+                if record["skipped"]:
+                    what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
+                            f"norm {record['grad_norm']:.4g}: not finite, so its update was "
+                            f"skipped")
+                    if on_nan == "stop":
+                        try:
+                            hint = save_and_resume_hint()
+                        except click.ClickException as e:
+                            hint = e.message
+                        raise click.ClickException(
+                            f"{what} and training stops (--on-nan stop; --on-nan skip goes "
+                            f"on without such steps). A learning rate that is too high is "
+                            f"the usual cause. {hint}")
+                    click.echo(f"\n{what} (--on-nan skip)", err=True)
                 if save_every and record["step"] % save_every == 0:
-                    save_checkpoint()
+                    save()
                 bar.update(1)
+                if signals.signum:
+                    break
+            if signals.signum and trainer.step - start < steps:
+                name = signal.Signals(signals.signum).name
+                click.echo(f"\n{name}: stopped after step {trainer.step}; "
+                           f"{save_and_resume_hint()}", err=True)
+                raise SystemExit(128 + signals.signum)
+            if save_every:
+                save()
+    except KeyboardInterrupt:
+        click.echo(f"\nstopped at once by a second signal in step {trainer.step + 1}, which "
+                   f"was not saved; {kept()}", err=True)
+        raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
     finally:
         if log:
             log.close()
-    if save_every:
-        save_checkpoint()
     return first, last, time.perf_counter() - t0
 
 
 @cli.command()
 @click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="model.gguf", show_default=True, type=click.Path(dir_okay=False),
-              help="The trained model, a llama GGUF.")
+              callback=existing_directory, help="The trained model, a llama GGUF.")
 @click.option("--vocab-model", type=click.Path(exists=True, dir_okay=False),
               help="Use the vocabulary of this llama GGUF (default: bytes, no file needed).")
 @click.option("--n-embd", default=128, show_default=True, type=positive())
@@ -710,14 +502,19 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
 @click.option("--flash-attn", is_flag=True, help="Fused attention (same results, less memory).")
 @click.option("--checkpointing", is_flag=True,
               help="Gradient checkpointing: recompute activations, keep block outputs only.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
 @click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
               help="Resume from this checkpoint (model, optimizer, data order, options).")
-@click.option("--checkpoint-out", type=click.Path(dir_okay=False),
-              help="Write a checkpoint here (atomically) every --save-every steps and at the end.")
+@click.option("--checkpoint-out", type=click.Path(dir_okay=False), callback=existing_directory,
+              help="Write a checkpoint here (atomically) every --save-every steps and at the "
+                   "end. A run stopped by SIGINT/SIGTERM or a non-finite step saves here too "
+                   "(default: next to --out, model.gguf -> model.checkpoint.gguf).")
 @click.option("--save-every", default=100, show_default=True, type=positive())
-@click.option("--log", "log_path", type=click.Path(dir_okay=False),
+@click.option("--log", "log_path", type=click.Path(dir_okay=False), callback=existing_directory,
               help="Append a JSON line per step here.")
+@click.option("--on-nan", default="stop", show_default=True, type=click.Choice(["stop", "skip"]),
+              help="A step with a non-finite loss or gradient never updates the model; then "
+                   "stop (saving a checkpoint) or skip the step and go on.")
 @click.option("--predict", default=0, show_default=True, type=click.IntRange(min=0),
               help="At the end, sample this many tokens from the trained model (prompt: the "
                    "text's first line; generate's default sampling, --seed).")
@@ -726,7 +523,7 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
           rope_freq_base, rope_freq_scale, norm_eps, batch, grad_accum, samples_after_nl, steps,
           epochs, optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
           cos_decay_steps, cos_decay_min, cos_decay_restart, restarts, flash_attn,
-          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path,
+          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path, on_nan,
           predict):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
@@ -738,12 +535,6 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, TrainOptions, token_digest, unigram_entropy
-
-    try:
-        text = data.read_texts(texts) if texts else data.bundled_corpus()
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    source = ", ".join(texts) if texts else "the bundled corpus (Shakespeare)"
 
     if checkpoint_in:
         try:
@@ -770,6 +561,11 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                                flash_attn=flash_attn, checkpointing=checkpointing, seed=seed)
         values, opt_state, state, step = init_parameters(cfg, seed), None, None, 0
 
+    try:
+        text = data.read_texts(texts) if texts else data.bundled_corpus()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    source = ", ".join(texts) if texts else "the bundled corpus (Shakespeare)"
     tokens = tokenizer.encode(text)
     digest = token_digest(tokens)
     if state is not None and state.get("tokens_digest") != digest:
@@ -788,7 +584,13 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
         steps = max(1, round(epochs * samples.n_samples / (options.batch * options.grad_accum)))
 
     backend = select_backend(ctx)
-    trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
+    try:
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
+    except ShapeError as e:  # a tensor over the device's limits, among others
+        raise click.ClickException(str(e)) from None
+    except device_errors() as e:
+        raise click.ClickException(f"the device failed while planning the train step "
+                                   f"({type(e).__name__}: {e})") from None
     entropy = unigram_entropy(tokens)
     click.echo(f"train on {describe_backend(backend)}")
     click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
@@ -799,15 +601,38 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens" +
                (f", resuming at step {step}" if step else ""))
 
+    checkpoint_path = checkpoint_out or default_checkpoint_path(out)
+
     def save_checkpoint():
         state = {**trainer.state(), "tokens_digest": digest}
-        gguf_io.save_checkpoint(checkpoint_out, cfg, trainer.parameters(), tokenizer,
+        gguf_io.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
                                 trainer.optimizer_state(), state)
+
+    def resume_command(steps_left: int) -> str:
+        """The command line that continues this run from checkpoint_path."""
+        args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
+        args += ["train", *texts, "--checkpoint-in", checkpoint_path, "--steps",
+                 str(steps_left), "--out", out]
+        if checkpoint_out:
+            args += ["--checkpoint-out", checkpoint_out, "--save-every", str(save_every)]
+        if samples_after_nl:
+            args.append("--samples-after-nl")
+        if log_path:
+            args += ["--log", log_path]
+        if on_nan != "stop":
+            args += ["--on-nan", on_nan]
+        if predict:
+            args += ["--predict", str(predict), "--seed", str(seed)]
+        return shlex.join(args)
 
     first, last, seconds = training_loop(trainer, steps, log_path,
                                          save_every if checkpoint_out else 0,
-                                         save_checkpoint)
-    gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
+                                         save_checkpoint, checkpoint_path, resume_command,
+                                         on_nan)
+    try:
+        gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
                f"in {seconds:.0f} s; model written to {out}")
     if predict:
@@ -819,12 +644,12 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
 
 # -- generate -------------------------------------------------------------------------------
 
-def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed):
+def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=()):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
     from ggwgpu.generate import Decoder, TextStream, generate_tokens, prompt_tokens
     t0 = time.perf_counter()
-    decoder = Decoder(backend, cfg, values)
+    decoder = Decoder(backend, cfg, values, adapters=adapters)
     ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
@@ -861,9 +686,11 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed):
 @click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
               type=click.IntRange(min=0), help="Context tokens the repeat penalty looks at.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
+@click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, repeat_last_n,
-             seed):
+             seed, lora_paths):
     """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
@@ -871,8 +698,10 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
     full, the window slides to BOS plus its last half and is recomputed.
     """
     from ggwgpu import gguf_io
+    from ggwgpu.lora import load_adapter
     try:
         cfg, values, tokenizer = gguf_io.load_model(model)
+        adapters = [load_adapter(path, cfg) for path in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
     if not prompt and tokenizer.bos_id is None:
@@ -881,8 +710,22 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
     click.echo(f"generate on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, "
                f"seed {seed}", err=True)
     sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n)
-    stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed)
+    stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed, adapters)
 
+
+try:
+    from .bench import bench
+    from .finetune import finetune_command, merge_command
+    from .quantize import quantize_command
+except ImportError:  # run as a script: python cli/main.py
+    from bench import bench
+    from finetune import finetune_command, merge_command
+    from quantize import quantize_command
+
+cli.add_command(bench)
+cli.add_command(quantize_command)
+cli.add_command(finetune_command)
+cli.add_command(merge_command)
 
 if __name__ == "__main__":
     cli()

@@ -24,6 +24,7 @@ class Layout:
     slot_of: dict         # block key -> buffer index
     slot_bytes: list      # size of each buffer
     peak_bytes: int       # the most bytes live at once (what reuse can reach at best)
+    peak_keys: frozenset = frozenset()   # the blocks live at that moment
 
     @property
     def total_bytes(self) -> int:
@@ -38,6 +39,7 @@ def pack(blocks: list[Block]) -> Layout:
     by_start = sorted(blocks, key=lambda b: (b.first, -b.nbytes))
     ending = sorted(blocks, key=lambda b: b.last)
     live_bytes = peak = 0
+    live, peak_keys = set(), frozenset()
     e = 0
     for b in by_start:
         while e < len(ending) and ending[e].last < b.first:   # blocks dead before b starts
@@ -45,6 +47,7 @@ def pack(blocks: list[Block]) -> Layout:
             if done.key in slot_of:
                 free.append(slot_of[done.key])
                 live_bytes -= done.nbytes
+                live.discard(done.key)
             e += 1
         fits = [s for s in free if slot_bytes[s] >= b.nbytes]
         if fits:
@@ -59,5 +62,7 @@ def pack(blocks: list[Block]) -> Layout:
             slot_bytes.append(b.nbytes)
         slot_of[b.key] = slot
         live_bytes += b.nbytes
-        peak = max(peak, live_bytes)
-    return Layout(slot_of, slot_bytes, peak)
+        live.add(b.key)
+        if live_bytes > peak:
+            peak, peak_keys = live_bytes, frozenset(live)
+    return Layout(slot_of, slot_bytes, peak, peak_keys)

@@ -108,17 +108,19 @@ class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
     two plans on `backend`, built once: a max_ctx-token graph for prefills and a one-token
     graph for steps. Each plan holds its own copy of the weights (plans share no buffers); a
-    prefill hands its cache to the step plan (one read and one write of the cache)."""
+    prefill hands its cache to the step plan (one read and one write of the cache).
+    `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does."""
 
-    def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None):
+    def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None,
+                 adapters=()):
         self.cfg = cfg
         self.max_ctx = int(max_ctx or cfg.n_ctx)
         if self.max_ctx < 2:
             raise ValueError(f"generation needs a context of at least 2 tokens, got "
                              f"{self.max_ctx}")
         self.prefill_graph = build_decode_graph(cfg, values, self.max_ctx, self.max_ctx,
-                                                name="prefill kv cache")
-        self.step_graph = build_decode_graph(cfg, values, 1, self.max_ctx)
+                                                name="prefill kv cache", adapters=adapters)
+        self.step_graph = build_decode_graph(cfg, values, 1, self.max_ctx, adapters=adapters)
         self.prefill_plan = backend.plan([self.prefill_graph.logits])
         self.step_plan = backend.plan([self.step_graph.logits])
         self.past = 0      # positions in the step plan's cache

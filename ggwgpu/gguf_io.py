@@ -2,15 +2,18 @@
 
 Model file (`save_model` / `load_model`)
     general.architecture "llama", general.name, general.type "model", general.file_type 0
-    (all f32); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
+    (0: all f32, else the block type holding most values: 1 MOSTLY_F16, 2 MOSTLY_Q4_0,
+    7 MOSTLY_Q8_0); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
     .attention.head_count, .attention.head_count_kv (= head_count), .rope.dimension_count,
     .rope.freq_base, .attention.layer_norm_rms_epsilon, .vocab_size, and, when
     rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
     1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor); the tokenizer's
     tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
-    hyper-parameters come back exactly rather than rounded to float32. Tensors: the f32
+    hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`), shapes in NumPy order (gguf-py
-    writes them reversed, as ggml's ne).
+    writes them reversed, as ggml's ne); f32, or F16 / Q8_0 / Q4_0 for `Quantized` values
+    (frozen weights, ggwgpu.quant), written as their raw blocks. Reading takes F32, F16,
+    Q8_0 and Q4_0 tensors.
 
 Checkpoint (`save_checkpoint` / `load_checkpoint`): the model file above plus
     ggwgpu.checkpoint.version        uint32, CHECKPOINT_VERSION; marks the file as a checkpoint
@@ -35,7 +38,9 @@ a failure leaves it untouched and removes the temporary file. Nothing non-finite
 
 Reading checks the file's layout (magic, version, every count, length and offset against the
 file size) before gguf-py parses it, then the keys, tensor types and shapes against the
-hyper-parameters. Every problem is a `GGUFError` naming the file and the key or tensor.
+hyper-parameters. Every problem is a `GGUFError` naming the file and the key or tensor (the
+tokenizer's `VocabError` is one too), never another exception, a hang or an allocation sized
+by a forged count: tests/test_gguf_fuzz.py holds the loaders to that on mutated files.
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import secrets
 import struct
 import warnings
@@ -54,6 +60,7 @@ from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuan
                   GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
 from .models.llama import LlamaConfig, parameter_shapes
+from .quant import Quantized, dequantize
 from .tensor import ShapeError
 
 ARCH = "llama"
@@ -104,6 +111,13 @@ _INT_TYPES = {_T.UINT8, _T.INT8, _T.UINT16, _T.INT16, _T.UINT32, _T.INT32, _T.UI
 _FLOAT_TYPES = {_T.FLOAT32, _T.FLOAT64}
 
 
+# Frozen weight types (ggwgpu.quant) as GGUF tensor types and llama.cpp file types.
+GGML_TYPES = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
+              "q4_0": GGMLQuantizationType.Q4_0}
+FILE_TYPES = {"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
+              "q4_0": LlamaFileType.MOSTLY_Q4_0}
+
+
 class GGUFError(ValueError):
     """A GGUF file cannot be written or read: the message names the file, the key or tensor,
     and the problem."""
@@ -115,7 +129,8 @@ def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | No
     """Write a llama GGUF that llama.cpp loads: the keys and tensors of the module docstring.
 
     `params` maps every name of `parameter_shapes(cfg)` to a float array of that shape (any
-    float dtype; written as f32). `tokenizer.gguf_metadata()` gives the tokenizer.ggml.* keys.
+    float dtype; written as f32) or a `Quantized` value (written as its GGUF type, bytes
+    unchanged). `tokenizer.gguf_metadata()` gives the tokenizer.ggml.* keys.
     `extra` adds metadata keys, typed like the tokenizer's (str, bool, int -> uint32, float
     -> float32, lists of str/int/float); it may replace general.name but no other key.
     Raises GGUFError before anything is written if a name, shape or value is wrong; the write
@@ -128,7 +143,17 @@ def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | No
                       f"llama models whose rope dimension count is not the head size",
                       stacklevel=2)
     metadata = _model_metadata(path, cfg, tokenizer, extra)
+    metadata[K_FILE_TYPE] = (int(_file_type(tensors)), _T.UINT32)
     _write_gguf(path, metadata, tensors)
+
+
+def _file_type(tensors) -> LlamaFileType:
+    """llama.cpp's general.file_type: the block type that holds most values, else all f32."""
+    counts = {}
+    for t in tensors.values():
+        if isinstance(t, Quantized):
+            counts[t.dtype] = counts.get(t.dtype, 0) + int(np.prod(t.shape))
+    return FILE_TYPES[max(counts, key=counts.get)] if counts else LlamaFileType.ALL_F32
 
 
 def save_checkpoint(path, cfg: LlamaConfig, params: dict, tokenizer, opt_state: dict,
@@ -196,6 +221,14 @@ def _count(value):
 
 
 def _checked_array(path, name, value, shape, what) -> np.ndarray:
+    if isinstance(value, Quantized):
+        if value.shape != tuple(shape):
+            raise GGUFError(f"{path}: cannot write {what}: tensor {name} has shape "
+                            f"{value.shape}, the config needs {tuple(shape)}")
+        if not np.isfinite(dequantize(value)).all():
+            raise GGUFError(f"{path}: cannot write {what}: tensor {name} holds non-finite "
+                            f"values (NaN or infinity)")
+        return value
     array = np.asarray(value)
     if array.shape != tuple(shape):
         raise GGUFError(f"{path}: cannot write {what}: tensor {name} has shape {array.shape}, "
@@ -338,7 +371,11 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
                 if key != K_ARCH:
                     writer.add_key_value(key, value, vtype)
             for name, array in tensors.items():
-                writer.add_tensor(name, array)
+                if isinstance(array, Quantized):     # raw blocks, one row of bytes per row
+                    rows = array.data.reshape(array.shape[:-1] + (-1,))
+                    writer.add_tensor(name, rows, raw_dtype=GGML_TYPES[array.dtype])
+                else:
+                    writer.add_tensor(name, array)
             writer.write_header_to_file()
             writer.write_kv_data_to_file()
             writer.write_tensors_to_file()
@@ -373,14 +410,18 @@ def _fsync_directory(directory: Path):
 
 # -- reading ----------------------------------------------------------------------------------
 
-def load_model(path):
-    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's f32/f16 llama files) and return
-    (cfg, params, tokenizer): params as float32 arrays that own their memory (f16 tensors
-    converted), tokenizer from `tokenizer.tokenizer_from_metadata`. A missing output.weight
-    (tied embeddings) becomes a copy of token_embd.weight. Raises GGUFError."""
+def load_model(path, keep_quantized: bool = False):
+    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's f32/f16/q8_0/q4_0 llama files)
+    and return (cfg, params, tokenizer): params as float32 arrays that own their memory (F16,
+    Q8_0 and Q4_0 tensors dequantized), tokenizer from `tokenizer.tokenizer_from_metadata`.
+    With keep_quantized, 2-D tensors stored as F16, Q8_0 or Q4_0 come back as `Quantized`
+    values in their storage type instead (frozen weights for `constant()`; 1-D ones, the
+    norms, are still converted). A missing output.weight (tied embeddings) becomes a copy of
+    token_embd.weight. Other tensor types raise a GGUFError naming tensor and type."""
     f = _GGUFFile(path)
     cfg, tokenizer = _read_model(f)
-    return cfg, _read_params(f, cfg, checkpoint=K_CKPT_VERSION in f.meta), tokenizer
+    params = _read_params(f, cfg, K_CKPT_VERSION in f.meta, keep_quantized)
+    return cfg, params, tokenizer
 
 
 def load_checkpoint(path):
@@ -429,11 +470,17 @@ def load_checkpoint(path):
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must be a string")
     try:
         train_state = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:       # RecursionError: forged deep nesting
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is not valid JSON ({e})") from None
     if not isinstance(train_state, dict):
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must hold a JSON object")
     return cfg, params, tokenizer, opt_state, train_state
+
+
+def read_metadata(path) -> dict[str, object]:
+    """Every metadata key of a GGUF file (key -> Python value), after the layout check.
+    Raises GGUFError."""
+    return _GGUFFile(path).meta
 
 
 def _read_model(f: "_GGUFFile"):
@@ -457,6 +504,9 @@ def _read_model(f: "_GGUFFile"):
         raise GGUFError(f"{f.path}: {K_EMBD} = {n_embd} is not divisible by {K_HEADS} = "
                         f"{n_head}")
     hp["n_rot"] = f.int_key(K_ROT, default=n_embd // n_head)
+    if hp["n_rot"] % 2 or hp["n_rot"] > n_embd // n_head:
+        raise GGUFError(f"{f.path}: {K_ROT} = {hp['n_rot']} must be even and at most the head "
+                        f"size {K_EMBD} / {K_HEADS} = {n_embd // n_head}")
     scaling = f.meta.get(K_SCALING_TYPE, RopeScalingType.LINEAR.value)
     if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
         raise GGUFError(f"{f.path}: {K_SCALING_TYPE} {scaling!r} is not supported (only "
@@ -481,7 +531,7 @@ def _read_model(f: "_GGUFFile"):
     from .tokenizer import tokenizer_from_metadata
     try:
         tokenizer = tokenizer_from_metadata(meta)
-    except ValueError as e:
+    except GGUFError as e:
         raise GGUFError(f"{f.path}: bad vocabulary: {e}") from None
 
     # A forged block count must not make us enumerate billions of tensor names.
@@ -503,9 +553,10 @@ def _exact_config(f: "_GGUFFile", cfg: LlamaConfig) -> LlamaConfig:
         return cfg
     try:
         exact = LlamaConfig(**json.loads(raw))
-    except (ValueError, TypeError):
-        return cfg                          # a stale or foreign hint: the llama.* keys rule
-    for key, (value, vtype) in _hparams(exact).items():
+        written = _hparams(exact)
+    except Exception:  # noqa: BLE001 - a stale, foreign or forged hint: the llama.* keys rule
+        return cfg
+    for key, (value, vtype) in written.items():
         stored = f.meta.get(key)
         if stored is None:
             return cfg
@@ -519,17 +570,22 @@ def _exact_config(f: "_GGUFFile", cfg: LlamaConfig) -> LlamaConfig:
     return exact
 
 
-def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool) -> dict[str, np.ndarray]:
+def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool,
+                 keep_quantized: bool = False) -> dict[str, np.ndarray | Quantized]:
     shapes = parameter_shapes(cfg)
     for name in f.tensors:
         if name not in shapes and not (checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX)):
-            raise GGUFError(f"{f.path}: unexpected tensor {name}: a llama with these "
-                            f"hyper-parameters has no such parameter")
+            block = re.fullmatch(r"blk\.(\d+)\..*", name)
+            why = (f"{K_LAYERS} = {cfg.n_layer} has no block {block[1]}"
+                   if block and int(block[1]) >= cfg.n_layer
+                   else "a llama with these hyper-parameters has no such parameter")
+            raise GGUFError(f"{f.path}: unexpected tensor {name}: {why}")
     params = {}
     for name, shape in shapes.items():
         if name not in f.tensors:
             if name == "output.weight":     # tied embeddings, as llama.cpp allows
-                params[name] = params["token_embd.weight"].copy()
+                tied = params["token_embd.weight"]
+                params[name] = tied if isinstance(tied, Quantized) else tied.copy()
                 continue
             raise GGUFError(f"{f.path}: tensor {name} is missing")
         got = f.numpy_shape(name)
@@ -537,7 +593,7 @@ def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool) -> dict[str
                 and got[0] != cfg.n_vocab:
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
-        params[name] = f.tensor_f32(name, shape)
+        params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
     return params
 
 
@@ -598,15 +654,25 @@ class _GGUFFile:
 
     def tensor_f32(self, name, shape) -> np.ndarray:
         """Tensor `name` as a float32 array of `shape` that owns its memory."""
+        return self.tensor_value(name, shape)
+
+    def tensor_value(self, name, shape, keep_quantized=False):
+        """Tensor `name` of `shape`, owning its memory: a float32 array, or with
+        keep_quantized a `Quantized` value when it is stored as F16, Q8_0 or Q4_0."""
         t = self.tensors[name]
-        if t.tensor_type not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
+        dtype = next((k for k, v in GGML_TYPES.items() if v == t.tensor_type), None)
+        if t.tensor_type != GGMLQuantizationType.F32 and dtype is None:
             raise GGUFError(f"{self.path}: tensor {name} has type {t.tensor_type.name}; ggwgpu "
-                            f"reads F32 and F16 tensors only")
+                            f"reads F32, {', '.join(v.name for v in GGML_TYPES.values())} "
+                            f"tensors only")
         got = self.numpy_shape(name)
         if got != tuple(shape):
             raise GGUFError(f"{self.path}: tensor {name} has shape {got} (NumPy order) but the "
                             f"hyper-parameters need {tuple(shape)}")
-        return np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
+        if dtype is None:
+            return np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
+        value = Quantized(dtype, shape, np.array(t.data, copy=True).view(np.uint8).reshape(-1))
+        return value if keep_quantized else dequantize(value)
 
 
 def field_value(field):
@@ -738,6 +804,9 @@ def _check_layout(path: Path):
         infos, names = [], set()
         for i in range(n_tensors):
             name = cur.text(f"name of tensor {i}")
+            if len(name.encode("utf-8")) > MAX_TENSOR_NAME:     # as ggml refuses them too
+                raise GGUFError(f"{path}: the name of tensor {i} ({name[:20]!r}...) is longer "
+                                f"than ggml's {MAX_TENSOR_NAME} bytes")
             if name in names:
                 raise GGUFError(f"{path}: tensor {name} occurs twice")
             names.add(name)

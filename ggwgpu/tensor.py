@@ -7,15 +7,22 @@ are the one place that converts, for the shaders.
 A tensor either owns its storage (leaves and most op results, always contiguous) or is a
 view into the storage of `view_src` (view, reshape, permute, transpose, cpy), which makes
 views zero-copy: the shaders read any tensor through its strides and offset.
+
+Frozen weights may be stored in ggml's block types f16, q8_0 and q4_0 (ggwgpu/quant.py):
+such tensors are constants (or views of them), never params or op results. Their storage
+is the raw blocks, held by the backends as u32 words (`storage_dtype`, `storage_len`).
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .quant import QUANT_TYPES, Quantized, quantize, storage_bytes
+
 MAX_DIMS = 4
 
-# Storage types. f16 and the quantized block types join this table later.
+# Element types of inputs, params and op results; frozen constants may also be QUANT_TYPES.
 DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+WORD = np.dtype(np.uint32)   # the storage unit of the block types on both backends
 
 
 class ShapeError(ValueError):
@@ -55,8 +62,11 @@ class Tensor:
     def __init__(self, shape, dtype="f32", *, op=None, srcs=(), params=None, strides=None,
                  offset=0, view_src=None, name=None, value=None, is_param=False):
         self.shape = check_shape(shape, name or op or "tensor")
-        if dtype not in DTYPES:
+        if dtype not in DTYPES and dtype not in QUANT_TYPES:
             raise ShapeError(f"{name or op or 'tensor'}: unknown dtype {dtype!r}")
+        if dtype in QUANT_TYPES and value is None and view_src is None:
+            raise ShapeError(f"{name or op or 'tensor'}: {dtype} holds frozen weights: only "
+                             f"constants (and views of them) can have it")
         self.dtype = dtype
         self.strides = tuple(strides) if strides is not None else contiguous_strides(self.shape)
         self.offset = int(offset)
@@ -80,6 +90,23 @@ class Tensor:
     @property
     def np_dtype(self) -> np.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def is_quantized(self) -> bool:
+        """Stored in a block type (f16, q8_0, q4_0): raw blocks, read by ops/quant.py."""
+        return self.dtype in QUANT_TYPES
+
+    @property
+    def storage_dtype(self) -> np.dtype:
+        """The NumPy type a backend holds this tensor's storage in."""
+        return WORD if self.is_quantized else DTYPES[self.dtype]
+
+    @property
+    def storage_len(self) -> int:
+        """Storage units (elements, or u32 words of blocks rounded up) this tensor's values take."""
+        if self.is_quantized:
+            return -(-storage_bytes(self.dtype, self.nelements) // WORD.itemsize)
+        return self.nelements
 
     @property
     def ne(self) -> tuple[int, int, int, int]:
@@ -121,6 +148,9 @@ def input_tensor(shape, dtype="f32", name=None) -> Tensor:
 
 def param(value, name=None) -> Tensor:
     """A trainable leaf with an initial value; build_backward computes its gradient."""
+    if isinstance(value, Quantized):
+        raise ShapeError(f"{name or 'param'}: a {value.dtype} weight is frozen; make it a "
+                         f"constant() (params are f32)")
     value = np.asarray(value, dtype=np.float32)
     if value.ndim == 0:
         value = value.reshape(1)
@@ -128,7 +158,15 @@ def param(value, name=None) -> Tensor:
 
 
 def constant(value, dtype="f32", name=None) -> Tensor:
-    """A leaf with a fixed value, uploaded once when a graph is planned."""
+    """A leaf with a fixed value, uploaded once when a graph is planned.
+
+    A `Quantized` value (ggwgpu.quant) gives a frozen weight of its block type, stored on the
+    device as its raw blocks; a float array with dtype "f16", "q8_0" or "q4_0" is quantized
+    first. mul_mat and get_rows read such weights directly (ops/quant.py)."""
+    if dtype in QUANT_TYPES and not isinstance(value, Quantized):
+        value = quantize(value, dtype)
+    if isinstance(value, Quantized):
+        return Tensor(value.shape, value.dtype, name=name, value=value)
     value = np.asarray(value, dtype=DTYPES[dtype])
     if value.ndim == 0:
         value = value.reshape(1)

@@ -18,6 +18,7 @@ from . import ops as O
 from .backends.numpy_backend import NumpyBackend
 from .graph import build_backward
 from .ops.registry import Case, OpDef
+from .quant import QUANT_TYPES, quantize
 from .tensor import constant, input_tensor
 
 SENTINEL = 37           # guard elements on each side of every storage block
@@ -46,6 +47,12 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
     leaves, values, srcs = [], {}, []
     for k, spec in enumerate(case.inputs):
         shape = tuple(spec.shape)
+        if spec.dtype in QUANT_TYPES:  # a frozen weight: a constant, quantized random values
+            leaf = constant(quantize(rng.uniform(spec.lo, spec.hi, shape), spec.dtype),
+                            name=f"in{k}")
+            leaves.append(leaf)
+            srcs.append(leaf)
+            continue
         if spec.layout == "permuted" and len(shape) > 1:
             axes = tuple(reversed(range(len(shape))))
             leaf = input_tensor(tuple(shape[a] for a in axes), spec.dtype, name=f"in{k}")

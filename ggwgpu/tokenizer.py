@@ -26,9 +26,10 @@ llm_tokenizer_spm_session; special tokens not parsed):
 from __future__ import annotations
 
 import heapq
-from pathlib import Path
 
 import numpy as np
+
+from . import gguf_io
 
 # llama.cpp's token types (tokenizer.ggml.token_type values).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -37,8 +38,9 @@ SPACE_PIECE = "\u2581"      # '▁': SentencePiece's visible space
 KEY = "tokenizer.ggml."
 
 
-class VocabError(ValueError):
-    """A vocabulary is missing, malformed or of a kind ggwgpu cannot tokenize with."""
+class VocabError(gguf_io.GGUFError):
+    """A vocabulary is missing, malformed or of a kind ggwgpu cannot tokenize with. A
+    GGUFError, so that callers reading GGUF files catch one exception type."""
 
 
 def byte_piece(b: int) -> str:
@@ -328,13 +330,29 @@ _OWN_KEYS = {KEY + k for k in ("model", "tokens", "scores", "token_type", "bos_t
                                "add_bos_token", "add_eos_token")}
 
 
+_ITEM_TYPES = {str: (str,), int: (int, np.integer), float: (float, int, np.number)}
+
+
 def _as_list(meta: dict, key: str, kind):
+    if key not in meta:
+        return None
+    value = meta[key]
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
+        raise VocabError(f"{key} must be an array, got {type(value).__name__}")
+    items = value.tolist() if isinstance(value, np.ndarray) else list(value)
+    if not all(isinstance(v, _ITEM_TYPES[kind]) for v in items):
+        raise VocabError(f"{key} must be an array of {_ITEM_TYPES[kind][0].__name__}s")
+    return [kind(v) for v in items]
+
+
+def _token_id(meta: dict, key: str):
+    """An id key's value as an int, None when absent."""
     value = meta.get(key)
     if value is None:
         return None
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-        raise VocabError(f"{key} must be an array, got {type(value).__name__}")
-    return [kind(v) for v in (value.tolist() if isinstance(value, np.ndarray) else value)]
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise VocabError(f"{key} must be an integer, got {value!r}")
+    return int(value)
 
 
 def tokenizer_from_metadata(meta: dict):
@@ -361,8 +379,8 @@ def tokenizer_from_metadata(meta: dict):
     special = {}
     for name, key, default in (("bos_id", "bos_token_id", 1), ("eos_id", "eos_token_id", 2),
                                ("unk_id", "unknown_token_id", 0)):
-        value = meta.get(KEY + key)
-        special[name] = int(value) if value is not None else (
+        value = _token_id(meta, KEY + key)
+        special[name] = value if value is not None else (
             default if default < len(tokens) else None)
     extra = {k: v for k, v in meta.items() if k.startswith(KEY) and k not in _OWN_KEYS}
 
@@ -377,32 +395,19 @@ def tokenizer_from_metadata(meta: dict):
 
 
 def read_metadata(path) -> dict[str, object]:
-    """The tokenizer.ggml.* keys of a GGUF file, as Python values."""
-    from gguf import GGUFReader
-
-    from .gguf_io import field_value
-    path = Path(path)
-    if not path.exists():
-        raise VocabError(f"{path}: no such file")
-    if path.is_dir():
-        raise VocabError(f"{path}: is a directory, not a GGUF file")
+    """The tokenizer.ggml.* keys of a GGUF file, as Python values. The file goes through
+    gguf_io's layout check; its errors come back as VocabErrors naming the file."""
     try:
-        reader = GGUFReader(path)
-    except Exception as e:  # noqa: BLE001 - any failure to parse means "not a GGUF file"
-        raise VocabError(f"{path}: not a GGUF file ({e})") from None
-    meta = {}
-    for name, field in reader.fields.items():
-        if name.startswith(KEY):
-            try:
-                meta[name] = field_value(field)
-            except UnicodeDecodeError as e:
-                raise VocabError(f"{path}: {name} holds a string that is not UTF-8 ({e})") from None
-    return meta
+        meta = gguf_io.read_metadata(path)
+    except gguf_io.GGUFError as e:
+        raise VocabError(str(e)) from None
+    return {k: v for k, v in meta.items() if k.startswith(KEY)}
 
 
 def load_vocab(path):
     """The tokenizer of a GGUF file's tokenizer.ggml.* keys (`tokenizer_from_metadata`).
-    Errors (no file, not a GGUF, no or unsupported vocabulary) are VocabErrors naming it."""
+    Errors (no file, a malformed GGUF, no or unsupported vocabulary) are VocabErrors (so
+    GGUFErrors) naming it."""
     meta = read_metadata(path)
     try:
         return tokenizer_from_metadata(meta)

@@ -4,6 +4,11 @@ One training step is one planned graph, built and planned once: the forward of a
 backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter. Per step
 the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
 host, as in ggml) and reads back the loss and the gradient norm.
+
+A step whose loss or gradients are not finite changes nothing: every gradient is multiplied
+by finite_gate (NaN then) and the optimizer kernels leave an element alone where its gradient
+is not finite. The step still counts (its batch is used up, the schedule moves on); its record
+says "skipped", and what to do next (stop or go on) is the caller's choice.
 """
 from __future__ import annotations
 
@@ -72,6 +77,16 @@ def clip_scale(grads, max_norm: float):
     return sumsq, O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
 
 
+def finite_gate(*scalars):
+    """A graph scalar: 1 when all `scalars` (one-element tensors) are finite, else NaN, as
+    0 * x + 1 (0 * inf is NaN). Clipping alone is not enough: its factor 0 turns only the
+    infinite entries into NaN and would let the finite ones take a partial step."""
+    total = scalars[0]
+    for s in scalars[1:]:
+        total = O.add(total, s)
+    return O.add(O.scale(total, 0.0), constant(np.ones(1, np.float32), name="one"))
+
+
 class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
@@ -88,6 +103,8 @@ class Trainer:
         if options.grad_accum > 1:
             grads, accumulated = self.accumulate(grads, options.grad_accum)
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
+        gate = finite_gate(self.sumsq, g.loss)
+        factor = gate if factor is None else O.mul(factor, gate)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
         adamw = options.optimizer == "adamw"
@@ -95,8 +112,7 @@ class Trainer:
         self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
         self.moments, updates = {}, []
         for p, grad in grads.items():
-            if factor is not None:
-                grad = O.mul(grad, factor)
+            grad = O.mul(grad, factor)
             decay = p.ndim >= 2
             if not adamw:
                 updates.append(O.opt_step_sgd(p, grad, self.hparams, decay))
@@ -116,11 +132,13 @@ class Trainer:
         """Gradient accumulation inside the one planned graph: each micro-batch adds its
         gradient into a persistent sum (restarted by keep = 0 on the first micro-batch), and
         the update sees sum / n. The micro-batches before the last run the update with
-        hyper-parameters that make it an exact no-op (see train_step)."""
+        hyper-parameters that make it an exact no-op (see train_step). keep = 0 cannot clear
+        a NaN (NaN * 0 is NaN): train_step zeroes the sums after a non-finite step."""
         self.keep = input_tensor((1,), name="keep accumulated")
-        averaged, persist = {}, []
+        averaged, persist, self.grad_sums = {}, [], []
         for p, grad in grads.items():
             total = constant(np.zeros(p.shape, np.float32), name=f"{p.name}.grad_sum")
+            self.grad_sums.append(total)
             new_total = O.add(O.mul(total, self.keep), grad)
             persist.append(O.cpy(new_total, total))
             averaged[p] = O.scale(new_total, 1.0 / n)
@@ -158,11 +176,19 @@ class Trainer:
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)
             self.plan.run(feeds)
-            loss += float(self.plan.read(g.loss)[0]) / n
-        grad_norm = math.sqrt(float(self.plan.read(self.sumsq)[0]))
+            if i < n - 1:
+                loss += float(self.plan.read(g.loss)[0]) / n
+        # the last loss and the gradient norm come back together: one wait for the device
+        last, sumsq = self.plan.read_many([g.loss, self.sumsq])
+        loss += float(last[0]) / n
+        grad_norm = math.sqrt(float(sumsq[0]))
+        skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
+        if skipped and n > 1:  # the NaN in the gradient sums must not reach later steps
+            for total in self.grad_sums:
+                self.plan.write(total, np.zeros(total.shape, np.float32))
         self.step += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": self.step * self.step_tokens}
+                "tokens": self.step * self.step_tokens, "skipped": skipped}
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: self.plan.read(p) for name, p in self.graph.params.items()}

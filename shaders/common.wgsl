@@ -51,6 +51,40 @@ fn at_1(idx: vec4u) -> u32 { return p.off.z + dot(idx, p.nb_1); }
 fn at_2(idx: vec4u) -> u32 { return p.off.w + dot(idx, p.nb_2); }
 fn at_3(idx: vec4u) -> u32 { return p.off3.x + dot(idx, p.nb_3); }
 
+// Matrix products (matmul.wgsl, matmul_subgroup.wgsl): element offsets of batch entry
+// `batch` of dst, src0 (a, broadcast over b as ggml does: b's entry j reads a's j / ratio)
+// and src1 (b).
+fn product_bases(batch: u32) -> vec3u {
+    let i2 = batch % p.ne_d.z;
+    let i3 = batch / p.ne_d.z;
+    return vec3u(p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w,
+                 p.off.y + (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z
+                         + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w,
+                 p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w);
+}
+
+// The same bindings read as vec4s (for kernels that checked the alignment; no entry point
+// may use both views of one binding).
+@group(0) @binding(1) var<storage, read_write> dst_v4: array<vec4f>;
+@group(0) @binding(2) var<storage, read_write> src0_v4: array<vec4f>;
+@group(0) @binding(3) var<storage, read_write> src1_v4: array<vec4f>;
+
+// Writes dst[n, m .. m + 3] of a product (dst base offset d) through dst_v4: one vec4 store
+// where dst rows allow it, else element by element; columns >= M are skipped.
+fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {
+    let M = p.ne_d.x;
+    if (p.nb_d.x == 1u && p.nb_d.y % 4u == 0u && d % 4u == 0u && m + 4u <= M) {
+        dst_v4[(d + n * p.nb_d.y + m) / 4u] = v;
+        return;
+    }
+    for (var r = 0u; r < 4u; r++) {
+        if (m + r < M) {
+            let i = d + n * p.nb_d.y + (m + r) * p.nb_d.x;
+            dst_v4[i / 4u][i % 4u] = v[r];
+        }
+    }
+}
+
 // Row kernels: one workgroup per row of src0. Element i of a row is vec4u(i, r.yzw), with r
 // the row's start index.
 fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }

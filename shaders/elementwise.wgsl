@@ -42,9 +42,30 @@ fn k_add1(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nw
 fn k_silu_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
     let j = ix(i);
-    let x = src0[j.y];
+    dst[j.x] = silu_grad(src0[j.y], src1[j.z]);
+}
+
+// silu'(x) * dy.
+fn silu_grad(x: f32, dy: f32) -> f32 {
     let s = 1.0 / (1.0 + exp(-x));
-    dst[j.x] = src1[j.z] * s * (1.0 + x * (1.0 - s));
+    return dy * s * (1.0 + x * (1.0 - s));
+}
+
+// swiglu: dst = silu(a) * b; src0 = a, src1 = b (same shape).
+@compute @workgroup_size(WG)
+fn k_swiglu(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let j = ix(i);
+    let a = src0[j.y];
+    dst[j.x] = a / (1.0 + exp(-a)) * src1[j.z];
+}
+
+// swiglu_back: dst = silu'(a) * dy * b; src0 = a, src1 = b, src2 = dy (same shape).
+@compute @workgroup_size(WG)
+fn k_swiglu_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);
+    dst[at_d(idx)] = silu_grad(src0[at_0(idx)], src2[at_2(idx)] * src1[at_1(idx)]);
 }
 
 const GELU_A: f32 = 0.044715;

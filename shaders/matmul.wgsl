@@ -1,9 +1,13 @@
 // mul_mat (ggml semantics): src0 a [.., M, K], src1 b [.., N, K] -> dst [.., N, M],
 // dst[n, m] = sum_k a[m, k] * b[n, k]. In ggml order: ne_0 = (K, M, a2, a3),
-// ne_1 = (K, N, b2, b3), ne_d = (M, N, b2, b3); b's batch entry j reads a's j / (b / a).
-// Any strides (out_prod binds transposed views). Each invocation computes a 4x4 tile of dst
-// in registers; out-of-range rows are clamped on load and skipped on store.
+// ne_1 = (K, N, b2, b3), ne_d = (M, N, b2, b3); a is broadcast over b's batch entries
+// (product_bases in common.wgsl). Out-of-range rows are clamped on load, skipped on store.
+// Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
+// k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
+// arranges, and are chosen per adapter.
 
+// k_mul_mat: any strides (out_prod's transposed views, K % 4 != 0). Each invocation
+// computes a 4x4 tile of dst in registers.
 @compute @workgroup_size(WG)
 fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let t = flat_id(gid, nwg); if (t >= p.n) { return; }
@@ -13,19 +17,13 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
     let bm = (M + 3u) / 4u;
     let bn = (N + 3u) / 4u;
     let m0 = (t % bm) * 4u;
-    let rest = t / bm;
-    let n0 = (rest % bn) * 4u;
-    let batch = rest / bn;
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let a_base = p.off.y + (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z
-                         + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let b_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let n0 = ((t / bm) % bn) * 4u;
+    let base = product_bases(t / (bm * bn));
     var a_row: vec4u;
     var b_row: vec4u;
     for (var r = 0u; r < 4u; r++) {
-        a_row[r] = a_base + min(m0 + r, M - 1u) * p.nb_0.y;
-        b_row[r] = b_base + min(n0 + r, N - 1u) * p.nb_1.y;
+        a_row[r] = base.y + min(m0 + r, M - 1u) * p.nb_0.y;
+        b_row[r] = base.z + min(n0 + r, N - 1u) * p.nb_1.y;
     }
     var acc: array<vec4f, 4>;  // acc[n][m]
     for (var k = 0u; k < K; k++) {
@@ -37,60 +35,67 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
         acc[2] += av * src1[b_row.z + kb];
         acc[3] += av * src1[b_row.w + kb];
     }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 4u; j++) {
         if (n0 + j >= N) { break; }
         for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
+            if (m0 + r < M) { dst[base.x + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
         }
     }
 }
 
-// mul_mat_v4: the same product when both operands are contiguous along K, K % 4 == 0 and
-// every offset and row stride is a multiple of 4 (checked when the plan is made), reading
-// vec4s. Each invocation computes an 8x8 tile: 16 vec4 loads feed 256 multiply-adds. Measured
-// on lavapipe this beats shared-memory tiling, whose barriers are costly on a CPU.
-@group(0) @binding(2) var<storage, read_write> src0_v4: array<vec4f>;
-@group(0) @binding(3) var<storage, read_write> src1_v4: array<vec4f>;
+// k_mul_mat_tiled, for GPUs: a workgroup of 16 x 16 invocations computes a 64 x 64 tile of
+// dst, each invocation a 4 x 4 block of it. Per step of 16 along K the workgroup stages
+// 64 x 16 of a and of b in workgroup memory (one vec4 load per invocation each), transposed
+// so that the inner loop reads 4 consecutive m (or n) as one vec4. Operands: contiguous
+// along K, K % 4 == 0, offsets and row strides multiples of 4 (ops/matmul.py).
+const TILE = 64u;
+const TILE_K4 = 4u;                                // 16 along K, in vec4s
+var<workgroup> tile_a: array<vec4f, 256>;          // [k][m / 4]: 16 x 64 of a
+var<workgroup> tile_b: array<vec4f, 256>;          // [k][n / 4]: 16 x 64 of b
 
-@compute @workgroup_size(WG)
-fn k_mul_mat_v4(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    let t = flat_id(gid, nwg); if (t >= p.n) { return; }
+@compute @workgroup_size(256)
+fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
+                   @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K4 = p.ne_0.x / 4u;
-    let bm = (M + 7u) / 8u;
-    let bn = (N + 7u) / 8u;
-    let m0 = (t % bm) * 8u;
-    let rest = t / bm;
-    let n0 = (rest % bn) * 8u;
-    let batch = rest / bn;
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    // in vec4 units
-    let a_base = (p.off.y + (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z
-                          + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w) / 4u;
-    let b_base = (p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w) / 4u;
-    var a_row: array<u32, 8>;
-    var b_row: array<u32, 8>;
-    for (var r = 0u; r < 8u; r++) {
-        a_row[r] = a_base + min(m0 + r, M - 1u) * (p.nb_0.y / 4u);
-        b_row[r] = b_base + min(n0 + r, N - 1u) * (p.nb_1.y / 4u);
-    }
-    var acc: array<array<f32, 8>, 8>;  // acc[n][m]
-    for (var k = 0u; k < K4; k++) {
-        var av: array<vec4f, 8>;
-        for (var r = 0u; r < 8u; r++) { av[r] = src0_v4[a_row[r] + k]; }
-        for (var j = 0u; j < 8u; j++) {
-            let bv = src1_v4[b_row[j] + k];
-            for (var r = 0u; r < 8u; r++) { acc[j][r] += dot(av[r], bv); }
+    let bm = (M + TILE - 1u) / TILE;
+    let bn = (N + TILE - 1u) / TILE;
+    let m0 = (g % bm) * TILE;
+    let n0 = ((g / bm) % bn) * TILE;
+    let base = product_bases(g / (bm * bn));
+    // staging: this invocation loads row `row` of the tile, vec4 number `kq` of the step
+    let row = lid / TILE_K4;
+    let kq = lid % TILE_K4;
+    let a_row = base.y / 4u + min(m0 + row, M - 1u) * (p.nb_0.y / 4u);
+    let b_row = base.z / 4u + min(n0 + row, N - 1u) * (p.nb_1.y / 4u);
+    let at = kq * 4u * 16u + row / 4u;                 // tile index of (k = 4 kq, row)
+    // compute: 4 consecutive m at tx * 4, 4 consecutive n at ty * 4
+    let tx = lid % 16u;
+    let ty = lid / 16u;
+    var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
+    for (var k0 = 0u; k0 < K4; k0 += TILE_K4) {
+        let inside = k0 + kq < K4;
+        let av = select(vec4f(), src0_v4[a_row + min(k0 + kq, K4 - 1u)], inside);
+        let bv = select(vec4f(), src1_v4[b_row + min(k0 + kq, K4 - 1u)], inside);
+        for (var i = 0u; i < 4u; i++) {
+            tile_a[at + i * 16u][row % 4u] = av[i];
+            tile_b[at + i * 16u][row % 4u] = bv[i];
         }
-    }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
-    for (var j = 0u; j < 8u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 8u; r++) {
-            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
+        workgroupBarrier();
+        for (var k = 0u; k < 16u; k++) {
+            let a = tile_a[k * 16u + tx];
+            let b = tile_b[k * 16u + ty];
+            acc[0] += a * b.x;
+            acc[1] += a * b.y;
+            acc[2] += a * b.z;
+            acc[3] += a * b.w;
         }
+        workgroupBarrier();
+    }
+    for (var j = 0u; j < 4u; j++) {
+        let n = n0 + ty * 4u + j;
+        if (n < N) { store_product4(base.x, n, m0 + tx * 4u, acc[j]); }
     }
 }

@@ -1,6 +1,17 @@
 // Row normalisations: one workgroup per row, p.n rows; p.f.x = eps.
 // src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides
-// (row_start and workgroup_sum4 in common.wgsl).
+// (row_start and workgroup_sum4 in common.wgsl). rms_norm_mul(_back) add a weight w that
+// tiles x (ggml broadcasting).
+
+// 1 / sqrt(mean(x^2) + eps) of the row of src0 that starts at r.
+fn rms_scale(lid: u32, r: vec4u) -> f32 {
+    var ss = 0.0;
+    for (var i = lid; i < p.ne_0.x; i += WG) {
+        let x = src0[at_0(vec4u(i, r.yzw))];
+        ss += x * x;
+    }
+    return 1.0 / sqrt(workgroup_sum(lid, ss) / f32(p.ne_0.x) + p.f.x);
+}
 
 // rms_norm: y = x / sqrt(mean(x^2) + eps).
 @compute @workgroup_size(WG)
@@ -9,16 +20,25 @@ fn k_rms_norm(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }  // uniform per workgroup: barriers stay in uniform control flow
     let r = row_start(row);
-    let n = p.ne_0.x;
-    var ss = 0.0;
-    for (var i = lid.x; i < n; i += WG) {
-        let x = src0[at_0(vec4u(i, r.yzw))];
-        ss += x * x;
-    }
-    let rs = 1.0 / sqrt(workgroup_sum(lid.x, ss) / f32(n) + p.f.x);
-    for (var i = lid.x; i < n; i += WG) {
+    let rs = rms_scale(lid.x, r);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
         dst[at_d(idx)] = src0[at_0(idx)] * rs;
+    }
+}
+
+// rms_norm_mul: y = x / sqrt(mean(x^2) + eps) * w, src1 = w tiling x (ggml broadcasting):
+// llama's weighted norm in one pass.
+@compute @workgroup_size(WG)
+fn k_rms_norm_mul(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+                  @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let rs = rms_scale(lid.x, r);
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = src0[at_0(idx)] * rs * src1[at_1(idx % p.ne_1)];
     }
 }
 
@@ -45,6 +65,32 @@ fn k_rms_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_
     for (var i = lid.x; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
         dst[at_d(idx)] = rs * (src1[at_1(idx)] - src0[at_0(idx)] * k);
+    }
+}
+
+// rms_norm_mul_back: rms_norm_back with dy * w in place of dy; src0 x, src1 w (tiling x),
+// src2 dy: dx = r * (dy * w - x * r^2 * mean(dy * w * x)).
+@compute @workgroup_size(WG)
+fn k_rms_norm_mul_back(@builtin(local_invocation_id) lid: vec3u,
+                       @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    var xx = 0.0;
+    var dx = 0.0;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        let x = src0[at_0(idx)];
+        xx += x * x;
+        dx += src2[at_2(idx)] * src1[at_1(idx % p.ne_1)] * x;
+    }
+    let sums = workgroup_sum4(lid.x, vec4f(xx, dx, 0.0, 0.0)) / f32(n);
+    let rs = 1.0 / sqrt(sums.x + p.f.x);
+    let k = rs * rs * sums.y;
+    for (var i = lid.x; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = rs * (src2[at_2(idx)] * src1[at_1(idx % p.ne_1)] - src0[at_0(idx)] * k);
     }
 }
 

@@ -1,3 +1,11 @@
+// Optimizer steps leave a parameter element and its moments as they are where its gradient
+// is not finite (the trainer makes every gradient of a non-finite step NaN, so the whole
+// update is skipped).
+
+// Finite from the exponent bits: WGSL lets compilers assume no NaN or infinity, so a float
+// test such as g - g == 0.0 may be folded away.
+fn is_finite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
+
 // opt_step_adamw, one invocation per parameter element, in place:
 // dst = param (contiguous), src0 = grad (any strides), src1 = m, src2 = v (contiguous, same
 // shape), src3 = hparams [alpha, beta1, beta2, eps, wd, beta1h, beta2h]; p.u.x: decay or not.
@@ -12,6 +20,7 @@ fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     let eps = src3[h + 3u];
     let wd = select(0.0, src3[h + 4u], p.u.x != 0u);
     let g = src0[at_0(idx)];
+    if (!is_finite(g)) { return; }
     let im = at_1(idx);
     let iv = at_2(idx);
     let m = src1[im] * beta1 + g * (1.0 - beta1);
@@ -30,6 +39,8 @@ fn k_opt_step_sgd(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgr
     let idx = unravel(i, p.ne_d);
     let lr = src1[p.off.z];
     let wd = select(0.0, src1[p.off.z + 1u], p.u.x != 0u);
+    let g = src0[at_0(idx)];
+    if (!is_finite(g)) { return; }
     let d = at_d(idx);
-    dst[d] = dst[d] * (1.0 - lr * wd) - lr * src0[at_0(idx)];
+    dst[d] = dst[d] * (1.0 - lr * wd) - lr * g;
 }

@@ -4,6 +4,7 @@ Tests marked "default backend" run wherever get_backend() sends them (wgpu when 
 exists, else NumPy); without an adapter they still run, but fail under
 GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback).
 """
+import json
 import os
 import re
 
@@ -13,6 +14,7 @@ from click.testing import CliRunner
 import ggwgpu
 from ggwgpu import testing
 from ggwgpu.backends import ENV_VAR
+from ggwgpu_cli import bench as cli_bench
 from ggwgpu_cli import main as cli_main
 
 REQUIRE_ADAPTER = os.environ.get("GGWGPU_REQUIRE_ADAPTER") == "1"
@@ -138,21 +140,27 @@ def test_demo_loss_falls_tenfold_on_the_default_backend():
     assert last < first / 10
 
 
-def test_bench_matmul_prints_a_ratio_per_shape():
+def test_bench_matmul_prints_a_ratio_per_shape(tmp_path):
     if not has_adapter():
         result = invoke("bench", "matmul", "--sizes", "64x64x64", "--repeat", "2")
         assert result.exit_code == 1
         assert "needs a WebGPU adapter" in result.output
         return
-    result = invoke("bench", "matmul", "--sizes", "64x64x64,16x8x4", "--repeat", "2")
+    out = tmp_path / "matmul.json"
+    result = invoke("bench", "matmul", "--sizes", "64x64x64,16x8x4", "--repeat", "2",
+                    "--json", str(out))
     assert result.exit_code == 0, result.output
     assert "wgpu/numpy" in result.output
     rows = [line.split() for line in result.output.splitlines()
             if re.match(r"\s*(64\s+64\s+64|16\s+8\s+4)\s", line)]
     assert len(rows) == 2, result.output
     for row in rows:
-        wgpu_gflops, numpy_gflops, ratio, rel_err = map(float, row[3:])
-        assert ratio > 0 and rel_err <= cli_main.BENCH_MAX_REL_ERR
+        wgpu_gflops, numpy_gflops, ratio, rel_err = map(float, row[3:7])
+        assert ratio > 0 and rel_err <= cli_bench.BENCH_MAX_REL_ERR
+        assert int(row[7]) >= 1                                 # dispatches
+    shapes = json.loads(out.read_text())["shapes"]
+    assert [(r["m"], r["n"], r["k"]) for r in shapes] == [(64, 64, 64), (16, 8, 4)]
+    assert all(r["memory"]["planned"] >= 4 * (r["m"] + r["n"]) * r["k"] for r in shapes)
 
 
 def test_bench_matmul_reports_no_numbers_from_a_wrong_kernel(monkeypatch):
@@ -179,17 +187,158 @@ def test_bench_matmul_refuses_the_numpy_backend():
     assert "nothing to time" in result.output
 
 
-def test_bench_train_checks_the_losses_and_prints_tokens_per_s():
+def test_bench_train_checks_the_losses_and_prints_tokens_per_s(tmp_path):
     adapter = has_adapter()
-    result = invoke("bench", "train", "--config", "tiny", "--steps", "1", "--no-torch")
+    out = tmp_path / "train.json"
+    result = invoke("bench", "train", "--config", "tiny", "--steps", "1", "--no-torch",
+                    "--json", str(out))
     assert result.exit_code == 0, result.output
     rows = {line.split()[0]: line.split() for line in result.output.splitlines()
             if re.match(r"(wgpu|numpy|torch)\s+([\d.]+|-)\s", line)}
     assert float(rows["numpy"][1]) > 0                      # tokens/s
     assert "(--no-torch)" in result.output
+    report = json.loads(out.read_text())
+    assert report["tokens_per_s"]["numpy"] > 0 and "torch" not in report["tokens_per_s"]
     if adapter:
         wgpu_loss, numpy_loss = float(rows["wgpu"][3]), float(rows["numpy"][3])
-        assert abs(wgpu_loss - numpy_loss) <= cli_main.BENCH_TRAIN_MAX_REL_ERR * numpy_loss
-        assert "ratio: wgpu/numpy" in result.output
+        assert abs(wgpu_loss - numpy_loss) <= cli_bench.BENCH_TRAIN_MAX_REL_ERR * numpy_loss
+        assert "wgpu/numpy" in result.output
         assert re.search(r"wgpu step: \d+ dispatches, host [\d.]+ µs/dispatch", result.output)
         assert "wgpu memory (planned): peak" in result.output
+        stats = report["wgpu"]
+        assert stats["dispatches"] == int(re.search(r"(\d+) dispatches", result.output)[1])
+        memory = stats["memory"]
+        assert memory["weights"] == memory["gradients"] > 0
+        assert memory["peak"] <= memory["planned"]
+
+
+def test_bench_ops_times_each_op_on_both_backends(tmp_path):
+    if not has_adapter():
+        result = invoke("bench", "ops")
+        assert result.exit_code == 1
+        return
+    out = tmp_path / "ops.json"
+    result = invoke("bench", "ops", "--top", "50", "--repeat", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    ops = report["ops"]
+    # the fused llama ops: 2 norms per block and the output norm, a gate per block
+    assert ops["rms_norm_mul"]["nodes"] == 2 * (2 * 4 + 1)   # forward, and in dw
+    assert ops["swiglu"]["nodes"] == 2 * 4 and ops["swiglu_back"]["nodes"] == 4
+    assert sum(r["dispatches"] for r in ops.values()) == report["wgpu"]["dispatches"]
+    assert all(r["numpy_ms"] > 0 for r in ops.values() if r["nodes"])
+    shown = [line.split()[0] for line in result.output.splitlines()
+             if line.split() and line.split()[0] in ops]
+    assert set(shown) == set(ops)
+
+
+def test_bench_memory_plans_with_and_without_checkpointing(tmp_path):
+    out = tmp_path / "memory.json"
+    result = invoke("bench", "memory", "--layers", "1,4", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["n_layer"], r["checkpointing"]) for r in rows] == \
+        [(1, False), (1, True), (4, False), (4, True)]
+    for r in rows:
+        assert r["weights"] == r["gradients"] and r["state"] >= 2 * r["weights"]
+        assert r["activations"] > 0 and r["peak"] <= r["planned"] <= 1.25 * r["sum"]
+    assert rows[2]["weights"] > rows[0]["weights"]
+    assert invoke("bench", "memory", "--layers", "0").exit_code == 2
+
+# -- finetune, merge, generate --lora -------------------------------------------------------
+
+def tiny_base(path, dtype=None, n_embd=16, n_ff=32, seed=1):
+    """A byte-vocabulary llama GGUF at `path` (matrices in `dtype` when given)."""
+    from ggwgpu import gguf_io
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.quant import quantize_model
+    from ggwgpu.tokenizer import ByteTokenizer
+    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=n_embd, n_head=2, n_layer=2,
+                      n_ff=n_ff, n_ctx=16)
+    values = init_parameters(cfg, seed)
+    gguf_io.save_model(path, cfg, quantize_model(values, dtype) if dtype else values,
+                       ByteTokenizer())
+    return path
+
+
+def finetune(tmp_path, base, *args, backend=("--backend", "numpy")):
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        text.write_text("To be, or not to be, that is the question.\n" * 40)
+    return invoke(*backend, "finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2",
+                  "--warmup", "2", *args)
+
+
+def log_losses(path):
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
+
+
+def test_finetune_resumed_from_its_checkpoint_equals_an_uninterrupted_run(tmp_path):
+    from ggwgpu.lora import load_adapter
+    base = tiny_base(tmp_path / "base.gguf")
+    lora = ("--lora-r", "2", "--rank-tok-embd", "3", "--rank-wk", "0", "--lora-layers", "1")
+    r = finetune(tmp_path, base, *lora, "--steps", "4", "--out", str(tmp_path / "a.gguf"),
+                 "--log", str(tmp_path / "straight.jsonl"))
+    assert r.exit_code == 0, r.output
+    assert "LoRA alpha 4 on 8 weights" in r.output       # token_embd, output, 6 in block 1
+    ckpt, log = tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    for args in (lora + ("--checkpoint-out", str(ckpt)), ("--checkpoint-in", str(ckpt))):
+        r = finetune(tmp_path, base, *args, "--steps", "2", "--out", str(tmp_path / "b.gguf"),
+                     "--log", str(log))
+        assert r.exit_code == 0, r.output
+    assert "resuming at step 2" in r.output
+    assert log_losses(log) == log_losses(tmp_path / "straight.jsonl")
+    straight, resumed = load_adapter(tmp_path / "a.gguf"), load_adapter(tmp_path / "b.gguf")
+    assert "blk.1.attn_q.weight.lora_a" in straight.tensors
+    assert "blk.1.attn_k.weight.lora_a" not in straight.tensors
+    assert straight.tensors["token_embd.weight.lora_b"].shape == (16, 3)
+    for name, value in straight.tensors.items():
+        assert (resumed.tensors[name] == value).all(), name
+
+    r = finetune(tmp_path, tiny_base(tmp_path / "other.gguf", seed=2), "--steps", "1",
+                 "--checkpoint-in", str(ckpt))
+    assert r.exit_code == 2 and "another base model" in r.output
+    r = finetune(tmp_path, base, "--steps", "1", "--checkpoint-in", str(ckpt), "--full")
+    assert r.exit_code == 2 and "drop --full" in r.output
+
+
+def test_full_finetune_resumes_exactly_and_refuses_a_quantized_base(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    straight = tmp_path / "straight.jsonl"
+    assert finetune(tmp_path, base, "--full", "--steps", "4", "--log", str(straight),
+                    "--out", str(tmp_path / "a.gguf")).exit_code == 0
+    ckpt, log = tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    for args in (("--checkpoint-out", str(ckpt)), ("--checkpoint-in", str(ckpt))):
+        r = finetune(tmp_path, base, "--full", *args, "--steps", "2", "--log", str(log),
+                     "--out", str(tmp_path / "b.gguf"))
+        assert r.exit_code == 0, r.output
+    assert log_losses(log) == log_losses(straight)
+    r = finetune(tmp_path, tiny_base(tmp_path / "other.gguf", seed=2), "--full", "--steps",
+                 "1", "--checkpoint-in", str(ckpt))
+    assert r.exit_code == 2 and "another base model" in r.output
+    r = finetune(tmp_path, tiny_base(tmp_path / "q8.gguf", "q8_0", 32, 64), "--full")
+    assert r.exit_code == 2 and "q8_0" in r.output
+
+
+def test_generate_with_lora_writes_what_the_merged_model_writes(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    adapter, merged = tmp_path / "adapter.gguf", tmp_path / "merged.gguf"
+    assert finetune(tmp_path, base, "--steps", "3", "--out", str(adapter)).exit_code == 0
+    r = invoke("merge", str(base), str(adapter), "--out", str(merged))
+    assert r.exit_code == 0, r.output
+    sample = ("--backend", "numpy", "generate", "-p", "To be", "-n", "24", "--temp", "0")
+    with_lora = invoke(*sample[:3], str(base), *sample[3:], "--lora", str(adapter))
+    assert with_lora.exit_code == 0, with_lora.output
+    assert with_lora.stdout == invoke(*sample[:3], str(merged), *sample[3:]).stdout
+    r = invoke(*sample[:3], str(merged), *sample[3:], "--lora", str(base))
+    assert r.exit_code == 1 and "general.type is 'model'" in r.output
+
+
+def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):
+    has_adapter()
+    base = tiny_base(tmp_path / "q4.gguf", "q4_0", 32, 64)
+    adapter = tmp_path / "adapter.gguf"
+    r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=())
+    assert r.exit_code == 0, r.output
+    r = invoke("generate", str(base), "--lora", str(adapter), "-p", "To", "-n", "8")
+    assert r.exit_code == 0, r.output

@@ -389,7 +389,8 @@ def test_tensor_with_wrong_shape_missing_or_unexpected(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     path = forge(tmp_path / "a.gguf", tensors={"blk.0.attn_q.weight": np.zeros((8, 8), np.int32)})
     raises_naming(path, "blk.0.attn_q.weight", "I32")
-    # a quantized tensor: Q8_0, blocks of 32 values in 34 bytes (n_embd 32 for whole blocks)
+    # a quantized type ggwgpu does not read: Q4_1, blocks of 32 values in 20 bytes (n_embd 32
+    # for whole blocks)
     cfg = LlamaConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     path = tmp_path / "q.gguf"
     writer = GGUFWriter(path, "llama")
@@ -398,15 +399,15 @@ def test_unsupported_tensor_type(tmp_path):
             writer.add_key_value(key, value, vtype)
     for name, shape in parameter_shapes(cfg).items():
         if name == "blk.0.attn_q.weight":
-            writer.add_tensor(name, np.zeros((32, 34), np.uint8),
-                              raw_dtype=GGMLQuantizationType.Q8_0)
+            writer.add_tensor(name, np.zeros((32, 20), np.uint8),
+                              raw_dtype=GGMLQuantizationType.Q4_1)
         else:
             writer.add_tensor(name, np.zeros(shape, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    raises_naming(path, "blk.0.attn_q.weight", "Q8_0")
+    raises_naming(path, "blk.0.attn_q.weight", "Q4_1")
 
 
 def test_vocabulary_size_mismatch(tmp_path):
@@ -442,3 +443,156 @@ def test_checkpoint_specific_errors(tmp_path):
     gguf_io._write_gguf(path, meta, model())
     raises_naming(path, "training.state_json", "missing", loader=load_checkpoint)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+# -- hostile layouts, byte by byte ------------------------------------------------------------
+
+def after_string(data, text):
+    """Offset just past the GGUF string `text` (u64 length, then UTF-8 bytes) in `data`."""
+    raw = text.encode()
+    return data.index(len(raw).to_bytes(8, "little") + raw) + 8 + len(raw)
+
+
+def patched(data, at, value, size):
+    return data[:at] + value.to_bytes(size, "little") + data[at + size:]
+
+
+@pytest.fixture
+def model_bytes(tmp_path):
+    save_model(tmp_path / "m.gguf", TINY, model(), TinyVocab())
+    return (tmp_path / "m.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("where, value, size, words", [
+    # (offset of the field in the bytes, value (or value of the bytes), field size, words
+    # the message must have)
+    (lambda d: 4, 0x03000000, 4, ["big-endian"]),
+    (lambda d: 4, 1, 4, ["version 1"]),
+    (lambda d: after_string(d, "general.name") + 4, 2 ** 62, 8, ["value of key general.name"]),
+    (lambda d: after_string(d, "llama.context_length"), 99, 4,
+     ["key llama.context_length", "unknown value type 99"]),
+    (lambda d: after_string(d, "tokenizer.ggml.scores") + 4, 99, 4,
+     ["key tokenizer.ggml.scores", "unknown value type 99"]),
+    (lambda d: after_string(d, "tokenizer.ggml.scores") + 8, 2 ** 62, 8,
+     ["array items of key tokenizer.ggml.scores"]),
+    (lambda d: after_string(d, "blk.0.attn_q.weight"), 5, 4,
+     ["tensor blk.0.attn_q.weight", "5 dimensions"]),
+    (lambda d: after_string(d, "blk.0.attn_q.weight") + 4, 2 ** 64 - 1, 8,
+     ["data of tensor blk.0.attn_q.weight"]),
+    (lambda d: after_string(d, "blk.0.attn_q.weight") + 20, 99, 4,
+     ["tensor blk.0.attn_q.weight", "unknown type 99"]),
+    (lambda d: after_string(d, "blk.0.attn_q.weight") + 24, 2 ** 64 - 1, 8,
+     ["tensor blk.0.attn_q.weight", "not a multiple of the alignment"]),
+    (lambda d: after_string(d, "blk.0.attn_q.weight") + 24, 2 ** 63, 8,
+     ["data of tensor blk.0.attn_q.weight", "the file ends at"]),
+    (lambda d: after_string(d, "output.weight") + 24, len, 8,          # the file's size
+     ["data of tensor output.weight", "the file ends at"]),
+])
+def test_forged_header_fields(tmp_path, model_bytes, where, value, size, words):
+    path = tmp_path / "forged.gguf"
+    value = value(model_bytes) if callable(value) else value
+    path.write_bytes(patched(model_bytes, where(model_bytes), value, size))
+    raises_naming(path, *words)
+
+
+def test_tensor_dimensions_whose_product_overflows_64_bits(tmp_path, model_bytes):
+    # 2^32 x 2^32 elements: 0 in uint64 arithmetic, so only exact arithmetic catches it
+    at = after_string(model_bytes, "blk.0.attn_q.weight") + 4
+    data = patched(patched(model_bytes, at, 2 ** 32, 8), at + 8, 2 ** 32, 8)
+    (tmp_path / "f.gguf").write_bytes(data)
+    raises_naming(tmp_path / "f.gguf", "blk.0.attn_q.weight", "ends at byte")
+
+
+def test_duplicates_and_non_utf8_names(tmp_path, model_bytes):
+    path = tmp_path / "f.gguf"
+    for old, new, words in [
+            (b"tokenizer.ggml.model", b"llama.context_length", ["key llama.context_length occurs twice"]),
+            (b"blk.0.attn_k.weight", b"blk.0.attn_q.weight", ["tensor blk.0.attn_q.weight occurs twice"]),
+            (b"llama.block_count", b"llama.block_coun\xff", ["not UTF-8"])]:
+        path.write_bytes(model_bytes.replace(old, new, 1))
+        raises_naming(path, *words)
+    value = after_string(model_bytes, "general.name") + 4 + 8      # past its type and length
+    path.write_bytes(model_bytes[:value] + b"\xff" + model_bytes[value + 1:])
+    raises_naming(path, "general.name", "not UTF-8")
+
+
+def test_tensor_names_longer_than_ggml_allows(tmp_path):
+    path = forge(tmp_path / "m.gguf", tensors={"blk.0." + "9" * 70: np.ones(2, np.float32)})
+    raises_naming(path, "longer than ggml's 63 bytes")
+
+
+def test_alignment_key_must_be_a_power_of_two_uint32(tmp_path):
+    path = forge(tmp_path / "a.gguf", set_keys={"general.alignment": (24, T.UINT32)})
+    raises_naming(path, "general.alignment", "power of two")
+    path = forge(tmp_path / "b.gguf", set_keys={"general.alignment": ("32", T.STRING)})
+    raises_naming(path, "general.alignment", "uint32")
+
+
+@pytest.mark.parametrize("keys, tensors, words", [
+    ({"llama.attention.head_count": (3, T.UINT32),
+      "llama.attention.head_count_kv": (3, T.UINT32)}, {},
+     ["llama.embedding_length = 8 is not divisible by llama.attention.head_count = 3"]),
+    ({"llama.rope.dimension_count": (3, T.UINT32)}, {}, ["llama.rope.dimension_count = 3"]),
+    ({"llama.rope.dimension_count": (6, T.UINT32)}, {},
+     ["llama.rope.dimension_count = 6", "head size"]),
+    ({"llama.block_count": (2, T.UINT32)}, {}, ["llama.block_count = 2", "tensors"]),
+    ({}, {"blk.1.attn_norm.weight": np.ones(8, np.float32)},
+     ["unexpected tensor blk.1.attn_norm.weight", "llama.block_count = 1 has no block 1"]),
+    ({}, {"blk.0.attn_q.weight": np.zeros((4, 8), np.float32)},
+     ["blk.0.attn_q.weight", "(4, 8)", "(8, 8)"]),
+    ({"llama.embedding_length": (6, T.UINT32), "llama.rope.dimension_count": (2, T.UINT32)}, {},
+     ["token_embd.weight", "(11, 8)", "(11, 6)"]),
+    ({}, {"output.weight": np.zeros((12, 8), np.float32)},
+     ["vocabulary size mismatch", "output.weight has 12 rows", "11 tokens"]),
+])
+def test_shapes_that_contradict_the_hyper_parameters(tmp_path, keys, tensors, words):
+    raises_naming(forge(tmp_path / "m.gguf", set_keys=keys, tensors=tensors), *words)
+
+
+def test_vocabulary_errors_are_gguf_errors(tmp_path, model_bytes):
+    from ggwgpu.tokenizer import VocabError, load_vocab
+    assert issubclass(VocabError, GGUFError)
+    path = tmp_path / "m.gguf"
+    path.write_bytes(model_bytes[:len(model_bytes) // 3])
+    raises_naming(path, "truncated", loader=load_vocab)
+    tokens = forge(tmp_path / "t.gguf",
+                   set_keys={"tokenizer.ggml.bos_token_id": ("1", T.STRING)})
+    raises_naming(tokens, "bad vocabulary", "tokenizer.ggml.bos_token_id")
+    raises_naming(tokens, "tokenizer.ggml.bos_token_id", loader=load_vocab)
+
+
+def test_writes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
+    """fsync of the temporary file, its rename onto the target, fsync of the directory: files
+    told apart by inode, which the rename keeps."""
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.fstat(fd).st_ino))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.stat(src).st_ino, os.path.basename(dst)))
+        real_replace(src, dst)
+    monkeypatch.setattr(gguf_io.os, "fsync", fsync)
+    monkeypatch.setattr(gguf_io.os, "replace", replace)
+    save_model(tmp_path / "m.gguf", TINY, model(), TinyVocab())
+    written, folder = os.stat(tmp_path / "m.gguf").st_ino, os.stat(tmp_path).st_ino
+    assert events == [("fsync", written), ("replace", written, "m.gguf"), ("fsync", folder)]
+    assert only_file(tmp_path) == ["m.gguf"]
+
+
+@pytest.mark.parametrize("hint", ['{"n_head": 0}', '{"n_vocab": 11, "n_embd": 8, "n_head": 2, '
+                                  '"rope_freq_scale": 0}', '[1]', '{"n_embd": "8"}'])
+def test_a_forged_config_json_hint_is_ignored(tmp_path, hint):
+    path = forge(tmp_path / "m.gguf", set_keys={"ggwgpu.config_json": (hint, T.STRING)})
+    cfg, _, _ = load_model(path)             # the llama.* keys rule
+    assert (cfg.n_embd, cfg.n_head, cfg.rope_freq_scale) == (8, 2, 1.0)
+
+
+def test_deeply_nested_train_state_is_an_error(tmp_path):
+    meta = gguf_io._model_metadata(tmp_path / "c.gguf", TINY, TinyVocab(), None)
+    meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
+    meta["training.state_json"] = ("[" * 100_000, T.STRING)
+    gguf_io._write_gguf(tmp_path / "c.gguf", meta, model())
+    raises_naming(tmp_path / "c.gguf", "training.state_json", "JSON", loader=load_checkpoint)

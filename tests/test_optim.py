@@ -58,3 +58,38 @@ def test_adamw_cannot_be_differentiated():
     loss, step, (w, m, v, hp), feeds = adamw_graph(False)
     with pytest.raises(gg.ShapeError, match="optimizer update"):
         gg.build_backward(gg.sum(step), [w])
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_updates_skip_elements_whose_gradient_is_not_finite(wgpu, optimizer):
+    """Where the gradient is NaN or +-inf the parameter and its moments stay exactly as they
+    were; every other element takes the ordinary step. Shader and reference agree."""
+    rng = np.random.default_rng(1)
+    shape = (5, 7)
+    w = gg.param(rng.normal(size=shape).astype(np.float32), name="w")
+    grad = gg.input_tensor(shape, name="grad")
+    g = rng.normal(size=shape).astype(np.float32)
+    bad = np.zeros(shape, bool)
+    bad.flat[[0, 3, 17, 34]] = True
+    g.flat[[0, 3, 17, 34]] = [np.nan, np.inf, -np.inf, np.nan]
+    m0, v0 = rng.normal(size=shape), rng.uniform(0.1, 1, size=shape)
+    if optimizer == "adamw":
+        m, v = gg.constant(m0.astype(np.float32)), gg.constant(v0.astype(np.float32))
+        hp = gg.input_tensor((7,), name="hparams")
+        step, hp_value = gg.opt_step_adamw(w, grad, m, v, hp, True), hparams(3)
+    else:
+        m = v = None
+        hp = gg.input_tensor((2,), name="hparams")
+        step, hp_value = gg.opt_step_sgd(w, grad, hp, True), np.array([0.1, 0.1])
+    results = []
+    for backend in (wgpu, NumpyBackend()):
+        plan = backend.plan([step])
+        plan.run({grad: g, hp: hp_value})
+        results.append([plan.read(t) for t in (w, m, v) if t is not None])
+    for dev, ref in zip(*results):
+        np.testing.assert_allclose(dev, ref, rtol=1e-6, atol=1e-7)
+        assert np.isfinite(dev).all()
+    before = [w.value] + ([m.value, v.value] if m is not None else [])
+    for after, old in zip(results[0], before):
+        assert np.array_equal(after[bad], old[bad])        # untouched where not finite
+        assert not np.any(after[~bad] == old[~bad])         # updated everywhere else

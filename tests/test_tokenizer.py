@@ -79,6 +79,18 @@ def test_metadata_errors_name_the_key_or_model():
         SentencePieceVocab(["a", "b", "a"])
 
 
+@pytest.mark.parametrize("key, value", [
+    ("bos_token_id", "1"), ("eos_token_id", [2]), ("unknown_token_id", 0.5),
+    ("bos_token_id", True), ("tokens", None), ("tokens", [1, 2, 3]), ("tokens", "abc"),
+    ("token_type", [1.5] * 259), ("token_type", [float("nan")] * 259), ("scores", ["x"] * 259),
+])
+def test_metadata_values_of_the_wrong_type_are_vocab_errors(key, value):
+    # what a forged file can hold: nested arrays read as None, strings, floats, lists
+    meta = {**ByteTokenizer().gguf_metadata(), "tokenizer.ggml." + key: value}
+    with pytest.raises(VocabError, match=r"tokenizer\.ggml\." + key):
+        tokenizer_from_metadata(meta)
+
+
 # -- llama.cpp's SPM algorithm on a hand-made vocabulary -------------------------------------
 
 def hand_vocab(he_score=-1.5, add_space_prefix=False):

@@ -6,6 +6,7 @@ import numpy as np
 from ..alloc import Block, Layout, pack
 from ..graph import topo_order
 from ..ops import OPS
+from ..quant import Quantized, storage_bytes
 from ..tensor import ShapeError, Tensor
 
 # Guard elements: NaNs with payloads that no kernel produces, by element size in bytes.
@@ -69,8 +70,38 @@ class Plan:
                    for t, step in private]
         return pack(blocks)
 
+    def memory(self, layout: Layout | None = None, scratch=()) -> dict:
+        """The planned storage in bytes, by role: weights (params), gradients (the blocks the
+        optimizer updates read), state (other leaves with a value: optimizer moments,
+        constants), inputs, activations (every other block live at the peak, `scratch`
+        tensors included), the peak of live bytes and `planned`, the bytes of the buffers
+        `layout` (default: storage_layout()) allocates."""
+        layout = layout or self.storage_layout()
+        grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
+        out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
+        for t in self.roots + list(scratch):
+            key = id(t)
+            if t.op is None and key in self._known:    # a leaf, not scratch
+                role = "weights" if t.is_param else "state" if t.value is not None else "inputs"
+            elif key in grads:
+                role = "gradients"
+            elif key in layout.peak_keys:
+                role = "activations"
+            else:
+                continue
+            out[role] += self.nbytes(t)
+        out.update(peak=layout.peak_bytes, planned=layout.total_bytes)
+        return out
+
     def nbytes(self, root: Tensor) -> int:
-        return (root.nelements + 2 * self.sentinel) * root.np_dtype.itemsize
+        return (root.storage_len + 2 * self.sentinel) * root.storage_dtype.itemsize
+
+    def quantized_value(self, t: Tensor, block: np.ndarray) -> Quantized:
+        """The value of a block-type tensor from its storage block (u32 words, guards
+        included). Such tensors are whole constants or reshapes of one (offset 0)."""
+        words = block[self.sentinel:self.sentinel + t.storage_len]
+        nbytes = storage_bytes(t.dtype, t.nelements)
+        return Quantized(t.dtype, t.shape, words.view(np.uint8)[:nbytes])
 
     def _check_readable(self, t: Tensor):
         key = id(t.storage)
@@ -81,6 +112,12 @@ class Plan:
     def _check_value(self, t: Tensor, value) -> np.ndarray:
         if id(t) not in self._known:
             raise KeyError(f"{t} is not part of this plan")
+        if t.is_quantized:
+            if not (isinstance(value, Quantized) and value.dtype == t.dtype
+                    and value.shape == t.shape and t is t.storage):
+                raise ShapeError(f"value for {t}: a Quantized {t.dtype} {t.shape} for the "
+                                 f"whole tensor expected, got {value!r}")
+            return value
         value = np.asarray(value)
         if value.shape != t.shape:
             raise ShapeError(f"value for {t}: shape {value.shape}, expected {t.shape}")
@@ -95,6 +132,10 @@ class Plan:
     def read(self, t: Tensor) -> np.ndarray:
         """The current value of `t` (a copy)."""
         raise NotImplementedError
+
+    def read_many(self, tensors) -> list[np.ndarray]:
+        """The current values of several tensors; a backend may fetch them in one transfer."""
+        return [self.read(t) for t in tensors]
 
     def write(self, t: Tensor, value):
         """Overwrite the value of a tensor that owns or views storage (inputs, params)."""

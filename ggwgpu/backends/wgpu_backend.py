@@ -2,7 +2,8 @@
 
 A plan creates every buffer, uniform slot and bind group once. A run writes the inputs,
 records all dispatches of the graph into one compute pass of one command encoder and submits
-once; nothing is read back unless asked for.
+once; nothing is read back unless asked for, and what is (read_many) comes back through one
+copy and one map of a persistent staging buffer.
 """
 from __future__ import annotations
 
@@ -28,6 +29,24 @@ MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
 
 class NoAdapterError(RuntimeError):
     """No WebGPU adapter could be had on this machine."""
+
+
+class DeviceLimitError(ShapeError):
+    """A tensor is larger than the device allows; raised while planning, before any buffer
+    is made or anything dispatched."""
+
+
+def check_storage_limits(tensors, nbytes, limits: dict):
+    """Refuse the first of `tensors` whose storage (nbytes(t) bytes) exceeds one of `limits`
+    ({adapter limit name: bytes}): every block is bound whole, and a buffer is as large as
+    the largest block it holds."""
+    for t in tensors:
+        for key, limit in limits.items():
+            if nbytes(t) > limit:
+                raise DeviceLimitError(
+                    f"tensor {t.name or t.op} {t.shape} needs {nbytes(t)} bytes, more than the "
+                    f"device's {key.replace('-', ' ')} ({key}) of {limit} bytes: make the "
+                    f"model, the vocabulary or the batch smaller")
 
 
 def shader_dir() -> Path:
@@ -67,6 +86,44 @@ def request_adapter():
     return adapter
 
 
+def direct_pass_calls():
+    """wgpu-native's C functions for the three commands of the encode loop (set pipeline,
+    set bind group, dispatch), or None where this wgpu-py does not expose them.
+
+    wgpu-py wraps each call in Python error capture and builds a cffi array of dynamic offsets
+    per set_bind_group: about 2.5 µs of a step's ~4 µs of host time per dispatch on lavapipe.
+    Calling the functions directly skips that; errors still surface, because wgpu-native
+    validates a compute pass when it ends and reports through the (wrapped) end/finish."""
+    try:
+        from wgpu.backends.wgpu_native._api import ffi, lib
+        return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
+                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
+    except (ImportError, AttributeError):
+        return None
+
+
+DIRECT_CALLS = direct_pass_calls()
+
+
+MATMUL_ENV = "GGWGPU_MATMUL"
+
+
+def matmul_variant(adapter, device) -> str:
+    """The vec4 matmul kernel for this adapter (ops/matmul.py VEC4_KERNELS), or the one
+    $GGWGPU_MATMUL names. 'subgroup' where it was measured fastest: lavapipe, whose
+    subgroups are its SIMD lanes (8 or 16, as the kernel needs); 'tiled' everywhere else."""
+    forced = os.environ.get(MATMUL_ENV)
+    if forced:
+        if forced not in OPS["mul_mat"].variants:
+            raise ValueError(f"${MATMUL_ENV}={forced!r}: choose one of "
+                             f"{', '.join(OPS['mul_mat'].variants)}")
+        return forced
+    info = adapter.info
+    lanes = (info.get("adapter_type") == "CPU" and info.get("vendor") == "llvmpipe"
+             and "subgroup" in device.features)
+    return "subgroup" if lanes else "tiled"
+
+
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -79,9 +136,14 @@ class WgpuBackend(Backend):
         self.adapter = adapter or request_adapter()
         limits = self.adapter.limits
         wanted = ("max-storage-buffer-binding-size", "max-buffer-size")
+        # timestamp queries time a whole step on the device (WgpuPlan.device_seconds);
+        # subgroups run the CPU matmul kernel
+        features = [f for f in ("timestamp-query", "subgroup") if f in self.adapter.features]
         self.device = self.adapter.request_device_sync(
-            required_limits={k: limits[k] for k in wanted})
-        self.max_binding = self.device.limits["max-storage-buffer-binding-size"]
+            required_features=features, required_limits={k: limits[k] for k in wanted})
+        self.has_timestamps = "timestamp-query" in self.device.features
+        self.kernel_variants = {"matmul": matmul_variant(self.adapter, self.device)}
+        self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,
                     "buffer": {"type": wgpu.BufferBindingType.uniform}}]
@@ -122,17 +184,16 @@ class WgpuPlan(Plan):
         self.backend = backend
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
-        self.dispatches, private = [], {}
+        self.dispatches, self.dispatch_ops, private = [], [], {}
         for step, node in enumerate(self.nodes):
-            for d in OPS[node.op].dispatches(node):
+            for d in OPS[node.op].dispatches_on(node, backend.kernel_variants):
                 self.dispatches.append((d.shader or OPS[node.op].shader, d))
+                self.dispatch_ops.append(node.op)
                 private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
                                 if id(t.storage) not in self._known})
         private = list(private.values())
-        for root in self.roots + [t for t, _ in private]:
-            if self.nbytes(root) > backend.max_binding:
-                raise ShapeError(f"{root}: {self.nbytes(root)} bytes exceed the adapter's storage"
-                                 f" binding limit of {backend.max_binding}")
+        self.scratch = [t for t, _ in private]
+        check_storage_limits(self.roots + self.scratch, self.nbytes, backend.storage_limits)
         self.layout = self.storage_layout(private)
         slot_buffers = [device.create_buffer(size=max(16, n), usage=usage)
                         for n in self.layout.slot_bytes]
@@ -143,8 +204,8 @@ class WgpuPlan(Plan):
         self._shared = {k for keys in users.values() if len(keys) > 1 for k in keys}
         for root in self.roots:
             if self.sentinel:
-                device.queue.write_buffer(self.buffers[id(root)], 0,
-                                          guarded_block(root.nelements, self.sentinel, root.np_dtype))
+                device.queue.write_buffer(self.buffers[id(root)], 0, guarded_block(
+                    root.storage_len, self.sentinel, root.storage_dtype))
             if root.value is not None:
                 self.write(root, root.value)
         arena = np.zeros((max(1, len(self.dispatches)), UNIFORM_SLOT // 4), np.uint32)
@@ -163,7 +224,21 @@ class WgpuPlan(Plan):
                                                                "size": buf.size}})
             group = device.create_bind_group(layout=backend.bind_group_layout, entries=entries)
             self.recorded.append((backend.pipeline(stem, d.entry), group, grid_2d(d.grid())))
+        # The encode loop's work, prepared once: the pipeline only where it changes (None
+        # else), and the native handles when the direct calls are there.
+        self.direct_calls = DIRECT_CALLS is not None
+        self._commands, last = [], None
+        for pipeline, group, (x, y) in self.recorded:
+            self._commands.append((None if pipeline is last else pipeline, group, x, y))
+            last = pipeline
+        self._handles = [(p and p._internal, g._internal, x, y)
+                         for p, g, x, y in self._commands] if self.direct_calls else None
         self._staging = None
+        self._timer = None
+
+    def memory(self) -> dict:
+        """Plan.memory of this plan's buffers, scratch included."""
+        return super().memory(self.layout, self.scratch)
 
     def _uniforms(self, d) -> np.ndarray:
         u = np.zeros(UNIFORM_SIZE // 4, np.uint32)
@@ -184,13 +259,50 @@ class WgpuPlan(Plan):
             self.write(t, value)
         device = self.backend.device
         encoder = device.create_command_encoder()
-        cpass = encoder.begin_compute_pass()
-        for pipeline, group, (x, y) in self.recorded:
-            cpass.set_pipeline(pipeline)
-            cpass.set_bind_group(0, group)
-            cpass.dispatch_workgroups(x, y, 1)
-        cpass.end()
+        self.encode(encoder)
         device.queue.submit([encoder.finish()])
+
+    def encode(self, encoder, timestamp_writes=None):
+        """Record every dispatch of the graph into one compute pass of `encoder`."""
+        cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
+        if self.direct_calls:
+            set_pipeline, set_group, dispatch, null = DIRECT_CALLS
+            handle = cpass._internal
+            for pipeline, group, x, y in self._handles:
+                if pipeline is not None:
+                    set_pipeline(handle, pipeline)
+                set_group(handle, 0, group, 0, null)
+                dispatch(handle, x, y, 1)
+        else:
+            for pipeline, group, x, y in self._commands:
+                if pipeline is not None:
+                    cpass.set_pipeline(pipeline)
+                cpass.set_bind_group(0, group)
+                cpass.dispatch_workgroups(x, y, 1)
+        cpass.end()
+
+    def device_seconds(self, feeds=None) -> float | None:
+        """Run the graph once and return the device time of its compute pass, from timestamp
+        queries written at the pass's beginning and end; None (after running) where the
+        adapter has no 'timestamp-query'."""
+        for t, value in (feeds or {}).items():
+            self.write(t, value)
+        device = self.backend.device
+        encoder = device.create_command_encoder()
+        if not self.backend.has_timestamps:
+            self.encode(encoder)
+            device.queue.submit([encoder.finish()])
+            return None
+        if self._timer is None:
+            self._timer = (device.create_query_set(type=wgpu.QueryType.timestamp, count=2),
+                           device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                                | wgpu.BufferUsage.COPY_SRC))
+        queries, resolved = self._timer
+        self.encode(encoder, {"query_set": queries, "beginning_of_pass_write_index": 0,
+                              "end_of_pass_write_index": 1})
+        encoder.resolve_query_set(queries, 0, 2, resolved, 0)
+        start, end = np.frombuffer(self._copy_back(encoder, [(resolved, 0, 16)]), np.uint64)
+        return (int(end) - int(start)) * 1e-9   # WebGPU timestamps count nanoseconds
 
     def profile(self, feeds=None) -> list[tuple[str, float]]:
         """Run the graph once dispatch by dispatch, waiting after each: (kernel, seconds)
@@ -215,7 +327,12 @@ class WgpuPlan(Plan):
     def write(self, t, value):
         value = self._check_value(t, value)
         root = t.storage
-        if t is root or (t.is_contiguous() and t.shape == root.shape):
+        if t.is_quantized:  # raw blocks, padded to whole u32 words
+            words = np.zeros(root.storage_len, root.storage_dtype)
+            words.view(np.uint8)[:value.nbytes] = value.data
+            self.backend.device.queue.write_buffer(
+                self.buffers[id(root)], self.sentinel * words.itemsize, words)
+        elif t is root or (t.is_contiguous() and t.shape == root.shape):
             data = np.ascontiguousarray(value, dtype=root.np_dtype)
             start = self.sentinel + t.offset
             self.backend.device.queue.write_buffer(
@@ -228,28 +345,67 @@ class WgpuPlan(Plan):
             view[...] = value
             self.backend.device.queue.write_buffer(self.buffers[id(root)], 0, block)
 
-    def read_raw(self, root) -> np.ndarray:
-        buf = self.buffers[id(root.storage)]
-        if self._staging is None or self._staging.size < buf.size:
-            self._staging = self.backend.device.create_buffer(
-                size=buf.size, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        encoder = self.backend.device.create_command_encoder()
-        encoder.copy_buffer_to_buffer(buf, 0, self._staging, 0, buf.size)
-        self.backend.device.queue.submit([encoder.finish()])
-        self._staging.map_sync(wgpu.MapMode.READ)
+    def _copy_back(self, encoder, copies) -> memoryview:
+        """Queue `copies` ((buffer, byte offset, byte count), multiples of 4) one after
+        another into the persistent staging buffer, submit `encoder` and map once: their
+        bytes, concatenated."""
+        device = self.backend.device
+        total = sum(n for _, _, n in copies)
+        if self._staging is None or self._staging.size < total:
+            self._staging = device.create_buffer(
+                size=max(total, 256), usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
+        at = 0
+        for buf, offset, n in copies:
+            encoder.copy_buffer_to_buffer(buf, offset, self._staging, at, n)
+            at += n
+        device.queue.submit([encoder.finish()])
+        self._staging.map_sync(wgpu.MapMode.READ, 0, total)
         try:
-            raw = np.frombuffer(self._staging.read_mapped(0, buf.size), root.storage.np_dtype)
-            n = root.storage.nelements + 2 * self.sentinel
-            return raw[:n].copy()
+            return self._staging.read_mapped(0, total)
         finally:
             self._staging.unmap()
 
+    def _span(self, t: Tensor) -> tuple[int, int]:
+        """(first element, element count) of the part of t's storage block that t reads;
+        the whole block, guards included, for block types."""
+        if t.is_quantized:
+            return 0, t.storage.storage_len + 2 * self.sentinel
+        return self.sentinel + t.offset, 1 + sum((n - 1) * s for n, s in zip(t.shape, t.strides))
+
+    def read_raw(self, root) -> np.ndarray:
+        root = root.storage
+        size = (root.storage_len + 2 * self.sentinel) * root.storage_dtype.itemsize
+        data = self._copy_back(self.backend.device.create_command_encoder(),
+                               [(self.buffers[id(root)], 0, -(-size // 4) * 4)])
+        return np.frombuffer(data, root.storage_dtype, root.storage_len + 2 * self.sentinel).copy()
+
     def read(self, t: Tensor) -> np.ndarray:
-        self._check_readable(t)
-        block = self.read_raw(t.storage)
-        return np.lib.stride_tricks.as_strided(
-            block[self.sentinel + t.offset:], t.shape,
-            [s * block.itemsize for s in t.strides]).copy()
+        return self.read_many([t])[0]
+
+    def read_many(self, tensors) -> list[np.ndarray]:
+        """The values of `tensors` (copies), each copied from its own span of storage, all
+        through one submit and one map of the staging buffer."""
+        copies, where = [], []
+        for t in tensors:
+            self._check_readable(t)
+            size = t.storage.storage_dtype.itemsize
+            first, count = self._span(t)
+            lo, hi = first * size // 4 * 4, -(-(first + count) * size // 4) * 4
+            where.append((sum(n for _, _, n in copies) + first * size - lo, count))
+            copies.append((self.buffers[id(t.storage)], lo, hi - lo))
+        if not copies:
+            return []
+        data = self._copy_back(self.backend.device.create_command_encoder(), copies)
+        values = []
+        for t, (at, count) in zip(tensors, where):
+            dtype = t.storage.storage_dtype
+            block = np.frombuffer(data, dtype, count, at)
+            if t.is_quantized:
+                values.append(self.quantized_value(t, block.copy()))
+            else:
+                values.append(np.lib.stride_tricks.as_strided(
+                    block, t.shape, [s * block.itemsize for s in t.strides]).copy())
+        return values
 
     def sync(self):
         """Wait until all submitted work is done (for timing): a 16-byte copy queued behind

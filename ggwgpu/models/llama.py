@@ -7,6 +7,14 @@ that maps n_in features to n_out is stored (n_out, n_in), as GGUF stores it (ne0
 
 build_train_graph is the training forward with its loss; build_decode_graph is the same
 model for inference with a KV cache (ggwgpu.generate runs and samples it).
+
+LoRA (llama.cpp's build_lora_mm and token-embedding LoRA): an adapter adds to a weight W
+(n_out, n_in) a pair lora_a (r, n_in), lora_b (n_out, r), and the layer computes
+W x + scale * B (A x), scale = alpha / r. The token embedding E (n_vocab, n_embd) is the
+exception: lora_a (n_vocab, r) is a table read with get_rows and lora_b is (n_embd, r), so its
+rows become E[t] + scale * B A[t]. Both builders take adapters (ggwgpu.lora.Adapter); with
+train="lora" only the adapter's pairs are params and the base is frozen (constants, which may
+be in a block type: ggwgpu.quant).
 """
 from __future__ import annotations
 
@@ -75,6 +83,59 @@ def init_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     return values
 
 
+LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffix (llama.cpp)
+LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
+
+
+def model_weights(values: dict, adapters=(), train: str | None = "base"):
+    """The leaves of a llama's weights, as the graph builders read them, and its params.
+
+    `values` (GGUF name -> float array, or a frozen `Quantized`) become params when
+    train == "base", else constants. Each adapter (`tensors`: <name>.lora_a/.lora_b -> array,
+    `scale(name)`) puts its pair for weight `name` in p[name + LORA]: params named as the
+    adapter's tensors when train == "lora" (one adapter), else constants. train=None freezes
+    everything. Returns (p, {name: param})."""
+    if train not in ("base", "lora", None):
+        raise ValueError(f"train must be 'base', 'lora' or None, got {train!r}")
+    if train == "lora" and len(adapters) != 1:
+        raise ValueError(f"a LoRA finetune trains one adapter, got {len(adapters)}")
+    params = {}
+
+    def leaf(value, name, trained):
+        if not trained:
+            return constant(value, name=name)
+        params[name] = param(value, name=name)
+        return params[name]
+
+    p = {name: leaf(v, name, train == "base") for name, v in values.items()}
+    for adapter in adapters:
+        for name in adapter.tensors:
+            if name.endswith(LORA_A):
+                base = name[:-len(LORA_A)]
+                pair = (leaf(adapter.tensors[name], name, train == "lora"),
+                        leaf(adapter.tensors[base + LORA_B], base + LORA_B, train == "lora"),
+                        adapter.scale(base))
+                p.setdefault(base + LORA, []).append(pair)
+    return p, params
+
+
+def linear(p: dict, name: str, x):
+    """x times weight `name` (mul_mat), plus B (scale * A x) for each LoRA pair on it (the
+    scale on the rank-r product: the same sum as llama.cpp's scale * B (A x), less work)."""
+    y = O.mul_mat(p[name], x)
+    for a, b, scale in p.get(name + LORA, ()):
+        y = O.add(y, O.mul_mat(b, O.scale(O.mul_mat(a, x), scale)))
+    return y
+
+
+def embed(p: dict, tokens):
+    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them."""
+    x = O.get_rows(p["token_embd.weight"], tokens)
+    for a, b, scale in p.get("token_embd.weight" + LORA, ()):
+        x = O.add(x, O.mul_mat(b, O.scale(O.get_rows(a, tokens), scale)))
+    return x
+
+
 @dataclass
 class TrainGraph:
     tokens: object            # i32 input (batch, n_ctx)
@@ -82,7 +143,7 @@ class TrainGraph:
     targets: object           # f32 input (batch * n_ctx, n_vocab): target probabilities
     logits: object            # (batch, n_ctx, n_vocab)
     loss: object              # (1,)
-    params: dict              # name -> param tensor
+    params: dict              # name -> param tensor (the adapter's tensors in a LoRA finetune)
     checkpoints: list         # each block's output, for gradient checkpointing
 
 
@@ -99,26 +160,29 @@ def attention(cfg, q, k, v, flash: bool):
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
 
 
-def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False):
-    """The forward graph of one training batch with its cross-entropy loss."""
-    p = {name: param(v, name=name) for name, v in values.items()}
+def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False,
+                      lora=None):
+    """The forward graph of one training batch with its cross-entropy loss. With `lora`
+    (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
+    tensors are the params: a LoRA finetune."""
+    p, params = model_weights(values, (lora,) if lora else (), "lora" if lora else "base")
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")
     heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
 
-    x = O.get_rows(p["token_embd.weight"], tokens)                # (batch, ctx, embd)
+    x = embed(p, tokens)                                          # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         q, k, v = project_qkv(cfg, p, b, x, heads, positions)
         att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.n_embd))
-        x = feed_forward(cfg, p, b, O.add(x, O.mul_mat(p[b + "attn_output.weight"], att)))
+        x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
         checkpoints.append(x)
-    logits = O.mul_mat(p["output.weight"], weighted_rms_norm(cfg, x, p["output_norm.weight"]))
+    logits = linear(p, "output.weight", weighted_rms_norm(cfg, x, p["output_norm.weight"]))
     flat = O.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab))
     loss = O.cross_entropy_loss(flat, targets)
-    return TrainGraph(tokens, positions, targets, logits, loss, p, checkpoints)
+    return TrainGraph(tokens, positions, targets, logits, loss, params, checkpoints)
 
 
 def one_hot(ids: np.ndarray, n_vocab: int) -> np.ndarray:
@@ -130,24 +194,23 @@ def one_hot(ids: np.ndarray, n_vocab: int) -> np.ndarray:
 # -- inference with a KV cache ----------------------------------------------------------------
 
 def weighted_rms_norm(cfg: LlamaConfig, x, weight):
-    """rms_norm(x) * weight, the llama's normalisation."""
-    return O.mul(O.rms_norm(x, cfg.norm_eps), weight)
+    """rms_norm(x) * weight, the llama's normalisation (one fused op)."""
+    return O.rms_norm_mul(x, weight, cfg.norm_eps)
 
 
 def project_qkv(cfg: LlamaConfig, p: dict, b: str, x, heads, positions):
     """Block `b`'s attn_norm(x) projected to q, k (both roped) and v, split into heads."""
     h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
     rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
-    q, k, v = (O.reshape(O.mul_mat(p[b + f"attn_{n}.weight"], h), heads) for n in "qkv")
+    q, k, v = (O.reshape(linear(p, b + f"attn_{n}.weight", h), heads) for n in "qkv")
     return O.rope(q, positions, *rope_args), O.rope(k, positions, *rope_args), v
 
 
 def feed_forward(cfg: LlamaConfig, p: dict, b: str, x):
     """x + the SwiGLU feed-forward of block `b` ("blk.N.") applied to ffn_norm(x)."""
     h = weighted_rms_norm(cfg, x, p[b + "ffn_norm.weight"])
-    gate = O.silu(O.mul_mat(p[b + "ffn_gate.weight"], h))
-    return O.add(x, O.mul_mat(p[b + "ffn_down.weight"],
-                              O.mul(gate, O.mul_mat(p[b + "ffn_up.weight"], h))))
+    gated = O.swiglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
+    return O.add(x, linear(p, b + "ffn_down.weight", gated))
 
 
 @dataclass
@@ -162,7 +225,7 @@ class DecodeGraph:
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
     kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, n_embd)
-    params: dict              # name -> param tensor
+    params: dict              # name -> weight leaf (frozen constants)
 
     def feeds(self, tokens, past: int) -> dict:
         """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
@@ -187,7 +250,7 @@ class DecodeGraph:
 
 
 def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
-                       name: str = "kv cache") -> DecodeGraph:
+                       name: str = "kv cache", adapters=()) -> DecodeGraph:
     """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
     gives the logits of one of them. Plan it once (one graph of n_tokens = max_ctx for
     prompts, one of n_tokens = 1 for each sampled token) and run it per step.
@@ -210,13 +273,14 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
 
     Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
     a token equal the training graph's logits at its position (tests/test_generate.py).
+    The weights are frozen constants (f32 or block types), with `adapters`' LoRA pairs added.
     """
     max_ctx = int(max_ctx or cfg.n_ctx)
     n_tokens = int(n_tokens)
     if not 1 <= n_tokens <= max_ctx:
         raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
     e, rows = cfg.n_embd, n_tokens + max_ctx
-    p = {k: param(v, name=k) for k, v in values.items()}
+    p, _ = model_weights(values, adapters, train=None)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
     slots = input_tensor((max_ctx,), "i32", name="cache slots")
@@ -235,7 +299,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
                                                        base + n_tokens * e))
         return O.reshape(cache, (1, max_ctx, cfg.n_head, cfg.head_dim))
 
-    x = O.get_rows(p["token_embd.weight"], tokens)               # (n_tokens, embd)
+    x = embed(p, tokens)                                          # (n_tokens, embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         q, k, v = project_qkv(cfg, p, b, x, heads, positions)
@@ -244,7 +308,9 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
         probs = O.soft_max_ext(kq, mask, 1.0 / np.sqrt(cfg.head_dim))
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         att = O.reshape(O.cont(att), (n_tokens, e))
-        x = feed_forward(cfg, p, b, O.add(x, O.mul_mat(p[b + "attn_output.weight"], att)))
+        x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
     x = weighted_rms_norm(cfg, O.get_rows(x, last), p["output_norm.weight"])
-    logits = O.mul_mat(p["output.weight"], x)                    # (1, n_vocab)
-    return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv, p)
+    logits = linear(p, "output.weight", x)                        # (1, n_vocab)
+    weights = {k: p[k] for k in values}
+    return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
+                       weights)

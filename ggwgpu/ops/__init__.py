@@ -10,3 +10,4 @@ from .rope import *  # noqa: F401,F403
 from .norm import *  # noqa: F401,F403
 from .softmax import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
+from .quant import *  # noqa: F401,F403

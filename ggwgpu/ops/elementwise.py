@@ -8,7 +8,8 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import WORKGROUP, Case, Input, can_repeat, need_f32, register, same_shape, tile
+from .registry import (WORKGROUP, Case, Input, can_repeat, need_f32, pad4, register,
+                       same_shape, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
 LARGE = WORKGROUP * 65535 + 77
@@ -53,9 +54,18 @@ def reduce_to(g, like):
     return g if g.shape == like.shape else O.repeat_back(g, like.shape)
 
 
+def tiled(b, shape):
+    """b tiled to `shape`; where every dim of b is 1 or already the full size that is NumPy
+    broadcasting, a view instead of a copy."""
+    b4, s4 = pad4(b.shape), pad4(shape)
+    if all(n == 1 or n == m for n, m in zip(b4, s4)):
+        return np.broadcast_to(b.reshape(b4), s4).reshape(shape)
+    return tile(b, shape)
+
+
 def binary(name, ref, backward, doc, lo=-1.0, hi=1.0):
     return register(name, n_srcs=2, shape=broadcast_shape, shader="elementwise",
-                    reference=lambda a, b: ref(a, tile(b, a.shape)), backward=backward,
+                    reference=lambda a, b: ref(a, tiled(b, a.shape)), backward=backward,
                     cases=lambda: binary_cases(lo, hi), doc=doc)
 
 
@@ -174,5 +184,48 @@ def back_shape(srcs, **_):
 silu_back = act_back("silu_back", silu_back_ref, "silu")
 gelu_back = act_back("gelu_back", gelu_back_ref, "gelu")
 
+
+# SwiGLU's gate fused: silu(a) * b in one pass, and its backward without the silu(a) or
+# dy * b intermediates.
+def swiglu_back_ref(a, b, dy):
+    return silu_back_ref(a, dy * b)
+
+
+def gate_shape(srcs, **_):
+    need_f32(*srcs)
+    if any(s.shape != srcs[0].shape for s in srcs):
+        raise ShapeError(f"operands must have one shape, got {[s.shape for s in srcs]}")
+    return srcs[0].shape, "f32", {}
+
+
+def gate_cases(n_srcs):
+    def inputs(shape, layouts):
+        return tuple(Input(shape, -4.0, 4.0, layout) for layout in layouts[:n_srcs])
+    return [Case(inputs((1,), ["contiguous"] * 3)),
+            Case(inputs((5, 7), ["contiguous"] * 3)),
+            Case(inputs((3, 5), ["permuted", "strided", "contiguous"])),
+            Case(inputs((2, 3, 4, 5), ["strided", "contiguous", "permuted"]), grad=False),
+            Case(inputs((LARGE,), ["contiguous"] * 3), grad=False)]
+
+
+swiglu = register(
+    "swiglu", n_srcs=2, shape=gate_shape, shader="elementwise",
+    reference=lambda a, b: silu_ref(a) * b,
+    # db = silu(a) * dy is this op again
+    backward=lambda n, g: (O.swiglu_back(*n.srcs, g), O.swiglu(n.srcs[0], g)),
+    cases=lambda: gate_cases(2),
+    doc="silu(a) * b, the gate of a SwiGLU feed-forward, in one pass. a and b of one shape.")
+
+# a takes no gradient (no second derivatives); the op is linear in b and in dy separately,
+# and symmetric in them.
+swiglu_back = register(
+    "swiglu_back", n_srcs=3, shape=gate_shape, shader="elementwise",
+    reference=swiglu_back_ref, no_grad=(0,),
+    backward=lambda n, g: (None, O.swiglu_back(n.srcs[0], n.srcs[2], g),
+                           O.swiglu_back(n.srcs[0], n.srcs[1], g)),
+    cases=lambda: gate_cases(3),
+    doc="da of swiglu: dy * b * silu'(a). Inputs a, b, dy.")
+
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
-           "sqr", "sqrt", "log", "exp", "silu", "gelu", "silu_back", "gelu_back"]
+           "sqr", "sqrt", "log", "exp", "silu", "gelu", "silu_back", "gelu_back", "swiglu",
+           "swiglu_back"]

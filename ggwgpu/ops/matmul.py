@@ -15,7 +15,12 @@ from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_f32, pad4, register
 
 BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
-BLOCK_V4 = 8  # k_mul_mat_v4: 8 x 8 tiles, vec4 loads along K
+# The kernels that read vec4s along K, by variant: (entry, shader file, tile of the result
+# one workgroup computes as (M, N)). The backend picks the variant per adapter
+# (WgpuBackend.kernel_variants): 'tiled' stages tiles in workgroup memory, as GPUs want;
+# 'subgroup' shares loads through subgroup broadcasts, as CPU adapters (lavapipe) want.
+VEC4_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64)),
+                "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16))}
 
 
 def product_shape(a_shape, b_shape, inner_a, inner_b, name):
@@ -95,11 +100,12 @@ def vec4_ready(t) -> bool:
             and all(s % 4 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1))
 
 
-def kernel_dispatch(node, a, b):
+def kernel_dispatch(node, a, b, variant="tiled"):
     """The mul_mat kernel over a [.., M, K] and b [.., N, K]. When K % 4 == 0 the vec4
-    kernel runs, after copying an operand that is not laid out for it (a transposed view, as
-    in every backward) into dispatch-private contiguous storage: the copy moves M*K
-    elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any strides."""
+    kernel of `variant` runs, after copying an operand that is not laid out for it (a
+    transposed view, as in every backward) into dispatch-private contiguous storage: the copy
+    moves M*K elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any
+    strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
     if a.shape[-1] % 4:
@@ -111,8 +117,10 @@ def kernel_dispatch(node, a, b):
             copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
             t = dense
         operands.append(t)
-    blocks = -(-m // BLOCK_V4) * -(-n // BLOCK_V4) * batches
-    return copies + [Dispatch("mul_mat_v4", node, tuple(operands), n=blocks)]
+    entry, shader, (tile_m, tile_n) = VEC4_KERNELS[variant]
+    tiles = -(-m // tile_m) * -(-n // tile_n) * batches
+    return copies + [Dispatch(entry, node, tuple(operands), n=tiles, workgroups=tiles,
+                              shader=shader)]
 
 
 def transposed(t):
@@ -130,25 +138,29 @@ def mm_cases():
             Case((Input((6, 5), layout="permuted"), Input((3, 5), layout="strided"))),
             Case((Input((2, 5, 3), layout="strided"), Input((2, 4, 3), layout="permuted"))),
             Case((Input((67, 129)), Input((65, 129))), grad=False),
-            Case((Input((9, 8)), Input((3, 8)))),                  # vec4 kernel
-            Case((Input((2, 1, 7, 12)), Input((2, 3, 10, 12)))),   # vec4 kernel, broadcast
+            Case((Input((9, 8)), Input((3, 8)))),                  # vec4 kernels
+            Case((Input((2, 1, 7, 12)), Input((2, 3, 10, 12)))),   # vec4 kernels, broadcast
             Case((Input((67, 128)), Input((70, 128))), grad=False),
+            Case((Input((130, 20)), Input((66, 20))), grad=False),  # K not a multiple of 16
             Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
             Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False)]
 
 
 mul_mat = register(
     "mul_mat", n_srcs=2, shape=mul_mat_shape, shader="matmul", reference=mul_mat_ref,
-    dispatches=lambda n: kernel_dispatch(n, *n.srcs),
+    dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs, variant),
+    variants=tuple(VEC4_KERNELS),
     backward=lambda n, g: (mul_mat_grad_a(*n.srcs, g), O.mul_mat(O.transpose(n.srcs[0]), g)),
-    cases=mm_cases,
+    cases=mm_cases, frozen_variant="mul_mat_q",
     doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
         "b's batch dims.")
 
 out_prod = register(
     "out_prod", n_srcs=2, shape=out_prod_shape, shader="matmul", entry="mul_mat",
     reference=out_prod_ref,
-    dispatches=lambda n: kernel_dispatch(n, transposed(n.srcs[0]), transposed(n.srcs[1])),
+    dispatches=lambda n, variant="tiled": kernel_dispatch(
+        n, transposed(n.srcs[0]), transposed(n.srcs[1]), variant),
+    variants=tuple(VEC4_KERNELS),
     backward=lambda n, g: (sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1]), n.srcs[0].shape),
                            O.transpose(O.mul_mat(n.srcs[0], g))),
     cases=lambda: [Case((Input((c.inputs[0].shape[:-2] + c.inputs[0].shape[:-3:-1]),

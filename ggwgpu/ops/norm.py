@@ -1,10 +1,13 @@
 """Row normalisations over the innermost dim: rms_norm and norm (ggml_norm), each with its
-*_back op. Shader: shaders/norm.wgsl, one workgroup per row.
+*_back op, and rms_norm_mul, llama's weighted rms_norm fused into one pass. Shader:
+shaders/norm.wgsl, one workgroup per row.
 
-    rms_norm(x, eps):  y = x * r,         r = 1 / sqrt(mean(x^2) + eps)
-                       dx = r * (dy - y * mean(dy * y))
-    norm(x, eps):      y = (x - mean) * s, s = 1 / sqrt(var + eps)
-                       dx = s * (dy - mean(dy) - y * mean(dy * y))
+    rms_norm(x, eps):        y = x * r,         r = 1 / sqrt(mean(x^2) + eps)
+                             dx = r * (dy - y * mean(dy * y))
+    norm(x, eps):            y = (x - mean) * s, s = 1 / sqrt(var + eps)
+                             dx = s * (dy - mean(dy) - y * mean(dy * y))
+    rms_norm_mul(x, w, eps): y = x * r * w       (w tiles x)
+                             dx = rms_norm_back(x, dy * w), dw = sum over tiles of dy * x * r
 
 The *_back ops take (x, dy): they recompute y from x instead of storing it.
 """
@@ -14,7 +17,8 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import Case, Dispatch, Input, need_f32, register
+from .elementwise import reduce_to
+from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 
 
 def norm_shape(srcs, eps):
@@ -24,6 +28,15 @@ def norm_shape(srcs, eps):
     if not float(eps) >= 0:
         raise ShapeError(f"eps must be >= 0, got {eps}")
     return srcs[0].shape, "f32", {}
+
+
+def weighted_shape(srcs, eps):
+    """(x, w) or (x, w, dy): w tiles x, dy is shaped like x."""
+    x, w = srcs[0], srcs[1]
+    need_f32(*srcs)
+    if not can_repeat(w.shape, x.shape):
+        raise ShapeError(f"weight {w.shape} does not tile x {x.shape}")
+    return norm_shape((x,) + tuple(srcs[2:]), eps)
 
 
 def row_dispatch(node):
@@ -42,6 +55,14 @@ def rms_norm_back_ref(x, dy, eps):
     r = 1 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
     y = x * r
     return r * (dy - y * np.mean(dy * y, axis=-1, keepdims=True))
+
+
+def rms_norm_mul_ref(x, w, eps):
+    return rms_norm_ref(x, eps) * tile(w, x.shape)
+
+
+def rms_norm_mul_back_ref(x, w, dy, eps):
+    return rms_norm_back_ref(x, dy * tile(w, x.shape), eps)
 
 
 def norm_ref(x, eps):
@@ -99,6 +120,50 @@ rms_norm_back = register(
     cases=back_cases,
     doc="The backward of rms_norm: dx from x and dy. Inputs x, dy.")
 
+# Weights: a row (llama), one that also tiles an outer dim, and one of x's own shape (the
+# backward's rms_norm_mul(x, dy)), through strided and permuted views.
+WEIGHTS = {(1,): (1,), (5, 1, 7): (7,), (3, 4, 67): (67,), (2, 3, 5): (3, 5), (4, 9): (4, 9),
+           (2, 3, 4, 5): (5,)}
+WEIGHT_LAYOUT = {"contiguous": "contiguous", "permuted": "strided", "strided": "permuted"}
+
+
+def weighted_cases(with_dy=False):
+    cases = []
+    for shape, layout, grad in SHAPES:
+        inputs = [Input(shape, -10, 10, layout), Input(WEIGHTS[shape], 0.5, 2.0,
+                                                       WEIGHT_LAYOUT[layout])]
+        if with_dy:
+            inputs.append(Input(shape))
+        cases.append(Case(tuple(inputs), case_eps(shape), grad))
+    return cases
+
+
+def rms_norm_mul_grads(n, g):
+    x, w = n.srcs
+    eps = n.params["eps"]
+    return O.rms_norm_mul_back(x, w, g, eps), reduce_to(O.rms_norm_mul(x, g, eps), w)
+
+
+def rms_norm_mul_back_grads(n, g):
+    # linear in dy with the symmetric rms_norm_back Jacobian R: d(dy) = w * R g and
+    # dw = sum over tiles of dy * R g; x takes no gradient (no second derivatives)
+    x, w, dy = n.srcs
+    rg = O.rms_norm_back(x, g, n.params["eps"])
+    return None, reduce_to(O.mul(dy, rg), w), O.mul(rg, w)
+
+
+rms_norm_mul = register(
+    "rms_norm_mul", n_srcs=2, params=("eps",), shape=weighted_shape, shader="norm",
+    reference=rms_norm_mul_ref, dispatches=row_dispatch, backward=rms_norm_mul_grads,
+    cases=weighted_cases,
+    doc="rms_norm(x, eps) * w in one pass, w tiled to x's shape (llama's weighted norm).")
+
+rms_norm_mul_back = register(
+    "rms_norm_mul_back", n_srcs=3, params=("eps",), shape=weighted_shape, shader="norm",
+    reference=rms_norm_mul_back_ref, dispatches=row_dispatch, no_grad=(0,),
+    backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
+    doc="dx of rms_norm_mul: rms_norm_back(x, dy * w). Inputs x, w, dy.")
+
 norm = register(
     "norm", n_srcs=1, params=("eps",), shape=norm_shape, shader="norm",
     reference=norm_ref, dispatches=row_dispatch,
@@ -114,4 +179,5 @@ norm_back = register(
     cases=back_cases,
     doc="The backward of norm: dx from x and dy. Inputs x, dy.")
 
-__all__ = ["rms_norm", "rms_norm_back", "norm", "norm_back"]
+__all__ = ["rms_norm", "rms_norm_back", "rms_norm_mul", "rms_norm_mul_back", "norm",
+           "norm_back"]

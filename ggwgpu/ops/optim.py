@@ -5,6 +5,10 @@ parameter into param's storage; the result is a view of param. hparams is a 7-el
 tensor, written before each step, as ggml's opt_step_adamw takes it:
     [alpha (lr x schedule), beta1, beta2, eps, weight decay, 1/(1-beta1^t), 1/(1-beta2^t)]
 `decay` says whether this tensor takes weight decay (the reference: only tensors >= 2-D).
+
+Both steps leave an element (and its moments) unchanged where its gradient is not finite: the
+trainer makes every gradient of a step with a non-finite loss or gradient NaN, and so skips
+that whole update inside the planned graph.
 """
 from __future__ import annotations
 
@@ -35,9 +39,11 @@ def adamw_ref(param, grad, m, v, hp, decay):
     """The update; m and v are NumPy views of the optimizer state and change in place."""
     alpha, beta1, beta2, eps, wd, beta1h, beta2h = hp
     keep = 1 - alpha * (wd if decay else 0)
-    m[...] = m * beta1 + grad * (1 - beta1)
-    v[...] = v * beta2 + grad * grad * (1 - beta2)
-    return param * keep - alpha * (m * beta1h) / (np.sqrt(v * beta2h) + eps)
+    ok = np.isfinite(grad)
+    grad = np.where(ok, grad, 0)           # no NaN arithmetic (or warnings) where skipped
+    m[...] = np.where(ok, m * beta1 + grad * (1 - beta1), m)
+    v[...] = np.where(ok, v * beta2 + grad * grad * (1 - beta2), v)
+    return np.where(ok, param * keep - alpha * (m * beta1h) / (np.sqrt(v * beta2h) + eps), param)
 
 
 def adamw_cases():
@@ -77,7 +83,9 @@ def sgd_shape(srcs, decay):
 
 def sgd_ref(param, grad, hp, decay):
     lr, wd = hp
-    return param * (1 - lr * (wd if decay else 0)) - lr * grad
+    ok = np.isfinite(grad)
+    return np.where(ok, param * (1 - lr * (wd if decay else 0)) - lr * np.where(ok, grad, 0),
+                    param)
 
 
 opt_step_sgd = register(

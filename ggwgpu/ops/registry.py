@@ -85,10 +85,22 @@ class OpDef:
     grad_head: Callable | None = None
     uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
     doc: str = ""
+    frozen_variant: str | None = None   # the op that takes over when source 0 is a frozen
+                                        # block-type weight (f16, q8_0, q4_0; ops/quant.py)
+    # kernel variants of the op's shader family; `dispatches` then takes (node, variant) and
+    # the backend picks one per adapter (dispatches_on)
+    variants: tuple[str, ...] = ()
 
     @property
     def is_view(self) -> bool:
         return self.shader is None
+
+    def dispatches_on(self, node: Tensor, variants: dict | None = None) -> list[Dispatch]:
+        """The dispatches of `node`; an op with kernel variants gets the one `variants`
+        ({shader family: variant}) names, else its first."""
+        if not self.variants:
+            return self.dispatches(node)
+        return self.dispatches(node, (variants or {}).get(self.shader, self.variants[0]))
 
 
 OPS: dict[str, OpDef] = {}
@@ -103,7 +115,7 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
              nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
-             doc=""):
+             doc="", frozen_variant=None, variants=()):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
     if name in OPS:
@@ -113,7 +125,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
-                  doc)
+                  doc, frozen_variant, tuple(variants))
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
@@ -131,6 +143,8 @@ def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
     if len(srcs) != opdef.n_srcs or not all(isinstance(s, Tensor) for s in srcs):
         raise TypeError(f"{opdef.name}: expects {opdef.n_srcs} tensor argument(s), got "
                         f"{[type(a).__name__ for a in args[:opdef.n_srcs]]}")
+    if opdef.frozen_variant and srcs[0].is_quantized:
+        return make_node(OPS[opdef.frozen_variant], args, kwargs)
     if len(rest) > len(opdef.param_names):
         raise TypeError(f"{opdef.name}: too many arguments")
     params = dict(zip(opdef.param_names, rest))

@@ -56,7 +56,7 @@ def get_rows_ref(table, ids):
 
 get_rows = register(
     "get_rows", n_srcs=2, shape=get_rows_shape, shader="rows", reference=get_rows_ref,
-    no_grad=(1,),
+    no_grad=(1,), frozen_variant="get_rows_q",
     backward=lambda n, g: (O.get_rows_back(g, n.srcs[1], n.srcs[0].shape[0]), None),
     cases=lambda: [
         Case((Input((1, 1)), Input((1,), 0, 1, dtype="i32"))),

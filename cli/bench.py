@@ -1,0 +1,520 @@
+"""`ggwgpu bench matmul|ops|train|memory`: speed and memory of the wgpu backend against NumPy
+(and PyTorch CPU when importable). Registered on the `ggwgpu` group by main.py.
+
+Every bench checks the wgpu results against NumPy before it prints a number, prints for wgpu
+the dispatches per step, host µs per dispatch (recording and submitting a planned step,
+divided by its dispatches), device ms per step (timestamp queries, where the adapter has
+them) and the planned memory, and writes what it printed as JSON with --json PATH.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import click
+import numpy as np
+
+import ggwgpu
+
+try:
+    from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+except ImportError:  # run as a script: python cli/main.py
+    from common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+
+# (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
+# layer (d_model 256, ffn 768, 512 tokens) and the classic cube.
+BENCH_SIZES = ((256, 512, 256), (768, 512, 256), (256, 512, 768), (1024, 1024, 1024))
+BENCH_MAX_REL_ERR = 1e-4
+
+# The issue's configs: model shapes and samples per batch.
+BENCH_TRAIN_CONFIGS = {
+    "tiny": dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=352, n_ctx=64, batch=8),
+    "small": dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704, n_ctx=128, batch=8),
+}
+BENCH_TRAIN_MAX_REL_ERR = 1e-3
+CONFIG_HELP = ("tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; small: vocab "
+               "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both.")
+
+json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                           help="Also write the numbers as JSON to this file.")
+config_option = click.option("--config", "config_name", default="tiny", show_default=True,
+                             type=click.Choice(sorted(BENCH_TRAIN_CONFIGS)), help=CONFIG_HELP)
+
+
+def write_json(path, report: dict):
+    if path:
+        with open(path, "w") as f:
+            json.dump(report, f, indent=1)
+            f.write("\n")
+
+
+def median_seconds(fn, repeat: int) -> float:
+    """Median time of `repeat` calls after a warm-up: robust to another process's (or
+    lavapipe's) threads stealing the CPU for one call."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def step_stats(plan, repeat: int) -> dict:
+    """What one planned wgpu step costs, inputs already written (medians of `repeat` runs):
+    host µs per dispatch (recording, finishing and submitting the step while the device is
+    idle, over its dispatches), device ms from timestamp queries (None without them), wall
+    ms from submit to done, and the planned memory by role."""
+    host, wall, device = [], [], []
+    for _ in range(repeat):
+        plan.sync()
+        t0 = time.perf_counter()
+        plan.run()
+        t1 = time.perf_counter()
+        plan.sync()
+        host.append(t1 - t0)
+        wall.append(time.perf_counter() - t1)
+        device.append(plan.device_seconds())
+    n = len(plan.recorded)
+    return {"dispatches": n, "host_us_per_dispatch": 1e6 * float(np.median(host)) / max(n, 1),
+            "host_ms": 1e3 * float(np.median(host)), "wall_ms": 1e3 * float(np.median(wall)),
+            "device_ms": None if device[0] is None else 1e3 * float(np.median(device)),
+            "memory": plan.memory()}
+
+
+def echo_step_stats(s: dict):
+    device = ("no timestamp queries on this adapter" if s["device_ms"] is None
+              else f"{s['device_ms']:.2f} ms/step (timestamp queries)")
+    click.echo(f"wgpu step: {s['dispatches']} dispatches, host {s['host_us_per_dispatch']:.2f} "
+               f"µs/dispatch ({s['host_ms']:.2f} ms to record and submit), device {device}, "
+               f"{s['wall_ms']:.1f} ms submit to done")
+    m = s["memory"]
+    click.echo(f"wgpu memory (planned): peak {human_bytes(m['peak'])}, buffers "
+               f"{human_bytes(m['planned'])} ({m['planned'] / max(m['peak'], 1):.3f} x peak)")
+
+
+def wgpu_for(ctx, what: str):
+    """The wgpu backend a bench times, or (None, why) when NumPy was asked for or there is no
+    adapter; a click error when wgpu was asked for and is missing."""
+    name, by = backend_choice(ctx)
+    if name == "numpy":
+        return None, f"numpy asked for by {by}"
+    backend, why = wgpu_or_reason()
+    if backend is None and name == "wgpu":
+        raise click.ClickException(f"{what}: backend wgpu asked for by {by}, but {why}")
+    return backend, why
+
+
+@click.group()
+def bench():
+    """Benchmarks of the wgpu backend against NumPy (and PyTorch CPU when importable)."""
+
+
+# -- bench matmul ---------------------------------------------------------------------------
+
+def parse_sizes(ctx, param, values) -> list[tuple[int, int, int]]:
+    sizes = []
+    for value in values:
+        for item in value.split(","):
+            parts = item.strip().lower().split("x")
+            if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+                raise click.BadParameter(f"{item!r} is not MxNxK with positive integers, "
+                                         "e.g. 256x512x768")
+            sizes.append(tuple(int(p) for p in parts))
+    return sizes or list(BENCH_SIZES)
+
+
+@bench.command("matmul")
+@click.option("--sizes", multiple=True, callback=parse_sizes, metavar="MxNxK[,...]",
+              help="mul_mat(a [M,K], b [N,K]) -> [N,M] shapes (repeatable or comma-separated). "
+                   f"Default: {','.join('x'.join(map(str, s)) for s in BENCH_SIZES)}.")
+@click.option("--repeat", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed runs per shape, after one warm-up run.")
+@json_option
+@click.pass_context
+def bench_matmul(ctx, sizes, repeat, json_path):
+    """GFLOP/s of the wgpu mul_mat and of NumPy's matmul on the same shapes.
+
+    wgpu: the mean time of back-to-back runs of a planned graph (one submit each) up to the
+    GPU finishing. NumPy: the median time of `b @ a.T` in float32. Each shape's wgpu result
+    is checked against float64 NumPy before any number is printed.
+    """
+    name, by = backend_choice(ctx)
+    if name == "numpy" and by == "--backend":
+        raise click.UsageError("bench matmul times the wgpu backend against NumPy; "
+                               "--backend numpy leaves nothing to time")
+    backend, why = wgpu_or_reason()
+    if backend is None:
+        raise click.ClickException(f"bench matmul needs a WebGPU adapter: {why}")
+
+    click.echo(f"bench matmul on {describe_backend(backend)}, {repeat} timed runs per shape")
+    click.echo(f"{'M':>5} {'N':>5} {'K':>5}  {'wgpu GFLOP/s':>12}  {'numpy GFLOP/s':>13}  "
+               f"{'wgpu/numpy':>10}  {'max rel err':>11}  {'dispatches':>10}  "
+               f"{'host µs/disp':>12}  {'device ms':>9}  {'planned bytes':>13}")
+    rng = np.random.default_rng(0)
+    rows = []
+    for m, n, k in sizes:
+        a_val = rng.standard_normal((m, k), dtype=np.float32)
+        b_val = rng.standard_normal((n, k), dtype=np.float32)
+        a, b = ggwgpu.input_tensor((m, k), name="a"), ggwgpu.input_tensor((n, k), name="b")
+        out = ggwgpu.mul_mat(a, b)
+        plan = backend.plan([out])
+        plan.write(a, a_val)
+        plan.write(b, b_val)
+
+        # NumPy first: on a software adapter, lavapipe's threads are busy for a while after
+        # the wgpu runs and would slow NumPy down.
+        t_numpy = median_seconds(lambda: b_val @ a_val.T, repeat)
+
+        # The warm-up run (pipelines compiled) is also the one checked before any timing.
+        plan.run()
+        ref = b_val.astype(np.float64) @ a_val.T.astype(np.float64)
+        rel = float(np.max(np.abs(plan.read(out) - ref)) / max(np.max(np.abs(ref)), 1e-30))
+        if not rel <= BENCH_MAX_REL_ERR:  # also catches NaN
+            raise click.ClickException(
+                f"wgpu mul_mat is wrong for M={m} N={n} K={k}: max relative error {rel:.2e} "
+                f"> {BENCH_MAX_REL_ERR:.0e}; no timing reported")
+
+        # Runs queue up on the GPU in order: submit them back to back, wait once at the end.
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            plan.run()
+        plan.sync()
+        t_wgpu = (time.perf_counter() - t0) / repeat
+        stats = step_stats(plan, repeat)
+
+        flop = 2.0 * m * n * k
+        g_wgpu, g_numpy = flop / t_wgpu / 1e9, flop / t_numpy / 1e9
+        device = "-" if stats["device_ms"] is None else f"{stats['device_ms']:.3f}"
+        click.echo(f"{m:>5} {n:>5} {k:>5}  {g_wgpu:>12.2f}  {g_numpy:>13.2f}  "
+                   f"{g_wgpu / g_numpy:>10.3f}  {rel:>11.1e}  {stats['dispatches']:>10}  "
+                   f"{stats['host_us_per_dispatch']:>12.2f}  {device:>9}  "
+                   f"{stats['memory']['planned']:>13}")
+        rows.append({"m": m, "n": n, "k": k, "gflops": {"wgpu": g_wgpu, "numpy": g_numpy},
+                     "ratio_wgpu_numpy": g_wgpu / g_numpy, "max_rel_err": rel, **stats})
+    write_json(json_path, {"bench": "matmul", "device": describe_backend(backend),
+                           "shapes": rows})
+
+
+# -- training steps: bench train and bench ops ----------------------------------------------
+
+class RandomBatches:
+    """Uniformly random tokens, as a Trainer's batch source: the same batches for the same
+    seed, so every backend trains on the same data."""
+
+    def __init__(self, n_vocab: int, n_ctx: int, batch: int, seed: int = 0):
+        self.shape, self.n_vocab = (batch, n_ctx + 1), n_vocab
+        self.rng, self.taken = np.random.default_rng(seed), 0
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        tokens = self.rng.integers(0, self.n_vocab, self.shape, dtype=np.int32)
+        self.taken += 1
+        return np.ascontiguousarray(tokens[:, :-1]), np.ascontiguousarray(tokens[:, 1:])
+
+    def state(self) -> dict:
+        return {"batches": self.taken}
+
+
+def bench_model(config_name: str, **changes):
+    """(LlamaConfig, TrainOptions) of a bench config."""
+    from ggwgpu.models.llama import LlamaConfig
+    from ggwgpu.train import TrainOptions
+    shapes = {**BENCH_TRAIN_CONFIGS[config_name], **changes}
+    batch = shapes.pop("batch")
+    return LlamaConfig(**shapes), TrainOptions(batch=batch, lr=1e-3)
+
+
+def checked_trainers(config_name: str, wgpu_backend) -> tuple[dict, dict]:
+    """A Trainer per backend (NumPy, and wgpu when there is one) on the same weights and
+    batches, each after one warm-up step; a click error unless their losses agree.
+    Returns (trainers, warm-up losses)."""
+    from ggwgpu.backends import NumpyBackend
+    from ggwgpu.models.llama import init_parameters
+    from ggwgpu.train import Trainer
+    cfg, options = bench_model(config_name)
+    backends = {"numpy": NumpyBackend()}
+    if wgpu_backend is not None:
+        backends["wgpu"] = wgpu_backend
+    trainers = {key: Trainer(cfg, init_parameters(cfg, 0), b, options,
+                             RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
+                for key, b in backends.items()}
+    warm = {key: tr.train_step()["loss"] for key, tr in trainers.items()}
+    if wgpu_backend is not None:
+        rel = abs(warm["wgpu"] - warm["numpy"]) / max(abs(warm["numpy"]), 1e-30)
+        if not rel <= BENCH_TRAIN_MAX_REL_ERR:  # also catches NaN
+            raise click.ClickException(
+                f"wgpu training is wrong: warm-up loss {warm['wgpu']:.6f}, NumPy's "
+                f"{warm['numpy']:.6f} (relative difference {rel:.2e} > "
+                f"{BENCH_TRAIN_MAX_REL_ERR:.0e}); no timing reported")
+    return trainers, warm
+
+
+def describe_config(config_name: str) -> str:
+    from ggwgpu.models.llama import init_parameters
+    cfg, options = bench_model(config_name)
+    n_params = sum(v.size for v in init_parameters(cfg, 0).values())
+    return (f"{config_name}: {n_params / 1e6:.2f} M parameters (vocab {cfg.n_vocab}, embd "
+            f"{cfg.n_embd}, {cfg.n_head} heads, {cfg.n_layer} layers, ff {cfg.n_ff}), "
+            f"{options.batch} x {cfg.n_ctx} tokens per step, AdamW")
+
+
+def timed_steps(step, n: int) -> tuple[float, float]:
+    """(the loss of one warm-up step, mean seconds of the next n steps)."""
+    loss = step()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    return loss, (time.perf_counter() - t0) / n
+
+
+def torch_llama_step(cfg, options, values: dict, batches):
+    """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
+    returns the loss; None when torch is not importable (it is no dependency of ggwgpu)."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return None
+    params = {name: torch.tensor(v, requires_grad=True) for name, v in values.items()}
+    groups = [{"params": [p for p in params.values() if p.ndim >= 2],
+               "weight_decay": options.weight_decay},
+              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=options.lr, betas=(options.beta1, options.beta2),
+                            eps=options.eps)
+    t, rot = cfg.n_ctx, cfg.rot
+    inv_freq = cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * np.arange(rot // 2) / rot)
+    theta = np.arange(t)[:, None] * inv_freq                       # (ctx, rot / 2)
+    cos = torch.tensor(np.cos(theta), dtype=torch.float32)[:, None, :]
+    sin = torch.tensor(np.sin(theta), dtype=torch.float32)[:, None, :]
+    mask = torch.full((t, t), float("-inf")).triu(1)
+    scale = 1.0 / float(np.sqrt(cfg.head_dim))
+
+    def rms_norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    def rope(x):  # (batch, ctx, head, dim), ggml's "normal" mode: pairs (2k, 2k + 1)
+        x0, x1 = x[..., 0:rot:2], x[..., 1:rot:2]
+        rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
+        return torch.cat((rotated, x[..., rot:]), -1)
+
+    def step() -> float:
+        inputs, targets = batches.next_batch()
+        b = inputs.shape[0]
+        x = params["token_embd.weight"][torch.from_numpy(inputs).long()]
+        for i in range(cfg.n_layer):
+            w = {name[len(f"blk.{i}."):-len(".weight")]: p for name, p in params.items()
+                 if name.startswith(f"blk.{i}.")}
+            h = rms_norm(x, w["attn_norm"])
+            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, cfg.n_head, cfg.head_dim)
+                       for n in "qkv")
+            q, k, v = (y.transpose(1, 2) for y in (rope(q), rope(k), v))
+            att = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
+            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.n_embd), w["attn_output"])
+            h = rms_norm(x, w["ffn_norm"])
+            x = x + F.linear(F.silu(F.linear(h, w["ffn_gate"])) * F.linear(h, w["ffn_up"]),
+                             w["ffn_down"])
+        logits = F.linear(rms_norm(x, params["output_norm.weight"]), params["output.weight"])
+        loss = F.cross_entropy(logits.reshape(-1, cfg.n_vocab),
+                               torch.from_numpy(targets).long().reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if options.grad_clip:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), options.grad_clip)
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+@bench.command("train")
+@config_option
+@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
+              help="Timed training steps per backend, after one warm-up step.")
+@click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
+              help="Also time PyTorch CPU training of the same llama, when torch is importable.")
+@json_option
+@click.pass_context
+def bench_train(ctx, config_name, steps, use_torch, json_path):
+    """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch CPU.
+
+    Every backend trains the same model (same initial weights, AdamW, lr 1e-3) on the same
+    random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
+    The wgpu and NumPy losses of the warm-up step must agree before any number is printed.
+    For wgpu also: dispatches per step, host µs per dispatch (recording and submitting a
+    step), device ms per step and the planned memory.
+    """
+    from ggwgpu.models.llama import init_parameters
+    cfg, options = bench_model(config_name)
+    wgpu_backend, why = wgpu_for(ctx, "bench train")
+    click.echo(f"bench train {describe_config(config_name)}; 1 warm-up + {steps} timed steps "
+               "per backend")
+    click.echo("wgpu: " + (describe_backend(wgpu_backend) if wgpu_backend else f"none ({why})"))
+    trainers, warm = checked_trainers(config_name, wgpu_backend)
+
+    # NumPy and torch before wgpu: lavapipe's threads stay busy for a while after its runs.
+    loss, seconds = {}, {}
+    _, seconds["numpy"] = timed_steps(lambda: trainers["numpy"].train_step()["loss"], steps)
+    loss["numpy"] = warm["numpy"]
+    torch_why = "--no-torch"
+    if use_torch:
+        torch_step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
+                                      RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
+        torch_why = "not importable"
+        if torch_step is not None:
+            loss["torch"], seconds["torch"] = timed_steps(torch_step, steps)
+    if wgpu_backend is not None:
+        _, seconds["wgpu"] = timed_steps(lambda: trainers["wgpu"].train_step()["loss"], steps)
+        loss["wgpu"] = warm["wgpu"]
+
+    tokens = options.batch * cfg.n_ctx
+    rate = {key: tokens / s for key, s in seconds.items()}
+    click.echo(f"{'backend':<8} {'tokens/s':>10} {'ms/step':>9} {'warm-up loss':>13} "
+               f"{'x torch':>8}")
+    for key in ("wgpu", "numpy", "torch"):
+        if key not in rate:
+            shown = why if key == "wgpu" else torch_why
+            click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({shown})")
+            continue
+        ratio = f"{rate[key] / rate['torch']:.3f}" if "torch" in rate else "-"
+        click.echo(f"{key:<8} {rate[key]:>10.0f} {1e3 * seconds[key]:>9.1f} "
+                   f"{loss[key]:>13.6f} {ratio:>8}")
+    ratios = {}
+    if "torch" in rate:
+        ratios.update({f"{key}/torch": rate[key] / rate["torch"]
+                       for key in ("wgpu", "numpy") if key in rate})
+    if "wgpu" in rate:
+        ratios["wgpu/numpy"] = rate["wgpu"] / rate["numpy"]
+    if ratios:
+        click.echo("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+    report = {"bench": "train", "config": config_name, "steps": steps,
+              "tokens_per_step": tokens, "tokens_per_s": rate, "warmup_loss": loss,
+              "ratios": ratios, "wgpu": None}
+    if wgpu_backend is not None:
+        plan = trainers["wgpu"].plan
+        stats = step_stats(plan, steps)
+        echo_step_stats(stats)
+        echo_memory_roles(stats["memory"])
+        report["wgpu"] = stats
+    write_json(json_path, report)
+
+
+def echo_memory_roles(m: dict):
+    ideal = sum(m[k] for k in ("weights", "gradients", "state", "inputs", "activations"))
+    click.echo(f"wgpu memory by role: weights {human_bytes(m['weights'])}, gradients "
+               f"{human_bytes(m['gradients'])}, optimizer state and constants "
+               f"{human_bytes(m['state'])}, inputs {human_bytes(m['inputs'])}, activations at "
+               f"the peak {human_bytes(m['activations'])}; planned = "
+               f"{m['planned'] / ideal:.3f} x their sum")
+
+
+@bench.command("ops")
+@config_option
+@click.option("--top", default=20, show_default=True, type=click.IntRange(min=1),
+              help="Ops shown, by wgpu time (all go to --json).")
+@click.option("--repeat", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Whole-step runs for the host and device times.")
+@json_option
+@click.pass_context
+def bench_ops(ctx, config_name, top, repeat, json_path):
+    """Time per op of one training step, wgpu against NumPy.
+
+    Both backends train the same llama step (checked by their warm-up losses), then run it
+    once op by op: on wgpu each dispatch is submitted and waited on alone (WgpuPlan.profile),
+    so the times include a submit and a wait per dispatch; NumPy times each node.
+    """
+    wgpu_backend, why = wgpu_for(ctx, "bench ops")
+    if wgpu_backend is None:
+        raise click.ClickException(f"bench ops times the wgpu backend against NumPy: {why}")
+    click.echo(f"bench ops {describe_config(config_name)}")
+    click.echo("wgpu: " + describe_backend(wgpu_backend))
+    trainers, _ = checked_trainers(config_name, wgpu_backend)
+    numpy_times = trainers["numpy"].plan.profile()
+    plan = trainers["wgpu"].plan
+    wgpu_times = [(op, s) for op, (_, s) in zip(plan.dispatch_ops, plan.profile())]
+    ops = {}
+    for backend, times in (("numpy", numpy_times), ("wgpu", wgpu_times)):
+        for op, s in times:
+            row = ops.setdefault(op, {"nodes": 0, "dispatches": 0, "wgpu_ms": 0.0,
+                                      "numpy_ms": 0.0})
+            row["nodes" if backend == "numpy" else "dispatches"] += 1
+            row[f"{backend}_ms"] += 1e3 * s
+    ranked = sorted(ops.items(), key=lambda kv: -kv[1]["wgpu_ms"])
+    click.echo(f"{'op':<24} {'nodes':>5} {'disp':>5} {'wgpu ms':>9} {'numpy ms':>9} "
+               f"{'wgpu/numpy':>10}")
+    for op, r in ranked[:top]:
+        speed = r["numpy_ms"] / r["wgpu_ms"] if r["wgpu_ms"] else math.inf
+        click.echo(f"{op:<24} {r['nodes']:>5} {r['dispatches']:>5} {r['wgpu_ms']:>9.2f} "
+                   f"{r['numpy_ms']:>9.2f} {speed:>10.3f}")
+    total = {key: sum(r[f"{key}_ms"] for r in ops.values()) for key in ("wgpu", "numpy")}
+    click.echo(f"{'all':<24} {len(numpy_times):>5} {len(wgpu_times):>5} {total['wgpu']:>9.2f} "
+               f"{total['numpy']:>9.2f} {total['numpy'] / total['wgpu']:>10.3f}  "
+               "(wgpu/numpy: speed ratio, numpy ms / wgpu ms)")
+    stats = step_stats(plan, repeat)
+    echo_step_stats(stats)
+    write_json(json_path, {"bench": "ops", "config": config_name, "ops": ops,
+                           "total_ms": total, "wgpu": stats})
+
+
+# -- bench memory ---------------------------------------------------------------------------
+
+def parse_layers(ctx, param, value) -> list[int]:
+    try:
+        layers = [int(v) for v in value.split(",")]
+    except ValueError:
+        layers = []
+    if not layers or min(layers) < 1:
+        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive ints")
+    return layers
+
+
+@bench.command("memory")
+@config_option
+@click.option("--layers", default="4,8,16", show_default=True, callback=parse_layers,
+              help="n_layer values to plan (other shapes from --config).")
+@json_option
+@click.pass_context
+def bench_memory(ctx, config_name, layers, json_path):
+    """Planned memory of a training step by role, with and without gradient checkpointing.
+
+    For each n_layer the step (forward, backward, clipping, AdamW) is planned, not run, on
+    wgpu (NumPy without an adapter): weights, gradients, optimizer moments and constants,
+    inputs, the activations live at the planner's peak, and the buffers it allocates.
+    Checkpointing keeps every round(sqrt(n_layer))-th block output and recomputes the rest,
+    so the activations at the peak grow like sqrt(n_layer).
+    """
+    from ggwgpu.backends import NumpyBackend
+    from ggwgpu.models.llama import build_train_graph, init_parameters
+    from ggwgpu.train import Trainer
+    backend, _ = wgpu_for(ctx, "bench memory")
+    backend = backend or NumpyBackend()
+    click.echo(f"bench memory {describe_config(config_name)}; planned on "
+               f"{describe_backend(backend)}; MiB")
+    click.echo(f"{'layers':>6} {'ckpt':>5} {'weights':>8} {'grads':>8} {'state':>8} "
+               f"{'inputs':>8} {'activ':>8} {'sum':>8} {'planned':>8} {'planned/sum':>11}")
+    rows = []
+    for n_layer in layers:
+        for checkpointing in (False, True):
+            cfg, options = bench_model(config_name, n_layer=n_layer)
+            options.checkpointing = checkpointing
+            values = init_parameters(cfg, 0)
+            graph = build_train_graph(cfg, values, options.batch)
+            every = max(1, round(math.sqrt(n_layer)))
+            graph.checkpoints = graph.checkpoints[every - 1::every]
+            trainer = Trainer(cfg, values, backend, options,
+                              RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), graph=graph)
+            m = trainer.plan.memory()
+            total = sum(m[k] for k in ("weights", "gradients", "state", "inputs",
+                                       "activations"))
+            mib = [m[k] / 2**20 for k in ("weights", "gradients", "state", "inputs",
+                                          "activations")]
+            click.echo(f"{n_layer:>6} {'yes' if checkpointing else 'no':>5} " +
+                       " ".join(f"{v:>8.2f}" for v in mib) +
+                       f" {total / 2**20:>8.2f} {m['planned'] / 2**20:>8.2f} "
+                       f"{m['planned'] / total:>11.3f}")
+            rows.append({"n_layer": n_layer, "checkpointing": checkpointing,
+                         "checkpoint_every": every if checkpointing else None, **m,
+                         "sum": total})
+    write_json(json_path, {"bench": "memory", "config": config_name, "rows": rows})

@@ -1,0 +1,44 @@
+"""What the `ggwgpu` commands share: which backend was asked for, how to describe it, sizes.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import os
+
+from ggwgpu.backends import ENV_VAR, shared_wgpu_backend
+
+
+def wgpu_or_reason():
+    """(the shared wgpu backend, None), or (None, why there is none)."""
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+    try:
+        return shared_wgpu_backend(), None
+    except NoAdapterError as e:
+        return None, str(e)
+    except Exception as e:  # an adapter but no device: report it, info must not crash
+        return None, f"the WebGPU device failed to start: {type(e).__name__}: {e}"
+
+
+def backend_choice(ctx) -> tuple[str, str]:
+    """The backend name asked for (--backend, else $GGWGPU_BACKEND, else auto) and by whom."""
+    if ctx.obj["backend"]:
+        return ctx.obj["backend"].lower(), "--backend"
+    if os.environ.get(ENV_VAR):
+        return os.environ[ENV_VAR].lower(), f"${ENV_VAR}"
+    return "auto", "default"
+
+
+def describe_backend(backend) -> str:
+    if backend.name == "wgpu":
+        info = backend.info
+        return (f"wgpu ({info.get('device')}, {info.get('adapter_type')}, "
+                f"{info.get('backend_type')})")
+    return f"{backend.name} (the NumPy reference backend, no GPU)"
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n} ({n / size:.4g} {unit})"
+    return str(n)

@@ -1,0 +1,33 @@
+"""`ggwgpu quantize IN.gguf OUT.gguf --type q4_0`: a llama GGUF with its matrices in a
+block type, e.g. the frozen base of a finetune. Registered on the `ggwgpu` group by main.py.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import click
+
+from ggwgpu import gguf_io
+from ggwgpu.quant import QUANT_TYPES, Quantized, quantize_model
+
+
+@click.command("quantize")
+@click.argument("source", type=click.Path(dir_okay=False))
+@click.argument("target", type=click.Path(dir_okay=False))
+@click.option("--type", "dtype", type=click.Choice(QUANT_TYPES), default="q4_0", show_default=True,
+              help="Storage type of the 2-D weights whose rows are a multiple of 32 values; "
+                   "norms stay f32.")
+def quantize_command(source, target, dtype):
+    """Write SOURCE (a llama GGUF: f32, f16, q8_0 or q4_0) to TARGET with its weights in
+    --type. Weights already quantized are dequantized first."""
+    try:
+        cfg, values, tokenizer = gguf_io.load_model(source)
+        quantized = quantize_model(values, dtype)
+        gguf_io.save_model(target, cfg, quantized, tokenizer)
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    before = sum(v.nbytes for v in values.values())
+    after = sum(v.nbytes for v in quantized.values())
+    n = sum(isinstance(v, Quantized) for v in quantized.values())
+    click.echo(f"{target}: {n} of {len(quantized)} tensors in {dtype}; weights "
+               f"{before / 2**20:.2f} MiB f32 -> {after / 2**20:.2f} MiB")

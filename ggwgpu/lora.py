@@ -1,0 +1,283 @@
+"""LoRA adapters of a llama: which weights get one, initialisation, GGUF adapter files,
+finetune checkpoints, and merging into the base.
+
+An adapter is alpha and, per adapted weight, a pair of f32 matrices under llama.cpp's names
+<weight>.lora_a and <weight>.lora_b. Shapes in NumPy order (GGUF's ne reversed), as
+llama.cpp's adapter loader validates them:
+
+    weight W (n_out, n_in):             lora_a (r, n_in)      lora_b (n_out, r)
+    token_embd.weight (n_vocab, n_embd): lora_a (n_vocab, r)   lora_b (n_embd, r)
+
+The layer computes W x + scale * B (A x); the embedding of token t is E[t] + scale * B A[t]
+(models/llama.py). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
+alpha 0 means scale 1), so pairs of different ranks in one adapter each have their own.
+
+Initialisation as llama.cpp's old finetune: A normal(0, 1) clamped to [-1, 1] and scaled by
+1 / sqrt(ne0 + ne1) of A, B zero, so an untrained adapter changes nothing.
+
+Adapter file (`save_adapter` / `load_adapter`), what `llama-cli -m base.gguf --lora FILE` reads:
+    general.architecture "llama", general.type "adapter", adapter.type "lora",
+    adapter.lora.alpha (float32), ggwgpu.lora.base (the base's `model_digest`, for people),
+    and the pairs as f32 tensors.
+Checkpoint of a LoRA finetune (`save_adapter_checkpoint` / `load_adapter_checkpoint`): the
+adapter file plus ggwgpu.checkpoint.version, AdamW's moments as optimizer.adamw.m.<tensor> /
+optimizer.adamw.v.<tensor> and the training state as training.state_json (as in gguf_io's
+model checkpoints). llama.cpp refuses it as an adapter (unknown tensors): use the adapter.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_NAME, K_TRAIN_STATE,
+                      K_TYPE, MOMENT_PREFIX, OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array,
+                      _GGUFFile, _T, _write_gguf)
+from .models.llama import LORA_A, LORA_B, LlamaConfig, parameter_shapes
+from .quant import Quantized, dequantize
+
+K_ADAPTER_TYPE = "adapter.type"
+K_ALPHA = "adapter.lora.alpha"
+K_BASE = "ggwgpu.lora.base"
+
+# llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
+TARGETS = {"tok_embd": "token_embd.weight", "out": "output.weight",
+           "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
+           "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
+           "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight"}
+GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
+
+
+@dataclass
+class Adapter:
+    """A LoRA adapter: alpha and its tensors, <weight>.lora_a / <weight>.lora_b -> f32 array."""
+    alpha: float
+    tensors: dict
+
+    def weights(self) -> list[str]:
+        """The names of the weights it adapts."""
+        return [n[:-len(LORA_A)] for n in self.tensors if n.endswith(LORA_A)]
+
+    def rank(self, weight: str) -> int:
+        return self.tensors[weight + LORA_B].shape[1]
+
+    def scale(self, weight: str) -> float:
+        """llama.cpp's scale of a pair: alpha / rank, or 1 when alpha is 0."""
+        return self.alpha / self.rank(weight) if self.alpha else 1.0
+
+
+def pair_shapes(cfg: LlamaConfig, weight: str, rank: int) -> tuple[tuple, tuple]:
+    """(lora_a shape, lora_b shape) of a rank-`rank` pair on `weight` (module docstring)."""
+    n_out, n_in = parameter_shapes(cfg)[weight]
+    if weight == "token_embd.weight":
+        return (n_out, rank), (n_in, rank)
+    return (rank, n_in), (n_out, rank)
+
+
+def lora_ranks(cfg: LlamaConfig, r: int = 4, ranks: dict | None = None,
+               layers=None) -> dict[str, int]:
+    """{weight name: rank} of a LoRA finetune: every weight of TARGETS with rank r unless
+    `ranks` (TARGETS key -> rank) says otherwise; rank 0 leaves a weight alone. `layers`
+    (block indices; default all) limits the block weights; tok_embd and out are not in a block."""
+    ranks = {kind: r for kind in TARGETS} | {k: v for k, v in (ranks or {}).items()
+                                             if v is not None}
+    unknown = set(ranks) - set(TARGETS)
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
+    layers = range(cfg.n_layer) if layers is None else sorted(set(layers))
+    bad = [i for i in layers if not 0 <= i < cfg.n_layer]
+    if bad:
+        raise ValueError(f"layer {bad[0]} does not exist: the model has layers 0 .. "
+                         f"{cfg.n_layer - 1}")
+    out = {}
+    for kind, rank in ranks.items():
+        if rank < 0:
+            raise ValueError(f"rank of {kind} must be >= 0, got {rank}")
+        if rank == 0:
+            continue
+        names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
+            [f"blk.{i}.{TARGETS[kind]}" for i in layers]
+        out.update({name: rank for name in names})
+    if not out:
+        raise ValueError("no weight gets a LoRA pair: every rank is 0 or no layer is chosen")
+    return out
+
+
+def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,
+                 seed: int = 0) -> Adapter:
+    """A fresh adapter with pairs of the given ranks: A random (old finetune's init), B 0."""
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for weight in parameter_shapes(cfg):          # model order: stable files and draws
+        if weight not in ranks:
+            continue
+        a_shape, b_shape = pair_shapes(cfg, weight, ranks[weight])
+        a = np.clip(rng.standard_normal(a_shape), -1.0, 1.0) / np.sqrt(sum(a_shape))
+        tensors[weight + LORA_A] = a.astype(np.float32)
+        tensors[weight + LORA_B] = np.zeros(b_shape, np.float32)
+    return Adapter(float(alpha), tensors)
+
+
+def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
+    """Raise GGUFError (naming `where` and the tensor) unless every tensor of `adapter` is
+    half of a complete pair on a matrix of `cfg` with llama.cpp's shapes."""
+    shapes = parameter_shapes(cfg)
+    for name in adapter.tensors:
+        if not name.endswith((LORA_A, LORA_B)):
+            raise GGUFError(f"{where}: LoRA tensor {name} has an unexpected suffix (expected "
+                            f"{LORA_A} or {LORA_B})")
+        weight, other = ((name[:-len(LORA_A)], LORA_B) if name.endswith(LORA_A)
+                         else (name[:-len(LORA_B)], LORA_A))
+        if weight + other not in adapter.tensors:
+            raise GGUFError(f"{where}: LoRA tensor {name} has no {weight + other}")
+        if weight not in shapes or len(shapes[weight]) != 2:
+            raise GGUFError(f"{where}: LoRA tensor {name} adapts {weight}, which is not a "
+                            f"matrix of this base model (wrong base?)")
+    for weight in adapter.weights():
+        a, b = adapter.tensors[weight + LORA_A], adapter.tensors[weight + LORA_B]
+        rank = b.shape[1] if b.ndim == 2 else 0
+        if (a.shape, b.shape) != pair_shapes(cfg, weight, rank) or rank < 1:
+            want_a, want_b = pair_shapes(cfg, weight, max(rank, 1))
+            raise GGUFError(f"{where}: LoRA pair of {weight} has shapes {a.shape} and "
+                            f"{b.shape}, the base needs {want_a} and {want_b} with the same "
+                            f"rank r in place of {max(rank, 1)} (wrong base?)")
+
+
+# -- files ------------------------------------------------------------------------------------
+
+def _adapter_metadata(adapter: Adapter, base_digest: str | None) -> dict:
+    meta = {K_ARCH: (ARCH, _T.STRING), K_NAME: ("ggwgpu LoRA adapter", _T.STRING),
+            K_TYPE: ("adapter", _T.STRING), K_ADAPTER_TYPE: ("lora", _T.STRING),
+            K_ALPHA: (float(adapter.alpha), _T.FLOAT32)}
+    if base_digest:
+        meta[K_BASE] = (base_digest, _T.STRING)
+    return meta
+
+
+def _checked_tensors(path, tensors: dict, what: str) -> dict:
+    return {name: _checked_array(path, name, value, np.shape(value), what)
+            for name, value in tensors.items()}
+
+
+def save_adapter(path, adapter: Adapter, cfg: LlamaConfig, base_digest: str | None = None):
+    """Write `adapter` (checked against `cfg`) as a llama.cpp LoRA adapter GGUF, atomically."""
+    check_adapter(adapter, cfg, path)
+    _write_gguf(path, _adapter_metadata(adapter, base_digest),
+                _checked_tensors(path, adapter.tensors, "adapter"))
+
+
+def save_adapter_checkpoint(path, adapter: Adapter, cfg: LlamaConfig, opt_state: dict,
+                            train_state: dict):
+    """Write a LoRA finetune checkpoint: the adapter, AdamW's (m, v) per adapter tensor and
+    the JSON training state (which must hold "base", the base's digest). Atomic."""
+    check_adapter(adapter, cfg, path)
+    meta = _adapter_metadata(adapter, train_state.get("base"))
+    meta[K_CKPT_VERSION] = (CHECKPOINT_VERSION, _T.UINT32)
+    try:
+        meta[K_TRAIN_STATE] = (json.dumps(train_state, allow_nan=False), _T.STRING)
+    except (TypeError, ValueError) as e:
+        raise GGUFError(f"{path}: cannot write checkpoint: train_state is not "
+                        f"JSON-serialisable ({e})") from None
+    tensors = _checked_tensors(path, adapter.tensors, "checkpoint")
+    for name, pair in opt_state.items():
+        if name not in adapter.tensors:
+            raise GGUFError(f"{path}: cannot write checkpoint: optimizer state for {name!r}, "
+                            f"which is not a tensor of the adapter")
+        for kind, value in zip(("m", "v"), pair):
+            tensors[MOMENT_PREFIX[kind] + name] = _checked_array(
+                path, MOMENT_PREFIX[kind] + name, value, adapter.tensors[name].shape,
+                "checkpoint")
+    _write_gguf(path, meta, tensors)
+
+
+def _read_adapter(f: _GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Adapter:
+    for key, want in ((K_TYPE, "adapter"), (K_ARCH, ARCH), (K_ADAPTER_TYPE, "lora")):
+        if f.meta.get(key) != want:
+            raise GGUFError(f"{f.path}: {key} is {f.meta.get(key)!r}, a LoRA adapter of a "
+                            f"llama has {want!r}")
+    alpha = f.float_key(K_ALPHA, default=0.0, allow_zero=True)   # llama.cpp: missing is 0
+    tensors = {}
+    for name in f.tensors:
+        if checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX):
+            continue
+        if name.endswith("_norm.weight"):     # llama.cpp skips norm adapters too
+            continue
+        tensors[name] = f.tensor_value(name, f.numpy_shape(name))
+    if not tensors:
+        raise GGUFError(f"{f.path}: the adapter has no LoRA tensors")
+    adapter = Adapter(alpha, tensors)
+    if cfg is not None:
+        check_adapter(adapter, cfg, f.path)
+    return adapter
+
+
+def load_adapter(path, cfg: LlamaConfig | None = None) -> Adapter:
+    """Read a LoRA adapter GGUF (ours or llama.cpp's: f32, f16 or q8_0 tensors, read as f32),
+    validated as llama.cpp does and, given `cfg`, against the base's shapes. Raises GGUFError
+    naming the file and the key or tensor."""
+    f = _GGUFFile(path)
+    if K_CKPT_VERSION in f.meta:
+        raise GGUFError(f"{f.path}: is a finetune checkpoint, not an adapter (resume from it "
+                        f"with --checkpoint-in)")
+    return _read_adapter(f, cfg, checkpoint=False)
+
+
+def load_adapter_checkpoint(path, cfg: LlamaConfig):
+    """Read `save_adapter_checkpoint`'s file: (adapter, opt_state, train_state)."""
+    f = _GGUFFile(path)
+    if f.meta.get(K_CKPT_VERSION) != CHECKPOINT_VERSION:
+        raise GGUFError(f"{f.path}: is not a LoRA finetune checkpoint of this ggwgpu "
+                        f"({K_CKPT_VERSION} is {f.meta.get(K_CKPT_VERSION)!r})")
+    adapter = _read_adapter(f, cfg, checkpoint=True)
+    found = {}
+    for name in f.tensors:
+        if not name.startswith(OPTIMIZER_TENSOR_PREFIX):
+            continue
+        kind = next((k for k, p in MOMENT_PREFIX.items() if name.startswith(p)), None)
+        tensor = name[len(MOMENT_PREFIX[kind]):] if kind else None
+        if tensor not in adapter.tensors:
+            raise GGUFError(f"{f.path}: unknown optimizer tensor {name}")
+        found.setdefault(tensor, {})[kind] = f.tensor_value(name, adapter.tensors[tensor].shape)
+    opt_state = {}
+    for tensor, pair in found.items():
+        if set(pair) != {"m", "v"}:
+            raise GGUFError(f"{f.path}: only one AdamW moment of {tensor}")
+        opt_state[tensor] = (pair["m"], pair["v"])
+    try:
+        train_state = json.loads(f.meta[K_TRAIN_STATE])
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is missing or not JSON ({e})") from None
+    if not isinstance(train_state, dict):
+        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must hold a JSON object")
+    return adapter, opt_state, train_state
+
+
+# -- merging and identity ---------------------------------------------------------------------
+
+def merge(values: dict, adapters) -> dict[str, np.ndarray]:
+    """The base `values` (f32 or Quantized, dequantized) with every adapter's pairs added:
+    W + scale * B A, and E + scale * A B^T for the token embedding; f32 (sums in float64)."""
+    merged = {n: (dequantize(v) if isinstance(v, Quantized) else np.asarray(v, np.float32))
+              for n, v in values.items()}
+    for adapter in adapters:
+        for weight in adapter.weights():
+            a = adapter.tensors[weight + LORA_A].astype(np.float64)
+            b = adapter.tensors[weight + LORA_B].astype(np.float64)
+            delta = a @ b.T if weight == "token_embd.weight" else b @ a
+            merged[weight] = (merged[weight] + adapter.scale(weight) * delta).astype(np.float32)
+    return merged
+
+
+def model_digest(cfg: LlamaConfig, values: dict) -> str:
+    """Identifies a base model (its config and every weight's bytes): a finetune checkpoint
+    records it so that resuming onto another base is refused."""
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    for name in sorted(values):
+        v = values[name]
+        data = v.data if isinstance(v, Quantized) else np.ascontiguousarray(v, np.float32)
+        h.update(name.encode() + b"\0" + (v.dtype if isinstance(v, Quantized) else "f32").encode())
+        h.update(data.tobytes())
+    return h.hexdigest()[:16]

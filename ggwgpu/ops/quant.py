@@ -1,0 +1,163 @@
+"""Ops that read frozen weights stored in a block type (f16, q8_0, q4_0; ggwgpu/quant.py),
+dequantizing inside the kernel. Shader: shaders/quant.wgsl.
+
+    mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32 -> [.., N, M] = x @ w.T
+    mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32 -> [.., N, K] = g @ w
+    get_rows_q(table, ids)  rows of a frozen [n_rows, n_cols] table -> f32
+
+mul_mat and get_rows hand over to these when their first operand is frozen (the registry's
+`frozen_variant`), so a model's code works unchanged with quantized constants in place of
+params. The weight never takes a gradient. The gradient w.r.t. x, g @ w, is a second kernel
+over the same blocks (mul_mat_q_back), not a dequantize into f32 scratch followed by an f32
+product: no f32 copy of any weight ever exists, and the blocks are read as often as the
+forward reads them. The two are each other's backward.
+
+The kernels read 4 values at a time (a "quad"), so f16 rows must hold a multiple of 4
+values (q8_0 and q4_0 rows are multiples of 32 anyway). Frozen operands must be whole,
+contiguous tensors (a constant or a reshape of one).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..quant import QUANT_TYPES, dequantize
+from ..tensor import ShapeError
+from .matmul import mul_mat_ref, product_shape
+from .registry import Case, Dispatch, Input, need_f32, register
+from .rows import check_ids, get_rows_ref
+
+TYPE_CODE = {"f16": 0, "q8_0": 1, "q4_0": 2}   # p.u.x of the kernels (shaders/quant.wgsl)
+TILE_M = 8   # mul_mat_q: weight rows per invocation
+TILE_N = 8   # tokens per invocation (both kernels)
+assert set(TYPE_CODE) == set(QUANT_TYPES)
+
+
+def check_frozen(w):
+    if not w.is_quantized:
+        raise ShapeError(f"needs a weight in one of {', '.join(QUANT_TYPES)}, got {w.dtype}")
+    if w.offset or not w.is_contiguous():
+        raise ShapeError(f"a {w.dtype} weight must be whole and contiguous (a constant or a "
+                         f"reshape of one)")
+    quad = 4 if w.dtype == "f16" else 32
+    if w.shape[-1] % quad:
+        raise ShapeError(f"{w.dtype} rows must hold a multiple of {quad} values, got "
+                         f"{w.shape[-1]}")
+
+
+def tiles(n: int, size: int) -> int:
+    return -(-n // size)
+
+
+# -- mul_mat_q -------------------------------------------------------------------------------
+
+def mul_mat_q_shape(srcs):
+    w, x = srcs
+    check_frozen(w)
+    need_f32(x)
+    return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
+
+
+def mul_mat_q_dispatch(node):
+    w, x = node.srcs
+    m, n = node.shape[-1], node.shape[-2]
+    batches = node.nelements // (m * n)
+    return [Dispatch("mul_mat_q", node, (w, x), n=tiles(m, TILE_M) * tiles(n, TILE_N) * batches,
+                     u=(TYPE_CODE[w.dtype],))]
+
+
+def frozen_cases(shapes, grad_limit=400):
+    """One case per block type for each (weight shape, other operand) pair; finite
+    differences only where the f32 operand is small."""
+    cases = []
+    for dtype in QUANT_TYPES:
+        for w_shape, other in shapes:
+            if w_shape[-1] % 32 and dtype != "f16":
+                continue
+            cases.append(Case((Input(w_shape, dtype=dtype), other),
+                              grad=int(np.prod(other.shape)) <= grad_limit))
+    return cases
+
+
+mul_mat_q = register(
+    "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
+    reference=lambda w, x: mul_mat_ref(dequantize(w).astype(x.dtype), x),
+    dispatches=mul_mat_q_dispatch, no_grad=(0,),
+    backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
+    cases=lambda: frozen_cases([
+        ((5, 32), Input((3, 32))),
+        ((9, 64), Input((2, 3, 7, 64))),                      # a weight over 6 batches
+        ((3, 32), Input((2, 1, 5, 32))),                      # 2 batches, small enough for fd
+        ((2, 1, 3, 32), Input((2, 2, 3, 32))),               # batched weights, broadcast
+        ((6, 32), Input((4, 32), layout="strided")),
+        ((6, 32), Input((5, 32), layout="permuted")),
+        ((7, 12), Input((5, 12))),                            # f16 only: rows of 12
+        ((67, 128), Input((2, 37, 128)))]),
+    doc="ggml_mul_mat with a frozen weight: w [.., M, K] in f16, q8_0 or q4_0, x [.., N, K] "
+        "f32 -> [.., N, M] = x @ w.T, dequantized inside the kernel; w broadcast over x's "
+        "batch dims. mul_mat(w, x) becomes this when w is frozen.")
+
+
+# -- mul_mat_q_back ---------------------------------------------------------------------------
+
+def mul_mat_q_back_shape(srcs):
+    w, g = srcs
+    check_frozen(w)
+    need_f32(g)
+    return product_shape(w.shape, g.shape, -2, -1, "mul_mat_q_back"), "f32", {}
+
+
+def mul_mat_q_back_dispatch(node):
+    w, g = node.srcs
+    k, n = node.shape[-1], node.shape[-2]
+    batches = node.nelements // (k * n)
+    return [Dispatch("mul_mat_q_back", node, (w, g), n=(k // 4) * tiles(n, TILE_N) * batches,
+                     u=(TYPE_CODE[w.dtype],))]
+
+
+mul_mat_q_back = register(
+    "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
+    reference=lambda w, g: mul_mat_ref(np.swapaxes(dequantize(w), -1, -2).astype(g.dtype), g),
+    dispatches=mul_mat_q_back_dispatch, no_grad=(0,),
+    backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
+    cases=lambda: frozen_cases([
+        ((5, 32), Input((3, 5))),
+        ((9, 64), Input((2, 3, 7, 9))),
+        ((3, 32), Input((2, 1, 5, 3))),
+        ((2, 1, 3, 32), Input((2, 2, 3, 3))),
+        ((6, 32), Input((4, 6), layout="strided")),
+        ((6, 32), Input((5, 6), layout="permuted")),
+        ((7, 12), Input((5, 7))),
+        ((67, 128), Input((2, 37, 67)))]),
+    doc="The gradient of mul_mat_q w.r.t. x: w [.., M, K] frozen, g [.., N, M] f32 -> "
+        "[.., N, K] = g @ w, dequantized inside the kernel; w broadcast over g's batch dims.")
+
+
+# -- get_rows_q -------------------------------------------------------------------------------
+
+def get_rows_q_shape(srcs):
+    table, ids = srcs
+    check_frozen(table)
+    if table.ndim != 2:
+        raise ShapeError(f"table must be 2-D [n_rows, n_cols], has shape {table.shape}")
+    check_ids(ids)
+    return ids.shape + table.shape[-1:], "f32", {}
+
+
+get_rows_q = register(
+    "get_rows_q", n_srcs=2, shape=get_rows_q_shape, shader="quant",
+    reference=lambda table, ids: get_rows_ref(dequantize(table), ids),
+    uniforms=lambda n: {"u": (TYPE_CODE[n.srcs[0].dtype],)},
+    no_grad=(0, 1),   # a frozen table and ids: nothing here takes a gradient
+    backward=lambda n, g: (None, None),
+    cases=lambda: [Case((Input(t, dtype=dtype), ids), grad=False)
+                   for dtype in QUANT_TYPES
+                   for t, ids in [((5, 32), Input((9,), 0, 5, dtype="i32")),
+                                  ((3, 64), Input((2, 13), 0, 3, dtype="i32")),
+                                  ((6, 32), Input((5, 3), 0, 6, "permuted", "i32")),
+                                  ((300, 96), Input((4, 70), 0, 300, dtype="i32"))]],
+    doc="get_rows from a frozen table: table [n_rows, n_cols] in f16, q8_0 or q4_0, int32 "
+        "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
+        "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
+
+__all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]

@@ -1,0 +1,143 @@
+// Frozen weights in ggml block types (ggwgpu/quant.py), dequantized inside the kernels.
+// src0 holds the weight's raw blocks, bound as u32 words: p.off.y is where they start, in
+// words; ne_0 and nb_0 count values. p.u.x is the type (TYPE_CODE in ggwgpu/ops/quant.py).
+// Blocks of 34 and 18 bytes are only 2-byte aligned, so values come out of words by shifts,
+// and f16 scales through unpack2x16float: no shader-f16 feature needed.
+
+// Raw and int32 views of the bindings: an entry point uses either the alias or the f32 name
+// of a binding, never both.
+@group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
+@group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
+
+const F16: u32 = 0u;
+const Q8_0: u32 = 1u;   // 32 values in 34 bytes: f16 d, 32 x int8 q; value = d * q
+const Q4_0: u32 = 2u;   // 32 values in 18 bytes: f16 d, 16 bytes qs; value = d * (nibble - 8)
+
+// The 4 bytes of src0 from byte b on (b even), little-endian.
+fn word_at(b: u32) -> u32 {
+    let w = src0_u32[b / 4u];
+    if ((b & 2u) == 0u) { return w; }
+    return (w >> 16u) | (src0_u32[b / 4u + 1u] << 16u);
+}
+
+// The f16 at byte b (b even) of src0.
+fn half_at(b: u32) -> f32 {
+    return unpack2x16float(src0_u32[b / 4u] >> ((b & 2u) * 8u)).x;
+}
+
+// Values e .. e + 3 of src0 (e: flat value index, a multiple of 4), dequantized.
+fn quad(t: u32, e: u32) -> vec4f {
+    let base = p.off.y * 4u;
+    if (t == F16) {
+        let b = base + e * 2u;
+        return vec4f(unpack2x16float(word_at(b)), unpack2x16float(word_at(b + 4u)));
+    }
+    let j = e % 32u;                                   // place in the block
+    if (t == Q8_0) {
+        let b = base + (e / 32u) * 34u;
+        let q = bitcast<i32>(word_at(b + 2u + j));
+        return half_at(b) * vec4f(vec4i(extractBits(q, 0u, 8u), extractBits(q, 8u, 8u),
+                                        extractBits(q, 16u, 8u), extractBits(q, 24u, 8u)));
+    }
+    let b = base + (e / 32u) * 18u;
+    // values j < 16: low nibbles of bytes j.., values j >= 16: high nibbles of bytes j - 16..
+    let q = (word_at(b + 2u + j % 16u) >> ((j / 16u) * 4u)) & 0x0F0F0F0Fu;
+    let v = vec4u(q & 0xFFu, (q >> 8u) & 0xFFu, (q >> 16u) & 0xFFu, q >> 24u);
+    return half_at(b) * (vec4f(v) - 8.0);
+}
+
+// mul_mat_q: src0 w [.., M, K] frozen, src1 x [.., N, K] f32, any strides -> dst [.., N, M],
+// dst[n, m] = sum_k w[m, k] x[n, k]. ggml order: ne_0 = (K, M, w2, w3), ne_d = (M, N, x2, x3);
+// x's batch entry j reads w's j / (x / w), as mul_mat. Each invocation computes 4 weight rows
+// x 8 tokens: a quad of each of the 4 rows, dequantized once, feeds 8 tokens. Out-of-range
+// rows are clamped on load and skipped on store.
+@compute @workgroup_size(WG)
+fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let t = flat_id(gid, nwg); if (t >= p.n) { return; }
+    let M = p.ne_d.x;
+    let N = p.ne_d.y;
+    let K = p.ne_0.x;
+    let bm = (M + 7u) / 8u;
+    let bn = (N + 7u) / 8u;
+    let m0 = (t % bm) * 8u;
+    let rest = t / bm;
+    let n0 = (rest % bn) * 8u;
+    let batch = rest / bn;
+    let i2 = batch % p.ne_d.z;
+    let i3 = batch / p.ne_d.z;
+    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
+    let x_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    var w_row: array<u32, 8>;
+    for (var r = 0u; r < 8u; r++) { w_row[r] = w_base + min(m0 + r, M - 1u) * K; }
+    var x_row: array<u32, 8>;
+    for (var j = 0u; j < 8u; j++) { x_row[j] = x_base + min(n0 + j, N - 1u) * p.nb_1.y; }
+    let kx = p.nb_1.x;
+    var acc: array<array<f32, 8>, 8>;  // acc[n][m]
+    for (var k = 0u; k < K; k += 4u) {
+        var wv: array<vec4f, 8>;
+        for (var r = 0u; r < 8u; r++) { wv[r] = quad(p.u.x, w_row[r] + k); }
+        for (var j = 0u; j < 8u; j++) {
+            let o = x_row[j] + k * kx;
+            let xv = vec4f(src1[o], src1[o + kx], src1[o + 2u * kx], src1[o + 3u * kx]);
+            for (var r = 0u; r < 8u; r++) { acc[j][r] += dot(wv[r], xv); }
+        }
+    }
+    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
+    for (var j = 0u; j < 8u; j++) {
+        if (n0 + j >= N) { break; }
+        for (var r = 0u; r < 8u; r++) {
+            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
+        }
+    }
+}
+
+// mul_mat_q_back: src0 w [.., M, K] frozen, src1 g [.., N, M] f32, any strides -> dst
+// [.., N, K], dst[n, k] = sum_m g[n, m] w[m, k] (the gradient of mul_mat_q w.r.t. x).
+// ggml order: ne_0 = (K, M, w2, w3), ne_1 = (M, N, g2, g3), ne_d = (K, N, g2, g3). Each
+// invocation computes one quad of k x 8 tokens: per weight row, one dequantized quad feeds 8
+// tokens.
+@compute @workgroup_size(WG)
+fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let t = flat_id(gid, nwg); if (t >= p.n) { return; }
+    let K = p.ne_d.x;
+    let N = p.ne_d.y;
+    let M = p.ne_0.y;
+    let bk = K / 4u;
+    let bn = (N + 7u) / 8u;
+    let k0 = (t % bk) * 4u;
+    let rest = t / bk;
+    let n0 = (rest % bn) * 8u;
+    let batch = rest / bn;
+    let i2 = batch % p.ne_d.z;
+    let i3 = batch / p.ne_d.z;
+    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w
+                 + k0;
+    let g_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    var g_row: array<u32, 8>;
+    for (var j = 0u; j < 8u; j++) { g_row[j] = g_base + min(n0 + j, N - 1u) * p.nb_1.y; }
+    var acc: array<vec4f, 8>;  // acc[n][k0 ..]
+    for (var m = 0u; m < M; m++) {
+        let wv = quad(p.u.x, w_base + m * K);
+        let gm = m * p.nb_1.x;
+        for (var j = 0u; j < 8u; j++) { acc[j] += src1[g_row[j] + gm] * wv; }
+    }
+    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
+    for (var j = 0u; j < 8u; j++) {
+        if (n0 + j >= N) { break; }
+        for (var r = 0u; r < 4u; r++) {
+            dst[d_base + (n0 + j) * p.nb_d.y + (k0 + r) * p.nb_d.x] = acc[j][r];
+        }
+    }
+}
+
+// get_rows_q: src0 table [n_cols, n_rows] (ggml order) frozen, src1_i32 ids [ne_1.xyz];
+// dst [n_cols, ne_1.xyz] f32. One invocation per dst element; ids are clamped to the table.
+@compute @workgroup_size(WG)
+fn k_get_rows_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);                       // (col, id index)
+    let row = u32(clamp(src1_i32[at_1(vec4u(idx.yzw, 0u))], 0, i32(p.ne_0.y) - 1));
+    let e = row * p.ne_0.x + idx.x;
+    var v = quad(p.u.x, e - e % 4u);
+    dst[at_d(idx)] = v[e % 4u];
+}

@@ -1,0 +1,317 @@
+"""Training faults lose nothing (issue 8): SIGINT and SIGTERM save a checkpoint and print how
+to go on; SIGKILL at random moments always leaves a checkpoint that loads and resumes the
+same trajectory; a step with a non-finite loss or gradient changes nothing and stops the run
+(or is skipped); a failing device, or a tensor over its limits, is a clear error that keeps
+the last checkpoint."""
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ggwgpu import data, gguf_io, train
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.backends.wgpu_backend import DeviceLimitError, WgpuBackend
+from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.tokenizer import ByteTokenizer
+from ggwgpu.train import Trainer, TrainOptions
+from ggwgpu_cli import main as cli_main
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
+TINY_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+TEXT = data.bundled_corpus()[:20000]
+KILL_POINTS = 8          # SIGKILLs of one training run, each resumed from its checkpoint
+WAIT_S = 120             # only a hung subprocess takes this long: the test then fails
+
+
+# -- helpers --------------------------------------------------------------------------------
+
+def train_args(tmp_path, *args) -> list[str]:
+    """`ggwgpu train` of the tiny llama on the numpy backend (bit-exact on resume)."""
+    text = tmp_path / "text.txt"
+    if not text.exists():
+        text.write_text(TEXT)
+    return ["--backend", "numpy", "train", str(text), *TINY_ARGS, "--batch", "4",
+            "--warmup", "5", "--lr", "3e-3", *args]
+
+
+def run_cli(args):
+    return CliRunner().invoke(cli_main.cli, args)
+
+
+def spawn(args) -> subprocess.Popen:
+    """The CLI in a subprocess of its own, as a user runs it."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.Popen([sys.executable, str(REPO / "cli" / "main.py"), *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def records(log: Path) -> list[dict]:
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+def wait_for_step(proc, log: Path, skip: int, step: int):
+    """Wait until `proc` has logged a step >= `step` in the lines after the first `skip`."""
+    deadline = time.monotonic() + WAIT_S
+    while not any(r["step"] >= step for r in records(log)[skip:]):
+        if proc.poll() is not None:
+            pytest.fail(f"training ended (status {proc.returncode}) before step {step}: "
+                        f"{proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no step {step} after {WAIT_S} s")
+        time.sleep(0.005)
+
+
+def checkpoint_step(path) -> int:
+    """Load the checkpoint completely (it must be whole) and return its step."""
+    _, values, _, opt_state, state = gguf_io.load_checkpoint(path)
+    assert all(np.isfinite(v).all() for v in values.values())
+    return state["step"]
+
+
+def tiny_trainer(backend, options, values=None):
+    tok = ByteTokenizer()
+    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, options.batch, options.seed, tok.bos_id)
+    return Trainer(cfg, values or init_parameters(cfg, seed=1), backend, options, samples)
+
+
+def poison_targets(monkeypatch, calls):
+    """Make the target probabilities of the given micro-batches (0-based count of
+    train.one_hot calls) non-finite: a bad batch, as far as the loss can tell."""
+    real, count = train.one_hot, iter(range(10**9))
+
+    def one_hot(ids, n_vocab):
+        out = real(ids, n_vocab)
+        if next(count) in calls:
+            out[0, 0] = np.inf
+        return out
+    monkeypatch.setattr(train, "one_hot", one_hot)
+
+
+# -- SIGINT, SIGTERM ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_saves_at_the_step_boundary_and_prints_how_to_go_on(tmp_path, signum):
+    log, out = tmp_path / "log.jsonl", tmp_path / "model.gguf"
+    proc = spawn(train_args(tmp_path, "--steps", "5000", "--log", str(log), "--out", str(out)))
+    wait_for_step(proc, log, 0, 3)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=WAIT_S)
+    assert proc.returncode == 128 + signum, stderr
+    done = records(log)[-1]["step"]
+    name = signal.Signals(signum).name
+    assert f"{name}: stopped after step {done}" in stderr
+    default = tmp_path / "model.checkpoint.gguf"      # no --checkpoint-out: next to --out
+    assert f"saved to {default}" in stderr and checkpoint_step(default) == done
+    assert not out.exists()                            # the run did not finish
+    if signum != signal.SIGINT:
+        return
+    # the printed command continues the run (here for two steps instead of the rest)
+    command = shlex.split(stderr.split("continue with:\n", 1)[1].strip().splitlines()[0])
+    assert command[0] == "ggwgpu" and command[command.index("--checkpoint-in") + 1] == str(default)
+    assert command[command.index("--steps") + 1] == str(5000 - done)
+    resumed = spawn(command[1:] + ["--steps", "2"])
+    stdout, stderr = resumed.communicate(timeout=WAIT_S)
+    assert resumed.returncode == 0, stderr
+    assert f"resuming at step {done}" in stdout
+    assert [r["step"] for r in records(log)] == list(range(1, done + 3))
+    assert out.exists()
+
+
+def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch):
+    """The first SIGINT comes during step 3; a second one while the checkpoint of step 3 is
+    being written must neither abort nor spoil it."""
+    real_step, real_save = Trainer.train_step, gguf_io.save_checkpoint
+
+    def train_step(self):
+        record = real_step(self)
+        if record["step"] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return record
+
+    def save_checkpoint(*args):
+        if args[-1]["step"] == 3:                     # the train state
+            os.kill(os.getpid(), signal.SIGINT)       # handled right here, mid-save
+        real_save(*args)
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    monkeypatch.setattr(gguf_io, "save_checkpoint", save_checkpoint)
+    ckpt = tmp_path / "ckpt.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "50", "--checkpoint-out", str(ckpt),
+                           "--save-every", "2", "--out", str(tmp_path / "m.gguf")))
+    assert r.exit_code == 130, r.output
+    assert "SIGINT: stopped after step 3" in r.output
+    assert checkpoint_step(ckpt) == 3
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+
+
+# -- SIGKILL --------------------------------------------------------------------------------
+
+def test_sigkill_at_random_moments_keeps_a_checkpoint_that_resumes_exactly(tmp_path):
+    """One 48-step run, killed KILL_POINTS times (after a seeded random step plus a random
+    part of a step) while it writes a checkpoint every step, and resumed each time from the
+    checkpoint it left. Each checkpoint loads whole and is at most one step behind the log;
+    the losses of every step (replayed ones included) and the final weights are bit-exact
+    those of a run that was never interrupted."""
+    steps = 48
+    ref_log, ref_out = tmp_path / "ref.jsonl", tmp_path / "ref.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", str(steps), "--log", str(ref_log),
+                           "--out", str(ref_out)))
+    assert r.exit_code == 0, r.output
+    reference = {rec["step"]: rec["loss"] for rec in records(ref_log)}
+
+    rng = np.random.default_rng(8)
+    targets = sorted(rng.choice(np.arange(2, 37), KILL_POINTS, replace=False))
+    ckpt, log, out = tmp_path / "ckpt.gguf", tmp_path / "log.jsonl", tmp_path / "model.gguf"
+    kills = 0
+    while True:
+        done = checkpoint_step(ckpt) if ckpt.exists() else 0
+        resume = ["--checkpoint-in", str(ckpt)] if ckpt.exists() else []
+        skip = len(records(log))
+        proc = spawn(train_args(tmp_path, "--steps", str(steps - done), "--save-every", "1",
+                                "--checkpoint-out", str(ckpt), "--log", str(log),
+                                "--out", str(out), *resume))
+        if kills == KILL_POINTS:
+            _, stderr = proc.communicate(timeout=WAIT_S)
+            assert proc.returncode == 0, stderr
+            break
+        wait_for_step(proc, log, skip, targets[kills])
+        time.sleep(rng.uniform(0, 0.03))
+        proc.kill()
+        proc.communicate(timeout=WAIT_S)
+        assert proc.returncode == -signal.SIGKILL      # killed before it was done
+        kills += 1
+        logged = records(log)[-1]["step"]
+        assert checkpoint_step(ckpt) in (logged - 1, logged)
+    assert kills == KILL_POINTS
+    logged = records(log)
+    assert {rec["step"] for rec in logged} == set(range(1, steps + 1))
+    for rec in logged:
+        assert rec["loss"] == reference[rec["step"]], rec
+    _, want, _ = gguf_io.load_model(ref_out)
+    _, got, _ = gguf_io.load_model(out)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+# -- non-finite steps -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend_name,accum", [("numpy", 1), ("numpy", 2), ("wgpu", 2)])
+def test_a_non_finite_step_is_skipped_without_a_trace(backend_name, accum, monkeypatch,
+                                                      request):
+    """Step 2's first micro-batch has an infinite target: its record says skipped, nothing
+    changed, and step 3 is exactly the step 3 of a run that never saw step 2's batches (the
+    NaN did not stay in the gradient sums)."""
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    options = TrainOptions(batch=4 // accum, grad_accum=accum, lr=3e-3, warmup=2)
+    clean, hit = tiny_trainer(backend, options), tiny_trainer(backend, options)
+    for t in (clean, hit):
+        assert not t.train_step()["skipped"]
+    before = hit.parameters(), hit.optimizer_state()
+    poison_targets(monkeypatch, {0})       # counted from here: step 2's first micro-batch
+    record = hit.train_step()
+    assert record["skipped"] and not np.isfinite(record["loss"])
+    for name, value in before[0].items():
+        assert np.array_equal(hit.parameters()[name], value), name
+    for name, (m, v) in before[1].items():
+        assert np.array_equal(hit.optimizer_state()[name][0], m)
+        assert np.array_equal(hit.optimizer_state()[name][1], v)
+    for _ in range(accum):                 # the clean run leaves step 2 out by hand
+        clean.batches.next_batch()
+    clean.step += 1
+    a, b = clean.train_step(), hit.train_step()
+    assert not b["skipped"] and np.isfinite(b["grad_norm"])
+    assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"]
+    for name, value in clean.parameters().items():
+        assert np.array_equal(hit.parameters()[name], value), name
+
+
+def test_a_non_finite_step_stops_the_run_and_saves_the_state_before_it(tmp_path, monkeypatch):
+    before = tmp_path / "two.gguf"
+    assert run_cli(train_args(tmp_path, "--steps", "2", "--out", str(before))).exit_code == 0
+    poison_targets(monkeypatch, {2})       # step 3
+    out = tmp_path / "model.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "10", "--out", str(out)))
+    assert r.exit_code == 1
+    assert "step 3: loss inf" in r.output and "training stops (--on-nan stop" in r.output
+    default = tmp_path / "model.checkpoint.gguf"
+    assert checkpoint_step(default) == 3 and "--checkpoint-in" in r.output
+    assert not out.exists()
+    _, want, _ = gguf_io.load_model(before)
+    _, got, _ = gguf_io.load_model(default)    # step 3 changed nothing
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+def test_on_nan_skip_goes_on_past_a_non_finite_step(tmp_path, monkeypatch):
+    poison_targets(monkeypatch, {2, 3})    # steps 3 and 4 (two micro-batches each: step 2)
+    log, out = tmp_path / "log.jsonl", tmp_path / "model.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "4", "--grad-accum", "2", "--batch", "2",
+                           "--on-nan", "skip", "--log", str(log), "--out", str(out)))
+    assert r.exit_code == 0, r.output
+    assert [rec["skipped"] for rec in records(log)] == [False, True, False, False]
+    assert "step 2: loss inf" in r.output and "(--on-nan skip)" in r.output
+    _, values, _ = gguf_io.load_model(out)
+    assert all(np.isfinite(v).all() for v in values.values())
+
+
+def test_a_diverging_run_never_writes_a_non_finite_value(tmp_path):
+    """lr 1e38: the first update makes the weights huge, the next gradients overflow."""
+    ckpt, out = tmp_path / "ckpt.gguf", tmp_path / "model.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "6", "--lr", "1e38", "--warmup", "1",
+                           "--checkpoint-out", str(ckpt), "--save-every", "1",
+                           "--out", str(out)))
+    assert r.exit_code == 1 and "not finite" in r.output
+    assert not out.exists()
+    checkpoint_step(ckpt)                  # whole and finite
+
+
+# -- device failures ------------------------------------------------------------------------
+
+def test_a_tensor_over_the_device_limits_is_refused_when_planning(wgpu, monkeypatch):
+    options = TrainOptions(batch=4, lr=3e-3, warmup=2)
+    limits = dict(wgpu.storage_limits)
+    # token_embd (256 x 16 floats, 16 KiB) is one of the largest tensors of the tiny llama
+    monkeypatch.setattr(wgpu, "storage_limits", {**limits, "max-buffer-size": 8192})
+    with pytest.raises(DeviceLimitError, match=r"needs \d+ bytes, more than the device's "
+                                               r"max buffer size \(max-buffer-size\) of 8192"):
+        tiny_trainer(wgpu, options)
+    monkeypatch.setattr(wgpu, "storage_limits",
+                        {**limits, "max-storage-buffer-binding-size": 4096})
+    with pytest.raises(DeviceLimitError, match="max-storage-buffer-binding-size") as e:
+        tiny_trainer(wgpu, options)
+    assert "tensor " in str(e.value)
+
+
+def test_the_train_command_refuses_a_model_over_the_device_limits(tmp_path, wgpu, monkeypatch):
+    monkeypatch.setattr(wgpu, "storage_limits", {"max-buffer-size": 4096})
+    args = train_args(tmp_path, "--steps", "1", "--out", str(tmp_path / "m.gguf"))
+    r = run_cli(["--backend", "wgpu", *args[2:]])
+    assert r.exit_code == 1
+    assert "more than the device's max buffer size" in r.output and "Traceback" not in r.output
+
+
+def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, wgpu):
+    backend = WgpuBackend()                # a device of its own, to lose
+    trainer = tiny_trainer(backend, TrainOptions(batch=4, lr=3e-3, warmup=2))
+    ckpt = tmp_path / "ckpt.gguf"
+
+    def save_checkpoint():
+        gguf_io.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
+                                trainer.optimizer_state(), trainer.state())
+        if trainer.step == 2:
+            backend.device.destroy()       # as a driver reset or a lost GPU would
+    with pytest.raises(cli_main.click.ClickException) as e:
+        cli_main.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
+    assert "the device failed in step 3" in e.value.message
+    assert f"{ckpt} holds the checkpoint of step 2" in e.value.message
+    assert checkpoint_step(ckpt) == 2

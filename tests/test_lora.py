@@ -1,0 +1,213 @@
+"""LoRA on the llama graph: an untrained adapter changes nothing, its gradients against finite
+differences, adapter files as llama.cpp reads them, merging."""
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+import ggwgpu as gg
+from ggwgpu import gguf_io, testing
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.generate import Decoder
+from ggwgpu.graph import topo_order
+from ggwgpu.gguf_io import GGUFError
+from ggwgpu.lora import (Adapter, init_adapter, load_adapter, load_adapter_checkpoint,
+                         lora_ranks, merge, save_adapter, save_adapter_checkpoint)
+from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, one_hot
+from ggwgpu.quant import quantize_model
+from ggwgpu.tokenizer import ByteTokenizer
+
+TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, n_rot=4)
+BATCH = 2
+# every kind of target, two ranks, one block only: pairs on some weights, not on others
+RANKS = lora_ranks(TINY, r=2, ranks={"tok_embd": 3, "wk": 0, "ffn_down": 1}, layers=[1])
+
+
+def trained_adapter(cfg=TINY, ranks=RANKS, alpha=3.0, seed=1) -> Adapter:
+    """An adapter whose B is not zero, as after some training: every pair matters."""
+    adapter = init_adapter(cfg, ranks, alpha, seed)
+    rng = np.random.default_rng(seed + 1)
+    for name, value in adapter.tensors.items():
+        if name.endswith(".lora_b"):
+            adapter.tensors[name] = rng.uniform(-0.5, 0.5, value.shape).astype(np.float32)
+    return adapter
+
+
+def batch_feeds(g, cfg=TINY, seed=3):
+    tokens = np.random.default_rng(seed).integers(0, cfg.n_vocab, (BATCH, cfg.n_ctx + 1))
+    return {g.tokens: tokens[:, :-1].astype(np.int32),
+            g.positions: np.arange(cfg.n_ctx, dtype=np.int32),
+            g.targets: one_hot(tokens[:, 1:], cfg.n_vocab)}
+
+
+def logits_of(backend, values, lora=None, cfg=TINY):
+    g = build_train_graph(cfg, values, BATCH, lora=lora)
+    plan = backend.plan([g.logits])
+    plan.run({t: v for t, v in batch_feeds(g, cfg).items() if t is not g.targets})
+    return plan.read(g.logits)
+
+
+def test_ranks_follow_the_options():
+    assert RANKS["token_embd.weight"] == 3 and RANKS["output.weight"] == 2
+    assert RANKS["blk.1.attn_q.weight"] == 2 and RANKS["blk.1.ffn_down.weight"] == 1
+    assert "blk.1.attn_k.weight" not in RANKS and not any(n.startswith("blk.0.") for n in RANKS)
+    with pytest.raises(ValueError, match="layer 2 does not exist"):
+        lora_ranks(TINY, layers=[2])
+    with pytest.raises(ValueError, match="no weight gets a LoRA pair"):
+        lora_ranks(TINY, r=0)
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_an_untrained_adapter_gives_exactly_the_base_logits(backend_name, request):
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    values = init_parameters(TINY, seed=2)
+    adapter = init_adapter(TINY, RANKS, alpha=4.0, seed=5)
+    assert all(np.any(v) for n, v in adapter.tensors.items() if n.endswith(".lora_a"))
+    np.testing.assert_array_equal(logits_of(backend, values, adapter), logits_of(backend, values))
+
+
+def test_lora_params_are_the_adapter_and_the_base_is_frozen():
+    values = init_parameters(TINY)
+    adapter = init_adapter(TINY, RANKS, 4.0)
+    g = build_train_graph(TINY, values, BATCH, lora=adapter)
+    assert set(g.params) == set(adapter.tensors)
+    leaves = [t for t in topo_order([g.loss]) if t.op is None and t.value is not None]
+    frozen = {t.name for t in leaves if not t.is_param}
+    assert set(values) <= frozen
+
+
+def test_lora_gradients_match_finite_differences():
+    backend = NumpyBackend(np.float64)
+    rng = np.random.default_rng(0)
+    values = init_parameters(TINY, seed=1)
+    values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+              for k, v in values.items()}
+    g = build_train_graph(TINY, values, BATCH, lora=trained_adapter())
+    grads = gg.build_backward(g.loss, list(g.params.values()))
+    feeds = batch_feeds(g)
+    plan = backend.plan([g.loss, *grads.values()])
+    plan.run(feeds)
+    fwd = backend.plan([g.loss])
+    eps = 1e-6
+    for p, grad in grads.items():
+        analytic = plan.read(grad)
+        assert np.any(analytic), p.name
+        base = p.value.astype(np.float64)
+        for i in [tuple(rng.integers(0, n) for n in p.shape) for _ in range(4)]:
+            losses = []
+            for sign in (1, -1):
+                v = base.copy()
+                v[i] += sign * eps
+                fwd.write(p, v)
+                fwd.run(feeds)
+                losses.append(fwd.read(g.loss)[0])
+            fwd.write(p, base)
+            numeric = (losses[0] - losses[1]) / (2 * eps)
+            assert abs(analytic[i] - numeric) <= 1e-6 + 1e-4 * abs(numeric), \
+                f"{p.name}{list(i)}: backward {analytic[i]} vs fd {numeric}"
+
+
+def test_lora_gradients_on_the_device_match_numpy(wgpu):
+    values = init_parameters(TINY, seed=1)
+    g = build_train_graph(TINY, values, BATCH, lora=trained_adapter())
+    grads = gg.build_backward(g.loss, list(g.params.values()))
+    feeds = batch_feeds(g)
+    results = []
+    for backend in (NumpyBackend(np.float64), wgpu):
+        plan = backend.plan([g.loss, *grads.values()])
+        plan.run(feeds)
+        results.append({p.name: plan.read(d) for p, d in grads.items()})
+    ref, dev = results
+    for name in ref:
+        assert testing.nmse(dev[name], ref[name]) < 1e-8, name
+
+
+def test_an_adapter_file_round_trips_with_llama_cpp_shapes_and_keys(tmp_path):
+    adapter = trained_adapter()
+    path = tmp_path / "adapter.gguf"
+    save_adapter(path, adapter, TINY, base_digest="0123")
+    back = load_adapter(path, TINY)
+    assert back.alpha == adapter.alpha and back.tensors.keys() == adapter.tensors.keys()
+    for name, value in adapter.tensors.items():
+        np.testing.assert_array_equal(back.tensors[name], value)
+
+    reader = GGUFReader(path)
+    meta = {k: gguf_io.field_value(f) for k, f in reader.fields.items()}
+    assert (meta["general.architecture"], meta["general.type"], meta["adapter.type"]) == \
+        ("llama", "adapter", "lora")
+    assert meta["adapter.lora.alpha"] == 3.0
+    ne = {t.name: t.shape.tolist() for t in reader.tensors}     # ggml order: ne0 first
+    e, f, v = TINY.n_embd, TINY.n_ff, TINY.n_vocab
+    assert ne["blk.1.ffn_up.weight.lora_a"] == [e, 2]            # [n_in, r]
+    assert ne["blk.1.ffn_up.weight.lora_b"] == [2, f]            # [r, n_out]
+    assert ne["blk.1.ffn_down.weight.lora_a"] == [f, 1]
+    assert ne["token_embd.weight.lora_a"] == [3, v]              # flipped: get_rows on A
+    assert ne["token_embd.weight.lora_b"] == [3, e]
+    assert ne["output.weight.lora_a"] == [e, 2] and ne["output.weight.lora_b"] == [2, v]
+
+
+def test_adapter_files_are_validated_against_the_base(tmp_path):
+    path = tmp_path / "adapter.gguf"
+    save_adapter(path, trained_adapter(), TINY)
+    wider = LlamaConfig(n_vocab=11, n_embd=12, n_head=2, n_layer=2, n_ff=12, n_ctx=5)
+    with pytest.raises(GGUFError, match=r"adapter\.gguf: LoRA pair of token_embd\.weight has "
+                                        r"shapes"):
+        load_adapter(path, wider)
+    shallow = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+    with pytest.raises(GGUFError, match=r"blk\.1\.attn_q\.weight\.lora_a adapts "
+                                        r"blk\.1\.attn_q\.weight, which is not a matrix"):
+        load_adapter(path, shallow)
+    half = trained_adapter()
+    del half.tensors["output.weight.lora_b"]
+    with pytest.raises(GGUFError, match=r"output\.weight\.lora_a has no output\.weight\.lora_b"):
+        save_adapter(tmp_path / "half.gguf", half, TINY)
+    model = tmp_path / "model.gguf"
+    byte_cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=8, n_head=2, n_layer=1,
+                           n_ff=8, n_ctx=4)
+    gguf_io.save_model(model, byte_cfg, init_parameters(byte_cfg), ByteTokenizer())
+    with pytest.raises(GGUFError, match=r"model\.gguf: general\.type is 'model'"):
+        load_adapter(model, TINY)
+
+
+def test_a_checkpoint_holds_adapter_moments_and_state(tmp_path):
+    adapter = trained_adapter()
+    moments = {n: (v + 1, v * v + 2) for n, v in adapter.tensors.items()}
+    path = tmp_path / "ckpt.gguf"
+    save_adapter_checkpoint(path, adapter, TINY, moments, {"step": 3, "base": "ab"})
+    back, opt_state, state = load_adapter_checkpoint(path, TINY)
+    assert state == {"step": 3, "base": "ab"} and back.alpha == adapter.alpha
+    for name, (m, v) in moments.items():
+        np.testing.assert_array_equal(back.tensors[name], adapter.tensors[name])
+        np.testing.assert_array_equal(opt_state[name][0], m)
+        np.testing.assert_array_equal(opt_state[name][1], v)
+    with pytest.raises(GGUFError, match="is a finetune checkpoint, not an adapter"):
+        load_adapter(path, TINY)
+
+
+def test_merging_gives_the_logits_of_base_plus_adapter():
+    backend = NumpyBackend(np.float64)
+    values = init_parameters(TINY, seed=4)
+    adapter = trained_adapter()
+    with_adapter = logits_of(backend, values, adapter)
+    merged = logits_of(backend, merge(values, [adapter]))
+    assert not np.allclose(with_adapter, logits_of(backend, values), atol=1e-3)
+    np.testing.assert_allclose(merged, with_adapter, rtol=1e-5, atol=1e-6)
+
+
+def test_the_decoder_applies_adapters_as_merging_them_does():
+    backend = NumpyBackend(np.float64)
+    values = init_parameters(TINY, seed=4)
+    adapters = [trained_adapter(seed=1),
+                trained_adapter(ranks=lora_ranks(TINY, r=1), alpha=0.0, seed=7)]
+    tokens = [1, 4, 7, 2]
+    with_adapters = Decoder(backend, TINY, values, adapters=adapters).prefill(tokens)
+    merged = Decoder(backend, TINY, merge(values, adapters)).prefill(tokens)
+    np.testing.assert_allclose(with_adapters, merged, rtol=1e-5, atol=1e-6)
+
+
+def test_an_untrained_adapter_on_a_q4_0_base_decodes_as_the_base(wgpu):
+    cfg = LlamaConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=1, n_ff=64, n_ctx=6)
+    base = quantize_model(init_parameters(cfg, seed=3), "q4_0")
+    adapter = init_adapter(cfg, lora_ranks(cfg), 4.0)
+    tokens = [1, 5, 9]
+    np.testing.assert_array_equal(Decoder(wgpu, cfg, base, adapters=[adapter]).prefill(tokens),
+                                  Decoder(wgpu, cfg, base).prefill(tokens))
