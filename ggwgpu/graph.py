@@ -59,26 +59,100 @@ def views_of(t: Tensor, dest: Tensor) -> bool:
 
 
 def _depth_first(outputs, extra: dict) -> list[Tensor]:
-    """Post-order of a depth-first walk; `extra` adds ordering edges {id(node): [before]}."""
+    """A topological order: the post-order of a depth-first walk (`extra` adds ordering
+    edges {id(node): [before]}), except that a node that frees memory runs as soon as its
+    last source has run: a view, or a node that is the last reader of storage at least as
+    large as its own result. That is what makes gradient checkpointing pay: a weight
+    gradient (out_prod of a recomputed activation and the gradient above it) runs right
+    after its layer's backward instead of when the optimizer asks for it, so a segment's
+    recomputed activations die before the next segment is recomputed."""
+    deps, users, nodes = {}, {}, []
+    stack = list(outputs)
+    while stack:  # every tensor the outputs depend on
+        t = stack.pop()
+        if id(t) in deps:
+            continue
+        nodes.append(t)
+        deps[id(t)] = list({id(s): s for s in sources(t) + extra.get(id(t), [])}.values())
+        for s in deps[id(t)]:
+            users.setdefault(id(s), []).append(t)
+            stack.append(s)
+    waiting = {k: len(v) for k, v in deps.items()}
+    keep = {id(t.storage) for t in outputs}
+    readers, left_to_read = {}, {}  # storage -> its reading kernels, how many still to run
+    for t in nodes:
+        if _is_kernel(t):
+            for r in _read_roots(t):
+                readers.setdefault(id(r), []).append(t)
+                left_to_read[id(r)] = left_to_read.get(id(r), 0) + 1
+    depth, left = {}, dict(waiting)  # depth: longest path from a leaf (Kahn's order)
+    ready = [t for t in nodes if not left[id(t)]]
+    while ready:
+        t = ready.pop()
+        depth[id(t)] = 1 + max((depth[id(s)] for s in deps[id(t)]), default=0)
+        for u in users.get(id(t), ()):
+            left[id(u)] -= 1
+            if not left[id(u)]:
+                ready.append(u)
     order, done, open_ = [], set(), set()
+
+    def frees_memory(u) -> bool:
+        if not _is_kernel(u):
+            return u.op is not None  # a view: free
+        freed = sum(r.nelements * r.np_dtype.itemsize for r in _read_roots(u)
+                    if r.op is not None and id(r) not in keep and left_to_read[id(r)] == 1)
+        cost = 0 if u.view_src is not None else u.nelements * u.np_dtype.itemsize
+        return freed > 0 and freed >= cost
+
+    def emit(t):
+        ready, queued = [t], {id(t)}
+        while ready:
+            t = ready.pop()
+            open_.discard(id(t))
+            done.add(id(t))
+            order.append(t)
+            candidates = []
+            for u in users.get(id(t), ()):
+                waiting[id(u)] -= 1
+                candidates.append(u)
+            if _is_kernel(t):
+                for r in _read_roots(t):
+                    left_to_read[id(r)] -= 1
+                    if left_to_read[id(r)] == 1:  # its last reader may free it now
+                        candidates += readers[id(r)]
+            for u in reversed(candidates):
+                if (not waiting[id(u)] and id(u) not in done and id(u) not in queued
+                        and frees_memory(u)):
+                    queued.add(id(u))
+                    ready.append(u)
+
     stack = [(t, False) for t in reversed(list(outputs))]
     while stack:
         t, expanded = stack.pop()
         if id(t) in done:
             continue
         if expanded:
-            open_.discard(id(t))
-            done.add(id(t))
-            order.append(t)
+            emit(t)
             continue
         if id(t) in open_:
             raise ShapeError(f"{t}: in-place writes make the graph cyclic (a tensor is "
                              "written while a value computed from its old contents is needed)")
         open_.add(id(t))
         stack.append((t, True))
-        deps = sources(t) + extra.get(id(t), [])
-        stack.extend((s, False) for s in reversed(deps) if id(s) not in done)
+        # deepest source last on the stack, so walked first: a backward node first gets the
+        # gradient from the layers above, then what it recomputes from a checkpoint
+        stack.extend((s, False) for s in sorted(deps[id(t)], key=lambda s: depth.get(id(s), 0))
+                     if id(s) not in done)
     return order
+
+
+def _is_kernel(t: Tensor) -> bool:
+    return t.op is not None and not O.OPS[t.op].is_view
+
+
+def _read_roots(t: Tensor) -> list[Tensor]:
+    """The storage owners a kernel reads (its sources' storage, each once)."""
+    return list({id(s.storage): s.storage for s in t.srcs}.values())
 
 
 def recompute_from(order, checkpoints) -> dict[int, Tensor]:
