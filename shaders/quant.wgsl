@@ -4,8 +4,8 @@
 // Blocks of 34 and 18 bytes are only 2-byte aligned, so values come out of words by shifts,
 // and f16 scales through unpack2x16float: no shader-f16 feature needed.
 
-// Raw and int32 views of the bindings: an entry point uses either the alias or the f32 name
-// of a binding, never both.
+// Raw and int32 views of the bindings (src1_v4 is common.wgsl's): an entry point uses either
+// the alias or the f32 name of a binding, never both.
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
 @group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
 
@@ -46,20 +46,21 @@ fn quad(t: u32, e: u32) -> vec4f {
     return half_at(b) * (vec4f(v) - 8.0);
 }
 
-// mul_mat_q: src0 w [.., M, K] frozen, src1 x [.., N, K] f32, any strides -> dst [.., N, M],
+// mul_mat_q: src0 w [.., M, K] frozen, src1_v4 x [.., N, K] f32 -> dst [.., N, M],
 // dst[n, m] = sum_k w[m, k] x[n, k]. ggml order: ne_0 = (K, M, w2, w3), ne_d = (M, N, x2, x3);
-// x's batch entry j reads w's j / (x / w), as mul_mat. Each invocation computes 4 weight rows
-// x 8 tokens: a quad of each of the 4 rows, dequantized once, feeds 8 tokens. Out-of-range
-// rows are clamped on load and skipped on store.
+// x's batch entry j reads w's j / (x / w), as mul_mat. x is read as vec4s: contiguous along
+// K, offset and strides multiples of 4 (ops/quant.py copies it so when it is not). Each
+// invocation computes 4 weight rows x 8 tokens: a quad of each of the 4 rows, dequantized
+// once, feeds 8 tokens. Out-of-range rows are clamped on load and skipped on store.
 @compute @workgroup_size(WG)
 fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let t = flat_id(gid, nwg); if (t >= p.n) { return; }
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 7u) / 8u;
+    let bm = (M + 3u) / 4u;
     let bn = (N + 7u) / 8u;
-    let m0 = (t % bm) * 8u;
+    let m0 = (t % bm) * 4u;
     let rest = t / bm;
     let n0 = (rest % bn) * 8u;
     let batch = rest / bn;
@@ -67,25 +68,25 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
     let i3 = batch / p.ne_d.z;
     let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
     let x_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
-    var w_row: array<u32, 8>;
-    for (var r = 0u; r < 8u; r++) { w_row[r] = w_base + min(m0 + r, M - 1u) * K; }
-    var x_row: array<u32, 8>;
-    for (var j = 0u; j < 8u; j++) { x_row[j] = x_base + min(n0 + j, N - 1u) * p.nb_1.y; }
-    let kx = p.nb_1.x;
-    var acc: array<array<f32, 8>, 8>;  // acc[n][m]
+    var w_row: vec4u;
+    for (var r = 0u; r < 4u; r++) { w_row[r] = w_base + min(m0 + r, M - 1u) * K; }
+    var x_row: array<u32, 8>;      // in vec4s
+    for (var j = 0u; j < 8u; j++) { x_row[j] = (x_base + min(n0 + j, N - 1u) * p.nb_1.y) / 4u; }
+    var acc: array<vec4f, 8>;  // acc[n][m]
     for (var k = 0u; k < K; k += 4u) {
-        var wv: array<vec4f, 8>;
-        for (var r = 0u; r < 8u; r++) { wv[r] = quad(p.u.x, w_row[r] + k); }
+        let w0 = quad(p.u.x, w_row.x + k);
+        let w1 = quad(p.u.x, w_row.y + k);
+        let w2 = quad(p.u.x, w_row.z + k);
+        let w3 = quad(p.u.x, w_row.w + k);
         for (var j = 0u; j < 8u; j++) {
-            let o = x_row[j] + k * kx;
-            let xv = vec4f(src1[o], src1[o + kx], src1[o + 2u * kx], src1[o + 3u * kx]);
-            for (var r = 0u; r < 8u; r++) { acc[j][r] += dot(wv[r], xv); }
+            let xv = src1_v4[x_row[j] + k / 4u];
+            acc[j] += vec4f(dot(w0, xv), dot(w1, xv), dot(w2, xv), dot(w3, xv));
         }
     }
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 8u; j++) {
         if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 8u; r++) {
+        for (var r = 0u; r < 4u; r++) {
             if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
         }
     }

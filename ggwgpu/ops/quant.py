@@ -22,13 +22,13 @@ import numpy as np
 
 from .. import ops as O
 from ..quant import QUANT_TYPES, dequantize
-from ..tensor import ShapeError
-from .matmul import mul_mat_ref, product_shape
+from ..tensor import ShapeError, Tensor
+from .matmul import mul_mat_ref, product_shape, vec4_ready
 from .registry import Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
 TYPE_CODE = {"f16": 0, "q8_0": 1, "q4_0": 2}   # p.u.x of the kernels (shaders/quant.wgsl)
-TILE_M = 8   # mul_mat_q: weight rows per invocation
+TILE_M = 4   # mul_mat_q: weight rows per invocation
 TILE_N = 8   # tokens per invocation (both kernels)
 assert set(TYPE_CODE) == set(QUANT_TYPES)
 
@@ -59,11 +59,17 @@ def mul_mat_q_shape(srcs):
 
 
 def mul_mat_q_dispatch(node):
+    """The kernel reads x as vec4s (K is a multiple of 4): an x not laid out for that is
+    first copied into dispatch-private contiguous storage, as mul_mat does."""
     w, x = node.srcs
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
-    return [Dispatch("mul_mat_q", node, (w, x), n=tiles(m, TILE_M) * tiles(n, TILE_N) * batches,
-                     u=(TYPE_CODE[w.dtype],))]
+    copy = []
+    if not vec4_ready(x):
+        dense = Tensor(x.shape, name=f"{node} contiguous x")  # dispatch-private
+        copy, x = [Dispatch("cpy", dense, (x,), n=x.nelements, shader="layout")], dense
+    return copy + [Dispatch("mul_mat_q", node, (w, x), u=(TYPE_CODE[w.dtype],),
+                            n=tiles(m, TILE_M) * tiles(n, TILE_N) * batches)]
 
 
 def frozen_cases(shapes, grad_limit=400):

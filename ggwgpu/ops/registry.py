@@ -7,6 +7,8 @@
                    for optimizer updates, which run after the backward and are never
                    differentiated)
     cases       -> the op's rows in the test matrix (forward and gradient checks)
+    frozen_variant -> the op that builds the node instead when source 0 is a frozen weight in
+                   a block type (mul_mat -> mul_mat_q, get_rows -> get_rows_q; ops/quant.py)
 
 Adding an op is one `register(...)` call plus one WGSL entry point.
 """
