@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+import shlex
 import sys
 
 import click
@@ -91,21 +92,26 @@ def positive(kind=int):
 @click.option("--flash-attn", is_flag=True, help="Fused attention (same results, less memory).")
 @click.option("--checkpointing", is_flag=True,
               help="Gradient checkpointing: recompute activations, keep block outputs only.")
-@click.option("--seed", default=0, show_default=True, type=int,
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
               help="Seed of the LoRA init and the sample order.")
 @click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
               help="Resume from this finetune checkpoint (same base and text).")
 @click.option("--checkpoint-out", type=click.Path(dir_okay=False),
-              help="Write a checkpoint here (atomically) every --save-every steps and at the end.")
+              help="Write a checkpoint here (atomically) every --save-every steps and at the "
+                   "end. A run stopped by SIGINT/SIGTERM or a non-finite step saves here too "
+                   "(default: next to --out, adapter.gguf -> adapter.checkpoint.gguf).")
 @click.option("--save-every", default=100, show_default=True, type=positive())
 @click.option("--log", "log_path", type=click.Path(dir_okay=False),
               help="Append a JSON line per step here.")
+@click.option("--on-nan", default="stop", show_default=True, type=click.Choice(["stop", "skip"]),
+              help="A step with a non-finite loss or gradient never updates the weights; then "
+                   "stop (saving a checkpoint) or skip the step and go on.")
 @click.pass_context
 def finetune_command(ctx, base, texts, out, full, lora_r, lora_alpha, lora_layers, batch,
                      grad_accum, samples_after_nl, steps, epochs, optimizer, lr, beta1, beta2,
                      adam_eps, weight_decay, grad_clip, warmup, cos_decay_steps, cos_decay_min,
                      cos_decay_restart, restarts, flash_attn, checkpointing, seed,
-                     checkpoint_in, checkpoint_out, save_every, log_path, **ranks):
+                     checkpoint_in, checkpoint_out, save_every, log_path, on_nan, **ranks):
     """Finetune BASE, a llama GGUF (f32, f16, q8_0 or q4_0), on text files (default: the
     bundled Shakespeare corpus), with BASE's vocabulary.
 
@@ -117,9 +123,12 @@ def finetune_command(ctx, base, texts, out, full, lora_r, lora_alpha, lora_layer
     from ggwgpu import data, lora
     from ggwgpu.models.llama import build_train_graph
     from ggwgpu.quant import Quantized, dequantize
+    from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, TrainOptions, token_digest
 
     main = main_module(ctx)
+    for path in (out, checkpoint_out, log_path):    # before any work, as train checks them
+        main.existing_directory(ctx, None, path)
     mode = "full" if full else "lora"
     try:
         cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
@@ -191,8 +200,12 @@ def finetune_command(ctx, base, texts, out, full, lora_r, lora_alpha, lora_layer
         steps = max(1, round(epochs * samples.n_samples / (options.batch * options.grad_accum)))
 
     backend = main.select_backend(ctx)
-    graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter)
-    trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
+    try:
+        graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter)
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
+    except (ShapeError, *main.device_errors()) as e:   # over the device's limits, among others
+        raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
+                                   f"{e}") from None
     n_base = sum(math.prod(v.shape) for v in values.values())
     n_trained = sum(p.nelements for p in graph.params.values())
     click.echo(f"finetune on {main.describe_backend(backend)}")
@@ -206,23 +219,40 @@ def finetune_command(ctx, base, texts, out, full, lora_r, lora_alpha, lora_layer
     def trained_adapter():
         return lora.Adapter(adapter.alpha, trainer.parameters())
 
+    checkpoint_path = checkpoint_out or main.default_checkpoint_path(out)
+
     def save_checkpoint():
         state = {**trainer.state(), "tokens_digest": digest, "base": base_digest, "mode": mode,
                  "samples_after_nl": samples_after_nl}
         if full:
-            gguf_io.save_checkpoint(checkpoint_out, cfg, trainer.parameters(), tokenizer,
+            gguf_io.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
                                     trainer.optimizer_state(), state)
         else:
-            lora.save_adapter_checkpoint(checkpoint_out, trained_adapter(), cfg,
+            lora.save_adapter_checkpoint(checkpoint_path, trained_adapter(), cfg,
                                          trainer.optimizer_state(), state)
+
+    def resume_command(steps_left: int) -> str:
+        """The command line that continues this run from checkpoint_path."""
+        args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
+        args += ["finetune", base, *texts, "--checkpoint-in", checkpoint_path, "--steps",
+                 str(steps_left), "--out", out] + (["--full"] if full else [])
+        if checkpoint_out:
+            args += ["--checkpoint-out", checkpoint_out, "--save-every", str(save_every)]
+        if log_path:
+            args += ["--log", log_path]
+        return shlex.join(args + ["--on-nan", on_nan])
 
     first, last, seconds = main.training_loop(trainer, steps, log_path,
                                               save_every if checkpoint_out else 0,
-                                              save_checkpoint)
-    if full:
-        gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
-    else:
-        lora.save_adapter(out, trained_adapter(), cfg, base_digest)
+                                              save_checkpoint, checkpoint_path, resume_command,
+                                              on_nan)
+    try:
+        if full:
+            gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
+        else:
+            lora.save_adapter(out, trained_adapter(), cfg, base_digest)
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token in {seconds:.0f} s; "
                f"{'model' if full else 'adapter'} written to {out}")
 
