@@ -1,5 +1,5 @@
-"""The `ggwgpu` command: adapter info, the op test matrix, a demo fit, training.
-Benchmarks live in bench.py.
+"""The `ggwgpu` command: adapter info, the op test matrix, a demo fit, training; the
+benchmarks are in bench.py.
 
 Only absolute imports of `ggwgpu` here: this module runs as `ggwgpu_cli.main` when installed
 and as `cli.main` from a source checkout.
@@ -392,9 +392,9 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
         with signals.saving():
             try:
                 save_checkpoint()
-            except GGUFError as e:
+            except (GGUFError, *device_errors()) as e:
                 raise click.ClickException(f"step {trainer.step}: the checkpoint was not "
-                                           f"written: {e}; {kept()}") from None
+                                           f"written ({e}); {kept()}") from None
         saved = trainer.step
 
     def save_and_resume_hint() -> str:
@@ -530,6 +530,9 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
     that trains in minutes on a CPU; llama.cpp's train-text-from-scratch used --n-embd 256
     --n-head 8 --n-layer 16 --n-ff 768 --n-ctx 128.
+
+    Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
+    (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
     from ggwgpu import data, gguf_io, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
@@ -631,8 +634,8 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                                          on_nan)
     try:
         gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
-    except gguf_io.GGUFError as e:
-        raise click.ClickException(str(e)) from None
+    except (gguf_io.GGUFError, *device_errors()) as e:
+        raise click.ClickException(f"the model was not written: {e}") from None
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
                f"in {seconds:.0f} s; model written to {out}")
     if predict:

@@ -335,10 +335,58 @@ def test_generate_with_lora_writes_what_the_merged_model_writes(tmp_path):
 
 
 def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):
-    has_adapter()
+    on_wgpu = has_adapter()
     base = tiny_base(tmp_path / "q4.gguf", "q4_0", 32, 64)
     adapter = tmp_path / "adapter.gguf"
     r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=())
     assert r.exit_code == 0, r.output
+    assert ("finetune on wgpu" if on_wgpu else "finetune on numpy") in r.output
     r = invoke("generate", str(base), "--lora", str(adapter), "-p", "To", "-n", "8")
     assert r.exit_code == 0, r.output
+
+
+TINY_TRAIN = ["--n-embd", "16", "--n-head", "2", "--n-layer", "1", "--n-ff", "32",
+              "--n-ctx", "16", "--steps", "1"]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n-embd", "15", "--n-head", "4"], "n_embd 15 is not divisible by n_head 4"),
+    (["--n-rot", "3"], "n_rot 3 must be even"),
+    (["--n-embd", "16", "--n-head", "2", "--n-rot", "10"], "n_rot 10 must be even and <= "
+                                                           "head_dim 8"),
+    (["--lr", "0"], "'--lr': 0.0 is not in the range x>0"),
+    (["--lr", "-1e-3"], "'--lr'"),
+    (["--batch", "0"], "'--batch': 0 is not in the range x>=1"),
+    (["--grad-accum", "0"], "'--grad-accum'"),
+    (["--steps", "0"], "'--steps'"),
+    (["--save-every", "0"], "'--save-every'"),
+    (["--beta1", "1"], "'--beta1'"),
+    (["--seed", "-1"], "'--seed'"),
+    (["--on-nan", "ignore"], "'--on-nan'"),
+    (["--out", "no/such/dir/model.gguf"], "the directory of no/such/dir/model.gguf does not "
+                                          "exist"),
+    (["--checkpoint-out", "no/such/dir/ckpt.gguf"], "'--checkpoint-out'"),
+])
+def test_train_refuses_options_out_of_range_before_any_work(args, message):
+    result = invoke("--backend", "numpy", "train", *args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "train on" not in result.output
+
+
+@pytest.mark.parametrize("content,message", [
+    (None, "is a directory"),
+    (b"", "is empty"),
+    (b"ok\ncaf\xe9\n", "not valid UTF-8 at byte offset 6 (line 2)"),
+    (b"too short", "the text has 9 tokens, but n_ctx 16 needs at least 16"),
+])
+def test_train_refuses_unusable_text_with_a_usage_error(tmp_path, content, message):
+    path = tmp_path / "text"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    result = invoke("--backend", "numpy", "train", str(path), *TINY_TRAIN,
+                    "--out", str(tmp_path / "model.gguf"))
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "train on" not in result.output
+    assert not (tmp_path / "model.gguf").exists()
