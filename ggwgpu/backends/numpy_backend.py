@@ -62,8 +62,10 @@ class NumpyPlan(Plan):
     def run(self, feeds=None):
         for t, value in (feeds or {}).items():
             self.write(t, value)
-        for kernel, srcs, dst, params in self.steps:
-            np.copyto(dst, kernel(*srcs, **params).reshape(dst.shape), casting="unsafe")
+        # inf and NaN propagate as on the device (the trainer checks them), silently
+        with np.errstate(all="ignore"):
+            for kernel, srcs, dst, params in self.steps:
+                np.copyto(dst, kernel(*srcs, **params).reshape(dst.shape), casting="unsafe")
 
     def profile(self, feeds=None) -> list[tuple[str, float]]:
         """Run the graph once, timing each node: (op, seconds) per node."""
