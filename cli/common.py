@@ -5,8 +5,11 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import os
+import warnings
 
-from ggwgpu.backends import ENV_VAR, shared_wgpu_backend
+import click
+
+from ggwgpu.backends import ENV_VAR, get_backend, shared_wgpu_backend
 
 
 def wgpu_or_reason():
@@ -29,6 +32,24 @@ def backend_choice(ctx) -> tuple[str, str]:
     return "auto", "default"
 
 
+def select_backend(ctx):
+    """The backend get_backend() picks for the --backend choice, as a click error if none."""
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+    name, by = backend_choice(ctx)
+    try:
+        # get_backend warns when auto falls back to NumPy: one plain line, not file:line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            backend = get_backend(name)
+        for w in caught:
+            click.echo(f"warning: {w.message}", err=True)
+        return backend
+    except NoAdapterError as e:
+        raise click.ClickException(f"backend wgpu asked for by {by}, but {e}") from None
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def describe_backend(backend) -> str:
     if backend.name == "wgpu":
         info = backend.info
@@ -42,3 +63,8 @@ def human_bytes(n: int) -> str:
         if n >= size:
             return f"{n} ({n / size:.4g} {unit})"
     return str(n)
+
+
+def planned_memory(plan) -> str:
+    """The device memory a plan allocates, for a command's summary line."""
+    return f"device memory planned {plan.memory()['planned'] / 2**20:.1f} MiB"

@@ -6,28 +6,32 @@ and as `cli.main` from a source checkout.
 """
 from __future__ import annotations
 
-import contextlib
-import os
 import shlex
-import signal
 import sys
 import textwrap
-import threading
 import time
-import warnings
 
 import click
 import numpy as np
 
 import ggwgpu
 from ggwgpu import testing
-from ggwgpu.backends import CHOICES, ENV_VAR, get_backend
+from ggwgpu.backends import CHOICES, ENV_VAR
+from ggwgpu.data import BUNDLED
 from ggwgpu.generate import Sampling
 
 try:
-    from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+    from .common import (backend_choice, describe_backend, human_bytes, planned_memory,
+                         select_backend, wgpu_or_reason)
+    from .training import (default_checkpoint_path, device_errors, existing_directory,
+                           positive, read_text, resume_args, steps_of, train_options,
+                           training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+    from common import (backend_choice, describe_backend, human_bytes, planned_memory,
+                        select_backend, wgpu_or_reason)
+    from training import (default_checkpoint_path, device_errors, existing_directory,
+                          positive, read_text, resume_args, steps_of, train_options,
+                          training_loop, training_options, training_samples)
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -39,24 +43,6 @@ LIMITS = (
     ("min-storage-buffer-offset-alignment", "min storage buffer offset alignment", True),
     ("max-storage-buffers-per-shader-stage", "max storage buffers per shader stage", False),
 )
-
-
-def select_backend(ctx):
-    """The backend get_backend() picks for the --backend choice, as a click error if none."""
-    from ggwgpu.backends.wgpu_backend import NoAdapterError
-    name, by = backend_choice(ctx)
-    try:
-        # get_backend warns when auto falls back to NumPy: one plain line, not file:line
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            backend = get_backend(name)
-        for w in caught:
-            click.echo(f"warning: {w.message}", err=True)
-        return backend
-    except NoAdapterError as e:
-        raise click.ClickException(f"backend wgpu asked for by {by}, but {e}") from None
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -293,175 +279,6 @@ def plot(log, out):
 
 # -- train ----------------------------------------------------------------------------------
 
-def positive(kind=int):
-    return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
-
-
-def default_checkpoint_path(out: str) -> str:
-    """Where a stopped run saves when no --checkpoint-out was given: next to the output,
-    model.gguf -> model.checkpoint.gguf."""
-    root, ext = os.path.splitext(out)
-    return f"{root}.checkpoint{ext or '.gguf'}"
-
-
-def existing_directory(ctx, param, value):
-    """Option callback for output files: their directory must exist before training starts,
-    not only when the result is written."""
-    if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
-        raise click.BadParameter(f"the directory of {value} does not exist")
-    return value
-
-
-def device_errors() -> tuple:
-    """What a failing device raises: wgpu's errors (lost device, out of memory, validation,
-    internal) and MemoryError (the host's, and wgpu's out-of-memory error is one too)."""
-    try:
-        import wgpu
-    except ImportError:
-        return (MemoryError,)
-    return (wgpu.GPUError, MemoryError)
-
-
-class StopSignals:
-    """SIGINT and SIGTERM during training. The first asks for a stop at the next step
-    boundary; a second one during a step stops at once (KeyboardInterrupt) without saving;
-    any that arrive while a checkpoint is written (`saving()`) wait until it is complete.
-    Python lets only the main thread install handlers; elsewhere nothing changes."""
-
-    def __init__(self):
-        self.signum, self._saving, self._previous = None, False, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and not self._saving:
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
-
-    @contextlib.contextmanager
-    def saving(self):
-        self._saving = True
-        try:
-            yield
-        finally:
-            self._saving = False
-
-
-def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
-                  checkpoint_path=None, resume_command=None, on_nan: str = "stop"):
-    """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
-    `save_checkpoint()` every `save_every` steps (0: never) and once at the end. Returns the
-    first and last loss and the seconds taken. The train and finetune commands share it.
-
-    Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
-    (atomically: the previous file stays whole until the new one is complete) and
-    `resume_command(steps_left)` is the command line that continues from it.
-    - SIGINT, SIGTERM: the step under way finishes, a checkpoint is saved, the command that
-      continues is printed and the process exits with 128 + the signal number.
-    - A step whose loss or gradients are not finite changes nothing (Trainer skips its
-      update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
-      goes on.
-    - The device failing (lost, out of memory) ends the run with an error; nothing of the
-      failed step is saved and the last checkpoint stays.
-    - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
-      previous one stays.
-    """
-    import json
-    from ggwgpu.gguf_io import GGUFError
-    start = trainer.step
-    first = last = saved = None         # saved: the step of this run's last checkpoint
-    t0, shown, signals = time.perf_counter(), {}, StopSignals()
-
-    def kept() -> str:
-        if saved is not None:
-            return f"{checkpoint_path} holds the checkpoint of step {saved}"
-        return "this run wrote no checkpoint"
-
-    def save():
-        nonlocal saved
-        if saved == trainer.step:
-            return
-        with signals.saving():
-            try:
-                save_checkpoint()
-            except (GGUFError, *device_errors()) as e:
-                raise click.ClickException(f"step {trainer.step}: the checkpoint was not "
-                                           f"written ({e}); {kept()}") from None
-        saved = trainer.step
-
-    def save_and_resume_hint() -> str:
-        if checkpoint_path is None:
-            return "no checkpoint path was given: nothing was saved"
-        save()
-        hint = f"checkpoint of step {trainer.step} saved to {checkpoint_path}"
-        if resume_command is not None:
-            hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
-        return hint
-
-    log = open(log_path, "a") if log_path else None
-    try:
-        with signals, click.progressbar(length=steps, label="training", show_eta=True,
-                                        item_show_func=lambda _: shown.get("text")) as bar:
-            for _ in range(steps):
-                try:
-                    record = trainer.train_step()
-                except device_errors() as e:
-                    raise click.ClickException(
-                        f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
-                        f"{e}); nothing of that step was saved; {kept()}") from None
-                elapsed = time.perf_counter() - t0
-                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
-                first = record["loss"] if first is None else first
-                last = record["loss"]
-                shown["text"] = (f"step {record['step']} loss {last:.3f} "
-                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                if record["skipped"]:
-                    what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
-                            f"norm {record['grad_norm']:.4g}: not finite, so its update was "
-                            f"skipped")
-                    if on_nan == "stop":
-                        try:
-                            hint = save_and_resume_hint()
-                        except click.ClickException as e:
-                            hint = e.message
-                        raise click.ClickException(
-                            f"{what} and training stops (--on-nan stop; --on-nan skip goes "
-                            f"on without such steps). A learning rate that is too high is "
-                            f"the usual cause. {hint}")
-                    click.echo(f"\n{what} (--on-nan skip)", err=True)
-                if save_every and record["step"] % save_every == 0:
-                    save()
-                bar.update(1)
-                if signals.signum:
-                    break
-            if signals.signum and trainer.step - start < steps:
-                name = signal.Signals(signals.signum).name
-                click.echo(f"\n{name}: stopped after step {trainer.step}; "
-                           f"{save_and_resume_hint()}", err=True)
-                raise SystemExit(128 + signals.signum)
-            if save_every:
-                save()
-    except KeyboardInterrupt:
-        click.echo(f"\nstopped at once by a second signal in step {trainer.step + 1}, which "
-                   f"was not saved; {kept()}", err=True)
-        raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
-    finally:
-        if log:
-            log.close()
-    return first, last, time.perf_counter() - t0
-
-
 @cli.command()
 @click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
 @click.option("--out", default="model.gguf", show_default=True, type=click.Path(dir_okay=False),
@@ -477,54 +294,13 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
 @click.option("--rope-freq-base", default=10000.0, show_default=True, type=positive(float))
 @click.option("--rope-freq-scale", default=1.0, show_default=True, type=positive(float))
 @click.option("--norm-eps", default=1e-5, show_default=True, type=positive(float))
-@click.option("--batch", default=8, show_default=True, type=positive(),
-              help="Samples per micro-batch.")
-@click.option("--grad-accum", default=1, show_default=True, type=positive(),
-              help="Micro-batches whose gradients add up to one optimizer step.")
-@click.option("--samples-after-nl", is_flag=True, help="Start samples only after newlines.")
-@click.option("--steps", default=300, show_default=True, type=positive(), help="Optimizer steps.")
-@click.option("--epochs", type=positive(float), help="Train this many epochs instead of --steps.")
-@click.option("--optimizer", default="adamw", show_default=True,
-              type=click.Choice(["adamw", "sgd"]))
-@click.option("--lr", default=1e-3, show_default=True, type=positive(float))
-@click.option("--beta1", default=0.9, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--beta2", default=0.999, show_default=True, type=click.FloatRange(0, 1, max_open=True))
-@click.option("--adam-eps", default=1e-8, show_default=True, type=positive(float))
-@click.option("--weight-decay", default=0.1, show_default=True, type=click.FloatRange(min=0),
-              help="AdamW decay, relative to the learning rate, on tensors with >= 2 dims.")
-@click.option("--grad-clip", default=1.0, show_default=True, type=click.FloatRange(min=0),
-              help="Clip gradients to this global norm (0: off).")
-@click.option("--warmup", default=50, show_default=True, type=click.IntRange(min=1))
-@click.option("--cos-decay-steps", default=1000, show_default=True, type=positive())
-@click.option("--cos-decay-min", default=0.1, show_default=True, type=click.FloatRange(0, 1))
-@click.option("--cos-decay-restart", default=1.1, show_default=True, type=click.FloatRange(min=1))
-@click.option("--restarts/--no-restarts", default=False, show_default=True)
-@click.option("--flash-attn", is_flag=True, help="Fused attention (same results, less memory).")
-@click.option("--checkpointing", is_flag=True,
-              help="Gradient checkpointing: recompute activations, keep block outputs only.")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
-              help="Resume from this checkpoint (model, optimizer, data order, options).")
-@click.option("--checkpoint-out", type=click.Path(dir_okay=False), callback=existing_directory,
-              help="Write a checkpoint here (atomically) every --save-every steps and at the "
-                   "end. A run stopped by SIGINT/SIGTERM or a non-finite step saves here too "
-                   "(default: next to --out, model.gguf -> model.checkpoint.gguf).")
-@click.option("--save-every", default=100, show_default=True, type=positive())
-@click.option("--log", "log_path", type=click.Path(dir_okay=False), callback=existing_directory,
-              help="Append a JSON line per step here.")
-@click.option("--on-nan", default="stop", show_default=True, type=click.Choice(["stop", "skip"]),
-              help="A step with a non-finite loss or gradient never updates the model; then "
-                   "stop (saving a checkpoint) or skip the step and go on.")
+@training_options(steps=300, warmup=50, seed_help="Init and sample-order seed.")
 @click.option("--predict", default=0, show_default=True, type=click.IntRange(min=0),
               help="At the end, sample this many tokens from the trained model (prompt: the "
                    "text's first line; generate's default sampling, --seed).")
 @click.pass_context
-def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot,
-          rope_freq_base, rope_freq_scale, norm_eps, batch, grad_accum, samples_after_nl, steps,
-          epochs, optimizer, lr, beta1, beta2, adam_eps, weight_decay, grad_clip, warmup,
-          cos_decay_steps, cos_decay_min, cos_decay_restart, restarts, flash_attn,
-          checkpointing, seed, checkpoint_in, checkpoint_out, save_every, log_path, on_nan,
-          predict):
+def train(ctx, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot, rope_freq_base,
+          rope_freq_scale, norm_eps, predict, **kw):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
@@ -534,11 +310,12 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import data, gguf_io, tokenizer as tok
+    from ggwgpu import gguf_io, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, TrainOptions, token_digest, unigram_entropy
+    from ggwgpu.train import Trainer, TrainOptions, unigram_entropy
 
+    checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
     if checkpoint_in:
         try:
             cfg, values, tokenizer, opt_state, state = gguf_io.load_checkpoint(checkpoint_in)
@@ -547,7 +324,10 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
         options = TrainOptions(**state["options"])
         step = state["step"]
     else:
-        tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
+        try:
+            tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
+        except gguf_io.GGUFError as e:
+            raise click.ClickException(str(e)) from None
         try:
             cfg = LlamaConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
                               n_layer=n_layer, n_ff=n_ff, n_ctx=n_ctx, n_rot=n_rot,
@@ -555,37 +335,13 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                               rope_freq_scale=rope_freq_scale)
         except ShapeError as e:
             raise click.UsageError(str(e)) from None
-        options = TrainOptions(optimizer=optimizer, batch=batch, grad_accum=grad_accum, lr=lr,
-                               beta1=beta1,
-                               beta2=beta2, eps=adam_eps,
-                               weight_decay=weight_decay, grad_clip=grad_clip, warmup=warmup,
-                               cos_decay_steps=cos_decay_steps, cos_decay_min=cos_decay_min,
-                               cos_decay_restart=cos_decay_restart, restarts=restarts,
-                               flash_attn=flash_attn, checkpointing=checkpointing, seed=seed)
-        values, opt_state, state, step = init_parameters(cfg, seed), None, None, 0
+        options = train_options(kw)
+        values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 
-    try:
-        text = data.read_texts(texts) if texts else data.bundled_corpus()
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    source = ", ".join(texts) if texts else "the bundled corpus (Shakespeare)"
-    tokens = tokenizer.encode(text)
-    digest = token_digest(tokens)
-    if state is not None and state.get("tokens_digest") != digest:
-        raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "
-                               f"{state.get('tokens_digest')}, these are {digest}): pass "
-                               "the same text files to resume")
-    try:
-        samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, tokenizer.bos_id,
-                               after_newline=samples_after_nl,
-                               newline_ids=tokenizer.newline_ids)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    if state is not None:
-        samples.load_state(state["data"])
-    if epochs:
-        steps = max(1, round(epochs * samples.n_samples / (options.batch * options.grad_accum)))
-
+    text, source = read_text(kw["texts"], kw["corpus"])
+    tokens, digest, samples = training_samples(text, tokenizer, cfg, options,
+                                               kw["samples_after_nl"], state, checkpoint_in)
+    steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
@@ -601,7 +357,8 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
     n_params = sum(v.size for v in values.values())
     click.echo(f"model: {n_params / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, {cfg.n_head} heads, ff {cfg.n_ff}; {steps} steps of "
-               f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens" +
+               f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens; "
+               f"{planned_memory(trainer.plan)}" +
                (f", resuming at step {step}" if step else ""))
 
     checkpoint_path = checkpoint_out or default_checkpoint_path(out)
@@ -612,26 +369,15 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
                                 trainer.optimizer_state(), state)
 
     def resume_command(steps_left: int) -> str:
-        """The command line that continues this run from checkpoint_path."""
-        args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
-        args += ["train", *texts, "--checkpoint-in", checkpoint_path, "--steps",
-                 str(steps_left), "--out", out]
-        if checkpoint_out:
-            args += ["--checkpoint-out", checkpoint_out, "--save-every", str(save_every)]
-        if samples_after_nl:
-            args.append("--samples-after-nl")
-        if log_path:
-            args += ["--log", log_path]
-        if on_nan != "stop":
-            args += ["--on-nan", on_nan]
+        args = resume_args(ctx, ["train"], kw, checkpoint_path, steps_left) + ["--out", out]
         if predict:
-            args += ["--predict", str(predict), "--seed", str(seed)]
+            args += ["--predict", str(predict), "--seed", str(kw["seed"])]
         return shlex.join(args)
 
-    first, last, seconds = training_loop(trainer, steps, log_path,
-                                         save_every if checkpoint_out else 0,
+    first, last, seconds = training_loop(trainer, steps, kw["log_path"],
+                                         kw["save_every"] if checkpoint_out else 0,
                                          save_checkpoint, checkpoint_path, resume_command,
-                                         on_nan)
+                                         kw["on_nan"])
     try:
         gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
     except (gguf_io.GGUFError, *device_errors()) as e:
@@ -642,7 +388,7 @@ def train(ctx, texts, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_
         prompt = text.split("\n", 1)[0]
         click.echo(f"sample of {predict} tokens:")
         stream_sample(backend, cfg, trainer.parameters(), tokenizer, prompt, predict,
-                      Sampling(), seed)
+                      Sampling(), kw["seed"])
 
 
 # -- generate -------------------------------------------------------------------------------
@@ -703,7 +449,7 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
     from ggwgpu import gguf_io
     from ggwgpu.lora import load_adapter
     try:
-        cfg, values, tokenizer = gguf_io.load_model(model)
+        cfg, values, tokenizer = gguf_io.load_model(model, keep_quantized=True)
         adapters = [load_adapter(path, cfg) for path in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
@@ -714,6 +460,58 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
                f"seed {seed}", err=True)
     sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n)
     stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed, adapters)
+
+
+@cli.command("eval")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--corpus", type=click.Choice(list(BUNDLED)), default="shakespeare",
+              show_default=True, help="The bundled text to evaluate on when no TEXTS are given.")
+@click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Apply this LoRA adapter (repeatable), as generate --lora does.")
+@click.option("--samples", default=256, show_default=True, type=positive(),
+              help="Windows of n_ctx tokens, spread evenly over the text.")
+@click.option("--batch", default=8, show_default=True, type=positive(),
+              help="Windows per run.")
+@click.pass_context
+def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch):
+    """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
+    (default: the bundled corpus): the mean cross-entropy of next-token prediction over
+    n_ctx-token windows at evenly spaced positions, each starting after BOS as in training.
+    The same windows every time, so two models or adapters compare on equal terms."""
+    import math
+
+    from ggwgpu import data, gguf_io
+    from ggwgpu.lora import load_adapter
+    from ggwgpu.models.llama import build_train_graph, one_hot
+    try:
+        cfg, values, tokenizer = gguf_io.load_model(model, keep_quantized=True)
+        adapters = [load_adapter(path, cfg) for path in lora_paths]
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    text, source = read_text(texts, corpus)
+    try:
+        windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    n = min(samples, windows.n_samples)
+    batch = min(batch, n)
+    n -= n % batch
+    starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
+    backend = select_backend(ctx)
+    g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True)
+    plan = backend.plan([g.loss])
+    plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    losses = []
+    for i in range(0, n, batch):
+        inputs, targets = windows.windows(windows.starts[starts[i:i + batch]])
+        plan.run({g.tokens: inputs, g.targets: one_hot(targets, cfg.n_vocab)})
+        losses.append(float(plan.read(g.loss)[0]))
+    loss = float(np.mean(losses))
+    with_lora = "".join(f" + {path}" for path in lora_paths)
+    click.echo(f"eval on {describe_backend(backend)}: {model}{with_lora} on {source}: "
+               f"{n} windows of {cfg.n_ctx} tokens")
+    click.echo(f"loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f}")
 
 
 try:

@@ -6,9 +6,10 @@ position s; its input is [BOS, t_s, ..., t_{s+n_ctx-2}] and its targets t_s ... 
 positions with the seed, reshuffles every epoch, and hands out batches; its `state()`
 resumes it exactly.
 
-The bundled corpus, ggwgpu/data/shakespeare.txt, is Macbeth followed by The Tempest
-(William Shakespeare, public domain; the Project Gutenberg plain-text editions without the
-Gutenberg header and license), separated by four blank lines.
+The bundled corpus is two plays of William Shakespeare, ggwgpu/data/macbeth.txt and
+tempest.txt (public domain; the Project Gutenberg plain-text editions without the Gutenberg
+header and license): "shakespeare" is Macbeth followed by The Tempest, each play alone is
+there too (a base model trained on one, finetuned on the other).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
-BUNDLED_CORPUS = "data/shakespeare.txt"     # inside the ggwgpu package
+BUNDLED = {"shakespeare": ("macbeth", "tempest"), "macbeth": ("macbeth",),
+           "tempest": ("tempest",)}      # name -> files data/<file>.txt in the package
 STATE_VERSION = 1
 
 
@@ -62,9 +64,13 @@ def read_texts(paths) -> str:
     return "".join(read_text(p) for p in paths)
 
 
-def bundled_corpus() -> str:
-    """The small public-domain corpus shipped inside the package (~200 KB of ASCII)."""
-    return resources.files("ggwgpu").joinpath(BUNDLED_CORPUS).read_text(encoding="utf-8")
+def bundled_corpus(name: str = "shakespeare") -> str:
+    """A public-domain text shipped inside the package: "shakespeare" (~200 KB of ASCII),
+    "macbeth" or "tempest" (its two halves)."""
+    if name not in BUNDLED:
+        raise DataError(f"no bundled text {name!r}: {', '.join(BUNDLED)}")
+    data = resources.files("ggwgpu").joinpath("data")
+    return "".join(data.joinpath(f"{f}.txt").read_text(encoding="utf-8") for f in BUNDLED[name])
 
 
 # -- samples ---------------------------------------------------------------------------------
@@ -147,8 +153,11 @@ class Samples:
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets): int32 arrays (batch, n_ctx); inputs = [BOS, t_s .. t_{s+n_ctx-2}],
         targets = t_s .. t_{s+n_ctx-1}."""
-        starts = self.next_starts(self.batch)
-        targets = self.tokens[starts[:, None] + np.arange(self.n_ctx)]
+        return self.windows(self.next_starts(self.batch))
+
+    def windows(self, starts) -> tuple[np.ndarray, np.ndarray]:
+        """(inputs, targets) of the samples at these start positions."""
+        targets = self.tokens[np.asarray(starts)[:, None] + np.arange(self.n_ctx)]
         inputs = np.empty_like(targets)
         inputs[:, 0] = self.bos_id
         inputs[:, 1:] = targets[:, :-1]

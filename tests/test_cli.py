@@ -156,7 +156,7 @@ def test_bench_matmul_prints_a_ratio_per_shape(tmp_path):
     assert len(rows) == 2, result.output
     for row in rows:
         wgpu_gflops, numpy_gflops, ratio, rel_err = map(float, row[3:7])
-        assert ratio > 0 and rel_err <= cli_bench.BENCH_MAX_REL_ERR
+        assert ratio >= 0 and rel_err <= cli_bench.BENCH_MAX_REL_ERR  # 0.000: a busy machine
         assert int(row[7]) >= 1                                 # dispatches
     shapes = json.loads(out.read_text())["shapes"]
     assert [(r["m"], r["n"], r["k"]) for r in shapes] == [(64, 64, 64), (16, 8, 4)]
@@ -332,6 +332,27 @@ def test_generate_with_lora_writes_what_the_merged_model_writes(tmp_path):
     assert with_lora.stdout == invoke(*sample[:3], str(merged), *sample[3:]).stdout
     r = invoke(*sample[:3], str(merged), *sample[3:], "--lora", str(base))
     assert r.exit_code == 1 and "general.type is 'model'" in r.output
+
+
+def eval_loss(*args) -> float:
+    r = invoke("--backend", "numpy", "eval", *args, "--samples", "16")
+    assert r.exit_code == 0, r.output
+    return float(re.search(r"loss (\S+) nats/token", r.output)[1])
+
+
+def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    adapter, merged = tmp_path / "adapter.gguf", tmp_path / "merged.gguf"
+    r = finetune(tmp_path, base, "--steps", "30", "--out", str(adapter))
+    assert r.exit_code == 0, r.output
+    assert invoke("merge", str(base), str(adapter), "--out", str(merged)).exit_code == 0
+    text = str(tmp_path / "text.txt")
+    base_loss = eval_loss(str(base), text)
+    tuned = eval_loss(str(base), text, "--lora", str(adapter))
+    assert tuned < base_loss - 0.5
+    assert abs(eval_loss(str(merged), text) - tuned) < 1e-4
+    r = invoke("--backend", "numpy", "eval", str(base), "--corpus", "tempest", "--samples", "8")
+    assert "bundled corpus (tempest): 8 windows of 16 tokens" in r.output, r.output
 
 
 def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):

@@ -116,3 +116,7 @@ def test_bundled_corpus():
     text = bundled_corpus()
     assert len(text) > 100_000 and text.isascii()
     assert text.startswith("MACBETH") and "THE TEMPEST" in text
+    assert text == bundled_corpus("macbeth") + bundled_corpus("tempest")
+    assert "PROSPERO" not in bundled_corpus("macbeth")
+    with pytest.raises(DataError, match="no bundled text 'hamlet'"):
+        bundled_corpus("hamlet")

@@ -161,11 +161,15 @@ def attention(cfg, q, k, v, flash: bool):
 
 
 def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False,
-                      lora=None):
+                      lora=None, adapters=(), frozen: bool = False):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
-    tensors are the params: a LoRA finetune."""
-    p, params = model_weights(values, (lora,) if lora else (), "lora" if lora else "base")
+    tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
+    (a loss to evaluate, not to train) constants, with `adapters`' pairs added."""
+    if lora is not None:
+        p, params = model_weights(values, (lora,), "lora")
+    else:
+        p, params = model_weights(values, adapters, None if frozen else "base")
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")

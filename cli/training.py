@@ -1,0 +1,336 @@
+"""What the train and finetune commands share: their optimizer, schedule, data and
+checkpoint options, reading the text into samples, and the step loop that loses nothing when
+a run is stopped.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+
+import click
+
+from ggwgpu.data import BUNDLED
+
+
+def positive(kind=int):
+    return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
+
+
+def default_checkpoint_path(out: str) -> str:
+    """Where a stopped run saves when no --checkpoint-out was given: next to the output,
+    model.gguf -> model.checkpoint.gguf."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.checkpoint{ext or '.gguf'}"
+
+
+def existing_directory(ctx, param, value):
+    """Option callback for output files: their directory must exist before training starts,
+    not only when the result is written."""
+    if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
+        raise click.BadParameter(f"the directory of {value} does not exist")
+    return value
+
+
+def device_errors() -> tuple:
+    """What a failing device raises: wgpu's errors (lost device, out of memory, validation,
+    internal) and MemoryError (the host's, and wgpu's out-of-memory error is one too)."""
+    try:
+        import wgpu
+    except ImportError:
+        return (MemoryError,)
+    return (wgpu.GPUError, MemoryError)
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during training. The first asks for a stop at the next step
+    boundary; a second one during a step stops at once (KeyboardInterrupt) without saving;
+    any that arrive while a checkpoint is written (`saving()`) wait until it is complete.
+    Python lets only the main thread install handlers; elsewhere nothing changes."""
+
+    def __init__(self):
+        self.signum, self._saving, self._previous = None, False, {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.signal(s, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for s, handler in self._previous.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+    def _handle(self, signum, frame):
+        if self.signum is not None and not self._saving:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    @contextlib.contextmanager
+    def saving(self):
+        self._saving = True
+        try:
+            yield
+        finally:
+            self._saving = False
+
+
+def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
+                  checkpoint_path=None, resume_command=None, on_nan: str = "stop"):
+    """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
+    `save_checkpoint()` every `save_every` steps (0: never) and once at the end. Returns the
+    first and last loss and the seconds taken. The train and finetune commands share it.
+
+    Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
+    (atomically: the previous file stays whole until the new one is complete) and
+    `resume_command(steps_left)` is the command line that continues from it.
+    - SIGINT, SIGTERM: the step under way finishes, a checkpoint is saved, the command that
+      continues is printed and the process exits with 128 + the signal number.
+    - A step whose loss or gradients are not finite changes nothing (Trainer skips its
+      update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
+      goes on.
+    - The device failing (lost, out of memory) ends the run with an error; nothing of the
+      failed step is saved and the last checkpoint stays.
+    - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
+      previous one stays.
+    """
+    import json
+    from ggwgpu.gguf_io import GGUFError
+    start = trainer.step
+    first = last = saved = None         # saved: the step of this run's last checkpoint
+    t0, shown, signals = time.perf_counter(), {}, StopSignals()
+
+    def kept() -> str:
+        if saved is not None:
+            return f"{checkpoint_path} holds the checkpoint of step {saved}"
+        return "this run wrote no checkpoint"
+
+    def save():
+        nonlocal saved
+        if saved == trainer.step:
+            return
+        with signals.saving():
+            try:
+                save_checkpoint()
+            except (GGUFError, *device_errors()) as e:
+                raise click.ClickException(f"step {trainer.step}: the checkpoint was not "
+                                           f"written ({e}); {kept()}") from None
+        saved = trainer.step
+
+    def save_and_resume_hint() -> str:
+        if checkpoint_path is None:
+            return "no checkpoint path was given: nothing was saved"
+        save()
+        hint = f"checkpoint of step {trainer.step} saved to {checkpoint_path}"
+        if resume_command is not None:
+            hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
+        return hint
+
+    log = open(log_path, "a") if log_path else None
+    try:
+        with signals, click.progressbar(length=steps, label="training", show_eta=True,
+                                        item_show_func=lambda _: shown.get("text")) as bar:
+            for _ in range(steps):
+                try:
+                    record = trainer.train_step()
+                except device_errors() as e:
+                    raise click.ClickException(
+                        f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
+                        f"{e}); nothing of that step was saved; {kept()}") from None
+                elapsed = time.perf_counter() - t0
+                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
+                first = record["loss"] if first is None else first
+                last = record["loss"]
+                shown["text"] = (f"step {record['step']} loss {last:.3f} "
+                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                if record["skipped"]:
+                    what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
+                            f"norm {record['grad_norm']:.4g}: not finite, so its update was "
+                            f"skipped")
+                    if on_nan == "stop":
+                        try:
+                            hint = save_and_resume_hint()
+                        except click.ClickException as e:
+                            hint = e.message
+                        raise click.ClickException(
+                            f"{what} and training stops (--on-nan stop; --on-nan skip goes "
+                            f"on without such steps). A learning rate that is too high is "
+                            f"the usual cause. {hint}")
+                    click.echo(f"\n{what} (--on-nan skip)", err=True)
+                if save_every and record["step"] % save_every == 0:
+                    save()
+                bar.update(1)
+                if signals.signum:
+                    break
+            if signals.signum and trainer.step - start < steps:
+                name = signal.Signals(signals.signum).name
+                click.echo(f"\n{name}: stopped after step {trainer.step}; "
+                           f"{save_and_resume_hint()}", err=True)
+                raise SystemExit(128 + signals.signum)
+            if save_every:
+                save()
+    except KeyboardInterrupt:
+        click.echo(f"\nstopped at once by a second signal in step {trainer.step + 1}, which "
+                   f"was not saved; {kept()}", err=True)
+        raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
+    finally:
+        if log:
+            log.close()
+    return first, last, time.perf_counter() - t0
+
+
+def training_options(steps: int, warmup: int, seed_help: str):
+    """The options of a training run (train and finetune differ in defaults only); the
+    command gets them as keyword arguments and `train_options(kwargs)` makes them a
+    TrainOptions."""
+    options = [
+        click.option("--corpus", type=click.Choice(list(BUNDLED)), default="shakespeare",
+                     show_default=True,
+                     help="The bundled text to train on when no TEXTS are given: both plays, "
+                          "or one of them."),
+        click.option("--batch", default=8, show_default=True, type=positive(),
+                     help="Samples per micro-batch."),
+        click.option("--grad-accum", default=1, show_default=True, type=positive(),
+                     help="Micro-batches whose gradients add up to one optimizer step."),
+        click.option("--samples-after-nl", is_flag=True,
+                     help="Start samples only after newlines."),
+        click.option("--steps", default=steps, show_default=True, type=positive(),
+                     help="Optimizer steps."),
+        click.option("--epochs", type=positive(float),
+                     help="Train this many epochs instead of --steps."),
+        click.option("--optimizer", default="adamw", show_default=True,
+                     type=click.Choice(["adamw", "sgd"])),
+        click.option("--lr", default=1e-3, show_default=True, type=positive(float)),
+        click.option("--beta1", default=0.9, show_default=True,
+                     type=click.FloatRange(0, 1, max_open=True)),
+        click.option("--beta2", default=0.999, show_default=True,
+                     type=click.FloatRange(0, 1, max_open=True)),
+        click.option("--adam-eps", default=1e-8, show_default=True, type=positive(float)),
+        click.option("--weight-decay", default=0.1, show_default=True,
+                     type=click.FloatRange(min=0),
+                     help="AdamW decay, relative to the learning rate, on tensors with >= 2 "
+                          "dims."),
+        click.option("--grad-clip", default=1.0, show_default=True,
+                     type=click.FloatRange(min=0),
+                     help="Clip gradients to this global norm (0: off)."),
+        click.option("--warmup", default=warmup, show_default=True,
+                     type=click.IntRange(min=1)),
+        click.option("--cos-decay-steps", default=1000, show_default=True, type=positive()),
+        click.option("--cos-decay-min", default=0.1, show_default=True,
+                     type=click.FloatRange(0, 1)),
+        click.option("--cos-decay-restart", default=1.1, show_default=True,
+                     type=click.FloatRange(min=1)),
+        click.option("--restarts/--no-restarts", default=False, show_default=True),
+        click.option("--flash-attn", is_flag=True,
+                     help="Fused attention (same results, less memory)."),
+        click.option("--checkpointing", is_flag=True,
+                     help="Gradient checkpointing: recompute activations, keep block outputs "
+                          "only."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                     help=seed_help),
+        click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
+                     help="Resume from this checkpoint (weights, optimizer, data order, "
+                          "options)."),
+        click.option("--checkpoint-out", type=click.Path(dir_okay=False),
+                     callback=existing_directory,
+                     help="Write a checkpoint here (atomically) every --save-every steps and "
+                          "at the end. A run stopped by SIGINT/SIGTERM or a non-finite step "
+                          "saves here too (default: next to --out, x.gguf -> "
+                          "x.checkpoint.gguf)."),
+        click.option("--save-every", default=100, show_default=True, type=positive()),
+        click.option("--log", "log_path", type=click.Path(dir_okay=False),
+                     callback=existing_directory, help="Append a JSON line per step here."),
+        click.option("--on-nan", default="stop", show_default=True,
+                     type=click.Choice(["stop", "skip"]),
+                     help="A step with a non-finite loss or gradient never updates the "
+                          "weights; then stop (saving a checkpoint) or skip the step and go "
+                          "on."),
+    ]
+
+    def decorate(command):
+        for option in reversed(options):
+            command = option(command)
+        return command
+    return decorate
+
+
+def train_options(kw: dict):
+    """The TrainOptions of `training_options`' values."""
+    from ggwgpu.train import TrainOptions
+    return TrainOptions(
+        optimizer=kw["optimizer"], batch=kw["batch"], grad_accum=kw["grad_accum"],
+        lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["adam_eps"],
+        weight_decay=kw["weight_decay"], grad_clip=kw["grad_clip"], warmup=kw["warmup"],
+        cos_decay_steps=kw["cos_decay_steps"], cos_decay_min=kw["cos_decay_min"],
+        cos_decay_restart=kw["cos_decay_restart"], restarts=kw["restarts"],
+        flash_attn=kw["flash_attn"], checkpointing=kw["checkpointing"], seed=kw["seed"])
+
+
+def read_text(texts, corpus: str) -> tuple[str, str]:
+    """The training text (the files, else the bundled corpus) and where it came from."""
+    from ggwgpu import data
+    try:
+        if texts:
+            return data.read_texts(texts), ", ".join(texts)
+        return data.bundled_corpus(corpus), f"the bundled corpus ({corpus})"
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool, state,
+                     checkpoint_in):
+    """The text's tokens, their digest and its shuffled samples, at the resumed position
+    when `state` (a checkpoint's) is given — which must be of the same tokens."""
+    from ggwgpu import data
+    from ggwgpu.train import token_digest
+    tokens = tokenizer.encode(text)
+    digest = token_digest(tokens)
+    if state is not None and state.get("tokens_digest") != digest:
+        raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "
+                               f"{state.get('tokens_digest')}, these are {digest}): pass "
+                               "the same text files to resume")
+    try:
+        samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, tokenizer.bos_id,
+                               after_newline=samples_after_nl,
+                               newline_ids=tokenizer.newline_ids)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    if state is not None:
+        samples.load_state(state["data"])
+    return tokens, digest, samples
+
+
+def steps_of(kw: dict, samples, options) -> int:
+    """--steps, or --epochs as steps over these samples."""
+    if kw["epochs"]:
+        return max(1, round(kw["epochs"] * samples.n_samples /
+                            (options.batch * options.grad_accum)))
+    return kw["steps"]
+
+
+def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
+                steps_left: int) -> list[str]:
+    """The command line (`command`: its name and leading arguments) that continues a run
+    from `checkpoint_path` with the options it repeats: backend, text, saving, logging; the
+    command adds its own."""
+    args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
+    args += [*command, *kw["texts"], "--checkpoint-in", checkpoint_path,
+             "--steps", str(steps_left)]
+    if not kw["texts"] and kw["corpus"] != "shakespeare":
+        args += ["--corpus", kw["corpus"]]
+    if kw["checkpoint_out"]:
+        args += ["--checkpoint-out", kw["checkpoint_out"], "--save-every", str(kw["save_every"])]
+    if kw["samples_after_nl"]:
+        args.append("--samples-after-nl")
+    if kw["log_path"]:
+        args += ["--log", kw["log_path"]]
+    if kw["on_nan"] != "stop":
+        args += ["--on-nan", kw["on_nan"]]
+    return args
