@@ -73,3 +73,69 @@ fn k_mul_mat_subgroup(@builtin(subgroup_invocation_id) lane: u32,
         if (n0 + j < N) { store_product4(d, n0 + j, m0, acc[j]); }
     }
 }
+
+// k_mul_mat_subgroup_t: the same product with both operands stored K-outermost (out_prod's,
+// read as they lie rather than copied): a[m, k] at k * nb_0.x + m, b[n, k] at k * nb_1.x + n,
+// read as vec4s along m and n (nb_0.y == nb_1.y == 1; offsets and other strides multiples
+// of 4); K needs no alignment. Two steps of k at a time: lanes 0..3 load b[k, n0 .. n0 + 15]
+// as 4 vec4s, lanes 4..7 b[k + 1, ..]; 8 broadcasts hand every lane all 32 values, which
+// meet the lane's own a[k, m0 .. m0 + 3] and a[k + 1, ..]: per lane 3 vec4 loads for 128
+// multiply-adds, as k_mul_mat_subgroup.
+@compute @workgroup_size(8)
+fn k_mul_mat_subgroup_t(@builtin(subgroup_invocation_id) lane: u32,
+                        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
+    let M = p.ne_d.x;
+    let N = p.ne_d.y;
+    let K = p.ne_0.x;
+    let bm = (M + 31u) / 32u;
+    let bn = (N + 15u) / 16u;
+    let m0 = (g % bm) * 32u + lane * 4u;
+    let n0 = ((g / bm) % bn) * 16u;
+    let base = product_bases(g / (bm * bn));
+    // columns past M or N are clamped on load, never stored
+    let a_col = (base.y + min(m0, (M - 1u) & ~3u)) / 4u;
+    let b_col = (base.z + min(n0 + (lane % 4u) * 4u, (N - 1u) & ~3u)) / 4u;
+    let a_k = p.nb_0.x / 4u;
+    let b_k = p.nb_1.x / 4u;
+    let b_step = lane / 4u;
+    var acc0 = vec4f(); var acc1 = vec4f(); var acc2 = vec4f(); var acc3 = vec4f();
+    var acc4 = vec4f(); var acc5 = vec4f(); var acc6 = vec4f(); var acc7 = vec4f();
+    var acc8 = vec4f(); var acc9 = vec4f(); var acc10 = vec4f(); var acc11 = vec4f();
+    var acc12 = vec4f(); var acc13 = vec4f(); var acc14 = vec4f(); var acc15 = vec4f();
+    for (var k = 0u; k < K; k += 2u) {
+        let a0 = src0_v4[a_col + k * a_k];
+        // an odd K's last step: a row of zeros stands in for k + 1
+        let a1 = select(vec4f(), src0_v4[a_col + min(k + 1u, K - 1u) * a_k], k + 1u < K);
+        let bv = src1_v4[b_col + min(k + b_step, K - 1u) * b_k];
+        let c0 = subgroupBroadcast(bv, 0u);   // b[k, n0 + 0 .. 3]
+        let c1 = subgroupBroadcast(bv, 1u);
+        let c2 = subgroupBroadcast(bv, 2u);
+        let c3 = subgroupBroadcast(bv, 3u);
+        let d0 = subgroupBroadcast(bv, 4u);   // b[k + 1, n0 + 0 .. 3]
+        let d1 = subgroupBroadcast(bv, 5u);
+        let d2 = subgroupBroadcast(bv, 6u);
+        let d3 = subgroupBroadcast(bv, 7u);
+        acc0 += a0 * c0.x + a1 * d0.x;
+        acc1 += a0 * c0.y + a1 * d0.y;
+        acc2 += a0 * c0.z + a1 * d0.z;
+        acc3 += a0 * c0.w + a1 * d0.w;
+        acc4 += a0 * c1.x + a1 * d1.x;
+        acc5 += a0 * c1.y + a1 * d1.y;
+        acc6 += a0 * c1.z + a1 * d1.z;
+        acc7 += a0 * c1.w + a1 * d1.w;
+        acc8 += a0 * c2.x + a1 * d2.x;
+        acc9 += a0 * c2.y + a1 * d2.y;
+        acc10 += a0 * c2.z + a1 * d2.z;
+        acc11 += a0 * c2.w + a1 * d2.w;
+        acc12 += a0 * c3.x + a1 * d3.x;
+        acc13 += a0 * c3.y + a1 * d3.y;
+        acc14 += a0 * c3.z + a1 * d3.z;
+        acc15 += a0 * c3.w + a1 * d3.w;
+    }
+    let acc = array<vec4f, 16>(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
+                               acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15);
+    for (var j = 0u; j < 16u; j++) {
+        if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
+    }
+}

@@ -115,6 +115,22 @@ def test_mul_mat_reads_vec4s_when_k_allows():
     assert entries(gg.view(gg.input_tensor((50,)), (5, 8), (8, 1), 2), a) == ["cpy", "mul_mat_tiled"]
 
 
+def test_out_prod_reads_its_operands_as_they_lie_where_the_variant_can():
+    a, b = gg.input_tensor((9, 8)), gg.input_tensor((9, 12))   # [K, M], [K, N]
+    node = gg.out_prod(a, b)
+    def entries(variant):
+        return [d.entry for d in OPS["out_prod"].dispatches_on(node, {"matmul": variant})]
+    assert entries("subgroup") == ["mul_mat_subgroup_t"]
+    assert entries("tiled") == ["mul_mat"]                        # K = 9: any strides
+    even = gg.out_prod(gg.input_tensor((8, 8)), gg.input_tensor((8, 12)))
+    assert [d.entry for d in OPS["out_prod"].dispatches_on(even, {"matmul": "tiled"})] \
+        == ["cpy", "cpy", "mul_mat_tiled"]
+    # rows of 7 cannot be read as vec4s: copied as before
+    odd = gg.out_prod(gg.input_tensor((8, 7)), gg.input_tensor((8, 12)))
+    assert [d.entry for d in OPS["out_prod"].dispatches_on(odd, {"matmul": "subgroup"})] \
+        == ["cpy", "cpy", "mul_mat_subgroup"]
+
+
 def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):
     x = gg.input_tensor((testing.O.elementwise.LARGE,))
     plan = wgpu.plan([gg.exp(x)])

@@ -99,6 +99,31 @@ def test_quantized_matmul_and_its_gradient_match_dequantize_then_matmul(request,
     assert plan.stray_writes() == []
 
 
+QUANT_PRODUCTS = [(name, case) for name in ("mul_mat_q", "mul_mat_q_back")
+                  for case in testing.cases_of(name)]
+
+
+@pytest.mark.parametrize("variant", gg.ops.OPS["mul_mat_q"].variants)
+@pytest.mark.parametrize("name,case", QUANT_PRODUCTS,
+                         ids=[f"{n}[{testing.describe(c)}]" for n, c in QUANT_PRODUCTS])
+def test_every_quantized_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name,
+                                                          case):
+    """Each adapter runs one variant of the quantized products; lavapipe tests them all."""
+    monkeypatch.setitem(wgpu.kernel_variants, "quant", variant)
+    result = testing.forward(gg.ops.OPS[name], case, wgpu)
+    assert result.ok, result.detail
+
+
+def test_quantized_products_follow_the_matmul_variant(wgpu):
+    expected = "subgroup" if wgpu.kernel_variants["matmul"] == "subgroup" else "portable"
+    assert wgpu.kernel_variants["quant"] == expected
+    w, x = gg.constant(quantize(np.ones((4, 32)), "q4_0")), gg.input_tensor((3, 32))
+    node = gg.mul_mat(w, x)
+    entries = {v: [d.entry for d in gg.ops.OPS["mul_mat_q"].dispatches_on(node, {"quant": v})]
+               for v in ("portable", "subgroup")}
+    assert entries == {"portable": ["mul_mat_q"], "subgroup": ["mul_mat_q_subgroup_q4_0"]}
+
+
 @pytest.mark.parametrize("on", ["numpy", "wgpu"])
 def test_embeddings_from_a_quantized_table(request, on):
     backend = request.getfixturevalue("wgpu") if on == "wgpu" else NumpyBackend()

@@ -142,7 +142,10 @@ class WgpuBackend(Backend):
         self.device = self.adapter.request_device_sync(
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
-        self.kernel_variants = {"matmul": matmul_variant(self.adapter, self.device)}
+        matmul = matmul_variant(self.adapter, self.device)
+        # the quantized products follow: their subgroup kernels want the same adapters
+        self.kernel_variants = {"matmul": matmul,
+                                "quant": "subgroup" if matmul == "subgroup" else "portable"}
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,

@@ -15,12 +15,14 @@ from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_f32, pad4, register
 
 BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
-# The kernels that read vec4s along K, by variant: (entry, shader file, tile of the result
-# one workgroup computes as (M, N)). The backend picks the variant per adapter
-# (WgpuBackend.kernel_variants): 'tiled' stages tiles in workgroup memory, as GPUs want;
-# 'subgroup' shares loads through subgroup broadcasts, as CPU adapters (lavapipe) want.
-VEC4_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64)),
-                "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16))}
+# The kernels that read vec4s, by variant: (entry, shader file, tile of the result one
+# workgroup computes as (M, N), entry for an `a` stored K-outermost or None). The backend
+# picks the variant per adapter (WgpuBackend.kernel_variants): 'tiled' stages tiles in
+# workgroup memory, as GPUs want; 'subgroup' shares loads through subgroup broadcasts, as
+# CPU adapters (lavapipe) want, and reads a K-outermost `a` (out_prod) as it lies.
+VEC4_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64), None),
+                "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16),
+                             "mul_mat_subgroup_t")}
 
 
 def product_shape(a_shape, b_shape, inner_a, inner_b, name):
@@ -101,13 +103,19 @@ def vec4_ready(t) -> bool:
 
 
 def kernel_dispatch(node, a, b, variant="tiled"):
-    """The mul_mat kernel over a [.., M, K] and b [.., N, K]. When K % 4 == 0 the vec4
-    kernel of `variant` runs, after copying an operand that is not laid out for it (a
-    transposed view, as in every backward) into dispatch-private contiguous storage: the copy
-    moves M*K elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any
-    strides."""
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K]. Where `variant` has one, the
+    kernel for an `a` laid out along M (a transposed view: out_prod, and the weight in
+    mul_mat's backward) reads a and b as they lie. Else when K % 4 == 0 the vec4 kernel of
+    `variant` runs, after copying an operand that is not laid out for it (a transposed view,
+    as in every backward) into dispatch-private contiguous storage: the copy moves M*K
+    elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
+    entry, shader, (tile_m, tile_n), entry_t = VEC4_KERNELS[variant]
+    tiles = -(-m // tile_m) * -(-n // tile_n) * batches
+    if (entry_t and not (vec4_ready(a) and vec4_ready(b))
+            and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
+        return [Dispatch(entry_t, node, (a, b), n=tiles, workgroups=tiles, shader=shader)]
     if a.shape[-1] % 4:
         return [Dispatch("mul_mat", node, (a, b), n=-(-m // BLOCK) * -(-n // BLOCK) * batches)]
     copies, operands = [], []
@@ -117,8 +125,6 @@ def kernel_dispatch(node, a, b, variant="tiled"):
             copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
             t = dense
         operands.append(t)
-    entry, shader, (tile_m, tile_n) = VEC4_KERNELS[variant]
-    tiles = -(-m // tile_m) * -(-n // tile_n) * batches
     return copies + [Dispatch(entry, node, tuple(operands), n=tiles, workgroups=tiles,
                               shader=shader)]
 
@@ -167,7 +173,10 @@ out_prod = register(
                                layout=c.inputs[0].layout),
                          Input((c.inputs[1].shape[:-2] + c.inputs[1].shape[:-3:-1]),
                                layout=c.inputs[1].layout)), grad=c.grad)
-                   for c in mm_cases()],
+                   for c in mm_cases()] + [
+        # rows of a multiple of 4: read as they lie where the variant can (odd K, tiles cut)
+        Case((Input((37, 68)), Input((37, 20))), grad=False),
+        Case((Input((2, 1, 9, 8)), Input((2, 3, 9, 12))))],
     doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = b.T @ a, a broadcast "
         "over b's batch dims.")
 

@@ -28,8 +28,12 @@ from .registry import Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
 TYPE_CODE = {"f16": 0, "q8_0": 1, "q4_0": 2}   # p.u.x of the kernels (shaders/quant.wgsl)
-TILE_M = 4   # mul_mat_q: weight rows per invocation
-TILE_N = 8   # tokens per invocation (both kernels)
+# The kernels of mul_mat_q and mul_mat_q_back by variant, chosen per adapter as matmul's are
+# (WgpuBackend.kernel_variants): 'portable' (quant.wgsl) runs anywhere; 'subgroup'
+# (quant_subgroup.wgsl) shares loads through subgroup broadcasts, as CPU adapters want.
+# Per variant: (shader file, tile of the forward (M, N), tile of the backward (K, N)).
+KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
+           "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
 assert set(TYPE_CODE) == set(QUANT_TYPES)
 
 
@@ -58,18 +62,22 @@ def mul_mat_q_shape(srcs):
     return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
 
 
-def mul_mat_q_dispatch(node):
+def mul_mat_q_dispatch(node, variant="portable"):
     """The kernel reads x as vec4s (K is a multiple of 4): an x not laid out for that is
     first copied into dispatch-private contiguous storage, as mul_mat does."""
     w, x = node.srcs
+    shader, (tile_m, tile_n), _ = KERNELS[variant]
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
     copy = []
     if not vec4_ready(x):
         dense = Tensor(x.shape, name=f"{node} contiguous x")  # dispatch-private
         copy, x = [Dispatch("cpy", dense, (x,), n=x.nelements, shader="layout")], dense
-    return copy + [Dispatch("mul_mat_q", node, (w, x), u=(TYPE_CODE[w.dtype],),
-                            n=tiles(m, TILE_M) * tiles(n, TILE_N) * batches)]
+    groups = tiles(m, tile_m) * tiles(n, tile_n) * batches
+    if variant == "portable":  # one invocation per tile
+        return copy + [Dispatch("mul_mat_q", node, (w, x), u=(TYPE_CODE[w.dtype],), n=groups)]
+    return copy + [Dispatch(f"mul_mat_q_subgroup_{w.dtype}", node, (w, x), n=groups,
+                            workgroups=groups, shader=shader)]
 
 
 def frozen_cases(shapes, grad_limit=400):
@@ -88,7 +96,7 @@ def frozen_cases(shapes, grad_limit=400):
 mul_mat_q = register(
     "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
     reference=lambda w, x: mul_mat_ref(dequantize(w).astype(x.dtype), x),
-    dispatches=mul_mat_q_dispatch, no_grad=(0,),
+    dispatches=mul_mat_q_dispatch, variants=tuple(KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 32))),
@@ -98,7 +106,9 @@ mul_mat_q = register(
         ((6, 32), Input((4, 32), layout="strided")),
         ((6, 32), Input((5, 32), layout="permuted")),
         ((7, 12), Input((5, 12))),                            # f16 only: rows of 12
-        ((67, 128), Input((2, 37, 128)))]),
+        ((36, 44), Input((5, 44))),                           # f16 only: a block and 12
+        ((67, 128), Input((2, 37, 128))),
+        ((70, 96), Input((2, 19, 96)))]),                     # tiles of 32 x 16 cut
     doc="ggml_mul_mat with a frozen weight: w [.., M, K] in f16, q8_0 or q4_0, x [.., N, K] "
         "f32 -> [.., N, M] = x @ w.T, dequantized inside the kernel; w broadcast over x's "
         "batch dims. mul_mat(w, x) becomes this when w is frozen.")
@@ -113,18 +123,23 @@ def mul_mat_q_back_shape(srcs):
     return product_shape(w.shape, g.shape, -2, -1, "mul_mat_q_back"), "f32", {}
 
 
-def mul_mat_q_back_dispatch(node):
+def mul_mat_q_back_dispatch(node, variant="portable"):
     w, g = node.srcs
     k, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (k * n)
-    return [Dispatch("mul_mat_q_back", node, (w, g), n=(k // 4) * tiles(n, TILE_N) * batches,
-                     u=(TYPE_CODE[w.dtype],))]
+    shader, _, (tile_k, tile_n) = KERNELS[variant]
+    groups = tiles(k, tile_k) * tiles(n, tile_n) * batches
+    if variant == "portable":  # one invocation per tile
+        return [Dispatch("mul_mat_q_back", node, (w, g), n=groups, u=(TYPE_CODE[w.dtype],))]
+    # u.x = 1: g can be read as vec4s along M
+    return [Dispatch(f"mul_mat_q_back_subgroup_{w.dtype}", node, (w, g), n=groups,
+                     workgroups=groups, u=(int(vec4_ready(g)),), shader=shader)]
 
 
 mul_mat_q_back = register(
     "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
     reference=lambda w, g: mul_mat_ref(np.swapaxes(dequantize(w), -1, -2).astype(g.dtype), g),
-    dispatches=mul_mat_q_back_dispatch, no_grad=(0,),
+    dispatches=mul_mat_q_back_dispatch, variants=tuple(KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 5))),
@@ -134,7 +149,9 @@ mul_mat_q_back = register(
         ((6, 32), Input((4, 6), layout="strided")),
         ((6, 32), Input((5, 6), layout="permuted")),
         ((7, 12), Input((5, 7))),
-        ((67, 128), Input((2, 37, 67)))]),
+        ((36, 44), Input((5, 36))),                           # f16 only: a block and 12
+        ((67, 128), Input((2, 37, 67))),
+        ((68, 96), Input((2, 19, 68)))]),                     # g read as vec4s
     doc="The gradient of mul_mat_q w.r.t. x: w [.., M, K] frozen, g [.., N, M] f32 -> "
         "[.., N, K] = g @ w, dequantized inside the kernel; w broadcast over g's batch dims.")
 
