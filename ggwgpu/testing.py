@@ -184,3 +184,27 @@ def backward_on(opdef: OpDef, case: Case, backend, seed=0) -> Result:
 
 def cases_of(name: str, grad_only=False) -> list[Case]:
     return [c for c in O.OPS[name].cases() if c.grad or not grad_only]
+
+
+def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: int = 0,
+                         eps: float = 1e-6, atol: float = 1e-6, rtol: float = 1e-4):
+    """A whole model's gradients ({param: array}, computed by any backend) against central
+    finite differences of `loss` in float64 NumPy, at `samples` random elements of each
+    param. Raises AssertionError naming the param and element that disagree."""
+    fwd = NumpyBackend(np.float64).plan([loss])
+    rng = np.random.default_rng(seed)
+    for p, grad in analytic.items():
+        base = p.value.astype(np.float64)
+        for i in [tuple(rng.integers(0, n) for n in p.shape) for _ in range(samples)]:
+            losses = []
+            for sign in (1, -1):
+                v = base.copy()
+                v[i] += sign * eps
+                fwd.write(p, v)
+                fwd.run(feeds)
+                losses.append(fwd.read(loss)[0])
+            fwd.write(p, base)
+            numeric = (losses[0] - losses[1]) / (2 * eps)
+            assert abs(grad[i] - numeric) <= atol + rtol * abs(numeric), \
+                f"{p.name}{list(i)}: backward {grad[i]} vs finite differences {numeric}"
+

@@ -7,6 +7,7 @@ import pytest
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, one_hot
+from ggwgpu.testing import spot_check_gradients
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
 BATCH = 2
@@ -52,23 +53,7 @@ def test_llama_gradients_match_finite_differences(flash, checkpoint):
     g, grads, feeds = setup(flash, checkpoint)
     backend = NumpyBackend(np.float64)
     _, analytic = run(backend, g, grads, feeds)
-    fwd = backend.plan([g.loss])
-    rng = np.random.default_rng(0)
-    eps = 1e-6
-    for p in grads:
-        base = p.value.astype(np.float64)
-        for i in [tuple(rng.integers(0, n) for n in p.shape) for _ in range(8)]:
-            losses = []
-            for sign in (1, -1):
-                v = base.copy()
-                v[i] += sign * eps
-                fwd.write(p, v)
-                fwd.run(feeds)
-                losses.append(fwd.read(g.loss)[0])
-            fwd.write(p, base)
-            numeric = (losses[0] - losses[1]) / (2 * eps)
-            assert abs(analytic[p.name][i] - numeric) <= 1e-6 + 1e-4 * abs(numeric), \
-                f"{p.name}{list(i)}: backward {analytic[p.name][i]} vs fd {numeric}"
+    spot_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
 
 
 def test_flash_and_unfused_attention_agree_and_checkpointing_changes_nothing(wgpu):
