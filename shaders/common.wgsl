@@ -89,6 +89,14 @@ fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {
 // the row's start index.
 fn row_start(row: u32) -> vec4u { return unravel(row * p.ne_0.x, p.ne_0); }
 
+// Rowwise row kernels (the 'rowwise' variant, for CPU adapters): one invocation per row,
+// no workgroup memory, no barriers. Element i of the row that starts at r lies at
+// base.x + i * p.nb_d.x in dst, base.y + i * p.nb_0.x in src0, and so on; src1 and src2
+// may tile src0 (ggml broadcasting), so their row is r modulo their shape.
+fn row_bases(r: vec4u) -> vec4u {
+    return vec4u(at_d(r), at_0(r), at_1(r % p.ne_1), at_2(r % p.ne_2));
+}
+
 // Row reductions: one workgroup per row, then a tree over the workgroup.
 // Bound the work of one workgroup: lavapipe loses workgroup barriers after about 4M loads in
 // one workgroup (measured: 64 x 65000 fine, 64 x 65534 wrong).

@@ -152,3 +152,59 @@ fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) 
         dst[at_d(idx)] = s * (src1[at_1(idx)] - mean_dy - (src0[at_0(idx)] - mu) * k);
     }
 }
+
+// -- the 'rowwise' variant (CPU adapters): one invocation per row (common.wgsl row_bases).
+// A CPU device runs neighbouring invocations in its SIMD lanes, so rows go side by side;
+// the workgroup kernels' barriers cost more there than a whole row of work.
+
+// 1 / sqrt(mean(x^2) + eps) of the row of src0 at b.y.
+fn rms_scale_row(b: vec4u) -> f32 {
+    var ss = 0.0;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        let x = src0[b.y + i * p.nb_0.x];
+        ss += x * x;
+    }
+    return 1.0 / sqrt(ss / f32(p.ne_0.x) + p.f.x);
+}
+
+// rms_norm_mul: y = x * r * w. w's row may be shorter than x's (it tiles x): j runs over it
+// with a wrap instead of i % n (an integer division per element).
+@compute @workgroup_size(WG)
+fn k_rms_norm_mul_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                          @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    let rs = rms_scale_row(b);
+    var j = 0u;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        dst[b.x + i * p.nb_d.x] = src0[b.y + i * p.nb_0.x] * rs * src1[b.z + j * p.nb_1.x];
+        j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
+    }
+}
+
+// rms_norm_mul_back: src0 x, src1 w (tiling x), src2 dy;
+// dx = r * (dy * w - x * r^2 * mean(dy * w * x)).
+@compute @workgroup_size(WG)
+fn k_rms_norm_mul_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                               @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    let n = p.ne_0.x;
+    var xx = 0.0;
+    var dx = 0.0;
+    var j = 0u;
+    for (var i = 0u; i < n; i++) {
+        let x = src0[b.y + i * p.nb_0.x];
+        xx += x * x;
+        dx += src2[b.w + i * p.nb_2.x] * src1[b.z + j * p.nb_1.x] * x;
+        j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
+    }
+    let rs = 1.0 / sqrt(xx / f32(n) + p.f.x);
+    let k = rs * rs * dx / f32(n);
+    j = 0u;
+    for (var i = 0u; i < n; i++) {
+        let dyw = src2[b.w + i * p.nb_2.x] * src1[b.z + j * p.nb_1.x];
+        dst[b.x + i * p.nb_d.x] = rs * (dyw - src0[b.y + i * p.nb_0.x] * k);
+        j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
+    }
+}

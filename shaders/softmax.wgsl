@@ -130,3 +130,98 @@ fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
         dst[at_d(idx)] = (exp(src0[at_0(idx)] - ms.x) * sk - src1[at_1(idx)]) * k;
     }
 }
+
+// -- the 'rowwise' variant (CPU adapters): one invocation per row (common.wgsl row_bases).
+// A CPU device runs neighbouring invocations in its SIMD lanes, so rows go side by side;
+// the workgroup kernels' barriers cost more there than a whole row of work.
+
+// soft_max / soft_max_ext: the logit of element i (mask element j, when p.u.x = 1).
+fn logit_row(b: vec4u, i: u32, j: u32) -> f32 {
+    var v = src0[b.y + i * p.nb_0.x] * p.f.x;
+    if (p.u.x != 0u) { v += src1[b.z + j * p.nb_1.x]; }
+    return v;
+}
+
+// Online softmax statistics of one invocation: (max m, sum of exp(v - m)) plus v, with one
+// exp (ms_add's two): e = exp(-|v - m|) either scales the sum down to a new max or is the
+// new term.
+fn ms_add_row(a: vec2f, v: f32) -> vec2f {
+    let e = exp(-abs(v - a.x));
+    return vec2f(max(a.x, v), select(a.y + e, a.y * e + 1.0, v > a.x));
+}
+
+// soft_max: the max and the sum of exp(v - max) in one pass, then the output. The mask's
+// row may be shorter than x's (it tiles x): j wraps over it.
+@compute @workgroup_size(WG)
+fn k_soft_max_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                      @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    var ms = vec2f(LOWEST, 0.0);
+    var j = 0u;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        ms = ms_add_row(ms, logit_row(b, i, j));
+        j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
+    }
+    let inv = 1.0 / ms.y;
+    j = 0u;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        dst[b.x + i * p.nb_d.x] = exp(logit_row(b, i, j) - ms.x) * inv;
+        j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
+    }
+}
+
+// soft_max_back: src0 y, src1 dy; dx = y * (dy - sum(y * dy)).
+@compute @workgroup_size(WG)
+fn k_soft_max_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                           @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    var yd = 0.0;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        yd += src0[b.y + i * p.nb_0.x] * src1[b.z + i * p.nb_1.x];
+    }
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        dst[b.x + i * p.nb_d.x] = src0[b.y + i * p.nb_0.x] * (src1[b.z + i * p.nb_1.x] - yd);
+    }
+}
+
+// The row max of logits src0, sum(exp(x - max)) and sum(p) of targets src1 (x, y, z).
+fn ce_row_stats_rowwise(b: vec4u) -> vec3f {
+    var ms = vec2f(LOWEST, 0.0);
+    var sp = 0.0;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        ms = ms_add_row(ms, src0[b.y + i * p.nb_0.x]);
+        sp += src1[b.z + i * p.nb_1.x];
+    }
+    return vec3f(ms, sp);
+}
+
+// cross_entropy_loss, step 1: dst [rows] gets each row's -sum(p * log_softmax(x)) * p.f.x.
+@compute @workgroup_size(WG)
+fn k_cross_entropy_loss_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                                @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    let ms = ce_row_stats_rowwise(b);
+    var px = 0.0;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        px += src1[b.z + i * p.nb_1.x] * (src0[b.y + i * p.nb_0.x] - ms.x);
+    }
+    dst[at_d(unravel(row, p.ne_d))] = (ms.z * log(ms.y) - px) * p.f.x;
+}
+
+// cross_entropy_loss_back: dx = (softmax(x) * sum(p) - p) * dloss * p.f.x.
+@compute @workgroup_size(WG)
+fn k_cross_entropy_loss_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                                     @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let b = row_bases(row_start(row));
+    let ms = ce_row_stats_rowwise(b);
+    let k = src2[at_2(vec4u(0u))] * p.f.x;
+    let sk = ms.z / ms.y;
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        dst[b.x + i * p.nb_d.x] = (exp(src0[b.y + i * p.nb_0.x] - ms.x) * sk
+                                   - src1[b.z + i * p.nb_1.x]) * k;
+    }
+}

@@ -8,8 +8,10 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu import testing
-from ggwgpu.backends.wgpu_backend import MATMUL_ENV, kernel_name, matmul_variant, shader_dir
+from ggwgpu.backends.wgpu_backend import (MATMUL_ENV, kernel_name, matmul_variant, row_variant,
+                                          shader_dir)
 from ggwgpu.ops import OPS
+from ggwgpu.ops.norm import ROW_VARIANTS
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
@@ -99,6 +101,27 @@ def test_matmul_variant_follows_the_adapter(monkeypatch):
     monkeypatch.setenv(MATMUL_ENV, "fast")
     with pytest.raises(ValueError, match="choose one of tiled, subgroup"):
         matmul_variant(lavapipe, subgroups)
+
+
+ROW_OPS = [(name, case) for name in sorted(OPS) if OPS[name].variants == ROW_VARIANTS
+           for case in testing.cases_of(name)]
+
+
+@pytest.mark.parametrize("variant", ROW_VARIANTS)
+@pytest.mark.parametrize("name,case", ROW_OPS, ids=[case_id(c) for c in ROW_OPS])
+def test_every_row_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case):
+    """Each adapter runs one kernel per row op (GPUs 'workgroup', CPUs 'rowwise'); lavapipe
+    tests both."""
+    monkeypatch.setitem(wgpu.kernel_variants, OPS[name].shader, variant)
+    result = testing.forward(OPS[name], case, wgpu)
+    assert result.ok, result.detail
+
+
+def test_row_variant_follows_the_adapter():
+    assert row_variant(SimpleNamespace(info={"adapter_type": "CPU"})) == "rowwise"
+    assert row_variant(SimpleNamespace(info={"adapter_type": "DiscreteGPU"})) == "workgroup"
+    assert {name for name, _ in ROW_OPS} >= {"soft_max", "soft_max_ext", "soft_max_back",
+                                             "rms_norm_mul", "rms_norm_mul_back"}
 
 
 def test_mul_mat_reads_vec4s_when_k_allows():

@@ -124,6 +124,13 @@ def matmul_variant(adapter, device) -> str:
     return "subgroup" if lanes else "tiled"
 
 
+def row_variant(adapter) -> str:
+    """The kernels of the row ops (ops/norm.py ROW_VARIANTS): 'rowwise', one invocation per
+    row, on CPU adapters, where workgroup barriers cost more than a row of work (lavapipe,
+    `bench ops` tiny: soft_max 15x, rms_norm_mul 5x faster); 'workgroup' everywhere else."""
+    return "rowwise" if adapter.info.get("adapter_type") == "CPU" else "workgroup"
+
+
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -143,9 +150,11 @@ class WgpuBackend(Backend):
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
         matmul = matmul_variant(self.adapter, self.device)
-        # the quantized products follow: their subgroup kernels want the same adapters
+        rows = row_variant(self.adapter)
+        # the quantized products follow matmul: their subgroup kernels want the same adapters
         self.kernel_variants = {"matmul": matmul,
-                                "quant": "subgroup" if matmul == "subgroup" else "portable"}
+                                "quant": "subgroup" if matmul == "subgroup" else "portable",
+                                "norm": rows, "softmax": rows}
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,

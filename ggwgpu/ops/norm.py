@@ -1,6 +1,7 @@
 """Row normalisations over the innermost dim: rms_norm and norm (ggml_norm), each with its
 *_back op, and rms_norm_mul, llama's weighted rms_norm fused into one pass. Shader:
-shaders/norm.wgsl, one workgroup per row.
+shaders/norm.wgsl, one workgroup per row; rms_norm_mul(_back) also have a 'rowwise'
+variant, one invocation per row, that the backend picks on CPU adapters (ROW_VARIANTS).
 
     rms_norm(x, eps):        y = x * r,         r = 1 / sqrt(mean(x^2) + eps)
                              dx = r * (dy - y * mean(dy * y))
@@ -39,12 +40,21 @@ def weighted_shape(srcs, eps):
     return norm_shape((x,) + tuple(srcs[2:]), eps)
 
 
-def row_dispatch(node):
-    """One workgroup per row; eps in p.f.x."""
+# Kernel variants of the row ops here and in ops/softmax.py, picked per adapter
+# (WgpuBackend.kernel_variants): 'workgroup' reduces each row with a workgroup and a tree of
+# barriers, as GPUs want; 'rowwise' (k_<op>_rowwise) runs one invocation per row with no
+# barriers, as CPU adapters (lavapipe) want: there a barrier costs more than a row of work.
+ROW_VARIANTS = ("workgroup", "rowwise")
+
+
+def row_dispatch(node, variant="workgroup"):
+    """One workgroup per row, or one invocation per row ('rowwise'); eps in p.f.x."""
     x = node.srcs[0]
     rows = x.nelements // x.shape[-1]
-    return [Dispatch(node.op, node, node.srcs, n=rows, workgroups=rows,
-                     f=(float(node.params["eps"]),))]
+    eps = (float(node.params["eps"]),)
+    if variant == "rowwise":
+        return [Dispatch(f"{node.op}_rowwise", node, node.srcs, n=rows, f=eps)]
+    return [Dispatch(node.op, node, node.srcs, n=rows, workgroups=rows, f=eps)]
 
 
 def rms_norm_ref(x, eps):
@@ -154,14 +164,14 @@ def rms_norm_mul_back_grads(n, g):
 
 rms_norm_mul = register(
     "rms_norm_mul", n_srcs=2, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_ref, dispatches=row_dispatch, backward=rms_norm_mul_grads,
-    cases=weighted_cases,
+    reference=rms_norm_mul_ref, dispatches=row_dispatch, variants=ROW_VARIANTS,
+    backward=rms_norm_mul_grads, cases=weighted_cases,
     doc="rms_norm(x, eps) * w in one pass, w tiled to x's shape (llama's weighted norm).")
 
 rms_norm_mul_back = register(
     "rms_norm_mul_back", n_srcs=3, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_back_ref, dispatches=row_dispatch, no_grad=(0,),
-    backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
+    reference=rms_norm_mul_back_ref, dispatches=row_dispatch, variants=ROW_VARIANTS,
+    no_grad=(0,), backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
     doc="dx of rms_norm_mul: rms_norm_back(x, dy * w). Inputs x, w, dy.")
 
 norm = register(

@@ -3,7 +3,8 @@ backward soft_max_back, the causal masks diag_mask_inf / diag_mask_zero, and
 cross_entropy_loss with cross_entropy_loss_back.
 
 Shader: shaders/softmax.wgsl; the row ops run one workgroup per row and subtract the row
-max before exp (f32 exp overflows past 88).
+max before exp (f32 exp overflows past 88). The row ops also have a 'rowwise' variant, one
+invocation per row, for CPU adapters (ops/norm.py ROW_VARIANTS).
 
     soft_max(x, s)             y = softmax(x * s)
     soft_max_ext(x, m, s)      y = softmax(x * s + m), m tiled over x (ggml broadcasting;
@@ -20,6 +21,7 @@ from .. import ops as O
 from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 from .elementwise import LARGE, reduce_to
+from .norm import ROW_VARIANTS
 from .reduce import sum_into
 
 
@@ -28,11 +30,13 @@ def n_rows(t) -> int:
     return int(np.prod(t.shape[:-1]))
 
 
-def row_dispatch(node, **uniforms):
-    """One workgroup per row of the first source."""
+def row_dispatch(node, variant="workgroup", **uniforms):
+    """One workgroup per row of the first source, or one invocation per row ('rowwise')."""
     rows = n_rows(node.srcs[0])
-    return [Dispatch(O.OPS[node.op].entry, node, node.srcs, n=rows, workgroups=rows,
-                     **uniforms)]
+    entry = O.OPS[node.op].entry
+    if variant == "rowwise":
+        return [Dispatch(f"{entry}_rowwise", node, node.srcs, n=rows, **uniforms)]
+    return [Dispatch(entry, node, node.srcs, n=rows, workgroups=rows, **uniforms)]
 
 
 def same_shapes(*srcs):
@@ -88,7 +92,9 @@ def soft_max_ext_backward(node, g):
 soft_max = register(
     "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
     reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)),
-    dispatches=lambda n: row_dispatch(n, f=(float(n.params["scale"]),), u=(0,)),
+    dispatches=lambda n, variant="workgroup": row_dispatch(
+        n, variant, f=(float(n.params["scale"]),), u=(0,)),
+    variants=ROW_VARIANTS,
     backward=lambda n, g: (scaled(O.soft_max_back(n, g), n.params["scale"]),),
     cases=lambda: [Case((Input(shape, -4, 4, layout),), {"scale": 1.0}, grad)
                    for shape, layout, grad in ROW_SHAPES]
@@ -101,7 +107,9 @@ soft_max_ext = register(
     "soft_max_ext", n_srcs=2, params=("scale",), shape=soft_max_ext_shape, shader="softmax",
     entry="soft_max",
     reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
-    dispatches=lambda n: row_dispatch(n, f=(float(n.params["scale"]),), u=(1,)),
+    dispatches=lambda n, variant="workgroup": row_dispatch(
+        n, variant, f=(float(n.params["scale"]),), u=(1,)),
+    variants=ROW_VARIANTS,
     backward=soft_max_ext_backward,
     cases=lambda: [Case((Input((5, 7), -4, 4), Input((5, 7))), {"scale": 1.0}),
                    Case((Input((2, 3, 5, 7), -4, 4), Input((5, 7))), {"scale": 0.35}),
@@ -132,7 +140,7 @@ def soft_max_back_ref(y, dy):
 soft_max_back = register(
     "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
     reference=soft_max_back_ref, no_grad=(0,),
-    dispatches=row_dispatch,
+    dispatches=row_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
     cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
                          Input(shape, layout=OTHER[layout])), {}, grad)
@@ -202,14 +210,16 @@ def ce_ref(x, p):
     return (-np.sum(p * log_softmax_ref(x), dtype=x.dtype) / n_rows(x)).reshape(1)
 
 
-def ce_dispatch(node):
+def ce_dispatch(node, variant="workgroup"):
     """Each row's share of the loss into a private scratch, then their sum with reduce's
     k_sum."""
     x = node.srcs[0]
     rows = n_rows(x)
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    return [Dispatch("cross_entropy_loss", losses, node.srcs, n=rows, workgroups=rows,
-                     f=(1.0 / rows,)), *sum_into(node, losses)]
+    entry, groups = (("cross_entropy_loss_rowwise", 0) if variant == "rowwise"
+                     else ("cross_entropy_loss", rows))
+    return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups, f=(1.0 / rows,)),
+            *sum_into(node, losses)]
 
 
 def ce_backward(node, g):
@@ -236,7 +246,7 @@ def ce_cases():
 
 cross_entropy_loss = register(
     "cross_entropy_loss", n_srcs=2, shape=ce_shape, shader="softmax", reference=ce_ref,
-    dispatches=ce_dispatch, backward=ce_backward, cases=ce_cases,
+    dispatches=ce_dispatch, variants=ROW_VARIANTS, backward=ce_backward, cases=ce_cases,
     doc="-sum(p * log_softmax(x)) / n_rows for logits x and target probabilities p (rows "
         "over the innermost dim), shape (1,); as ggml_cross_entropy_loss, with an exact "
         "log-sum-exp instead of log(softmax * (1 - 1e-9) + 1e-9).")
@@ -267,7 +277,9 @@ def ce_back_backward(node, g):
 cross_entropy_loss_back = register(
     "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
     reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
-    dispatches=lambda n: row_dispatch(n, f=(1.0 / n_rows(n.srcs[0]),)),
+    dispatches=lambda n, variant="workgroup": row_dispatch(
+        n, variant, f=(1.0 / n_rows(n.srcs[0]),)),
+    variants=ROW_VARIANTS,
     # no 70001-row case (0.4 s): the row indexing is cross_entropy_loss's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_cases()[:-1]],
     doc="The backward of cross_entropy_loss w.r.t. the logits: (softmax(x) * sum(p) - p) * "
