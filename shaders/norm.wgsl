@@ -42,56 +42,51 @@ fn k_rms_norm_mul(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_i
     }
 }
 
-// rms_norm_back: with r = 1 / sqrt(mean(x^2) + eps) and y = x * r,
-// dx = r * (dy - y * mean(dy * y)) = r * (dy - x * r^2 * mean(dy * x)).
+// dy at idx for rms_norm_back (src1), or dy * w for rms_norm_mul_back (src2 dy, src1 w
+// tiling x).
+fn rms_upstream(idx: vec4u, weighted: bool) -> f32 {
+    if (weighted) { return src2[at_2(idx)] * src1[at_1(idx % p.ne_1)]; }
+    return src1[at_1(idx)];
+}
+
+// With r = 1 / sqrt(mean(x^2) + eps), y = x * r and g the upstream gradient (dy, or dy * w):
+// dx = r * (g - y * mean(g * y)) = r * (g - x * r^2 * mean(g * x)).
+fn rms_norm_back_row(lid: u32, row: u32, weighted: bool) {
+    let r = row_start(row);
+    let n = p.ne_0.x;
+    var xx = 0.0;
+    var gx = 0.0;
+    for (var i = lid; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        let x = src0[at_0(idx)];
+        xx += x * x;
+        gx += rms_upstream(idx, weighted) * x;
+    }
+    let sums = workgroup_sum4(lid, vec4f(xx, gx, 0.0, 0.0)) / f32(n);
+    let rs = 1.0 / sqrt(sums.x + p.f.x);
+    let k = rs * rs * sums.y;
+    for (var i = lid; i < n; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        dst[at_d(idx)] = rs * (rms_upstream(idx, weighted) - src0[at_0(idx)] * k);
+    }
+}
+
+// rms_norm_back: src0 x, src1 dy.
 @compute @workgroup_size(WG)
 fn k_rms_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
                    @builtin(num_workgroups) nwg: vec3u) {
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }
-    let r = row_start(row);
-    let n = p.ne_0.x;
-    var xx = 0.0;
-    var dx = 0.0;
-    for (var i = lid.x; i < n; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        let x = src0[at_0(idx)];
-        xx += x * x;
-        dx += src1[at_1(idx)] * x;
-    }
-    let sums = workgroup_sum4(lid.x, vec4f(xx, dx, 0.0, 0.0)) / f32(n);
-    let rs = 1.0 / sqrt(sums.x + p.f.x);
-    let k = rs * rs * sums.y;
-    for (var i = lid.x; i < n; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = rs * (src1[at_1(idx)] - src0[at_0(idx)] * k);
-    }
+    rms_norm_back_row(lid.x, row, false);
 }
 
-// rms_norm_mul_back: rms_norm_back with dy * w in place of dy; src0 x, src1 w (tiling x),
-// src2 dy: dx = r * (dy * w - x * r^2 * mean(dy * w * x)).
+// rms_norm_mul_back: rms_norm_back of dy * w; src0 x, src1 w (tiling x), src2 dy.
 @compute @workgroup_size(WG)
 fn k_rms_norm_mul_back(@builtin(local_invocation_id) lid: vec3u,
                        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let row = flat_group(wid, nwg);
     if (row >= p.n) { return; }
-    let r = row_start(row);
-    let n = p.ne_0.x;
-    var xx = 0.0;
-    var dx = 0.0;
-    for (var i = lid.x; i < n; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        let x = src0[at_0(idx)];
-        xx += x * x;
-        dx += src2[at_2(idx)] * src1[at_1(idx % p.ne_1)] * x;
-    }
-    let sums = workgroup_sum4(lid.x, vec4f(xx, dx, 0.0, 0.0)) / f32(n);
-    let rs = 1.0 / sqrt(sums.x + p.f.x);
-    let k = rs * rs * sums.y;
-    for (var i = lid.x; i < n; i += WG) {
-        let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = rs * (src2[at_2(idx)] * src1[at_1(idx % p.ne_1)] - src0[at_0(idx)] * k);
-    }
+    rms_norm_back_row(lid.x, row, true);
 }
 
 // The row mean of src0 (every invocation gets it).
