@@ -199,7 +199,7 @@ def merge_command(base, adapters, out):
     try:
         cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
         loaded = [lora.load_adapter(path, cfg) for path in adapters]
-        gguf_io.save_model(out, cfg, lora.merge(values, loaded), tokenizer)
+        gguf_io.save_model(out, *lora.merge(cfg, values, loaded), tokenizer)
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
     n = sum(len(a.weights()) for a in loaded)

@@ -287,10 +287,16 @@ def plot(log, out):
               help="Use the vocabulary of this llama GGUF (default: bytes, no file needed).")
 @click.option("--n-embd", default=128, show_default=True, type=positive())
 @click.option("--n-head", default=4, show_default=True, type=positive())
+@click.option("--n-head-kv", type=positive(),
+              help="K/V heads, fewer than --n-head for grouped-query attention (each serves "
+                   "n_head / n_head_kv query heads). Default: --n-head.")
+@click.option("--tie-embeddings", is_flag=True,
+              help="No output matrix: the output projection reads the token embedding.")
 @click.option("--n-layer", default=4, show_default=True, type=positive())
 @click.option("--n-ff", default=352, show_default=True, type=positive())
 @click.option("--n-ctx", default=64, show_default=True, type=positive(), help="Tokens per sample.")
-@click.option("--n-rot", type=positive(), help="Rotated dims per head. Default: the head dim (llama.cpp requires that).")
+@click.option("--n-rot", type=positive(),
+              help="Rotated dims per head: the head dim, the only value llama.cpp loads.")
 @click.option("--rope-freq-base", default=10000.0, show_default=True, type=positive(float))
 @click.option("--rope-freq-scale", default=1.0, show_default=True, type=positive(float))
 @click.option("--norm-eps", default=1e-5, show_default=True, type=positive(float))
@@ -299,8 +305,8 @@ def plot(log, out):
               help="At the end, sample this many tokens from the trained model (prompt: the "
                    "text's first line; generate's default sampling, --seed).")
 @click.pass_context
-def train(ctx, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot, rope_freq_base,
-          rope_freq_scale, norm_eps, predict, **kw):
+def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_layer, n_ff, n_ctx,
+          n_rot, rope_freq_base, rope_freq_scale, norm_eps, predict, **kw):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
@@ -330,11 +336,15 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_layer, n_ff, n_ctx, n_rot, ro
             raise click.ClickException(str(e)) from None
         try:
             cfg = LlamaConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
+                              n_head_kv=n_head_kv, tied_embeddings=tie_embeddings,
                               n_layer=n_layer, n_ff=n_ff, n_ctx=n_ctx, n_rot=n_rot,
                               norm_eps=norm_eps, rope_freq_base=rope_freq_base,
                               rope_freq_scale=rope_freq_scale)
         except ShapeError as e:
             raise click.UsageError(str(e)) from None
+        if cfg.rot != cfg.head_dim:
+            raise click.UsageError(f"--n-rot {cfg.rot} is not the head dim {cfg.head_dim} "
+                                   f"(n_embd / n_head): llama.cpp refuses such a llama model")
         options = train_options(kw)
         values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 

@@ -4,13 +4,16 @@ Model file (`save_model` / `load_model`)
     general.architecture "llama", general.name, general.type "model", general.file_type 0
     (0: all f32, else the block type holding most values: 1 MOSTLY_F16, 2 MOSTLY_Q4_0,
     7 MOSTLY_Q8_0); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
-    .attention.head_count, .attention.head_count_kv (= head_count), .rope.dimension_count,
-    .rope.freq_base, .attention.layer_norm_rms_epsilon, .vocab_size, and, when
+    .attention.head_count, .attention.head_count_kv (fewer than head_count: grouped-query
+    attention), .attention.key_length and .value_length (only when the head size is not
+    embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
+    .attention.layer_norm_rms_epsilon, .vocab_size, and, when
     rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
     1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor); the tokenizer's
     tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
-    parameters under llama.cpp's names (`parameter_shapes`), shapes in NumPy order (gguf-py
+    parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
+    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors), shapes in NumPy order (gguf-py
     writes them reversed, as ggml's ne); f32, or F16 / Q8_0 / Q4_0 for `Quantized` values
     (frozen weights, ggwgpu.quant), written as their raw blocks. Reading takes F32, F16,
     Q8_0 and Q4_0 tensors.
@@ -59,7 +62,7 @@ import numpy as np
 from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType,
                   GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
-from .models.llama import LlamaConfig, parameter_shapes
+from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
 from .quant import Quantized, dequantize
 from .tensor import ShapeError
 
@@ -79,6 +82,8 @@ K_FF = Keys.LLM.FEED_FORWARD_LENGTH.format(arch=ARCH)
 K_VOCAB = Keys.LLM.VOCAB_SIZE.format(arch=ARCH)
 K_HEADS = Keys.Attention.HEAD_COUNT.format(arch=ARCH)
 K_HEADS_KV = Keys.Attention.HEAD_COUNT_KV.format(arch=ARCH)
+K_KEY_LENGTH = Keys.Attention.KEY_LENGTH.format(arch=ARCH)
+K_VALUE_LENGTH = Keys.Attention.VALUE_LENGTH.format(arch=ARCH)
 K_EPS = Keys.Attention.LAYERNORM_RMS_EPS.format(arch=ARCH)
 K_ROT = Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)
 K_FREQ_BASE = Keys.Rope.FREQ_BASE.format(arch=ARCH)
@@ -268,10 +273,12 @@ def _hparams(cfg: LlamaConfig) -> dict[str, tuple[object, GGUFValueType]]:
     keys = {
         K_CTX: (cfg.n_ctx, _T.UINT32), K_EMBD: (cfg.n_embd, _T.UINT32),
         K_LAYERS: (cfg.n_layer, _T.UINT32), K_FF: (cfg.n_ff, _T.UINT32),
-        K_HEADS: (cfg.n_head, _T.UINT32), K_HEADS_KV: (cfg.n_head, _T.UINT32),
+        K_HEADS: (cfg.n_head, _T.UINT32), K_HEADS_KV: (cfg.kv_heads, _T.UINT32),
         K_ROT: (cfg.rot, _T.UINT32), K_FREQ_BASE: (float(cfg.rope_freq_base), _T.FLOAT32),
         K_EPS: (float(cfg.norm_eps), _T.FLOAT32), K_VOCAB: (cfg.n_vocab, _T.UINT32),
     }
+    if cfg.n_embd_head is not None:
+        keys[K_KEY_LENGTH] = keys[K_VALUE_LENGTH] = (cfg.head_dim, _T.UINT32)
     if cfg.rope_freq_scale != 1.0:
         keys[K_SCALING_TYPE] = (RopeScalingType.LINEAR.value, _T.STRING)
         keys[K_SCALING_FACTOR] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
@@ -416,8 +423,9 @@ def load_model(path, keep_quantized: bool = False):
     Q8_0 and Q4_0 tensors dequantized), tokenizer from `tokenizer.tokenizer_from_metadata`.
     With keep_quantized, 2-D tensors stored as F16, Q8_0 or Q4_0 come back as `Quantized`
     values in their storage type instead (frozen weights for `constant()`; 1-D ones, the
-    norms, are still converted). A missing output.weight (tied embeddings) becomes a copy of
-    token_embd.weight. Other tensor types raise a GGUFError naming tensor and type."""
+    norms, are still converted). A file without output.weight has tied embeddings
+    (cfg.tied_embeddings: the output projection reads token_embd.weight, as in llama.cpp).
+    Other tensor types raise a GGUFError naming tensor and type."""
     f = _GGUFFile(path)
     cfg, tokenizer = _read_model(f)
     params = _read_params(f, cfg, K_CKPT_VERSION in f.meta, keep_quantized)
@@ -497,16 +505,27 @@ def _read_model(f: "_GGUFFile"):
               norm_eps=f.float_key(K_EPS),
               rope_freq_base=f.float_key(K_FREQ_BASE, default=10000.0))
     n_head_kv = f.int_key(K_HEADS_KV, default=n_head)
-    if n_head_kv != n_head:
-        raise GGUFError(f"{f.path}: {K_HEADS_KV} = {n_head_kv} differs from {K_HEADS} = "
-                        f"{n_head}: grouped-query attention is not supported")
-    if n_embd % n_head:
-        raise GGUFError(f"{f.path}: {K_EMBD} = {n_embd} is not divisible by {K_HEADS} = "
-                        f"{n_head}")
-    hp["n_rot"] = f.int_key(K_ROT, default=n_embd // n_head)
-    if hp["n_rot"] % 2 or hp["n_rot"] > n_embd // n_head:
+    if n_head % n_head_kv:
+        raise GGUFError(f"{f.path}: {K_HEADS} = {n_head} is not a multiple of {K_HEADS_KV} = "
+                        f"{n_head_kv}")
+    hp["n_head_kv"] = n_head_kv if n_head_kv != n_head else None
+    head_dim = f.int_key(K_KEY_LENGTH, default=None)
+    if head_dim is None:
+        if n_embd % n_head:
+            raise GGUFError(f"{f.path}: {K_EMBD} = {n_embd} is not divisible by {K_HEADS} = "
+                            f"{n_head}")
+        head_dim = n_embd // n_head
+    elif head_dim != n_embd // n_head or n_embd % n_head:
+        hp["n_embd_head"] = head_dim
+    if f.int_key(K_VALUE_LENGTH, default=head_dim) != head_dim:
+        raise GGUFError(f"{f.path}: {K_VALUE_LENGTH} = {f.meta[K_VALUE_LENGTH]} differs from "
+                        f"{K_KEY_LENGTH} = {head_dim}: ggwgpu's llama needs one head size")
+    hp["n_rot"] = f.int_key(K_ROT, default=head_dim)
+    if hp["n_rot"] % 2 or hp["n_rot"] > head_dim:
         raise GGUFError(f"{f.path}: {K_ROT} = {hp['n_rot']} must be even and at most the head "
-                        f"size {K_EMBD} / {K_HEADS} = {n_embd // n_head}")
+                        f"size {head_dim}")
+    hp["tied_embeddings"] = OUTPUT not in f.tensors
+    hp["rope_freqs"] = ROPE_FREQS in f.tensors
     scaling = f.meta.get(K_SCALING_TYPE, RopeScalingType.LINEAR.value)
     if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
         raise GGUFError(f"{f.path}: {K_SCALING_TYPE} {scaling!r} is not supported (only "
@@ -536,7 +555,7 @@ def _read_model(f: "_GGUFFile"):
 
     # A forged block count must not make us enumerate billions of tensor names.
     if 9 * n_layer + 2 > len(f.tensors):
-        raise GGUFError(f"{f.path}: {K_LAYERS} = {n_layer} needs {9 * n_layer + 2} tensors, "
+        raise GGUFError(f"{f.path}: {K_LAYERS} = {n_layer} needs at least {9 * n_layer + 2} tensors, "
                         f"the file has {len(f.tensors)}")
     try:
         cfg = LlamaConfig(n_vocab=n_vocab, **hp)
@@ -567,6 +586,10 @@ def _exact_config(f: "_GGUFFile", cfg: LlamaConfig) -> LlamaConfig:
             return cfg
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
+    # what the tensors say (tied embeddings, rope factors) and the head size rule too
+    if (exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
+            (cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
+        return cfg
     return exact
 
 
@@ -583,10 +606,6 @@ def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool,
     params = {}
     for name, shape in shapes.items():
         if name not in f.tensors:
-            if name == "output.weight":     # tied embeddings, as llama.cpp allows
-                tied = params["token_embd.weight"]
-                params[name] = tied if isinstance(tied, Quantized) else tied.copy()
-                continue
             raise GGUFError(f"{f.path}: tensor {name} is missing")
         got = f.numpy_shape(name)
         if name in ("token_embd.weight", "output.weight") and len(got) == 2 \
@@ -594,6 +613,8 @@ def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool,
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
         params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
+    if ROPE_FREQS in params and not np.all(params[ROPE_FREQS] > 0):    # they divide angles
+        raise GGUFError(f"{f.path}: tensor {ROPE_FREQS} must hold positive frequency factors")
     return params
 
 

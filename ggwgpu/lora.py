@@ -36,7 +36,7 @@ import numpy as np
 from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_NAME, K_TRAIN_STATE,
                       K_TYPE, MOMENT_PREFIX, OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array,
                       _GGUFFile, _T, _write_gguf)
-from .models.llama import LORA_A, LORA_B, LlamaConfig, parameter_shapes
+from .models.llama import LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
 from .quant import Quantized, dequantize
 
 K_ADAPTER_TYPE = "adapter.type"
@@ -44,7 +44,7 @@ K_ALPHA = "adapter.lora.alpha"
 K_BASE = "ggwgpu.lora.base"
 
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
-TARGETS = {"tok_embd": "token_embd.weight", "out": "output.weight",
+TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
            "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
            "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight"}
@@ -71,8 +71,8 @@ class Adapter:
 
 def pair_shapes(cfg: LlamaConfig, weight: str, rank: int) -> tuple[tuple, tuple]:
     """(lora_a shape, lora_b shape) of a rank-`rank` pair on `weight` (module docstring)."""
-    n_out, n_in = parameter_shapes(cfg)[weight]
-    if weight == "token_embd.weight":
+    n_out, n_in = matrix_shapes(cfg)[weight]
+    if weight == TOKEN_EMBD:
         return (n_out, rank), (n_in, rank)
     return (rank, n_in), (n_out, rank)
 
@@ -81,9 +81,15 @@ def lora_ranks(cfg: LlamaConfig, r: int = 4, ranks: dict | None = None,
                layers=None) -> dict[str, int]:
     """{weight name: rank} of a LoRA finetune: every weight of TARGETS with rank r unless
     `ranks` (TARGETS key -> rank) says otherwise; rank 0 leaves a weight alone. `layers`
-    (block indices; default all) limits the block weights; tok_embd and out are not in a block."""
-    ranks = {kind: r for kind in TARGETS} | {k: v for k, v in (ranks or {}).items()
-                                             if v is not None}
+    (block indices; default all) limits the block weights; tok_embd and out are not in a block.
+
+    With tied embeddings llama.cpp reads token_embd.weight as the output matrix too and
+    cannot apply a pair on either (it has no output.weight to adapt, and would apply the
+    token_embd pair to the output as well), so tok_embd and out get no pair unless `ranks`
+    asks for one; such an adapter works in ggwgpu and in a merged model only."""
+    defaults = {kind: 0 if cfg.tied_embeddings and kind in GLOBAL_TARGETS else r
+                for kind in TARGETS}
+    ranks = defaults | {k: v for k, v in (ranks or {}).items() if v is not None}
     unknown = set(ranks) - set(TARGETS)
     if unknown:
         raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
@@ -111,7 +117,7 @@ def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,
     """A fresh adapter with pairs of the given ranks: A random (old finetune's init), B 0."""
     rng = np.random.default_rng(seed)
     tensors = {}
-    for weight in parameter_shapes(cfg):          # model order: stable files and draws
+    for weight in matrix_shapes(cfg):             # model order: stable files and draws
         if weight not in ranks:
             continue
         a_shape, b_shape = pair_shapes(cfg, weight, ranks[weight])
@@ -124,7 +130,7 @@ def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,
 def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
     """Raise GGUFError (naming `where` and the tensor) unless every tensor of `adapter` is
     half of a complete pair on a matrix of `cfg` with llama.cpp's shapes."""
-    shapes = parameter_shapes(cfg)
+    shapes = matrix_shapes(cfg)
     for name in adapter.tensors:
         if not name.endswith((LORA_A, LORA_B)):
             raise GGUFError(f"{where}: LoRA tensor {name} has an unexpected suffix (expected "
@@ -133,7 +139,7 @@ def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
                          else (name[:-len(LORA_B)], LORA_A))
         if weight + other not in adapter.tensors:
             raise GGUFError(f"{where}: LoRA tensor {name} has no {weight + other}")
-        if weight not in shapes or len(shapes[weight]) != 2:
+        if weight not in shapes:
             raise GGUFError(f"{where}: LoRA tensor {name} adapts {weight}, which is not a "
                             f"matrix of this base model (wrong base?)")
     for weight in adapter.weights():
@@ -257,18 +263,24 @@ def load_adapter_checkpoint(path, cfg: LlamaConfig):
 
 # -- merging and identity ---------------------------------------------------------------------
 
-def merge(values: dict, adapters) -> dict[str, np.ndarray]:
-    """The base `values` (f32 or Quantized, dequantized) with every adapter's pairs added:
-    W + scale * B A, and E + scale * A B^T for the token embedding; f32 (sums in float64)."""
+def merge(cfg: LlamaConfig, values: dict, adapters) -> tuple[LlamaConfig, dict]:
+    """(cfg, values) of the base with every adapter's pairs added: W + scale * B A, and
+    E + scale * A B^T for the token embedding; f32 (sums in float64), quantized weights
+    dequantized. A pair on either side of tied embeddings unties them: the merged model gets
+    its own output.weight (the base's token_embd plus the output's pairs)."""
     merged = {n: (dequantize(v) if isinstance(v, Quantized) else np.asarray(v, np.float32))
               for n, v in values.items()}
+    if cfg.tied_embeddings and any(w in (TOKEN_EMBD, OUTPUT) for a in adapters
+                                   for w in a.weights()):
+        cfg = dataclasses.replace(cfg, tied_embeddings=False)
+        merged[OUTPUT] = merged[TOKEN_EMBD]
     for adapter in adapters:
         for weight in adapter.weights():
             a = adapter.tensors[weight + LORA_A].astype(np.float64)
             b = adapter.tensors[weight + LORA_B].astype(np.float64)
-            delta = a @ b.T if weight == "token_embd.weight" else b @ a
+            delta = a @ b.T if weight == TOKEN_EMBD else b @ a
             merged[weight] = (merged[weight] + adapter.scale(weight) * delta).astype(np.float32)
-    return merged
+    return cfg, merged
 
 
 def model_digest(cfg: LlamaConfig, values: dict) -> str:

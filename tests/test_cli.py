@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 import ggwgpu
-from ggwgpu import testing
+from ggwgpu import gguf_io, testing
 from ggwgpu.backends import ENV_VAR
 from ggwgpu_cli import bench as cli_bench
 from ggwgpu_cli import main as cli_main
@@ -370,11 +370,23 @@ TINY_TRAIN = ["--n-embd", "16", "--n-head", "2", "--n-layer", "1", "--n-ff", "32
               "--n-ctx", "16", "--steps", "1"]
 
 
+def test_train_writes_a_grouped_query_model_with_tied_embeddings(tmp_path):
+    out = tmp_path / "gqa.gguf"
+    result = invoke("--backend", "numpy", "train", *TINY_TRAIN, "--n-head-kv", "1",
+                    "--tie-embeddings", "--out", str(out))
+    assert result.exit_code == 0, result.output
+    cfg, values, _ = gguf_io.load_model(out)
+    assert cfg.kv_heads == 1 and cfg.tied_embeddings and "output.weight" not in values
+    assert values["blk.0.attn_k.weight"].shape == (8, 16)       # one head of 8
+
+
 @pytest.mark.parametrize("args,message", [
     (["--n-embd", "15", "--n-head", "4"], "n_embd 15 is not divisible by n_head 4"),
     (["--n-rot", "3"], "n_rot 3 must be even"),
     (["--n-embd", "16", "--n-head", "2", "--n-rot", "10"], "n_rot 10 must be even and <= "
                                                            "head_dim 8"),
+    (["--n-embd", "16", "--n-head", "2", "--n-rot", "4"], "--n-rot 4 is not the head dim 8"),
+    (["--n-head", "4", "--n-head-kv", "3"], "n_head 4 is not a multiple of n_head_kv 3"),
     (["--lr", "0"], "'--lr': 0.0 is not in the range x>0"),
     (["--lr", "-1e-3"], "'--lr'"),
     (["--batch", "0"], "'--batch': 0 is not in the range x>=1"),

@@ -1,6 +1,7 @@
 """GGUF models and checkpoints: what gguf-py reads back is bit-exact, checkpoints round-trip
 with their optimizer and training state, writes are atomic, and every malformed file is a
 GGUFError naming the file and the key or tensor."""
+import dataclasses
 import os
 
 import numpy as np
@@ -177,10 +178,36 @@ def test_f16_tensors_are_converted_and_a_missing_output_is_tied(tmp_path):
     half = params["blk.0.attn_q.weight"].astype(np.float16)
     path = forge(tmp_path / "m.gguf", tensors={"blk.0.attn_q.weight": half,
                                                "output.weight": None})
-    _, loaded, _ = load_model(path)
+    cfg, loaded, _ = load_model(path)
     np.testing.assert_array_equal(loaded["blk.0.attn_q.weight"], half.astype(np.float32))
     assert loaded["blk.0.attn_q.weight"].dtype == np.float32
-    np.testing.assert_array_equal(loaded["output.weight"], params["token_embd.weight"])
+    assert cfg.tied_embeddings and "output.weight" not in loaded
+
+
+def test_published_model_shapes_round_trip(tmp_path):
+    """Grouped-query attention, a head size other than n_embd / n_head, tied embeddings and
+    Llama 3's rope factors: written with llama.cpp's keys, read back to the same config."""
+    cfg = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_embd_head=6, n_layer=1,
+                      n_ff=12, n_ctx=5, tied_embeddings=True, rope_freqs=True)
+    params = model(cfg=cfg)
+    params["rope_freqs.weight"] = np.array([1.0, 2.5, 8.0], np.float32)
+    path = tmp_path / "m.gguf"
+    save_model(path, cfg, params, TinyVocab())
+    reader = GGUFReader(path)
+    assert "output.weight" not in [t.name for t in reader.tensors]
+    assert reader.fields["llama.attention.head_count_kv"].contents() == 2
+    assert reader.fields["llama.attention.key_length"].contents() == 6
+    for exact in (True, False):       # from ggwgpu.config_json, and from the llama.* keys
+        if not exact:
+            path = forge(tmp_path / "plain.gguf", cfg=cfg, tok=TinyVocab(), tensors=params,
+                         drop=["ggwgpu.config_json"])
+        back, loaded, _ = load_model(path)
+        # from the keys, eps comes back as float32 and n_rot spelt out
+        assert back.rot == cfg.rot and np.float32(back.norm_eps) == np.float32(cfg.norm_eps)
+        assert dataclasses.replace(back, n_rot=None, norm_eps=cfg.norm_eps) == cfg
+        assert set(loaded) == set(params)
+        for name, value in params.items():
+            np.testing.assert_array_equal(loaded[name], value)
 
 
 def test_checkpoint_round_trip(tmp_path):
@@ -368,8 +395,11 @@ def test_wrong_architecture_and_bad_key_values(tmp_path):
     raises_naming(path, "general.architecture", "gpt2")
     path = forge(tmp_path / "b.gguf", set_keys={"llama.embedding_length": ("8", T.STRING)})
     raises_naming(path, "llama.embedding_length")
-    path = forge(tmp_path / "c.gguf", set_keys={"llama.attention.head_count_kv": (1, T.UINT32)})
-    raises_naming(path, "llama.attention.head_count_kv", "grouped-query")
+    path = forge(tmp_path / "c.gguf", set_keys={"llama.attention.head_count_kv": (3, T.UINT32)})
+    raises_naming(path, "llama.attention.head_count_kv", "not a multiple")
+    # one K/V head is grouped-query attention: the file's K and V are then too wide
+    path = forge(tmp_path / "c1.gguf", set_keys={"llama.attention.head_count_kv": (1, T.UINT32)})
+    raises_naming(path, "blk.0.attn_k.weight", "(4, 8)")
     path = forge(tmp_path / "d.gguf", set_keys={"llama.block_count": (2 ** 30, T.UINT32)})
     raises_naming(path, "llama.block_count")
     path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("yarn", T.STRING)})
@@ -382,8 +412,12 @@ def test_tensor_with_wrong_shape_missing_or_unexpected(tmp_path):
     raises_naming(path, "blk.0.ffn_down.weight", "(12, 8)", "(8, 12)")
     path = forge(tmp_path / "b.gguf", tensors={"blk.0.attn_v.weight": None})
     raises_naming(path, "blk.0.attn_v.weight", "missing")
-    path = forge(tmp_path / "c.gguf", tensors={"rope_freqs.weight": np.ones(2, np.float32)})
-    raises_naming(path, "rope_freqs.weight", "unexpected")
+    path = forge(tmp_path / "c.gguf", tensors={"rope_freqs.weight": np.ones(3, np.float32)})
+    raises_naming(path, "rope_freqs.weight", "(3,)", "(2,)")
+    path = forge(tmp_path / "d.gguf", tensors={"rope_freqs.weight": np.array([1, 0], np.float32)})
+    raises_naming(path, "rope_freqs.weight", "positive")
+    path = forge(tmp_path / "e.gguf", tensors={"blk.0.attn_bias.weight": np.ones(2, np.float32)})
+    raises_naming(path, "blk.0.attn_bias.weight", "unexpected")
 
 
 def test_unsupported_tensor_type(tmp_path):

@@ -10,6 +10,13 @@ from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters,
 from ggwgpu.testing import spot_check_gradients
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
+# grouped-query attention (4 query heads over 2 K/V heads) with tied embeddings, and heads
+# wider than n_embd / n_head (key_length as stored) over a single K/V head
+GQA_TIED = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
+                       tied_embeddings=True)
+GQA_WIDE = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
+                       n_ff=12, n_ctx=5)
+CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE}
 BATCH = 2
 
 
@@ -37,8 +44,9 @@ def run(backend, g, grads, feeds):
 
 @pytest.mark.parametrize("flash", [False, True])
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_llama_gradients_on_the_device_match_numpy(wgpu, flash, checkpoint):
-    g, grads, feeds = setup(flash, checkpoint)
+@pytest.mark.parametrize("model", CONFIGS)
+def test_llama_gradients_on_the_device_match_numpy(wgpu, flash, checkpoint, model):
+    g, grads, feeds = setup(flash, checkpoint, CONFIGS[model])
     ref_loss, ref = run(NumpyBackend(np.float64), g, grads, feeds)
     loss, dev = run(wgpu, g, grads, feeds)
     assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
@@ -49,8 +57,9 @@ def test_llama_gradients_on_the_device_match_numpy(wgpu, flash, checkpoint):
 
 @pytest.mark.parametrize("flash", [False, True])
 @pytest.mark.parametrize("checkpoint", [False, True])
-def test_llama_gradients_match_finite_differences(flash, checkpoint):
-    g, grads, feeds = setup(flash, checkpoint)
+@pytest.mark.parametrize("model", CONFIGS)
+def test_llama_gradients_match_finite_differences(flash, checkpoint, model):
+    g, grads, feeds = setup(flash, checkpoint, CONFIGS[model])
     backend = NumpyBackend(np.float64)
     _, analytic = run(backend, g, grads, feeds)
     spot_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)

@@ -174,7 +174,7 @@ def test_merging_gives_the_logits_of_base_plus_adapter():
     values = init_parameters(TINY, seed=4)
     adapter = trained_adapter()
     with_adapter = logits_of(backend, values, adapter)
-    merged = logits_of(backend, merge(values, [adapter]))
+    merged = logits_of(backend, merge(TINY, values, [adapter])[1])
     assert not np.allclose(with_adapter, logits_of(backend, values), atol=1e-3)
     np.testing.assert_allclose(merged, with_adapter, rtol=1e-5, atol=1e-6)
 
@@ -186,7 +186,7 @@ def test_the_decoder_applies_adapters_as_merging_them_does():
                 trained_adapter(ranks=lora_ranks(TINY, r=1), alpha=0.0, seed=7)]
     tokens = [1, 4, 7, 2]
     with_adapters = Decoder(backend, TINY, values, adapters=adapters).prefill(tokens)
-    merged = Decoder(backend, TINY, merge(values, adapters)).prefill(tokens)
+    merged = Decoder(backend, TINY, merge(TINY, values, adapters)[1]).prefill(tokens)
     np.testing.assert_allclose(with_adapters, merged, rtol=1e-5, atol=1e-6)
 
 
@@ -197,3 +197,35 @@ def test_an_untrained_adapter_on_a_q4_0_base_decodes_as_the_base(wgpu):
     tokens = [1, 5, 9]
     np.testing.assert_array_equal(Decoder(wgpu, cfg, base, adapters=[adapter]).prefill(tokens),
                                   Decoder(wgpu, cfg, base).prefill(tokens))
+
+
+# grouped-query attention with tied embeddings: K and V pairs are narrower than Q's, and a
+# pair on the output adapts token_embd read as the output matrix
+GQA_TIED = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12,
+                       n_ctx=5, tied_embeddings=True)
+
+
+def test_a_tied_model_gets_no_pair_on_its_embeddings_unless_asked():
+    ranks = lora_ranks(GQA_TIED, r=2)
+    assert "token_embd.weight" not in ranks and "output.weight" not in ranks
+    assert ranks["blk.0.attn_k.weight"] == 2
+    adapter = init_adapter(GQA_TIED, ranks, 2.0)
+    assert adapter.tensors["blk.0.attn_k.weight.lora_b"].shape == (4, 2)     # kv_dim 2 x 2
+    asked = lora_ranks(GQA_TIED, r=2, ranks={"out": 3, "tok_embd": 1})
+    assert asked["output.weight"] == 3 and asked["token_embd.weight"] == 1
+
+
+def test_lora_on_a_tied_gqa_model_starts_at_the_base_and_merges_untied(tmp_path):
+    backend = NumpyBackend(np.float64)
+    values = init_parameters(GQA_TIED, seed=4)
+    assert "output.weight" not in values
+    ranks = lora_ranks(GQA_TIED, r=2, ranks={"out": 3, "tok_embd": 2})
+    fresh = init_adapter(GQA_TIED, ranks, 4.0)
+    np.testing.assert_array_equal(logits_of(backend, values, fresh, GQA_TIED),
+                                  logits_of(backend, values, cfg=GQA_TIED))
+    adapter = trained_adapter(GQA_TIED, ranks)
+    with_adapter = logits_of(backend, values, adapter, GQA_TIED)
+    cfg, merged = merge(GQA_TIED, values, [adapter])
+    assert not cfg.tied_embeddings and "output.weight" in merged
+    np.testing.assert_allclose(logits_of(backend, merged, cfg=cfg), with_adapter,
+                               rtol=1e-5, atol=1e-6)

@@ -39,33 +39,75 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0
+    n_head_kv: int | None = None    # K/V heads (grouped-query attention); default n_head
+    n_embd_head: int | None = None  # head size (attention.key_length); default n_embd / n_head
+    tied_embeddings: bool = False   # no output.weight: the output projection reads token_embd
+    rope_freqs: bool = False        # a rope_freqs.weight of n_rot / 2 frequency factors
+                                    # (Llama 3): each rotated pair's angle divided by its own
 
     def __post_init__(self):
-        if self.n_embd % self.n_head:
+        if self.n_embd_head is None and self.n_embd % self.n_head:
             raise ShapeError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
-        if self.rot % 2 or self.rot > self.head_dim:
+        if self.n_head % self.kv_heads:
+            raise ShapeError(f"n_head {self.n_head} is not a multiple of n_head_kv "
+                             f"{self.kv_heads}")
+        if self.rot % 2 or not 0 < self.rot <= self.head_dim:
             raise ShapeError(f"n_rot {self.rot} must be even and <= head_dim {self.head_dim}")
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.n_embd_head or self.n_embd // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head_kv or self.n_head
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the queries (and of attention's output): n_head * head_dim."""
+        return self.n_head * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the keys and values: n_head_kv * head_dim."""
+        return self.kv_heads * self.head_dim
 
     @property
     def rot(self) -> int:
         return self.n_rot if self.n_rot is not None else self.head_dim
 
 
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"
+ROPE_FREQS = "rope_freqs.weight"
+FROZEN = (ROPE_FREQS,)      # values that are never trained, even in a full finetune
+
+
 def parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    e, f = cfg.n_embd, cfg.n_ff
-    shapes = {"token_embd.weight": (cfg.n_vocab, e)}
+    """Every tensor of the model, GGUF name -> shape (NumPy order), in file order."""
+    e, f, q, kv = cfg.n_embd, cfg.n_ff, cfg.q_dim, cfg.kv_dim
+    shapes = {TOKEN_EMBD: (cfg.n_vocab, e)}
+    if cfg.rope_freqs:
+        shapes[ROPE_FREQS] = (cfg.rot // 2,)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        shapes.update({b + "attn_norm.weight": (e,), b + "attn_q.weight": (e, e),
-                       b + "attn_k.weight": (e, e), b + "attn_v.weight": (e, e),
-                       b + "attn_output.weight": (e, e), b + "ffn_norm.weight": (e,),
+        shapes.update({b + "attn_norm.weight": (e,), b + "attn_q.weight": (q, e),
+                       b + "attn_k.weight": (kv, e), b + "attn_v.weight": (kv, e),
+                       b + "attn_output.weight": (e, q), b + "ffn_norm.weight": (e,),
                        b + "ffn_gate.weight": (f, e), b + "ffn_down.weight": (e, f),
                        b + "ffn_up.weight": (f, e)})
-    shapes.update({"output_norm.weight": (e,), "output.weight": (cfg.n_vocab, e)})
+    shapes["output_norm.weight"] = (e,)
+    if not cfg.tied_embeddings:
+        shapes[OUTPUT] = (cfg.n_vocab, e)
+    return shapes
+
+
+def matrix_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """The matrices a LoRA pair can adapt, name -> (n_out, n_in), in file order: every 2-D
+    weight, and output.weight also when the embeddings are tied (token_embd read as the
+    output matrix: a pair on it adapts the output projection alone)."""
+    shapes = {n: s for n, s in parameter_shapes(cfg).items() if len(s) == 2}
+    shapes.setdefault(OUTPUT, (cfg.n_vocab, cfg.n_embd))
     return shapes
 
 
@@ -107,7 +149,8 @@ def model_weights(values: dict, adapters=(), train: str | None = "base"):
         params[name] = param(value, name=name)
         return params[name]
 
-    p = {name: leaf(v, name, train == "base") for name, v in values.items()}
+    p = {name: leaf(v, name, train == "base" and name not in FROZEN)
+         for name, v in values.items()}
     for adapter in adapters:
         for name in adapter.tensors:
             if name.endswith(LORA_A):
@@ -128,10 +171,18 @@ def linear(p: dict, name: str, x):
     return y
 
 
+def output(p: dict, x):
+    """The logits of x: the output matrix, or with tied embeddings the token embedding (as
+    llama.cpp does); LoRA pairs on output.weight apply either way."""
+    if OUTPUT in p:
+        return linear(p, OUTPUT, x)
+    return linear({**p, OUTPUT: p[TOKEN_EMBD]}, OUTPUT, x)
+
+
 def embed(p: dict, tokens):
     """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them."""
-    x = O.get_rows(p["token_embd.weight"], tokens)
-    for a, b, scale in p.get("token_embd.weight" + LORA, ()):
+    x = O.get_rows(p[TOKEN_EMBD], tokens)
+    for a, b, scale in p.get(TOKEN_EMBD + LORA, ()):
         x = O.add(x, O.mul_mat(b, O.scale(O.get_rows(a, tokens), scale)))
     return x
 
@@ -148,7 +199,9 @@ class TrainGraph:
 
 
 def attention(cfg, q, k, v, flash: bool):
-    """Causal self-attention of (batch, n_ctx, n_head, head_dim) q, k, v."""
+    """Causal self-attention of q (batch, n_ctx, n_head, head_dim) over k, v (batch, n_ctx,
+    n_head_kv, head_dim): query head h reads K/V head h // (n_head / n_head_kv), which is how
+    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention)."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim)
     if flash:
@@ -173,17 +226,16 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")
-    heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
 
     x = embed(p, tokens)                                          # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        q, k, v = project_qkv(cfg, p, b, x, heads, positions)
-        att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.n_embd))
+        q, k, v = project_qkv(cfg, p, b, x, (batch, cfg.n_ctx), positions)
+        att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.q_dim))
         x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
         checkpoints.append(x)
-    logits = linear(p, "output.weight", weighted_rms_norm(cfg, x, p["output_norm.weight"]))
+    logits = output(p, weighted_rms_norm(cfg, x, p["output_norm.weight"]))
     flat = O.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab))
     loss = O.cross_entropy_loss(flat, targets)
     return TrainGraph(tokens, positions, targets, logits, loss, params, checkpoints)
@@ -202,12 +254,22 @@ def weighted_rms_norm(cfg: LlamaConfig, x, weight):
     return O.rms_norm_mul(x, weight, cfg.norm_eps)
 
 
-def project_qkv(cfg: LlamaConfig, p: dict, b: str, x, heads, positions):
-    """Block `b`'s attn_norm(x) projected to q, k (both roped) and v, split into heads."""
+def project_qkv(cfg: LlamaConfig, p: dict, b: str, x, lead, positions):
+    """Block `b`'s attn_norm(x) projected to q, k (both roped) and v, split into heads:
+    q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim)."""
     h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
-    rope_args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
-    q, k, v = (O.reshape(linear(p, b + f"attn_{n}.weight", h), heads) for n in "qkv")
-    return O.rope(q, positions, *rope_args), O.rope(k, positions, *rope_args), v
+    q, k, v = (O.reshape(linear(p, b + f"attn_{n}.weight", h), (*lead, heads, cfg.head_dim))
+               for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
+    return rope(cfg, p, q, positions), rope(cfg, p, k, positions), v
+
+
+def rope(cfg: LlamaConfig, p: dict, x, positions):
+    """llama.cpp's rope of the llama (mode normal: adjacent pairs, as its converter stores
+    Q and K), with Llama 3's per-pair frequency factors when the model has them."""
+    args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
+    if ROPE_FREQS in p:
+        return O.rope_ff(x, positions, p[ROPE_FREQS], *args)
+    return O.rope(x, positions, *args)
 
 
 def feed_forward(cfg: LlamaConfig, p: dict, b: str, x):
@@ -228,7 +290,7 @@ class DecodeGraph:
     mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
-    kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, n_embd)
+    kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, kv_dim)
     params: dict              # name -> weight leaf (frozen constants)
 
     def feeds(self, tokens, past: int) -> dict:
@@ -260,7 +322,8 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     prompts, one of n_tokens = 1 for each sampled token) and run it per step.
 
     The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
-    V of positions 0 .. max_ctx - 1, one row of n_embd each, after n_tokens rows of scratch:
+    V of positions 0 .. max_ctx - 1, one row of kv_dim (n_head_kv * head_dim) each, after
+    n_tokens rows of scratch:
         kv[2 * layer + (0 for K, 1 for V)] = [n_tokens new rows | max_ctx cache rows]
 
     Writing the new rows at position `past` is the catch: a view's offset is fixed when the
@@ -268,7 +331,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     fixed scratch rows (cpy into a static view), then rebuilds the cache rows with get_rows
     over [scratch | cache] through the i32 input `slots` (slot r = r + n_tokens keeps cache
     row r, slot i < n_tokens takes new row i), and cpy writes that back over the cache rows.
-    Every run thus copies the whole cache twice (2 * max_ctx * n_embd floats per layer, for K
+    Every run thus copies the whole cache twice (2 * max_ctx * kv_dim floats per layer, for K
     and V) and attends to all max_ctx rows, with a mask input (-inf on rows past a query's
     position) through soft_max_ext instead of the static diag_mask_inf. For the small models
     this trains (n_ctx 64 .. 512) that costs less than the projections of one token; the
@@ -283,7 +346,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     n_tokens = int(n_tokens)
     if not 1 <= n_tokens <= max_ctx:
         raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
-    e, rows = cfg.n_embd, n_tokens + max_ctx
+    e, rows = cfg.kv_dim, n_tokens + max_ctx
     p, _ = model_weights(values, adapters, train=None)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
@@ -291,30 +354,29 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     mask = input_tensor((n_tokens, max_ctx), name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
     kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), name=name)
-    heads = (1, n_tokens, cfg.n_head, cfg.head_dim)
 
     def cached(index, new):
-        """Write `new` (1, n_tokens, n_head, head_dim) into the cache rows chosen by slots;
-        the updated cache rows, (1, max_ctx, n_head, head_dim)."""
+        """Write `new` (1, n_tokens, n_head_kv, head_dim) into the cache rows chosen by slots;
+        the updated cache rows, (1, max_ctx, n_head_kv, head_dim)."""
         base = index * rows * e
         staged = O.cpy(new, O.view(kv, (n_tokens, e), (e, 1), base))
         table = O.view(staged, (rows, e), (e, 1), 0)      # [new | cache], after the write
         cache = O.cpy(O.get_rows(table, slots), O.view(kv, (max_ctx, e), (e, 1),
                                                        base + n_tokens * e))
-        return O.reshape(cache, (1, max_ctx, cfg.n_head, cfg.head_dim))
+        return O.reshape(cache, (1, max_ctx, cfg.kv_heads, cfg.head_dim))
 
     x = embed(p, tokens)                                          # (n_tokens, embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        q, k, v = project_qkv(cfg, p, b, x, heads, positions)
+        q, k, v = project_qkv(cfg, p, b, x, (1, n_tokens), positions)
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, cached(2 * i, k), cached(2 * i + 1, v)))
         kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
         probs = O.soft_max_ext(kq, mask, 1.0 / np.sqrt(cfg.head_dim))
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
-        att = O.reshape(O.cont(att), (n_tokens, e))
+        att = O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
         x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
     x = weighted_rms_norm(cfg, O.get_rows(x, last), p["output_norm.weight"])
-    logits = linear(p, "output.weight", x)                        # (1, n_vocab)
+    logits = output(p, x)                                         # (1, n_vocab)
     weights = {k: p[k] for k in values}
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
                        weights)
