@@ -20,12 +20,17 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE}
 BATCH = 2
 
 
-def setup(flash=False, checkpoint=False, cfg=TINY):
+def model_values(cfg):
     rng = np.random.default_rng(3)
     values = init_parameters(cfg, seed=1)
     # random norm weights too, so their gradients are generic
-    values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
-              for k, v in values.items()}
+    return {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+            for k, v in values.items()}
+
+
+def setup(flash=False, checkpoint=False, cfg=TINY):
+    rng = np.random.default_rng(3)
+    values = model_values(cfg)
     g = build_train_graph(cfg, values, BATCH, flash=flash)
     grads = gg.build_backward(g.loss, list(g.params.values()),
                               checkpoints=g.checkpoints if checkpoint else None)
@@ -96,3 +101,64 @@ def test_checkpointing_a_training_step_keeps_activations_near_sqrt_of_the_layers
         memory[checkpointing] = plan.memory()
         assert memory[checkpointing]["planned"] <= 1.05 * memory[checkpointing]["peak"]
     assert memory[True]["activations"] < 0.6 * memory[False]["activations"]
+
+
+# -- the llama as llama.cpp computes it, written out in float64 NumPy --------------------------
+
+def rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_normal(x, positions, cfg, factors):
+    """llama.cpp's rope mode 0 on x (T, heads, head_dim): adjacent pairs (2i, 2i + 1) of the
+    first n_rot dims turn by pos * freq_scale * base^(-2i / n_rot) / factor_i."""
+    out = x.copy()
+    i = np.arange(cfg.rot // 2)
+    theta = (positions[:, None] * cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * i / cfg.rot)
+             / factors)[:, None, :]
+    a, b = x[..., 0:cfg.rot:2], x[..., 1:cfg.rot:2]
+    out[..., 0:cfg.rot:2] = a * np.cos(theta) - b * np.sin(theta)
+    out[..., 1:cfg.rot:2] = a * np.sin(theta) + b * np.cos(theta)
+    return out
+
+
+def reference_logits(cfg, values, tokens):
+    """Logits (T, n_vocab) of one sequence: grouped-query attention, tied embeddings, rope
+    factors, each as llama.cpp's llama graph has them, independent of ggwgpu's ops."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
+    positions = np.arange(n, dtype=np.float64)
+    factors = w.get("rope_freqs.weight", np.ones(cfg.rot // 2))
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    x = w["token_embd.weight"][tokens]
+    for i in range(cfg.n_layer):
+        b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
+        h = rms_norm(x, b("attn_norm"), cfg.norm_eps)
+        q = rope_normal((h @ b("attn_q").T).reshape(n, cfg.n_head, hd), positions, cfg, factors)
+        k = rope_normal((h @ b("attn_k").T).reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
+        v = (h @ b("attn_v").T).reshape(n, cfg.kv_heads, hd)
+        heads = []
+        for j in range(cfg.n_head):
+            s = q[:, j] @ k[:, j // group].T / np.sqrt(hd) + causal
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            heads.append(p / p.sum(axis=1, keepdims=True) @ v[:, j // group])
+        x = x + np.concatenate(heads, axis=1) @ b("attn_output").T
+        h = rms_norm(x, b("ffn_norm"), cfg.norm_eps)
+        gate = h @ b("ffn_gate").T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ b("ffn_up").T)) @ b("ffn_down").T
+    out = w.get("output.weight", w["token_embd.weight"])
+    return rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+@pytest.mark.parametrize("model", CONFIGS)
+def test_logits_equal_the_float64_reference(model, backend_name, request):
+    cfg = CONFIGS[model]
+    backend = request.getfixturevalue("wgpu") if backend_name == "wgpu" else NumpyBackend()
+    g, _, feeds = setup(cfg=cfg)
+    plan = backend.plan([g.logits])
+    plan.run({g.tokens: feeds[g.tokens], g.positions: feeds[g.positions]})
+    got = plan.read(g.logits)
+    for row, tokens in enumerate(feeds[g.tokens]):
+        want = reference_logits(cfg, model_values(cfg), tokens)
+        np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)
