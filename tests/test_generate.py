@@ -1,6 +1,8 @@
 """Generation: the KV-cache graphs give the training graph's logits (NumPy float64 and wgpu),
 the sampler chain on hand-made logits, greedy generation (window sliding included) against
 a plain recomputation, seeds, and the `generate` and `train --predict` commands."""
+import dataclasses
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -26,7 +28,7 @@ def tiny_values(cfg=TINY, seed=1):
     values = init_parameters(cfg, seed=seed)
     values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
               for k, v in values.items()}
-    values["output.weight"] *= 8
+    values["output.weight" if "output.weight" in values else "token_embd.weight"] *= 8
     return values
 
 
@@ -54,13 +56,18 @@ def decoded_logits(backend, cfg, values, tokens, n_prompt):
     return np.array(out)
 
 
+# grouped-query attention (a cache of 1 K/V head for 2 query heads) and tied embeddings
+GQA = dataclasses.replace(TINY, n_head_kv=1, tied_embeddings=True)
+
+
+@pytest.mark.parametrize("cfg", [TINY, GQA], ids=["mha", "gqa-tied"])
 @pytest.mark.parametrize("n_prompt", [1, 3, TINY.n_ctx])
-def test_kv_cache_logits_equal_the_training_forward_in_float64(n_prompt):
+def test_kv_cache_logits_equal_the_training_forward_in_float64(n_prompt, cfg):
     backend = NumpyBackend(np.float64)
-    values = tiny_values()
-    tokens = np.random.default_rng(n_prompt).integers(0, TINY.n_vocab, TINY.n_ctx)
-    ref = TrainingForward(backend, TINY, values)(tokens)
-    got = decoded_logits(backend, TINY, values, tokens, n_prompt)
+    values = tiny_values(cfg)
+    tokens = np.random.default_rng(n_prompt).integers(0, cfg.n_vocab, cfg.n_ctx)
+    ref = TrainingForward(backend, cfg, values)(tokens)
+    got = decoded_logits(backend, cfg, values, tokens, n_prompt)
     np.testing.assert_allclose(got, ref[n_prompt - 1:], rtol=0, atol=1e-12)
 
 
@@ -80,12 +87,13 @@ def test_kv_cache_takes_several_tokens_after_a_past():
         g.feeds(tokens[:3], TINY.n_ctx - 2)
 
 
-def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu):
-    values = tiny_values()
-    tokens = np.random.default_rng(0).integers(0, TINY.n_vocab, TINY.n_ctx)
-    ref = TrainingForward(NumpyBackend(np.float64), TINY, values)(tokens)
-    dev_ref = TrainingForward(wgpu, TINY, values)(tokens)
-    got = decoded_logits(wgpu, TINY, values, tokens, 3)
+@pytest.mark.parametrize("cfg", [TINY, GQA], ids=["mha", "gqa-tied"])
+def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu, cfg):
+    values = tiny_values(cfg)
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, cfg.n_ctx)
+    ref = TrainingForward(NumpyBackend(np.float64), cfg, values)(tokens)
+    dev_ref = TrainingForward(wgpu, cfg, values)(tokens)
+    got = decoded_logits(wgpu, cfg, values, tokens, 3)
     scale = np.abs(ref).max()
     assert np.abs(got - ref[2:]).max() <= 1e-5 * scale
     assert np.abs(got - dev_ref[2:]).max() <= 1e-5 * scale
