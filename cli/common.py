@@ -68,3 +68,20 @@ def human_bytes(n: int) -> str:
 def planned_memory(plan) -> str:
     """The device memory a plan allocates, for a command's summary line."""
     return f"device memory planned {plan.memory()['planned'] / 2**20:.1f} MiB"
+
+
+MAX_DEFAULT_CTX = 512   # a published model's context (8k, 128k) is far beyond a step's budget
+
+
+def ctx_option(what: str):
+    """--n-ctx of the commands that run a loaded model: its window, in tokens."""
+    return click.option("--n-ctx", "n_ctx", type=click.IntRange(min=2),
+                        help=f"{what} (default: the model's context length, at most "
+                             f"{MAX_DEFAULT_CTX}).")
+
+
+def with_context(cfg, n_ctx):
+    """cfg with n_ctx tokens per window: the given one, else the model's, capped at
+    MAX_DEFAULT_CTX (the model file keeps its own context length)."""
+    import dataclasses
+    return dataclasses.replace(cfg, n_ctx=n_ctx or min(cfg.n_ctx, MAX_DEFAULT_CTX))

@@ -16,12 +16,12 @@ from ggwgpu import gguf_io
 from ggwgpu.lora import TARGETS
 
 try:
-    from .common import describe_backend, planned_memory, select_backend
+    from .common import ctx_option, describe_backend, planned_memory, select_backend, with_context
     from .training import (default_checkpoint_path, device_errors, existing_directory,
                            read_text, resume_args, steps_of, train_options, training_loop,
                            training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import describe_backend, planned_memory, select_backend
+    from common import ctx_option, describe_backend, planned_memory, select_backend, with_context
     from training import (default_checkpoint_path, device_errors, existing_directory,
                           read_text, resume_args, steps_of, train_options, training_loop,
                           training_options, training_samples)
@@ -64,9 +64,10 @@ def rank_options(command):
 @rank_options
 @click.option("--lora-layers", callback=parse_layers,
               help="Blocks whose weights get LoRA pairs, e.g. '0-3,6' (default: all).")
+@ctx_option("Tokens per sample")
 @training_options(steps=100, warmup=10, seed_help="Seed of the LoRA init and the sample order.")
 @click.pass_context
-def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw):
+def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):
     """Finetune BASE, a llama GGUF (f32, f16, q8_0 or q4_0), on text files (default: the
     bundled Shakespeare corpus), with BASE's vocabulary.
 
@@ -90,6 +91,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
     base_digest = lora.model_digest(cfg, values)
+    model_cfg = cfg         # the base's own context length stays in what is written
     if full:
         blocks = {v.dtype for v in values.values() if isinstance(v, Quantized)} - {"f16"}
         if blocks:
@@ -119,6 +121,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw
                                    f"with the base it started from")
         options, step = TrainOptions(**state["options"]), state["step"]
         samples_after_nl = state["samples_after_nl"]
+        n_ctx = state.get("n_ctx", model_cfg.n_ctx)
     else:
         options = train_options(kw)
         if not full:
@@ -128,6 +131,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw
             except ValueError as e:
                 raise click.UsageError(str(e)) from None
 
+    cfg = with_context(model_cfg, n_ctx)
     tokens, digest, samples = training_samples(text, tokenizer, cfg, options, samples_after_nl,
                                                state, checkpoint_in)
     steps = steps_of(kw, samples, options)
@@ -158,9 +162,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw
 
     def save_checkpoint():
         state = {**trainer.state(), "tokens_digest": digest, "base": base_digest, "mode": mode,
-                 "samples_after_nl": samples_after_nl}
+                 "samples_after_nl": samples_after_nl, "n_ctx": cfg.n_ctx}
         if full:
-            gguf_io.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
+            gguf_io.save_checkpoint(checkpoint_path, model_cfg, trainer.parameters(), tokenizer,
                                     trainer.optimizer_state(), state)
         else:
             lora.save_adapter_checkpoint(checkpoint_path, trained_adapter(), cfg,
@@ -176,7 +180,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, **kw
                                          kw["on_nan"])
     try:
         if full:
-            gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
+            gguf_io.save_model(out, model_cfg, trainer.parameters(), tokenizer)
         else:
             lora.save_adapter(out, trained_adapter(), cfg, base_digest)
     except gguf_io.GGUFError as e:

@@ -21,14 +21,14 @@ from ggwgpu.data import BUNDLED
 from ggwgpu.generate import Sampling
 
 try:
-    from .common import (backend_choice, describe_backend, human_bytes, planned_memory,
-                         select_backend, wgpu_or_reason)
+    from .common import (backend_choice, ctx_option, describe_backend, human_bytes,
+                         planned_memory, select_backend, with_context, wgpu_or_reason)
     from .training import (default_checkpoint_path, device_errors, existing_directory,
                            positive, read_text, resume_args, steps_of, train_options,
                            training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import (backend_choice, describe_backend, human_bytes, planned_memory,
-                        select_backend, wgpu_or_reason)
+    from common import (backend_choice, ctx_option, describe_backend, human_bytes,
+                        planned_memory, select_backend, with_context, wgpu_or_reason)
     from training import (default_checkpoint_path, device_errors, existing_directory,
                           positive, read_text, resume_args, steps_of, train_options,
                           training_loop, training_options, training_samples)
@@ -447,9 +447,10 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 @click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
 @click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
               help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
+@ctx_option("Tokens the KV cache holds")
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, repeat_last_n,
-             seed, lora_paths):
+             seed, lora_paths, n_ctx):
     """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
@@ -463,6 +464,7 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
         adapters = [load_adapter(path, cfg) for path in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
+    cfg = with_context(cfg, n_ctx)
     if not prompt and tokenizer.bos_id is None:
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
@@ -483,8 +485,9 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
               help="Windows of n_ctx tokens, spread evenly over the text.")
 @click.option("--batch", default=8, show_default=True, type=positive(),
               help="Windows per run.")
+@ctx_option("Tokens per window")
 @click.pass_context
-def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch):
+def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx):
     """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
     (default: the bundled corpus): the mean cross-entropy of next-token prediction over
     n_ctx-token windows at evenly spaced positions, each starting after BOS as in training.
@@ -499,6 +502,7 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch):
         adapters = [load_adapter(path, cfg) for path in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
+    cfg = with_context(cfg, n_ctx)
     text, source = read_text(texts, corpus)
     try:
         windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)

@@ -353,6 +353,19 @@ def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp
     assert abs(eval_loss(str(merged), text) - tuned) < 1e-4
     r = invoke("--backend", "numpy", "eval", str(base), "--corpus", "tempest", "--samples", "8")
     assert "bundled corpus (tempest): 8 windows of 16 tokens" in r.output, r.output
+    r = invoke("--backend", "numpy", "eval", str(base), "--corpus", "tempest", "--samples", "8",
+               "--n-ctx", "6")
+    assert "8 windows of 6 tokens" in r.output, r.output
+
+
+def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tmp_path):
+    """--n-ctx sets the samples' length; a --full model keeps the base's context_length."""
+    base = tiny_base(tmp_path / "base.gguf")
+    out = tmp_path / "full.gguf"
+    r = finetune(tmp_path, base, "--steps", "1", "--n-ctx", "8", "--full", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "samples of 8" in r.output and "2 x 8 tokens" in r.output
+    assert gguf_io.load_model(out)[0].n_ctx == gguf_io.load_model(base)[0].n_ctx == 16
 
 
 def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):
