@@ -1,0 +1,319 @@
+"""Instruction and chat data: JSONL examples, the model's chat template, and which tokens
+are trained.
+
+A dataset is a JSONL file, or a directory holding train.jsonl and optionally valid.jsonl
+and test.jsonl (MLX-LM's layout). Each line is one example, in one of three forms:
+
+    {"text": "..."}                                   plain text, every token trained
+    {"prompt": "...", "completion": "..."}            the completion trained
+    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+
+Messages (and prompt/completion pairs, as a user turn and an assistant turn) are rendered
+with the chat template: the model's `tokenizer.chat_template`, a file's, or ChatML when the
+model has none. Rendering is jinja2 in a sandbox with what transformers gives a template
+(messages, add_generation_prompt, bos_token, eos_token, raise_exception, strftime_now, a
+tojson that keeps non-ASCII) — llama.cpp renders the same templates the same way.
+
+An example becomes token ids and a trained flag per token (`Example`). With `mask_prompt`
+only the assistant turns are trained (their content and the end-of-turn text the template
+puts after it), not the system and user turns nor the generation prompt that opens an
+assistant turn; without it every token is. Each turn is rendered as the text the template
+adds for it: the text of messages[:i + 1] less that of messages[:i], so a template must
+render a conversation as a prefix of any longer one (all common ones do; one that does not
+is an error naming the example).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from .data import DataError
+
+SPLITS = ("train", "valid", "test")
+ROLES = ("system", "user", "assistant", "tool")
+
+# ChatML, for models without a template of their own.
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n' }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+def load_dataset(path) -> dict[str, list[dict]]:
+    """{split: examples} of a JSONL file (all "train") or a directory with train.jsonl and
+    optionally valid.jsonl and test.jsonl. Every line is checked (`check_example`); a bad one
+    is a DataError naming the file, the line and the problem."""
+    path = Path(path)
+    if path.is_dir():
+        files = {s: path / f"{s}.jsonl" for s in SPLITS if (path / f"{s}.jsonl").exists()}
+        if "train" not in files:
+            raise DataError(f"{path}: a data directory needs train.jsonl (and may have "
+                            f"valid.jsonl, test.jsonl)")
+    elif path.exists():
+        files = {"train": path}
+    else:
+        raise DataError(f"{path}: no such file or directory")
+    return {split: read_jsonl(file) for split, file in files.items()}
+
+
+def read_jsonl(path) -> list[dict]:
+    """The examples of one JSONL file; blank lines are skipped, anything else must be an
+    example (`check_example`)."""
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except OSError as e:
+        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start}") from None
+    examples = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            example = json.loads(line)
+        except ValueError as e:
+            raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
+        try:
+            check_example(example)
+        except DataError as e:
+            raise DataError(f"{path}:{number}: {e}") from None
+        examples.append(example)
+    if not examples:
+        raise DataError(f"{path}: holds no examples")
+    return examples
+
+
+def check_example(example) -> None:
+    """Raise DataError unless `example` is one of the three forms of the module docstring."""
+    if not isinstance(example, dict):
+        raise DataError(f"an example must be a JSON object, got {type(example).__name__}")
+    forms = [k for k in ("text", "prompt", "messages") if k in example]
+    if len(forms) != 1:
+        raise DataError(f"an example has exactly one of 'text', 'prompt' + 'completion' or "
+                        f"'messages'; this one has keys {sorted(example)}")
+    if forms[0] == "text":
+        _need_string(example, "text")
+    elif forms[0] == "prompt":
+        _need_string(example, "prompt")
+        _need_string(example, "completion")
+    else:
+        messages = example["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataError("'messages' must be a non-empty list")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES \
+                    or not isinstance(m.get("content"), str):
+                raise DataError(f"message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
+                                f"\"content\": a string}}, got {json.dumps(m)[:80]}")
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError("the messages have no assistant turn to learn from")
+
+
+def _need_string(example, key):
+    if not isinstance(example.get(key), str):
+        raise DataError(f"{key!r} must be a string")
+
+
+# -- chat templates ---------------------------------------------------------------------------
+
+class ChatTemplate:
+    """A Jinja chat template, rendered as transformers and llama.cpp render it."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(value, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals.update(raise_exception=raise_exception,
+                           strftime_now=lambda fmt: datetime.now().strftime(fmt))
+        try:
+            self.template = env.from_string(source)
+        except TemplateError as e:
+            raise DataError(f"the chat template does not parse: {e}") from None
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+
+    @classmethod
+    def of(cls, tokenizer, source: str | None = None) -> "ChatTemplate":
+        """The template `source`, else the tokenizer's own (tokenizer.chat_template in its
+        GGUF), else ChatML; bos_token and eos_token are the tokenizer's."""
+        meta = tokenizer.gguf_metadata()
+        source = source or meta.get("tokenizer.chat_template") or CHATML
+        text = lambda i: tokenizer.tokens[i] if i is not None else ""   # noqa: E731
+        return cls(source, text(getattr(tokenizer, "bos_id", None)),
+                   text(getattr(tokenizer, "eos_id", None)))
+
+    def render(self, messages, add_generation_prompt: bool = False) -> str:
+        from jinja2 import TemplateError
+        try:
+            return self.template.render(messages=messages,
+                                        add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token)
+        except TemplateError as e:
+            raise DataError(f"the chat template failed: {e}") from None
+
+    def turns(self, messages) -> list[tuple[str, bool]]:
+        """The rendered conversation cut into (text, is_assistant) pieces: each assistant
+        turn's generation prompt is a piece of its own (not assistant), then its content and
+        end-of-turn text (assistant)."""
+        pieces, done = [], ""
+        for i, message in enumerate(messages):
+            parts = []
+            if message["role"] == "assistant":
+                parts.append((self.render(messages[:i], add_generation_prompt=True), False))
+            parts.append((self.render(messages[:i + 1]), message["role"] == "assistant"))
+            for text, trained in parts:
+                if not text.startswith(done):
+                    raise DataError("the chat template does not render a conversation as the "
+                                    "start of a longer one, so turns cannot be told apart")
+                pieces.append((text[len(done):], trained))
+                done = text
+        return [(t, trained) for t, trained in pieces if t]
+
+
+# -- examples as tokens -----------------------------------------------------------------------
+
+@dataclass
+class Example:
+    """One example as tokens: ids, and for each a flag saying whether it is trained."""
+    ids: np.ndarray         # int32
+    trained: np.ndarray     # bool, same length
+
+    def __len__(self):
+        return len(self.ids)
+
+
+def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
+                   mask_prompt: bool) -> Example:
+    """The tokens of an example: BOS first when the vocabulary adds one (and the template
+    did not write it), special tokens in templated text recognised, EOS after plain text and
+    after a prompt/completion without a template (so the model learns to stop)."""
+    if "messages" in example or ("prompt" in example and template is not None):
+        messages = example.get("messages") or [
+            {"role": "user", "content": example["prompt"]},
+            {"role": "assistant", "content": example["completion"]}]
+        pieces, special, eos = template.turns(messages), True, False
+    elif "prompt" in example:
+        pieces = [(example["prompt"], False), (example["completion"], True)]
+        special, eos = False, True
+    else:
+        pieces, special, eos = [(example["text"], True)], False, True
+    ids, trained = [], []
+    bos = getattr(tokenizer, "bos_id", None)
+    if getattr(tokenizer, "add_bos", False) and bos is not None \
+            and not (special and pieces[0][0].startswith(tokenizer.tokens[bos])):
+        ids.append(bos)
+        trained.append(False)
+    for text, is_answer in pieces:
+        piece = tokenizer.encode(text, parse_special=special) if special \
+            else tokenizer.encode(text)
+        ids.extend(int(i) for i in piece)
+        trained.extend([is_answer or not mask_prompt] * len(piece))
+    if eos and getattr(tokenizer, "eos_id", None) is not None:
+        ids.append(tokenizer.eos_id)
+        trained.append(True)
+    return Example(np.array(ids, np.int32), np.array(trained, bool))
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+IGNORE = -1         # the target of a position that is not trained (padding, masked prompt)
+STATE_VERSION = 1
+
+
+class ExampleBatches:
+    """Shuffled batches of examples, one example per row of n_ctx positions, padded at the
+    end: row r's inputs are ids[:-1] and its targets ids[1:], IGNORE where the token is not
+    trained and on the padding. Causal attention keeps every row's example to itself (padding
+    comes after it), so no attention mask is needed. An example longer than n_ctx + 1 tokens
+    is cut to that (`truncated` counts them), or with `drop_long` left out; one with no
+    trained token in its window is left out too (`dropped` counts both).
+
+    The order of epoch e is a permutation seeded with (seed, e), as `data.Samples`; `state()`
+    and `load_state()` resume exactly."""
+
+    def __init__(self, examples: list[Example], n_ctx: int, batch: int, seed: int,
+                 pad_id: int = 0, drop_long: bool = False):
+        long = [len(e) > n_ctx + 1 for e in examples]
+        kept = [e for e, is_long in zip(examples, long)       # with something to learn
+                if not (drop_long and is_long) and e.trained[1:n_ctx + 1].any()]
+        self.dropped = len(examples) - len(kept)
+        self.truncated = sum(len(e) > n_ctx + 1 for e in kept)
+        if not kept:
+            raise DataError(f"no example has a trained token within n_ctx {n_ctx} (of "
+                            f"{len(examples)} examples)")
+        self.n_ctx, self.batch, self.seed = int(n_ctx), int(batch), int(seed)
+        self.inputs = np.full((len(kept), n_ctx), pad_id, np.int32)
+        self.targets = np.full((len(kept), n_ctx), IGNORE, np.int32)
+        self._used = 0
+        for row, e in enumerate(kept):
+            ids, trained = e.ids[:n_ctx + 1], e.trained[:n_ctx + 1]
+            self._used += len(ids) - 1
+            self.inputs[row, :len(ids) - 1] = ids[:-1]
+            self.targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE)
+        self._epoch, self._pos = 0, 0
+        self._order = self._permutation(0)
+
+    @property
+    def n_samples(self) -> int:
+        return len(self.inputs)
+
+    @property
+    def epoch(self) -> float:
+        return self._epoch + self._pos / self.n_samples
+
+    @property
+    def trained_tokens(self) -> int:
+        return int((self.targets != IGNORE).sum())
+
+    @property
+    def fill(self) -> float:
+        """The share of the rows' positions that hold an example rather than padding."""
+        return self._used / self.inputs.size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = []
+        for _ in range(self.batch):
+            rows.append(self._order[self._pos])
+            self._pos += 1
+            if self._pos == self.n_samples:
+                self._epoch, self._pos = self._epoch + 1, 0
+                self._order = self._permutation(self._epoch)
+        return self.inputs[rows], self.targets[rows]
+
+    def state(self) -> dict:
+        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
+                "position": self._pos, "n_samples": self.n_samples, "n_ctx": self.n_ctx}
+
+    def load_state(self, state: dict) -> None:
+        try:
+            if int(state["version"]) != STATE_VERSION or \
+                    (int(state["n_samples"]), int(state["n_ctx"])) != (self.n_samples,
+                                                                       self.n_ctx):
+                raise ValueError("other examples")
+            seed, epoch, pos = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"the saved example order does not fit these examples ({e}): "
+                            f"resume with the same data, vocabulary and n_ctx") from None
+        if seed < 0 or epoch < 0 or not 0 <= pos < self.n_samples:
+            raise DataError(f"example-order state out of range: {state!r}")
+        self.seed, self._epoch, self._pos = seed, epoch, pos
+        self._order = self._permutation(epoch)

@@ -1,0 +1,222 @@
+"""Chat and instruction data: JSONL examples and their errors, chat templates rendered as
+transformers and llama.cpp render them, which tokens are trained, and padded batches."""
+import json
+
+import numpy as np
+import pytest
+
+from ggwgpu.chat import (CHATML, IGNORE, ChatTemplate, ExampleBatches, encode_example,
+                         load_dataset, read_jsonl)
+from ggwgpu.data import DataError
+from ggwgpu.tokenizer import ByteTokenizer
+
+# Real templates, as their models' GGUF files carry them.
+SMOLLM2 = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+           "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by "
+           "Hugging Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' "
+           "+ message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt "
+           "%}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ "
+          "message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = "
+          "bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt "
+          "%}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+ZEPHYR = ("{% for message in messages %}\n{% if message['role'] == 'user' %}\n{{ '<|user|>\\n' + "
+          "message['content'] + eos_token }}\n{% elif message['role'] == 'system' %}\n{{ "
+          "'<|system|>\\n' + message['content'] + eos_token }}\n{% elif message['role'] == "
+          "'assistant' %}\n{{ '<|assistant|>\\n'  + message['content'] + eos_token }}\n{% endif "
+          "%}\n{% if loop.last and add_generation_prompt %}\n{{ '<|assistant|>' }}\n{% endif %}\n"
+          "{% endfor %}")
+
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Ünïcode ✓"},
+        {"role": "assistant", "content": " Yes. "}]
+
+# What each template gives for CHAT (and the generation prompt after the first user turn).
+RENDERED = {
+    "chatml": ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+               "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nÜnïcode ✓<|im_end|>\n"
+               "<|im_start|>assistant\n Yes. <|im_end|>\n"),
+    "smollm2": ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi?<|im_end|>\n"
+                "<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nÜnïcode ✓"
+                "<|im_end|>\n<|im_start|>assistant\n Yes. <|im_end|>\n"),
+    "llama3": ("<s><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+               "<|start_header_id|>user<|end_header_id|>\n\nHi?<|eot_id|><|start_header_id|>"
+               "assistant<|end_header_id|>\n\nHello.<|eot_id|><|start_header_id|>user"
+               "<|end_header_id|>\n\nÜnïcode ✓<|eot_id|><|start_header_id|>assistant"
+               "<|end_header_id|>\n\nYes.<|eot_id|>"),
+    "zephyr": ("<|system|>\nBe brief.</s>\n<|user|>\nHi?</s>\n<|assistant|>\nHello.</s>\n"
+               "<|user|>\nÜnïcode ✓</s>\n<|assistant|>\n Yes. </s>\n"),
+}
+TEMPLATES = {"chatml": CHATML, "smollm2": SMOLLM2, "llama3": LLAMA3, "zephyr": ZEPHYR}
+
+
+@pytest.mark.parametrize("name", TEMPLATES)
+def test_templates_render_conversations_as_their_models_expect(name):
+    template = ChatTemplate(TEMPLATES[name], bos_token="<s>", eos_token="</s>")
+    assert template.render(CHAT) == RENDERED[name]
+    # the turns put back together are the whole text; assistant turns are what is trained
+    turns = template.turns(CHAT)
+    assert "".join(t for t, _ in turns) == RENDERED[name]
+    answers = [t for t, trained in turns if trained]
+    assert len(answers) == 2 and "Hello." in answers[0] and "Yes." in answers[1]
+    assert not any("Hi?" in t or "assistant" in t for t in answers)
+
+
+def test_a_template_without_generation_prompt_for_the_default_system_turn():
+    """SmolLM2's template adds a system turn when there is none: it is part of the first
+    turn's text, and the prompt of a one-turn conversation ends with the assistant header."""
+    template = ChatTemplate(SMOLLM2)
+    text = template.render([{"role": "user", "content": "2+2?"}], add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+    assert text.endswith("<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_template_errors_are_data_errors():
+    with pytest.raises(DataError, match="does not parse"):
+        ChatTemplate("{% for m in messages %}")
+    failing = ChatTemplate("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(DataError, match="roles must alternate"):
+        failing.render(CHAT)
+    with pytest.raises(DataError):      # the sandbox refuses what a template must not do
+        ChatTemplate("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}"
+                     ).render(CHAT)
+
+
+def test_tojson_keeps_non_ascii():
+    template = ChatTemplate("{{ messages[0] | tojson }}")
+    assert json.loads(template.render([{"role": "user", "content": "é"}]))["content"] == "é"
+    assert "é" in template.render([{"role": "user", "content": "é"}])
+
+
+# -- files ------------------------------------------------------------------------------------
+
+def write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("line,message", [
+    ("{not json", "not valid JSON"),
+    ('["a list"]', "must be a JSON object"),
+    ('{"txt": "typo"}', "exactly one of"),
+    ('{"text": "a", "prompt": "b", "completion": "c"}', "exactly one of"),
+    ('{"text": 3}', "'text' must be a string"),
+    ('{"prompt": "p"}', "'completion' must be a string"),
+    ('{"messages": []}', "non-empty list"),
+    ('{"messages": [{"role": "robot", "content": "x"}]}', "message 0 must be"),
+    ('{"messages": [{"role": "user", "content": 5}]}', "message 0 must be"),
+    ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
+])
+def test_a_bad_line_is_an_error_naming_file_and_line(tmp_path, line, message):
+    path = write(tmp_path / "d.jsonl", ['{"text": "fine"}', "", line])
+    with pytest.raises(DataError, match=message) as e:
+        read_jsonl(path)
+    assert f"{path}:3: " in str(e.value)
+
+
+def test_datasets_are_a_file_or_a_directory_of_splits(tmp_path):
+    write(tmp_path / "train.jsonl", ['{"text": "a"}', '{"text": "b"}'])
+    write(tmp_path / "valid.jsonl", ['{"prompt": "p", "completion": "c"}'])
+    data = load_dataset(tmp_path)
+    assert set(data) == {"train", "valid"} and len(data["train"]) == 2
+    assert set(load_dataset(tmp_path / "train.jsonl")) == {"train"}
+    only_valid = tmp_path / "only-valid"
+    only_valid.mkdir()
+    write(only_valid / "valid.jsonl", ['{"text": "a"}'])
+    with pytest.raises(DataError, match="needs train.jsonl"):
+        load_dataset(only_valid)
+    with pytest.raises(DataError, match="no such file"):
+        load_dataset(tmp_path / "missing")
+    with pytest.raises(DataError, match="holds no examples"):
+        read_jsonl(write(tmp_path / "empty.jsonl", ["", "  "]))
+
+
+# -- tokens and batches -----------------------------------------------------------------------
+
+class Vocab(ByteTokenizer):
+    """Bytes plus the special tokens of ChatML (parsed only when asked), BOS added."""
+    SPECIAL = ("<|im_start|>", "<|im_end|>")
+
+    def __init__(self):
+        super().__init__()
+        self.add_bos = True
+
+    @property
+    def tokens(self):
+        return super().tokens + list(self.SPECIAL)
+
+    def encode(self, text, parse_special=False):
+        if not parse_special:
+            return super().encode(text)
+        out, rest = [], text
+        while rest:
+            cut = min(((rest.find(s), j) for j, s in enumerate(self.SPECIAL) if s in rest),
+                      default=None)
+            if cut is None:
+                out.extend(super().encode(rest))
+                break
+            at, j = cut
+            out.extend(super().encode(rest[:at]))
+            out.append(ByteTokenizer.n_vocab + j)
+            rest = rest[at + len(self.SPECIAL[j]):]
+        return np.array(out, np.int32)
+
+    def gguf_metadata(self):
+        return {}
+
+
+def test_masking_trains_the_assistant_turns_only():
+    vocab, template = Vocab(), ChatTemplate(CHATML)
+    example = {"messages": CHAT}
+    full = encode_example(example, vocab, template, mask_prompt=False)
+    masked = encode_example(example, vocab, template, mask_prompt=True)
+    np.testing.assert_array_equal(full.ids, masked.ids)
+    assert full.ids[0] == vocab.bos_id and full.trained[1:].all()
+    answer = _text(vocab, full.ids[masked.trained])
+    assert answer == "Hello.<|im_end|>\n Yes. <|im_end|>\n"
+    assert (full.ids == ByteTokenizer.n_vocab).sum() == 5      # <|im_start|> parsed as one
+
+
+def _text(vocab, ids):
+    """The text of ids: bytes, and special tokens (BOS, EOS, ChatML's) as their text."""
+    return b"".join(bytes([i - 3]) if 3 <= i < ByteTokenizer.n_vocab
+                    else vocab.tokens[i].encode() for i in ids).decode()
+
+
+def test_prompt_completion_with_and_without_a_template():
+    vocab = Vocab()
+    example = {"prompt": "Q: 1+1?", "completion": " 2"}
+    plain = encode_example(example, vocab, None, mask_prompt=True)
+    assert _text(vocab, plain.ids[plain.trained]) == " 2" + vocab.tokens[vocab.eos_id]
+    chat = encode_example(example, vocab, ChatTemplate(CHATML), mask_prompt=True)
+    assert _text(vocab, chat.ids[chat.trained]) == " 2<|im_end|>\n"
+    text = encode_example({"text": "abc"}, vocab, ChatTemplate(CHATML), mask_prompt=True)
+    assert text.trained[1:].all() and text.ids[-1] == vocab.eos_id
+
+
+def test_padded_batches_ignore_padding_and_masked_positions_and_resume():
+    vocab, template = Vocab(), ChatTemplate(CHATML)
+    examples = [encode_example({"prompt": "p" * n, "completion": "c" * n}, vocab, template,
+                               mask_prompt=True) for n in (1, 3, 20, 40)]
+    batches = ExampleBatches(examples, n_ctx=48, batch=2, seed=5)
+    # the last one's completion starts past the window: nothing to learn, left out
+    assert batches.n_samples == 3 and batches.truncated == 1 and batches.dropped == 1
+    inputs, targets = batches.next_batch()
+    assert inputs.shape == targets.shape == (2, 48)
+    for row in range(3):
+        e, t = examples[row], batches.targets[row]
+        n = min(len(e), 49) - 1
+        np.testing.assert_array_equal(batches.inputs[row, :n], e.ids[:n])
+        np.testing.assert_array_equal(t[:n], np.where(e.trained[1:n + 1], e.ids[1:n + 1], IGNORE))
+        assert (t[n:] == IGNORE).all()
+    state = batches.state()
+    after = [batches.next_batch() for _ in range(3)]
+    again = ExampleBatches(examples, n_ctx=48, batch=2, seed=0)
+    again.load_state(state)
+    for (a, b), (c, d) in zip(after, [again.next_batch() for _ in range(3)]):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, d)
+    dropped = ExampleBatches(examples, n_ctx=48, batch=2, seed=5, drop_long=True)
+    assert dropped.n_samples == 2 and dropped.dropped == 2
+    assert 0 < dropped.fill < 1
