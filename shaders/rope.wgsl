@@ -1,5 +1,5 @@
-// Rotary position embedding, forward and backward (ggml_rope_ext with ext_factor 0,
-// attn_factor 1).
+// Rotary position embedding, forward and backward, with or without per-pair frequency
+// factors (ggml_rope_ext with ext_factor 0, attn_factor 1).
 
 // positions are i32: read through an int32 view of binding 3 (this file never uses src1).
 @group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
@@ -16,14 +16,13 @@ fn reduce_angle(theta: f32) -> f32 {
     return (theta - n * TWO_PI_HI) - n * TWO_PI_LO;
 }
 
-// rope / rope_back: src0 x [head_dim, n_head, n_tokens, batch] (ggml order), src1_i32
-// positions [n_tokens]; dst like x. p.f = (freq_base, freq_scale, sin sign: +1 forward,
+// rope / rope_back (k_rope), rope_ff / rope_ff_back (k_rope_ff): src0 x [head_dim, n_head,
+// n_tokens, batch] (ggml order), src1_i32 positions [n_tokens], src2 (rope_ff) factors
+// [n_dims / 2]; dst like x. p.f = (freq_base, freq_scale, sin sign: +1 forward,
 // -1 backward), p.u = (n_dims, mode: 0 normal, 2 neox).
 // One invocation per dst element: it reads its own element and its pair partner and
 // writes its half of the rotation, so both halves of a pair see the same inputs.
-@compute @workgroup_size(WG)
-fn k_rope(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+fn rope_element(i: u32, with_factors: bool) {
     let idx = unravel(i, p.ne_d);                  // (dim, head, token, batch)
     let x = src0[at_0(idx)];
     let n_dims = p.u.x;
@@ -43,10 +42,24 @@ fn k_rope(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nw
         partner = select(idx.x - half, idx.x + half, first);
     }
     let pos = f32(src1_i32[at_1(vec4u(idx.z, 0u, 0u, 0u))]);
-    let theta = reduce_angle(pos * p.f.y * pow(p.f.x, -2.0 * f32(k) / f32(n_dims)));
+    var theta = pos * p.f.y * pow(p.f.x, -2.0 * f32(k) / f32(n_dims));
+    if (with_factors) { theta = theta / src2[at_2(vec4u(k, 0u, 0u, 0u))]; }
+    theta = reduce_angle(theta);
     let c = cos(theta);
     let s = sin(theta) * p.f.z;
     let y = src0[at_0(vec4u(partner, idx.yzw))];
     // first: x0 c - x1 s (x = x0, y = x1); second: x0 s + x1 c (y = x0, x = x1)
     dst[at_d(idx)] = select(y * s + x * c, x * c - y * s, first);
+}
+
+@compute @workgroup_size(WG)
+fn k_rope(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    rope_element(i, false);
+}
+
+@compute @workgroup_size(WG)
+fn k_rope_ff(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    rope_element(i, true);
 }

@@ -1,5 +1,7 @@
 """Graph building, autodiff, planning and backend choice."""
+import sys
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -166,6 +168,18 @@ def test_checkpointing_gives_the_same_gradients_with_a_lower_peak(wgpu):
     assert peaks[1] < 0.85 * peaks[0], peaks
 
 
+def first_fit(blocks):
+    """pack's rule, plainly: largest first, into the lowest buffer whose blocks' lifetimes
+    all miss this one's."""
+    slot_of, spans = {}, []
+    for b in sorted(blocks, key=lambda b: (-b.nbytes, b.first)):
+        free = [all(b.last < f or l < b.first for f, l in s) for s in spans] + [True]
+        slot = free.index(True)
+        spans[slot:slot + 1] = [(spans[slot] if slot < len(spans) else []) + [(b.first, b.last)]]
+        slot_of[b.key] = slot
+    return slot_of
+
+
 def test_packed_blocks_that_share_a_buffer_never_live_at_once():
     from ggwgpu.alloc import Block, pack
     rng = np.random.default_rng(0)
@@ -176,6 +190,7 @@ def test_packed_blocks_that_share_a_buffer_never_live_at_once():
             blocks.append(Block(key, int(rng.choice([4, 16, 140, 400])), first,
                                 int(rng.integers(max(first, 0), 13))))
         layout = pack(blocks)
+        assert layout.slot_of == first_fit(blocks)
         for a in blocks:
             assert layout.slot_bytes[layout.slot_of[a.key]] >= a.nbytes
             for b in blocks:
@@ -202,3 +217,37 @@ def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):
         plan.run()
         for w in (w1, w2):
             np.testing.assert_allclose(plan.read(w), expected[w], rtol=1e-5)
+
+
+PACKAGE = str(Path(gg.__file__).parent)
+
+
+def planning_work(n_layer: int) -> int:
+    """Profiler events (calls and returns of functions and builtins) inside ggwgpu while the
+    training step of a tiny llama with n_layer layers is differentiated with checkpoints,
+    given in-place updates, ordered and packed into buffers: the work, counted, not timed."""
+    from ggwgpu.backends.base import Plan
+    from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+    cfg = LlamaConfig(n_vocab=16, n_embd=8, n_head=2, n_layer=n_layer, n_ff=8, n_ctx=4)
+    g = build_train_graph(cfg, init_parameters(cfg), batch=1)
+    events = 0
+
+    def count(frame, event, arg):
+        nonlocal events
+        events += frame.f_code.co_filename.startswith(PACKAGE)
+    sys.setprofile(count)
+    try:
+        grads = gg.build_backward(g.loss, list(g.params.values()), checkpoints=g.checkpoints)
+        hparams = gg.input_tensor((2,))
+        updates = [gg.opt_step_sgd(p, d, hparams, True) for p, d in grads.items()]
+        Plan([g.loss, *updates]).storage_layout()
+    finally:
+        sys.setprofile(None)
+    return events
+
+
+def test_planning_work_grows_linearly_with_depth():
+    # 8x the layers: 8x the work. A scan of the graph per in-place update and a look at
+    # every buffer per block made it 32x.
+    ratio = planning_work(32) / planning_work(4)
+    assert 6 < ratio < 10, ratio

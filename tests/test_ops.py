@@ -198,3 +198,29 @@ def test_shape_mismatch_names_op_and_shapes():
         gg.reshape(gg.transpose(gg.input_tensor((3, 5))), (15,))
     with pytest.raises(gg.ShapeError, match="reaches element"):
         gg.view(gg.input_tensor((4,)), (3,), (2,), 0)
+
+
+@pytest.mark.parametrize("mode,frozen_dims", [("normal", [4, 5]), ("neox", [2, 6])])
+def test_rope_ff_divides_the_angle_of_pair_k_by_factor_k(wgpu, mode, frozen_dims):
+    # Checked against rope, not against rope_ff's own reference: factors of 1 change
+    # nothing; a huge factor on pair 2 stops its turn (the dims of pair 2 keep their
+    # values); with one pair, a factor f is freq_scale / f.
+    from ggwgpu.backends.numpy_backend import NumpyBackend
+    rng = np.random.default_rng(0)
+    x, pos, ff = gg.input_tensor((2, 5, 3, 12)), gg.input_tensor((5,), "i32"), gg.input_tensor((4,))
+    args = (8, mode, 500.0, 0.5)
+    feeds = {x: rng.uniform(-1, 1, x.shape), pos: rng.integers(0, 300, 5).astype(np.int32)}
+    frozen = np.array([1, 1, 1e30, 1])
+    expected = NumpyBackend(np.float64).compute([gg.rope(x, pos, *args)], feeds)[0]
+    still = expected.copy()
+    still[..., frozen_dims] = feeds[x][..., frozen_dims]
+    one = gg.input_tensor((1,))
+    single = (gg.rope_ff(x, pos, one, 2, mode, 500.0, 0.5), gg.rope(x, pos, 2, mode, 500.0, 0.125))
+    for backend in (NumpyBackend(np.float64), wgpu):
+        plan = backend.plan([gg.rope_ff(x, pos, ff, *args), *single])
+        for factors, want in ((np.ones(4), expected), (frozen, still)):
+            plan.run({**feeds, ff: factors, one: [4.0]})
+            np.testing.assert_allclose(plan.read(plan.outputs[0]), want, atol=2e-5)
+        np.testing.assert_allclose(plan.read(single[0]), plan.read(single[1]), atol=2e-5)
+    with pytest.raises(gg.ShapeError, match=r"factors must be f32 of shape \(4,\)"):
+        gg.rope_ff(x, pos, gg.input_tensor((6,)), *args)

@@ -1,15 +1,21 @@
-"""Rotary position embedding: rope and its backward rope_back (the inverse rotation).
+"""Rotary position embedding: rope and its backward rope_back (the inverse rotation), and
+rope_ff / rope_ff_back, the same with per-pair frequency factors (Llama 3's rope_freqs).
 
-Shader: shaders/rope.wgsl, one entry point for both (p.f.z = +1 forward, -1 backward, as
-ggml flips the sign of sin for the backward). Positions are int32 and take no gradient.
+Shader: shaders/rope.wgsl, one body for all four (p.f.z = +1 forward, -1 backward, as
+ggml flips the sign of sin for the backward; the rope_ff entry point also reads the
+factors). Positions are int32 and factors a fixed table: neither takes a gradient.
 
 Semantics are ggml_rope_ext's with ext_factor 0 and attn_factor 1 (what llama.cpp uses for
-llama models without rope scaling): x is (batch, n_tokens, n_head, head_dim), ggml
-[head_dim, n_head, n_tokens, batch]; positions (n_tokens,). Pair k < n_dims / 2 of every
-head turns by theta_k = pos * freq_scale * freq_base ** (-2k / n_dims):
+llama models, Llama 3's scaled rope included): x is (batch, n_tokens, n_head, head_dim),
+ggml [head_dim, n_head, n_tokens, batch]; positions (n_tokens,). Pair k < n_dims / 2 of
+every head turns by theta_k = pos * freq_scale * freq_base ** (-2k / n_dims) / factor_k
+(factor_k = 1 without factors; ggml_rope_ext's third source):
     (x0, x1) -> (x0 cos - x1 sin, x0 sin + x1 cos)
 mode "normal" (ggml 0) pairs dims (2k, 2k + 1); "neox" (ggml 2) pairs (k, k + n_dims / 2).
 Dims from n_dims on pass through unchanged.
+
+Two op pairs rather than an optional source: an op has a fixed number of sources, and
+plain rope (every model without rope_freqs) keeps reading nothing but x and positions.
 """
 from __future__ import annotations
 
@@ -27,7 +33,7 @@ ROPE_DEFAULTS = {"mode": "normal", "freq_base": 10000.0, "freq_scale": 1.0}
 
 
 def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
-    x, pos = srcs
+    x, pos = srcs[:2]
     need_f32(x)
     if x.ndim not in (3, 4):
         raise ShapeError(f"x must be ([batch,] n_tokens, n_head, head_dim), has shape {x.shape}")
@@ -41,10 +47,21 @@ def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
     return x.shape, "f32", {}
 
 
-def rope_ref(x, pos, n_dims, mode, freq_base, freq_scale, sign=1.0):
+def rope_ff_shape(srcs, n_dims, **params):
+    factors = srcs[2]
+    if factors.dtype != "f32" or factors.shape != (int(n_dims) // 2,):
+        raise ShapeError(f"factors must be f32 of shape ({int(n_dims) // 2},) (one per pair "
+                         f"of the n_dims {n_dims} rotated dims), got {factors.dtype} "
+                         f"{factors.shape}")
+    return rope_shape(srcs, n_dims, **params)
+
+
+def rope_ref(x, pos, n_dims, mode, freq_base, freq_scale, sign=1.0, factors=None):
     """The rotation in float64 angles (then x's dtype); sign -1 turns the other way."""
     half = n_dims // 2
     inv_freq = freq_scale * float(freq_base) ** (-2.0 * np.arange(half) / n_dims)
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     theta = pos.astype(np.float64)[:, None] * inv_freq           # (n_tokens, half)
     cos = np.cos(theta)[:, None, :].astype(x.dtype)               # broadcast over heads
     sin = (sign * np.sin(theta))[:, None, :].astype(x.dtype)
@@ -65,11 +82,15 @@ def uniforms(node, sign):
             "u": (int(p["n_dims"]), MODES[p["mode"]])}
 
 
+def pos(n, hi=2048, layout="contiguous"):
+    return Input((n,), 0, hi, layout, "i32")   # random, unsorted, repeats allowed
+
+
+def params(n_dims, mode, base=10000.0, scale=1.0):
+    return {"n_dims": n_dims, "mode": mode, "freq_base": base, "freq_scale": scale}
+
+
 def rope_cases():
-    def pos(n, hi=2048, layout="contiguous"):
-        return Input((n,), 0, hi, layout, "i32")   # random, unsorted, repeats allowed
-    def params(n_dims, mode, base=10000.0, scale=1.0):
-        return {"n_dims": n_dims, "mode": mode, "freq_base": base, "freq_scale": scale}
     return [
         Case((Input((1, 1, 1, 2)), pos(1, 10)), params(2, "normal")),
         Case((Input((2, 3, 5, 8)), pos(3)), params(8, "normal")),
@@ -85,9 +106,37 @@ def rope_cases():
     ]
 
 
-def rope_back_cases():
-    return [Case(c.inputs, c.params, c.grad) for c in rope_cases()]
+def factors(n_dims, lo=1.0, hi=8.0, layout="contiguous"):
+    # Llama 3's factors: 1 for the fast pairs, up to the scaling factor (8) for the slow ones
+    return Input((n_dims // 2,), lo, hi, layout)
 
+
+def rope_ff_cases():
+    return [
+        Case((Input((1, 1, 1, 2)), pos(1, 10), factors(2)), params(2, "normal")),
+        Case((Input((2, 3, 5, 8)), pos(3), factors(8)), params(8, "normal")),
+        Case((Input((2, 3, 5, 8)), pos(3), factors(8, 0.5, 2.0)), params(8, "neox")),
+        Case((Input((2, 5, 3, 10)), pos(5), factors(6)), params(6, "normal", scale=0.25)),
+        Case((Input((1, 3, 2, 10), layout="permuted"), pos(3), factors(4, layout="strided")),
+             params(4, "neox", 500.0)),
+        Case((Input((3, 5, 6), layout="strided"), pos(3, layout="strided"), factors(6)),
+             params(6, "neox", 5e5)),
+        Case((Input((4, 128, 8, 32)), pos(128, 8192), factors(24)), params(24, "normal", 5e5),
+             grad=False),
+        Case((Input((2, 200, 6, 48), layout="strided"), pos(200, 4096), factors(48)),
+             params(48, "neox", 5e5), grad=False),
+    ]
+
+
+def same_cases(cases):
+    return lambda: [Case(c.inputs, c.params, c.grad) for c in cases()]
+
+
+ROPE_DOC = (
+    "x: f32 ([batch,] n_tokens, n_head, head_dim); positions: i32 (n_tokens,). Rotates\n"
+    "the first n_dims (even, <= head_dim) dims of every head, pair k by\n"
+    "theta_k = pos * freq_scale * freq_base ** (-2k / n_dims){}; the rest pass through.\n"
+    "mode 'normal' (ggml 0) pairs (2k, 2k + 1), 'neox' (ggml 2) pairs (k, k + n_dims/2).")
 
 rope = register(
     "rope", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope",
@@ -96,18 +145,35 @@ rope = register(
     cases=rope_cases, defaults=ROPE_DEFAULTS,
     doc="Rotary position embedding as ggml_rope_ext (ext_factor 0, attn_factor 1):\n"
         "rope(x, positions, n_dims, mode='normal', freq_base=10000, freq_scale=1).\n"
-        "x: f32 ([batch,] n_tokens, n_head, head_dim); positions: i32 (n_tokens,). Rotates\n"
-        "the first n_dims (even, <= head_dim) dims of every head, pair k by\n"
-        "theta_k = pos * freq_scale * freq_base ** (-2k / n_dims); the rest pass through.\n"
-        "mode 'normal' (ggml 0) pairs (2k, 2k + 1), 'neox' (ggml 2) pairs (k, k + n_dims/2).")
+        + ROPE_DOC.format(""))
 
 rope_back = register(
     "rope_back", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope", entry="rope",
     reference=lambda g, pos, **kw: rope_ref(g, pos, **kw, sign=-1.0),
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope(g, n.srcs[1], **n.params), None),
-    cases=rope_back_cases, defaults=ROPE_DEFAULTS,
+    cases=same_cases(rope_cases), defaults=ROPE_DEFAULTS,
     doc="The backward of rope: the inverse rotation (sin negated).")
 
+rope_ff = register(
+    "rope_ff", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
+    reference=lambda x, pos, ff, **kw: rope_ref(x, pos, **kw, factors=ff),
+    uniforms=lambda n: uniforms(n, 1.0), no_grad=(1, 2),
+    backward=lambda n, g: (O.rope_ff_back(g, *n.srcs[1:], **n.params), None, None),
+    cases=rope_ff_cases, defaults=ROPE_DEFAULTS,
+    doc="rope with per-pair frequency factors, as ggml_rope_ext with freq_factors (Llama 3's\n"
+        "rope_freqs.weight): rope_ff(x, positions, factors, n_dims, mode='normal',\n"
+        "freq_base=10000, freq_scale=1); factors: f32 (n_dims / 2,), no gradient.\n"
+        + ROPE_DOC.format(" / factors[k]"))
 
-__all__ = ["rope", "rope_back"]
+rope_ff_back = register(
+    "rope_ff_back", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
+    entry="rope_ff", reference=lambda g, pos, ff, **kw: rope_ref(g, pos, **kw, sign=-1.0,
+                                                                  factors=ff),
+    uniforms=lambda n: uniforms(n, -1.0), no_grad=(1, 2),
+    backward=lambda n, g: (O.rope_ff(g, *n.srcs[1:], **n.params), None, None),
+    cases=same_cases(rope_ff_cases), defaults=ROPE_DEFAULTS,
+    doc="The backward of rope_ff: the inverse rotation (sin negated).")
+
+
+__all__ = ["rope", "rope_back", "rope_ff", "rope_ff_back"]
