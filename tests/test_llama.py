@@ -16,7 +16,10 @@ GQA_TIED = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n
                        tied_embeddings=True)
 GQA_WIDE = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
                        n_ff=12, n_ctx=5)
-CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE}
+# Llama 3: per-pair rope frequency factors (rope_freqs.weight, random here) and a large base
+LLAMA3 = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=1, n_ff=12, n_ctx=5,
+                     rope_freqs=True, rope_freq_base=500000.0)
+CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3}
 BATCH = 2
 
 
