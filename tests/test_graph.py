@@ -202,3 +202,20 @@ def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):
         plan.run()
         for w in (w1, w2):
             np.testing.assert_allclose(plan.read(w), expected[w], rtol=1e-5)
+
+
+def test_recompute_gives_the_same_gradients_from_a_recomputed_value():
+    """y = w x, recomputed for the backward instead of kept: the same gradient, and the
+    backward reads a copy of y (and of its user soft_max, whose backward needs its output),
+    so the forward's y can die as soon as the forward is done with it."""
+    x = gg.input_tensor((4, 3), name="x")
+    w = gg.param(np.random.default_rng(0).uniform(-1, 1, (5, 3)), name="w")
+    y = gg.mul_mat(w, x)
+    loss = gg.sum(gg.mul(gg.soft_max(y, 1.0), gg.constant(np.arange(20.0).reshape(4, 5))))
+    feeds = {x: np.random.default_rng(1).uniform(-1, 1, (4, 3))}
+    kept, redone = gg.build_backward(loss, [w]), gg.build_backward(loss, [w], recompute=[y])
+    backend = NumpyBackend(np.float64)
+    np.testing.assert_allclose(*backend.compute([kept[w], redone[w]], feeds), rtol=1e-14)
+    backward = gg.topo_order([redone[w]])
+    assert [n.op for n in backward].count("mul_mat") == 1 and y not in backward
+    assert y in gg.topo_order([kept[w]])
