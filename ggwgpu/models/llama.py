@@ -200,8 +200,14 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
 
     The output projection and the loss run in row chunks of at most `max_logits_bytes` of
     logits each (a vocabulary of 49k-128k makes batch * n_ctx rows of logits larger than a
-    device binds, and than the rest of a small model's step): each chunk's logits (and their
-    gradient) live only while the chunk is computed. Feed a batch with TrainGraph.feeds."""
+    device binds, and than the rest of a small model's step). With more than one chunk the
+    backward recomputes each chunk's logits (TrainGraph.recompute: one more output product
+    per step) instead of keeping them all, so one chunk's logits and their gradient live at
+    a time. The planner frees a chunk's logits gradient and its share of the output weight's
+    gradient at once only when the chunk has at least n_embd rows (the share then costs
+    less than the gradient it frees): so when the bound is at least twice the output weight
+    (chunks have at least half the rows the bound allows). Feed a batch with
+    TrainGraph.feeds."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora")
     else:
