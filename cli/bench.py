@@ -487,7 +487,7 @@ def bench_memory(ctx, config_name, layers, json_path):
     """
     from ggwgpu.backends import NumpyBackend
     from ggwgpu.models.llama import build_train_graph, init_parameters
-    from ggwgpu.train import Trainer
+    from ggwgpu.train import Trainer, logits_bound
     backend, _ = wgpu_for(ctx, "bench memory")
     backend = backend or NumpyBackend()
     click.echo(f"bench memory {describe_config(config_name)}; planned on "
@@ -500,7 +500,8 @@ def bench_memory(ctx, config_name, layers, json_path):
             cfg, options = bench_model(config_name, n_layer=n_layer)
             options.checkpointing = checkpointing
             values = init_parameters(cfg, 0)
-            graph = build_train_graph(cfg, values, options.batch)
+            graph = build_train_graph(cfg, values, options.batch,
+                                      max_logits_bytes=logits_bound(backend))
             every = max(1, round(math.sqrt(n_layer)))
             graph.checkpoints = graph.checkpoints[every - 1::every]
             trainer = Trainer(cfg, values, backend, options,

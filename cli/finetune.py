@@ -80,7 +80,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     from ggwgpu.models.llama import build_train_graph
     from ggwgpu.quant import Quantized, dequantize
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, TrainOptions
+    from ggwgpu.train import Trainer, TrainOptions, logits_bound
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
@@ -137,7 +137,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
-        graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter)
+        graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter,
+                                  max_logits_bytes=logits_bound(backend))
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "

@@ -496,7 +496,8 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx):
 
     from ggwgpu import data, gguf_io
     from ggwgpu.lora import load_adapter
-    from ggwgpu.models.llama import build_train_graph, one_hot
+    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.train import logits_bound
     try:
         cfg, values, tokenizer = gguf_io.load_model(model, keep_quantized=True)
         adapters = [load_adapter(path, cfg) for path in lora_paths]
@@ -513,13 +514,14 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx):
     n -= n % batch
     starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
     backend = select_backend(ctx)
-    g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True)
+    g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
+                          max_logits_bytes=logits_bound(backend))
     plan = backend.plan([g.loss])
     plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     losses = []
     for i in range(0, n, batch):
         inputs, targets = windows.windows(windows.starts[starts[i:i + batch]])
-        plan.run({g.tokens: inputs, g.targets: one_hot(targets, cfg.n_vocab)})
+        plan.run(g.feeds(inputs, targets))
         losses.append(float(plan.read(g.loss)[0]))
     loss = float(np.mean(losses))
     with_lora = "".join(f" + {path}" for path in lora_paths)

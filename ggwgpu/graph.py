@@ -178,13 +178,20 @@ def _read_roots(t: Tensor) -> list[Tensor]:
     return list({id(s.storage): s.storage for s in t.srcs}.values())
 
 
-def recompute_from(order, checkpoints) -> dict[int, Tensor]:
+def recompute_from(order, checkpoints=None, recompute=()) -> dict[int, Tensor]:
     """For gradient checkpointing: a copy of every forward node that recomputes it from the
-    nearest checkpoints (or leaves), so that only checkpoints stay alive for the backward."""
-    keep = {id(t) for t in checkpoints}
+    nearest checkpoints (or leaves), so that only checkpoints stay alive for the backward.
+    Without checkpoints only the nodes in `recompute` and the nodes that use them get such a
+    copy; the rest stays as the forward left it."""
+    keep = {id(t) for t in checkpoints} if checkpoints is not None else None
+    redo = {id(t) for t in recompute}
     copies = {}
     for t in order:  # topological: sources are mapped before their users
-        if t.op is None or id(t) in keep:
+        if keep is None:
+            kept = id(t) not in redo and all(copies[id(s)] is s for s in t.srcs)
+        else:
+            kept = id(t) in keep
+        if t.op is None or kept:
             copies[id(t)] = t
         else:
             srcs = [copies[id(s)] for s in t.srcs]
@@ -192,7 +199,8 @@ def recompute_from(order, checkpoints) -> dict[int, Tensor]:
     return copies
 
 
-def build_backward(loss: Tensor, params=None, checkpoints=None) -> dict[Tensor, Tensor]:
+def build_backward(loss: Tensor, params=None, checkpoints=None,
+                   recompute=()) -> dict[Tensor, Tensor]:
     """Gradient tensors of `loss` (one element) with respect to `params`.
 
     params defaults to every leaf marked `is_param` that the loss depends on. The gradient
@@ -202,6 +210,12 @@ def build_backward(loss: Tensor, params=None, checkpoints=None) -> dict[Tensor, 
     checkpoints: forward tensors to keep for the backward (gradient checkpointing, as ggml's
     build_backward_gradient_checkpointing); every other forward value the backward needs is
     recomputed from them, trading compute for activation memory.
+
+    recompute: forward tensors the backward recomputes from their sources instead of keeping
+    them alive until it runs (the row chunks of a large logits tensor: each then lives only
+    while its chunk's loss, and later its gradient, is computed). The backward rules of
+    their users see the recomputed values (and recompute those users' outputs, if they need
+    them).
     """
     if loss.nelements != 1:
         raise ShapeError(f"build_backward: loss must have one element, has shape {loss.shape}")
@@ -217,7 +231,8 @@ def build_backward(loss: Tensor, params=None, checkpoints=None) -> dict[Tensor, 
         if id(t) in wanted or any(id(s) in needs for s in t.srcs):
             needs.add(id(t))
 
-    copies = recompute_from(order, checkpoints) if checkpoints is not None else None
+    copies = (recompute_from(order, checkpoints, recompute)
+              if checkpoints is not None or recompute else None)
     grads = {id(loss): constant(np.ones(loss.shape, np.float32), name="d_loss")}
     for node in reversed(order):
         g = grads.get(id(node))

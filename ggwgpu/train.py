@@ -19,7 +19,7 @@ import numpy as np
 
 from . import ops as O
 from .graph import build_backward
-from .models.llama import LlamaConfig, build_train_graph, one_hot
+from .models.llama import MAX_LOGITS_BYTES, LlamaConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
@@ -87,6 +87,14 @@ def finite_gate(*scalars):
     return O.add(O.scale(total, 0.0), constant(np.ones(1, np.float32), name="one"))
 
 
+def logits_bound(backend) -> int:
+    """The most bytes of logits a training graph on `backend` holds at once
+    (build_train_graph's max_logits_bytes): the device's largest storage binding, else
+    128 MiB."""
+    limits = getattr(backend, "storage_limits", None)
+    return min(limits.values()) if limits else MAX_LOGITS_BYTES
+
+
 class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
@@ -95,10 +103,12 @@ class Trainer:
         """`graph` (a TrainGraph) replaces the default one built from `values`: finetuning
         passes one whose params are the trainable tensors only."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
-        g = graph or build_train_graph(cfg, values, options.batch, flash=options.flash_attn)
+        g = graph or build_train_graph(cfg, values, options.batch, flash=options.flash_attn,
+                                       max_logits_bytes=logits_bound(backend))
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
-                               checkpoints=g.checkpoints if options.checkpointing else None)
+                               checkpoints=g.checkpoints if options.checkpointing else None,
+                               recompute=g.recompute)
         accumulated = []
         if options.grad_accum > 1:
             grads, accumulated = self.accumulate(grads, options.grad_accum)
@@ -171,7 +181,7 @@ class Trainer:
         g, n, loss = self.graph, self.options.grad_accum, 0.0
         for i in range(n):
             inputs, targets = self.batches.next_batch()
-            feeds = {g.tokens: inputs, g.targets: one_hot(targets, self.cfg.n_vocab),
+            feeds = {**g.feeds(inputs, targets),
                      self.hparams: hp if i == n - 1 else self.noop_hparams()}
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)

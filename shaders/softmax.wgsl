@@ -225,3 +225,104 @@ fn k_cross_entropy_loss_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
                                    - src1[b.z + i * p.nb_1.x]) * k;
     }
 }
+
+// -- cross_entropy_ids and its backward: src0 logits x; src1_i32 target ids and src2 row
+// weights w, both shaped like x's rows (ids.xyz = x.yzw); a negative id ignores its row (0
+// loss, 0 gradient, whatever its weight and logits). Ids >= the row length are clamped to
+// the last column: the kernels never read outside the row. For counted rows the arithmetic
+// is cross_entropy_loss's with a one-hot p, term by term.
+
+// int32 view of binding 3: the ce_ids kernels read ids through it and never use src1.
+@group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
+
+fn ce_id(r: vec4u) -> i32 { return src1_i32[at_1(vec4u(r.yzw, 0u))]; }
+fn ce_weight(r: vec4u) -> f32 { return src2[at_2(vec4u(r.yzw, 0u))]; }
+fn ce_col(id: i32) -> u32 { return min(u32(id), p.ne_0.x - 1u); }
+
+// The row max of logits src0 and sum(exp(x - max)) (in x, y).
+fn ce_ids_stats(lid: u32, r: vec4u) -> vec4f {
+    var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
+    for (var i = lid; i < p.ne_0.x; i += WG) { acc = ms_add(acc, src0[at_0(vec4u(i, r.yzw))]); }
+    return workgroup_ms(lid, acc);
+}
+
+// cross_entropy_ids, step 1: dst [rows] gets each row's w * (log(sum(exp(x - m))) - (x[id] - m)).
+@compute @workgroup_size(WG)
+fn k_cross_entropy_ids(@builtin(local_invocation_id) lid: vec3u,
+                       @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let ms = ce_ids_stats(lid.x, r);
+    if (lid.x == 0u) {
+        let id = ce_id(r);
+        var loss = 0.0;
+        if (id >= 0) {
+            loss = (log(ms.y) - (src0[at_0(vec4u(ce_col(id), r.yzw))] - ms.x)) * ce_weight(r);
+        }
+        dst[at_d(unravel(row, p.ne_d))] = loss;
+    }
+}
+
+// cross_entropy_ids_back: src3 dloss (one element); dx = (softmax(x) - onehot(id)) * w * dloss.
+@compute @workgroup_size(WG)
+fn k_cross_entropy_ids_back(@builtin(local_invocation_id) lid: vec3u,
+                            @builtin(workgroup_id) wid: vec3u,
+                            @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_group(wid, nwg);
+    if (row >= p.n) { return; }
+    let r = row_start(row);
+    let ms = ce_ids_stats(lid.x, r);
+    let id = ce_id(r);
+    let k = src3[at_3(vec4u(0u))] * ce_weight(r);
+    let inv = 1.0 / ms.y;
+    for (var i = lid.x; i < p.ne_0.x; i += WG) {
+        let idx = vec4u(i, r.yzw);
+        let d = (exp(src0[at_0(idx)] - ms.x) * inv - select(0.0, 1.0, i == ce_col(id))) * k;
+        dst[at_d(idx)] = select(0.0, d, id >= 0);
+    }
+}
+
+// The rowwise variants: one invocation per row.
+fn ce_ids_stats_rowwise(b0: u32) -> vec2f {
+    var ms = vec2f(LOWEST, 0.0);
+    for (var i = 0u; i < p.ne_0.x; i++) { ms = ms_add_row(ms, src0[b0 + i * p.nb_0.x]); }
+    return ms;
+}
+
+@compute @workgroup_size(WG)
+fn k_cross_entropy_ids_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                               @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let r = row_start(row);
+    let id = ce_id(r);
+    var loss = 0.0;
+    if (id >= 0) {
+        let b0 = at_0(r);
+        let ms = ce_ids_stats_rowwise(b0);
+        loss = (log(ms.y) - (src0[b0 + ce_col(id) * p.nb_0.x] - ms.x)) * ce_weight(r);
+    }
+    dst[at_d(unravel(row, p.ne_d))] = loss;
+}
+
+@compute @workgroup_size(WG)
+fn k_cross_entropy_ids_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
+                                    @builtin(num_workgroups) nwg: vec3u) {
+    let row = flat_id(gid, nwg); if (row >= p.n) { return; }
+    let r = row_start(row);
+    let bd = at_d(r);
+    let id = ce_id(r);
+    if (id < 0) {
+        for (var i = 0u; i < p.ne_0.x; i++) { dst[bd + i * p.nb_d.x] = 0.0; }
+        return;
+    }
+    let b0 = at_0(r);
+    let ms = ce_ids_stats_rowwise(b0);
+    let k = src3[at_3(vec4u(0u))] * ce_weight(r);
+    let inv = 1.0 / ms.y;
+    let col = ce_col(id);
+    for (var i = 0u; i < p.ne_0.x; i++) {
+        dst[bd + i * p.nb_d.x] = (exp(src0[b0 + i * p.nb_0.x] - ms.x) * inv
+                                  - select(0.0, 1.0, i == col)) * k;
+    }
+}

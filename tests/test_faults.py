@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import data, gguf_io, train
+from ggwgpu import data, gguf_io
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.backends.wgpu_backend import DeviceLimitError, WgpuBackend
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models.llama import LlamaConfig, TrainGraph, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli import main as cli_main
@@ -88,16 +88,16 @@ def tiny_trainer(backend, options, values=None):
 
 
 def poison_targets(monkeypatch, calls):
-    """Make the target probabilities of the given micro-batches (0-based count of
-    train.one_hot calls) non-finite: a bad batch, as far as the loss can tell."""
-    real, count = train.one_hot, iter(range(10**9))
+    """Make a target weight of the given micro-batches (0-based count of TrainGraph.feeds
+    calls) infinite: a bad batch, as far as the loss can tell."""
+    real, count = TrainGraph.feeds, iter(range(10**9))
 
-    def one_hot(ids, n_vocab):
-        out = real(ids, n_vocab)
+    def feeds(graph, tokens, targets):
+        out = real(graph, tokens, targets)
         if next(count) in calls:
-            out[0, 0] = np.inf
+            out[graph.weights][0, 0] = np.inf
         return out
-    monkeypatch.setattr(train, "one_hot", one_hot)
+    monkeypatch.setattr(TrainGraph, "feeds", feeds)
 
 
 # -- SIGINT, SIGTERM ------------------------------------------------------------------------
@@ -302,6 +302,21 @@ def test_a_tensor_over_the_device_limits_is_refused_when_planning(wgpu, monkeypa
     with pytest.raises(DeviceLimitError, match="max-storage-buffer-binding-size") as e:
         tiny_trainer(wgpu, options)
     assert "tensor " in str(e.value)
+
+
+def test_logits_over_the_binding_limit_train_in_row_chunks_that_fit(wgpu, monkeypatch):
+    """4 x 16 rows of 259 logits are 66 KiB; under a 32 KiB binding limit the step splits
+    them into 3 chunks and trains as the unsplit step does (to float32 noise)."""
+    options = TrainOptions(batch=4, lr=3e-3, warmup=2)
+    whole = tiny_trainer(wgpu, options)
+    monkeypatch.setattr(wgpu, "storage_limits",
+                        {**wgpu.storage_limits, "max-storage-buffer-binding-size": 32768})
+    split = tiny_trainer(wgpu, options)
+    assert len(whole.graph.logits) == 1 and len(split.graph.logits) == 3
+    for _ in range(3):
+        a, b = whole.train_step(), split.train_step()
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * a["loss"]
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 1e-4 * a["grad_norm"]
 
 
 def test_the_train_command_refuses_a_model_over_the_device_limits(tmp_path, wgpu, monkeypatch):

@@ -37,7 +37,7 @@ class TrainingForward:
 
     def __init__(self, backend, cfg, values):
         self.cfg, self.g = cfg, build_train_graph(cfg, values, 1)
-        self.plan = backend.plan([self.g.logits])
+        self.plan = backend.plan(self.g.logits)
         self.plan.write(self.g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
 
     def __call__(self, tokens) -> np.ndarray:
@@ -45,7 +45,7 @@ class TrainingForward:
         padded = np.zeros((1, self.cfg.n_ctx), np.int32)
         padded[0, :len(tokens)] = tokens
         self.plan.run({self.g.tokens: padded})
-        return self.plan.read(self.g.logits)[0, :len(tokens)]
+        return self.g.read_logits(self.plan)[0, :len(tokens)]
 
 
 def decoded_logits(backend, cfg, values, tokens, n_prompt):

@@ -251,3 +251,20 @@ def test_planning_work_grows_linearly_with_depth():
     # every buffer per block made it 32x.
     ratio = planning_work(32) / planning_work(4)
     assert 6 < ratio < 10, ratio
+
+
+def test_recompute_gives_the_same_gradients_from_a_recomputed_value():
+    """y = w x, recomputed for the backward instead of kept: the same gradient, and the
+    backward reads a copy of y (and of its user soft_max, whose backward needs its output),
+    so the forward's y can die as soon as the forward is done with it."""
+    x = gg.input_tensor((4, 3), name="x")
+    w = gg.param(np.random.default_rng(0).uniform(-1, 1, (5, 3)), name="w")
+    y = gg.mul_mat(w, x)
+    loss = gg.sum(gg.mul(gg.soft_max(y, 1.0), gg.constant(np.arange(20.0).reshape(4, 5))))
+    feeds = {x: np.random.default_rng(1).uniform(-1, 1, (4, 3))}
+    kept, redone = gg.build_backward(loss, [w]), gg.build_backward(loss, [w], recompute=[y])
+    backend = NumpyBackend(np.float64)
+    np.testing.assert_allclose(*backend.compute([kept[w], redone[w]], feeds), rtol=1e-14)
+    backward = gg.topo_order([redone[w]])
+    assert [n.op for n in backward].count("mul_mat") == 1 and y not in backward
+    assert y in gg.topo_order([kept[w]])

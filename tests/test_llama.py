@@ -6,7 +6,7 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, one_hot
+from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
 from ggwgpu.testing import spot_check_gradients
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
@@ -31,16 +31,22 @@ def model_values(cfg):
             for k, v in values.items()}
 
 
-def setup(flash=False, checkpoint=False, cfg=TINY):
+def setup(flash=False, checkpoint=False, cfg=TINY, chunk_rows=None, ignored=()):
+    """The graph, gradients and feeds of one batch; chunk_rows: logits in row chunks of
+    that many rows; ignored: (batch, position)s whose target id is -1."""
     rng = np.random.default_rng(3)
     values = model_values(cfg)
-    g = build_train_graph(cfg, values, BATCH, flash=flash)
+    bound = 4 * cfg.n_vocab * (chunk_rows or BATCH * cfg.n_ctx)
+    g = build_train_graph(cfg, values, BATCH, flash=flash, max_logits_bytes=bound)
     grads = gg.build_backward(g.loss, list(g.params.values()),
-                              checkpoints=g.checkpoints if checkpoint else None)
+                              checkpoints=g.checkpoints if checkpoint else None,
+                              recompute=g.recompute)
     tokens = rng.integers(0, cfg.n_vocab, (BATCH, cfg.n_ctx + 1))
-    feeds = {g.tokens: tokens[:, :-1].astype(np.int32),
-             g.positions: np.arange(cfg.n_ctx, dtype=np.int32),
-             g.targets: one_hot(tokens[:, 1:], cfg.n_vocab)}
+    targets = tokens[:, 1:].copy()
+    for i in ignored:
+        targets[i] = -1
+    feeds = {**g.feeds(tokens[:, :-1], targets),
+             g.positions: np.arange(cfg.n_ctx, dtype=np.int32)}
     return g, grads, feeds
 
 
@@ -106,6 +112,76 @@ def test_checkpointing_a_training_step_keeps_activations_near_sqrt_of_the_layers
     assert memory[True]["activations"] < 0.6 * memory[False]["activations"]
 
 
+IGNORED = [(0, 1), (1, 4), (1, 0)]
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_logits_in_row_chunks_give_the_loss_and_gradients_of_whole_logits(request, backend):
+    """4 chunks of 2, 3, 2 and 3 rows against one of 10 rows, with ignored targets: the same
+    loss and gradients (float64 NumPy: to rounding; the device: to float32 noise), and the
+    loss is the mean over the counted targets of -log_softmax(logits)[target]."""
+    be = NumpyBackend(np.float64) if backend == "numpy" else request.getfixturevalue("wgpu")
+    tol = 1e-12 if backend == "numpy" else 2e-6
+    whole, chunked = setup(ignored=IGNORED), setup(chunk_rows=3, ignored=IGNORED)
+    assert [t.shape for t in chunked[0].logits] == [(2, 11), (3, 11), (2, 11), (3, 11)]
+    assert len(chunked[0].recompute) == 4 and whole[0].recompute == []
+    loss0, grads0 = run(be, *whole)
+    loss1, grads1 = run(be, *chunked)
+    assert abs(loss1 - loss0) <= tol * abs(loss0)
+    for name, g in grads0.items():
+        np.testing.assert_allclose(grads1[name], g, rtol=tol * 100, atol=tol * 1e-3,
+                                   err_msg=name)
+    g, _, feeds = whole
+    plan = be.plan(g.logits)
+    plan.run({t: feeds[t] for t in (g.tokens, g.positions)})
+    logits = g.read_logits(plan).reshape(-1, TINY.n_vocab).astype(np.float64)
+    targets = feeds[g.targets].reshape(-1)
+    counted = targets >= 0
+    assert counted.sum() == BATCH * TINY.n_ctx - len(IGNORED)
+    log_probs = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    want = -log_probs[counted, targets[counted]].mean()
+    assert abs(loss0 - want) <= 1e-5 * want
+
+
+def test_chunked_logits_with_ignored_targets_match_finite_differences():
+    g, grads, feeds = setup(chunk_rows=3, ignored=IGNORED)
+    _, analytic = run(NumpyBackend(np.float64), g, grads, feeds)
+    spot_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
+
+
+def test_target_ids_are_checked_and_all_ignored_gives_zero():
+    g, grads, feeds = setup()
+    with pytest.raises(ValueError, match="target id 11 out of range"):
+        g.feeds(feeds[g.tokens], np.full((BATCH, TINY.n_ctx), 11))
+    none = g.feeds(feeds[g.tokens], np.full((BATCH, TINY.n_ctx), -1))
+    assert not none[g.weights].any()
+    loss, dev = run(NumpyBackend(), g, grads, {**feeds, **none})
+    assert loss == 0 and all(not d.any() for d in dev.values())
+
+
+def test_a_logits_bound_keeps_every_tensor_under_it_and_lowers_the_planned_bytes():
+    """A 49 152-token vocabulary, 1024 rows: whole logits are 192 MiB. Under a bound every
+    tensor of the planned training step stays within it, and the step plans in far fewer
+    bytes: each chunk's logits and their gradient die before the next chunk's exist."""
+    from ggwgpu.train import Trainer, TrainOptions
+    cfg = LlamaConfig(n_vocab=49152, n_embd=64, n_head=2, n_layer=2, n_ff=128, n_ctx=128)
+    values = init_parameters(cfg, seed=0)
+
+    class NoBatches:
+        def next_batch(self):
+            raise AssertionError("planned, not run")
+
+    options, planned = TrainOptions(batch=8), {}
+    for bound in (2 ** 40, 128 << 20, 32 << 20):
+        graph = build_train_graph(cfg, values, options.batch, max_logits_bytes=bound)
+        plan = Trainer(cfg, values, NumpyBackend(), options, NoBatches(), graph=graph).plan
+        assert max(plan.nbytes(r) for r in plan.roots) <= min(bound, 192 << 20)
+        planned[bound] = plan.memory()["planned"]
+    # measured: 478, 287 and 164 MiB
+    assert planned[128 << 20] < 0.65 * planned[2 ** 40]
+    assert planned[32 << 20] < 0.4 * planned[2 ** 40]
+
+
 # -- the llama as llama.cpp computes it, written out in float64 NumPy --------------------------
 
 def rms_norm(x, w, eps):
@@ -159,9 +235,9 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
     cfg = CONFIGS[model]
     backend = request.getfixturevalue("wgpu") if backend_name == "wgpu" else NumpyBackend()
     g, _, feeds = setup(cfg=cfg)
-    plan = backend.plan([g.logits])
+    plan = backend.plan(g.logits)
     plan.run({g.tokens: feeds[g.tokens], g.positions: feeds[g.positions]})
-    got = plan.read(g.logits)
+    got = g.read_logits(plan)
     for row, tokens in enumerate(feeds[g.tokens]):
         want = reference_logits(cfg, model_values(cfg), tokens)
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)

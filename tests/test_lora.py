@@ -12,7 +12,7 @@ from ggwgpu.graph import topo_order
 from ggwgpu.gguf_io import GGUFError
 from ggwgpu.lora import (Adapter, init_adapter, load_adapter, load_adapter_checkpoint,
                          lora_ranks, merge, save_adapter, save_adapter_checkpoint)
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, one_hot
+from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
 from ggwgpu.quant import quantize_model
 from ggwgpu.tokenizer import ByteTokenizer
 
@@ -34,16 +34,15 @@ def trained_adapter(cfg=TINY, ranks=RANKS, alpha=3.0, seed=1) -> Adapter:
 
 def batch_feeds(g, cfg=TINY, seed=3):
     tokens = np.random.default_rng(seed).integers(0, cfg.n_vocab, (BATCH, cfg.n_ctx + 1))
-    return {g.tokens: tokens[:, :-1].astype(np.int32),
-            g.positions: np.arange(cfg.n_ctx, dtype=np.int32),
-            g.targets: one_hot(tokens[:, 1:], cfg.n_vocab)}
+    return {**g.feeds(tokens[:, :-1], tokens[:, 1:]),
+            g.positions: np.arange(cfg.n_ctx, dtype=np.int32)}
 
 
 def logits_of(backend, values, lora=None, cfg=TINY):
     g = build_train_graph(cfg, values, BATCH, lora=lora)
-    plan = backend.plan([g.logits])
-    plan.run({t: v for t, v in batch_feeds(g, cfg).items() if t is not g.targets})
-    return plan.read(g.logits)
+    plan = backend.plan(g.logits)
+    plan.run({t: v for t, v in batch_feeds(g, cfg).items() if t in (g.tokens, g.positions)})
+    return g.read_logits(plan)
 
 
 def test_ranks_follow_the_options():

@@ -11,7 +11,7 @@ import ggwgpu as gg
 from ggwgpu import gguf_io, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.gguf_io import GGUFError, load_model, save_model
-from ggwgpu.models.llama import (LlamaConfig, attention, feed_forward, init_parameters, one_hot,
+from ggwgpu.models.llama import (LlamaConfig, attention, feed_forward, init_parameters,
                                  project_qkv, weighted_rms_norm)
 from ggwgpu.quant import QUANT_TYPES, Quantized, dequantize, quantize, quantize_model
 from ggwgpu.tokenizer import ByteTokenizer
@@ -139,7 +139,7 @@ def llama_forward(cfg, leaves: dict, batch: int):
     """The training forward of models/llama.py over given leaves (params or constants)."""
     tokens = gg.input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = gg.input_tensor((cfg.n_ctx,), "i32", name="positions")
-    targets = gg.input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")
+    targets = gg.input_tensor((batch * cfg.n_ctx,), "i32", name="targets")
     heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
     x = gg.get_rows(leaves["token_embd.weight"], tokens)
     for i in range(cfg.n_layer):
@@ -150,7 +150,9 @@ def llama_forward(cfg, leaves: dict, batch: int):
                                                                att)))
     logits = gg.mul_mat(leaves["output.weight"],
                         weighted_rms_norm(cfg, x, leaves["output_norm.weight"]))
-    loss = gg.cross_entropy_loss(gg.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab)), targets)
+    weights = gg.constant(np.full(batch * cfg.n_ctx, 1 / (batch * cfg.n_ctx), np.float32))
+    loss = gg.cross_entropy_ids(gg.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab)), targets,
+                                weights)
     return (tokens, positions, targets), logits, loss
 
 
@@ -171,7 +173,7 @@ def llama_outputs(backend, cfg, values, batch=2):
     tokens = rng.integers(0, cfg.n_vocab, (batch, cfg.n_ctx + 1))
     plan.run(dict(zip(inputs, (tokens[:, :-1].astype(np.int32),
                                np.arange(cfg.n_ctx, dtype=np.int32),
-                               one_hot(tokens[:, 1:], cfg.n_vocab)))))
+                               tokens[:, 1:].reshape(-1).astype(np.int32)))))
     return plan.read(logits), {p.name: plan.read(g) for p, g in grads.items()}
 
 

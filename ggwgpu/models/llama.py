@@ -187,15 +187,40 @@ def embed(p: dict, tokens):
     return x
 
 
+MAX_LOGITS_BYTES = 128 << 20   # WebGPU's default (and lavapipe's) max storage binding
+
+
 @dataclass
 class TrainGraph:
     tokens: object            # i32 input (batch, n_ctx)
     positions: object         # i32 input (n_ctx,)
-    targets: object           # f32 input (batch * n_ctx, n_vocab): target probabilities
-    logits: object            # (batch, n_ctx, n_vocab)
-    loss: object              # (1,)
+    targets: object           # i32 input (batch, n_ctx): target ids, negative ones ignored
+    weights: object           # f32 input (batch, n_ctx): 1 / counted targets, 0 on ignored
+    logits: list              # row chunks of the (batch * n_ctx, n_vocab) logits, in order
+    loss: object              # (1,): mean cross-entropy per counted target, in nats
     params: dict              # name -> param tensor (the adapter's tensors in a LoRA finetune)
     checkpoints: list         # each block's output, for gradient checkpointing
+    recompute: list           # what the backward recomputes (build_backward's recompute): the
+                              # logits chunks' nodes, when there is more than one chunk
+
+    def feeds(self, tokens, targets) -> dict:
+        """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
+        negative target id leaves its position out of the loss and of the mean."""
+        targets = np.asarray(targets, np.int32).reshape(self.targets.shape)
+        n_vocab = self.logits[0].shape[-1]
+        if (targets >= n_vocab).any():
+            raise ValueError(f"target id {int(targets.max())} out of range for a vocabulary "
+                             f"of {n_vocab}")
+        counted = targets >= 0
+        weights = np.where(counted, np.float32(1.0 / max(1, int(counted.sum()))), 0)
+        return {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
+                self.weights: weights.astype(np.float32)}
+
+    def read_logits(self, plan) -> np.ndarray:
+        """The logits (batch, n_ctx, n_vocab), from a plan with every chunk among its
+        outputs (plan(graph.logits))."""
+        rows = np.concatenate([plan.read(t) for t in self.logits])
+        return rows.reshape(self.tokens.shape + rows.shape[-1:])
 
 
 def attention(cfg, q, k, v, flash: bool):
@@ -214,18 +239,31 @@ def attention(cfg, q, k, v, flash: bool):
 
 
 def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False,
-                      lora=None, adapters=(), frozen: bool = False):
+                      lora=None, adapters=(), frozen: bool = False,
+                      max_logits_bytes: int = MAX_LOGITS_BYTES):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
     tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
-    (a loss to evaluate, not to train) constants, with `adapters`' pairs added."""
+    (a loss to evaluate, not to train) constants, with `adapters`' pairs added.
+
+    The output projection and the loss run in row chunks of at most `max_logits_bytes` of
+    logits each (a vocabulary of 49k-128k makes batch * n_ctx rows of logits larger than a
+    device binds, and than the rest of a small model's step). With more than one chunk the
+    backward recomputes each chunk's logits (TrainGraph.recompute: one more output product
+    per step) instead of keeping them all, so one chunk's logits and their gradient live at
+    a time. The planner frees a chunk's logits gradient and its share of the output weight's
+    gradient at once only when the chunk has at least n_embd rows (the share then costs
+    less than the gradient it frees): so when the bound is at least twice the output weight
+    (chunks have at least half the rows the bound allows). Feed a batch with
+    TrainGraph.feeds."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora")
     else:
         p, params = model_weights(values, adapters, None if frozen else "base")
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
-    targets = input_tensor((batch * cfg.n_ctx, cfg.n_vocab), name="targets")
+    targets = input_tensor((batch, cfg.n_ctx), "i32", name="targets")
+    weights = input_tensor((batch, cfg.n_ctx), name="target weights")
 
     x = embed(p, tokens)                                          # (batch, ctx, embd)
     checkpoints = []
@@ -235,16 +273,44 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
         att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.q_dim))
         x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
         checkpoints.append(x)
-    logits = output(p, weighted_rms_norm(cfg, x, p["output_norm.weight"]))
-    flat = O.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab))
-    loss = O.cross_entropy_loss(flat, targets)
-    return TrainGraph(tokens, positions, targets, logits, loss, params, checkpoints)
+    rows = batch * cfg.n_ctx
+    h = O.reshape(weighted_rms_norm(cfg, x, p["output_norm.weight"]), (rows, cfg.n_embd))
+    ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
+    logits, loss, recompute = [], None, []
+    for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
+        if n < rows:
+            part = (O.view(h, (n, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
+                    O.view(ids, (n,), (1,), start), O.view(w, (n,), (1,), start))
+            logits.append(output(p, part[0]))
+            # kept for the backward, every chunk's logits would be alive at once
+            recompute += nodes_between(part[0], logits[-1])
+        else:
+            part = (h, ids, w)
+            logits.append(output(p, h))
+        term = O.cross_entropy_ids(logits[-1], *part[1:])
+        # (term, loss), not (loss, term): the backward then adds the output weight's
+        # gradient chunk by chunk in the order the planner computes the chunks, so each
+        # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
+        loss = term if loss is None else O.add(term, loss)
+    return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
+                      recompute)
 
 
-def one_hot(ids: np.ndarray, n_vocab: int) -> np.ndarray:
-    out = np.zeros((ids.size, n_vocab), np.float32)
-    out[np.arange(ids.size), ids.reshape(-1)] = 1.0
-    return out
+def nodes_between(x, y) -> list:
+    """The nodes that compute y from x (and leaves)."""
+    found, todo = {}, [y]
+    while todo:
+        t = todo.pop()
+        if t is not x and t.op is not None and id(t) not in found:
+            found[id(t)] = t
+            todo += t.srcs
+    return list(found.values())
+
+
+def row_chunks(rows: int, most: int) -> list[tuple[int, int]]:
+    """(start, length) of the fewest chunks of at most `most` rows, lengths within one."""
+    n = -(-rows // most)
+    return [(i * rows // n, (i + 1) * rows // n - i * rows // n) for i in range(n)]
 
 
 # -- inference with a KV cache ----------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Softmax family over the innermost dim: soft_max, soft_max_ext (additive mask), their
 backward soft_max_back, the causal masks diag_mask_inf / diag_mask_zero, and
-cross_entropy_loss with cross_entropy_loss_back.
+cross_entropy_loss with cross_entropy_loss_back, and cross_entropy_ids (int32 target ids,
+what training feeds) with cross_entropy_ids_back.
 
 Shader: shaders/softmax.wgsl; the row ops run one workgroup per row and subtract the row
 max before exp (f32 exp overflows past 88). The row ops also have a 'rowwise' variant, one
@@ -12,6 +13,8 @@ invocation per row, for CPU adapters (ops/norm.py ROW_VARIANTS).
     soft_max_back(y, dy)       dx = y * (dy - sum(y * dy))  (linear time, no n x n Jacobian)
     diag_mask_inf(x, n_past)   x with -inf where col > n_past + row, in every matrix
     cross_entropy_loss(x, p)   -sum(p * log_softmax(x)) / n_rows, shape (1,)
+    cross_entropy_ids(x, t, w) -sum over rows r with t[r] >= 0 of w[r] * log_softmax(x[r])[t[r]],
+                               shape (1,); a negative id ignores its row
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import numpy as np
 from .. import ops as O
 from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .rows import check_range
 from .elementwise import LARGE, reduce_to
 from .norm import ROW_VARIANTS
 from .reduce import sum_into
@@ -286,5 +290,117 @@ cross_entropy_loss_back = register(
         "dloss / n_rows (ggml's (softmax(x) - p) * dloss / n_rows when rows of p sum to 1). "
         "Inputs x, p, dloss (one element).")
 
+# -- cross-entropy with target ids ---------------------------------------------------------------
+# Training targets are token ids, not probability rows: no one-hot of batch x n_vocab floats
+# to upload. A row weight input w makes the mean: the caller puts 1 / (counted rows of the
+# whole batch) on counted rows, so a batch split into row chunks still averages over all of
+# it (ggwgpu.models.llama.TrainGraph.feeds). Ignored rows (negative id) give 0 and a zero
+# gradient whatever their weight and logits.
+
+def check_ce_ids(srcs):
+    x, ids, w = srcs[:3]
+    need_f32(x, w, *srcs[3:])
+    if x.ndim < 2:
+        raise ShapeError(f"logits must have rows (at least 2 dims), have shape {x.shape}")
+    if ids.dtype != "i32":
+        raise ShapeError(f"target ids must be i32, got {ids.dtype}")
+    if ids.shape != x.shape[:-1] or w.shape != x.shape[:-1]:
+        raise ShapeError(f"target ids {ids.shape} and row weights {w.shape} must have the "
+                         f"logits' row shape {x.shape[:-1]}")
+
+
+def ce_ids_shape(srcs):
+    check_ce_ids(srcs)
+    return (1,), "f32", {}
+
+
+def ce_ids_terms(x, ids):
+    """Per row: counted (id >= 0), and the one-hot of the id (of id 0 on ignored rows)."""
+    check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
+    counted = ids >= 0
+    onehot = np.arange(x.shape[-1]) == np.maximum(ids, 0)[..., None]
+    return counted, onehot
+
+
+def ce_ids_ref(x, ids, w):
+    counted, onehot = ce_ids_terms(x, ids)
+    picked = np.sum(np.where(onehot, log_softmax_ref(x), 0), axis=-1)
+    return np.sum(np.where(counted, -picked * w, 0), dtype=x.dtype).reshape(1)
+
+
+def ce_ids_dispatch(node, variant="workgroup"):
+    """Each row's weighted loss into a private scratch, then their sum (reduce's k_sum), as
+    cross_entropy_loss does."""
+    rows = n_rows(node.srcs[0])
+    losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
+    entry, groups = (("cross_entropy_ids_rowwise", 0) if variant == "rowwise"
+                     else ("cross_entropy_ids", rows))
+    return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups),
+            *sum_into(node, losses)]
+
+
+def ce_ids_cases():
+    """Logits, ids in [-2, n_vocab) (negative ones ignore their rows; none in the first
+    case, all in the second) and weights in [0, 1), with views of each."""
+    cases = []
+    for x, layout, id_layout, grad in [
+            ((1, 3), "contiguous", "contiguous", True), ((5, 7), "contiguous", "contiguous", True),
+            ((3, 4, 67), "contiguous", "contiguous", True),
+            ((2, 3, 5), "permuted", "strided", True), ((4, 9), "strided", "permuted", True),
+            ((2, 3, 4, 5), "contiguous", "contiguous", False),
+            ((70001, 3), "contiguous", "contiguous", False)]:
+        lo = 0 if x == (1, 3) else -2
+        cases.append(Case((Input(x, -4, 4, layout), Input(x[:-1], lo, x[-1], id_layout, "i32"),
+                           Input(x[:-1], 0, 1, OTHER[id_layout])), grad=grad))
+    # every row ignored: loss and gradient 0
+    return cases[:1] + [Case((Input((3, 5)), Input((3,), -3, 0, dtype="i32"),
+                              Input((3,), 0, 1)))] + cases[1:]
+
+
+cross_entropy_ids = register(
+    "cross_entropy_ids", n_srcs=3, shape=ce_ids_shape, shader="softmax", reference=ce_ids_ref, no_grad=(1, 2),
+    dispatches=ce_ids_dispatch, variants=ROW_VARIANTS,
+    backward=lambda n, g: (O.cross_entropy_ids_back(*n.srcs, g), None, None),
+    cases=ce_ids_cases,
+    doc="Cross-entropy of logits x [..., n_vocab] against int32 target ids [...] with row "
+        "weights w [...]: -sum of w[r] * log_softmax(x[r])[ids[r]] over the rows whose id is "
+        ">= 0 (a negative id ignores its row), shape (1,). With w = 1 / (rows counted) on "
+        "counted rows it is the mean loss per counted token. ids and w take no gradient. "
+        "Ids >= n_vocab raise IndexError in the reference; the shaders clamp them.")
+
+
+def ce_ids_back_ref(x, ids, w, d):
+    counted, onehot = ce_ids_terms(x, ids)
+    k = np.where(counted, w * d.reshape(-1)[0], 0)[..., None]
+    return ((softmax_ref(x) - onehot) * k).astype(x.dtype)
+
+
+def ce_ids_back_backward(node, g):
+    # Linear in dloss: d/d(dloss) = sum(g * cross_entropy_ids_back(x, ids, w, 1)). Second
+    # derivatives in x are not supported.
+    x, ids, w, d = node.srcs
+    one = constant(np.ones(d.shape, np.float32), name="one")
+    dd = O.reshape(O.sum(O.mul(g, O.cross_entropy_ids_back(x, ids, w, one))), d.shape)
+    return None, None, None, dd
+
+
+def ce_ids_back_shape(srcs):
+    check_ce_ids(srcs)
+    if srcs[3].nelements != 1:
+        raise ShapeError(f"dloss must have one element, has shape {srcs[3].shape}")
+    return srcs[0].shape, "f32", {}
+
+
+cross_entropy_ids_back = register(
+    "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
+    reference=ce_ids_back_ref, no_grad=(0, 1, 2), backward=ce_ids_back_backward,
+    dispatches=row_dispatch, variants=ROW_VARIANTS,
+    # no 70001-row case: the row indexing is cross_entropy_ids's
+    cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],
+    doc="The backward of cross_entropy_ids w.r.t. the logits: (softmax(x) - onehot(ids)) * "
+        "w * dloss per row, 0 on ignored rows (negative ids). Inputs x, ids, w, dloss (one "
+        "element).")
+
 __all__ = ["soft_max", "soft_max_ext", "soft_max_back", "diag_mask_inf", "diag_mask_zero",
-           "cross_entropy_loss", "cross_entropy_loss_back"]
+           "cross_entropy_loss", "cross_entropy_loss_back", "cross_entropy_ids",
+           "cross_entropy_ids_back"]
