@@ -406,15 +406,16 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
 def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=()):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
-    from ggwgpu.generate import Decoder, TextStream, generate_tokens, prompt_tokens
+    from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
+                                 prompt_tokens)
     t0 = time.perf_counter()
     decoder = Decoder(backend, cfg, values, adapters=adapters)
     ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
     t1, count = time.perf_counter(), 0
-    for token in generate_tokens(decoder, ids, n, sampling, seed, tokenizer.bos_id,
-                                 tokenizer.eos_id):
+    for token in generate_tokens(decoder, ids, n, sampling, seed, context_bos(tokenizer),
+                                 tokenizer.eog_ids):
         count += 1
         piece = stream.push(token)
         if piece:
@@ -428,9 +429,12 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 
 @cli.command()
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.option("--prompt", "-p", default="", help="Text to continue (BOS is put before it).")
+@click.option("--prompt", "-p", default="",
+              help="Text to continue (BOS is put before it if the vocabulary adds one; special "
+                   "tokens such as <|im_start|> in it are recognised).")
 @click.option("--n-predict", "-n", default=200, show_default=True, type=click.IntRange(min=0),
-              help="Tokens to generate at most (it stops earlier at EOS).")
+              help="Tokens to generate at most (it stops earlier at an end-of-generation "
+                   "token: EOS, <|im_end|>, <|eot_id|>, ...).")
 @click.option("--temp", default=Sampling.temperature, show_default=True,
               type=click.FloatRange(min=0), help="Temperature; 0 is greedy (the most likely "
                                                  "token, whatever the seed).")
@@ -439,6 +443,9 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 @click.option("--top-p", default=Sampling.top_p, show_default=True,
               type=click.FloatRange(0, 1, min_open=True),
               help="Then keep the most likely tokens up to this probability mass (1: all).")
+@click.option("--min-p", default=Sampling.min_p, show_default=True, type=click.FloatRange(0, 1),
+              help="Then keep the tokens at least this fraction as likely as the most likely "
+                   "one (0: all).")
 @click.option("--repeat-penalty", default=Sampling.repeat_penalty, show_default=True,
               type=click.FloatRange(min=0, min_open=True),
               help="Make the tokens of the last --repeat-last-n less likely (1: off).")
@@ -449,12 +456,12 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
               help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
 @ctx_option("Tokens the KV cache holds")
 @click.pass_context
-def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, repeat_last_n,
-             seed, lora_paths, n_ctx):
+def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, min_p, repeat_penalty,
+             repeat_last_n, seed, lora_paths, n_ctx):
     """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
-    does: repeat penalty, top-k, top-p, temperature. When the model's context (n_ctx) is
+    does: repeat penalty, top-k, top-p, min-p, temperature. When the model's context (n_ctx) is
     full, the window slides to BOS plus its last half and is recomputed.
     """
     from ggwgpu import gguf_io
@@ -465,12 +472,12 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, repeat_penalty, 
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
     cfg = with_context(cfg, n_ctx)
-    if not prompt and tokenizer.bos_id is None:
+    if not prompt and not (tokenizer.add_bos and tokenizer.bos_id is not None):
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
     click.echo(f"generate on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, "
                f"seed {seed}", err=True)
-    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n)
+    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n, min_p)
     stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed, adapters)
 
 

@@ -8,18 +8,21 @@ one run of a max_ctx-token graph and `step(token)` appends one token with a one-
 (see `build_decode_graph` for how the cache works with static views); each gives the logits
 of its last token, the only thing read back.
 
-Sampling follows llama.cpp's sampler chain on those logits, in NumPy: repeat penalty over
-the last `repeat_last_n` tokens of the context, then top-k, then top-p (nucleus, on the
-softmax of what top-k kept), then a softmax at the temperature and one draw from
-numpy.random.default_rng(seed). Temperature <= 0 is greedy: the most likely token after the
-repeat penalty (the lowest id on ties), whatever the seed.
+Sampling follows llama.cpp's sampler chain and its defaults on those logits, in NumPy: repeat
+penalty over the last `repeat_last_n` tokens of the context (default 1.0: off), then top-k
+(40), then top-p (0.95: nucleus, on the softmax of what top-k kept), then min-p (0.05: keep
+the tokens at least that fraction as likely as the most likely one), then a softmax at the
+temperature (0.8) and one draw from numpy.random.default_rng(seed). Temperature <= 0 is
+greedy: the most likely token after the repeat penalty (the lowest id on ties), whatever
+the seed.
 
 Context limit: the model saw windows of n_ctx tokens that start with BOS at position 0 (see
 data.Samples). When the window is full, generation slides: the window becomes BOS plus the
 last max_ctx // 2 tokens and is recomputed in one prefill run, at positions from 0 again
 (llama.cpp's context shift with n_keep = BOS, but recomputed rather than re-roped, so every
 logit is exactly the model's on a window it could have been trained on). A prompt longer
-than the window is cut the same way. Generation stops at EOS or after n tokens.
+than the window is cut the same way. Generation stops at any end-of-generation token
+(`tokenizer.eog_ids`: eos, eot, <|im_end|>, <|eot_id|>, ... as llama.cpp) or after n tokens.
 """
 from __future__ import annotations
 
@@ -36,13 +39,14 @@ from .models.llama import LlamaConfig, build_decode_graph
 
 @dataclass(frozen=True)
 class Sampling:
-    """llama.cpp's sampling parameters (its defaults). top_k <= 0 and top_p >= 1 turn those
-    filters off; repeat_penalty 1 or repeat_last_n 0 turn the penalty off."""
+    """llama.cpp's sampling parameters (its defaults). top_k <= 0, top_p >= 1 and min_p <= 0
+    turn those filters off; repeat_penalty 1 or repeat_last_n 0 turn the penalty off."""
     temperature: float = 0.8
     top_k: int = 40
     top_p: float = 0.95
-    repeat_penalty: float = 1.1
+    repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    min_p: float = 0.05
 
 
 def apply_repeat_penalty(logits: np.ndarray, recent, penalty: float) -> np.ndarray:
@@ -90,6 +94,15 @@ def top_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
     return out
 
 
+def min_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
+    """llama.cpp's min-p: the tokens whose probability is below p times the largest get -inf
+    (on logits: below max + log p). p <= 0 keeps all."""
+    logits = np.asarray(logits, np.float64)
+    if p <= 0.0:
+        return logits.copy()
+    return np.where(logits >= np.max(logits) + np.log(p), logits, -np.inf)
+
+
 def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generator) -> int:
     """One token id from `logits` (n_vocab,) after the sampler chain (module docstring);
     `recent` are the context's token ids, the last s.repeat_last_n of which are penalised."""
@@ -97,7 +110,7 @@ def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generat
     logits = apply_repeat_penalty(logits, recent, s.repeat_penalty)
     if s.temperature <= 0:
         return int(np.argmax(logits))
-    logits = top_p_filter(top_k_filter(logits, s.top_k), s.top_p)
+    logits = min_p_filter(top_p_filter(top_k_filter(logits, s.top_k), s.top_p), s.min_p)
     probs = softmax(logits / s.temperature)
     return int(rng.choice(len(probs), p=probs))
 
@@ -160,9 +173,11 @@ def window(context: list[int], bos_id, max_ctx: int) -> list[int]:
 
 def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = Sampling(),
                     seed: int = 0, bos_id: int | None = None,
-                    eos_id: int | None = None) -> Iterator[int]:
+                    eog_ids=()) -> Iterator[int]:
     """Sampled token ids, one at a time, after `prompt_ids` (BOS included if wanted): at
-    most n, ending early at eos_id (not yielded). Deterministic for a given seed."""
+    most n, ending early at any of `eog_ids` (an int or a collection; not yielded).
+    Deterministic for a given seed."""
+    stop = {eog_ids} if isinstance(eog_ids, (int, np.integer)) else set(eog_ids or ())
     rng = np.random.default_rng(seed)
     context = [int(t) for t in prompt_ids]
     if not context:
@@ -177,16 +192,21 @@ def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = S
             else:
                 logits = decoder.prefill(window(context, bos_id, decoder.max_ctx))
         token = sample_token(logits, context, sampling, rng)
-        if token == eos_id:
+        if token in stop:
             return
         context.append(token)
         yield token
 
 
 def prompt_tokens(tokenizer, prompt: str) -> list[int]:
-    """BOS (when the tokenizer has one) + tokenizer.encode(prompt)."""
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None else []
-    return bos + [int(t) for t in tokenizer.encode(prompt)]
+    """The prompt's ids as llama.cpp's CLI makes them: BOS first if the vocabulary adds one
+    (add_bos), special tokens ("<|im_start|>", ...) recognised in the text."""
+    return [int(t) for t in tokenizer.encode(prompt, parse_special=True, add_special=True)]
+
+
+def context_bos(tokenizer) -> int | None:
+    """The BOS that starts every window (`window`): the vocabulary's, if it adds one."""
+    return tokenizer.bos_id if tokenizer.add_bos else None
 
 
 class TextStream:
@@ -215,8 +235,8 @@ class TextStream:
 
 def generate(backend, cfg: LlamaConfig, values: dict, tokenizer, prompt: str, n: int,
              temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
-             repeat_penalty: float = 1.1, repeat_last_n: int = 64, seed: int = 0,
-             decoder: Decoder | None = None) -> str:
+             repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
+             decoder: Decoder | None = None, min_p: float = 0.05) -> str:
     """The text the model writes after `prompt` (the prompt itself not included): up to n
     tokens, sampled as the module docstring says. Pass a `decoder` made for the same
     cfg/values to reuse its plans across calls."""
@@ -224,7 +244,8 @@ def generate(backend, cfg: LlamaConfig, values: dict, tokenizer, prompt: str, n:
     ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids)
     stream.push()
-    sampling = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n)
+    sampling = Sampling(temperature, top_k, top_p, repeat_penalty, repeat_last_n, min_p)
     pieces = [stream.push(t) for t in generate_tokens(decoder, ids, n, sampling, seed,
-                                                      tokenizer.bos_id, tokenizer.eos_id)]
+                                                      context_bos(tokenizer),
+                                                      tokenizer.eog_ids)]
     return "".join(pieces) + stream.finish()

@@ -11,7 +11,8 @@ from ggwgpu import gguf_io
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, generate_tokens,
-                             sample_token, top_k_filter, top_p_filter, window)
+                             min_p_filter, prompt_tokens, sample_token, top_k_filter,
+                             top_p_filter, window)
 from ggwgpu.models.llama import (LlamaConfig, build_decode_graph, build_train_graph,
                                  init_parameters)
 from ggwgpu.tokenizer import ByteTokenizer
@@ -129,6 +130,34 @@ def test_top_p_keeps_the_smallest_head_reaching_p():
     np.testing.assert_allclose(top_p_filter(logits, 0.6)[[1, 3]], logits[[1, 3]])
 
 
+def test_min_p_keeps_the_tokens_at_least_p_times_as_likely_as_the_best():
+    probs = np.array([0.5, 0.2, 0.026, 0.024, 0.25])
+    logits = np.log(probs) + 3.0                       # only ratios matter
+    kept = lambda p: np.flatnonzero(np.isfinite(min_p_filter(logits, p))).tolist()  # noqa: E731
+    assert kept(0.05) == [0, 1, 2, 4]                  # 0.026 >= 0.025 > 0.024
+    assert kept(0.45) == [0, 4]
+    assert kept(1.0) == [0]
+    assert kept(0.0) == [0, 1, 2, 3, 4]
+    np.testing.assert_array_equal(min_p_filter(logits, 0.45)[[0, 4]], logits[[0, 4]])
+
+
+def test_sampling_defaults_are_llama_cpp_defaults():
+    s = Sampling()
+    assert (s.temperature, s.top_k, s.top_p, s.min_p, s.repeat_penalty) == (
+        0.8, 40, 0.95, 0.05, 1.0)
+
+
+def test_min_p_applies_after_top_p_before_the_temperature():
+    # top-p 0.85 keeps ids 0 and 1 (0.6 + 0.3); min-p 0.6 of the best (0.6) then drops id 1
+    # (0.3 < 0.36): only id 0 can come out, at any temperature.
+    logits = np.log(np.array([0.6, 0.3, 0.1]))
+    s = Sampling(temperature=5.0, top_k=0, top_p=0.85, min_p=0.6)
+    rng = np.random.default_rng(0)
+    assert {sample_token(logits, [], s, rng) for _ in range(200)} == {0}
+    s = Sampling(temperature=5.0, top_k=0, top_p=0.85, min_p=0.0)
+    assert {sample_token(logits, [], s, rng) for _ in range(200)} == {0, 1}
+
+
 def test_sampling_draws_from_the_tempered_softmax_of_what_the_filters_keep():
     logits = np.array([1.0, 0.0, 2.0, -1.0, 0.5])
     s = Sampling(temperature=0.7, top_k=3, top_p=1.0, repeat_penalty=1.0)
@@ -205,6 +234,22 @@ def test_generation_stops_at_eos():
     eos = free[4]
     stopped = list(generate_tokens(d, [1, 2], 12, Sampling(temperature=2.0), 5, 1, eos))
     assert stopped == free[:free.index(eos)]
+
+
+def test_generation_stops_at_every_end_of_generation_token():
+    backend, values = NumpyBackend(), tiny_values()
+    d = Decoder(backend, TINY, values)
+    free = list(generate_tokens(d, [1, 2], 12, Sampling(temperature=2.0), 5, 1, ()))
+    for stop in ({free[3], 12}, {free[6], free[9]}):
+        stopped = list(generate_tokens(d, [1, 2], 12, Sampling(temperature=2.0), 5, 1, stop))
+        first = min(free.index(t) for t in stop if t in free)
+        assert stopped == free[:first]
+
+
+def test_prompt_tokens_add_bos_as_the_vocabulary_says_and_parse_special_tokens():
+    tok = ByteTokenizer()
+    assert prompt_tokens(tok, "a</s>") == [1, 3 + ord("a"), 2]
+    assert tok.encode("a</s>").tolist() == [3 + b for b in b"a</s>"]
 
 
 # -- the commands ------------------------------------------------------------------------------

@@ -69,8 +69,13 @@ def test_metadata_errors_name_the_key_or_model():
     for key in ("tokenizer.ggml.model", "tokenizer.ggml.tokens"):
         with pytest.raises(VocabError, match=key.replace(".", r"\.")):
             tokenizer_from_metadata({k: v for k, v in meta.items() if k != key})
-    with pytest.raises(VocabError, match="'gpt2' is not supported"):
+    with pytest.raises(VocabError, match="'bert' is not supported"):
+        tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(VocabError, match=r"needs tokenizer\.ggml\.merges"):
         tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "gpt2"})
+    with pytest.raises(VocabError, match="'no-such-pre' is not a pre-tokenizer"):
+        tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "gpt2",
+                                 "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(VocabError, match="scores has 3 entries for 259"):
         tokenizer_from_metadata({**meta, "tokenizer.ggml.scores": [0.0] * 3})
     with pytest.raises(VocabError, match="bos_token_id = 999"):
@@ -230,7 +235,7 @@ def test_load_vocab_errors_name_the_file(tmp_path):
     write_gguf(tmp_path / "novocab.gguf", {"general.name": "x"})
     with pytest.raises(VocabError, match=r"novocab.gguf: no vocabulary.*tokenizer\.ggml\.model"):
         load_vocab(tmp_path / "novocab.gguf")
-    write_gguf(tmp_path / "bpe.gguf", {"tokenizer.ggml.model": "gpt2",
-                                       "tokenizer.ggml.tokens": ["a", "b"]})
-    with pytest.raises(VocabError, match="bpe.gguf: .*'gpt2' is not supported"):
-        load_vocab(tmp_path / "bpe.gguf")
+    write_gguf(tmp_path / "t5.gguf", {"tokenizer.ggml.model": "t5",
+                                      "tokenizer.ggml.tokens": ["a", "b"]})
+    with pytest.raises(VocabError, match="t5.gguf: .*'t5' is not supported"):
+        load_vocab(tmp_path / "t5.gguf")
