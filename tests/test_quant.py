@@ -331,19 +331,26 @@ def test_unsupported_tensor_types_are_named(tmp_path):
             load_model(path, keep_quantized=keep)
 
 
-def test_quantize_command_makes_a_q4_0_base(tmp_path):
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "bf16"])
+def test_quantize_command_makes_a_frozen_base(tmp_path, dtype):
     values = init_parameters(TINY, seed=6)
     save_model(tmp_path / "f32.gguf", TINY, values, ByteTokenizer())
     result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "f32.gguf"),
-                                               str(tmp_path / "q4.gguf"), "--type", "q4_0"])
+                                               str(tmp_path / "q.gguf"), "--type", dtype])
     assert result.exit_code == 0, result.output
-    assert "16 of 21 tensors in q4_0" in result.output
-    _, kept, _ = load_model(tmp_path / "q4.gguf", keep_quantized=True)
+    assert f"16 of 21 tensors in {dtype}" in result.output
+    _, kept, _ = load_model(tmp_path / "q.gguf", keep_quantized=True)
     for name, value in values.items():
         if value.ndim == 2:
-            np.testing.assert_array_equal(kept[name].data, quantize(value, "q4_0").data)
+            assert kept[name].dtype == dtype
+            np.testing.assert_array_equal(kept[name].data, quantize(value, dtype).data)
         else:
             np.testing.assert_array_equal(kept[name], value)
+    assert gguf_io.field_value(GGUFReader(tmp_path / "q.gguf").fields["general.file_type"]) \
+        == TYPES[dtype].file_type
+    result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "q.gguf"),
+                                               str(tmp_path / "k.gguf"), "--type", "q4_k"])
+    assert result.exit_code != 0 and "q4_k" in result.output
     result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "none.gguf"),
                                                str(tmp_path / "x.gguf")])
     assert result.exit_code != 0 and "no such file" in result.output
