@@ -8,18 +8,19 @@ from __future__ import annotations
 import click
 
 from ggwgpu import gguf_io
-from ggwgpu.quant import QUANT_TYPES, Quantized, quantize_model
+from ggwgpu.quant import QUANTIZABLE, Quantized, quantize_model
 
 
 @click.command("quantize")
 @click.argument("source", type=click.Path(dir_okay=False))
 @click.argument("target", type=click.Path(dir_okay=False))
-@click.option("--type", "dtype", type=click.Choice(QUANT_TYPES), default="q4_0", show_default=True,
+@click.option("--type", "dtype", type=click.Choice(QUANTIZABLE), default="q4_0", show_default=True,
               help="Storage type of the 2-D weights whose rows are a multiple of 32 values; "
                    "norms stay f32.")
 def quantize_command(source, target, dtype):
-    """Write SOURCE (a llama GGUF: f32, f16, q8_0 or q4_0) to TARGET with its weights in
-    --type. Weights already quantized are dequantized first."""
+    """Write SOURCE (a llama GGUF: f32 or any block type ggwgpu reads) to TARGET with its
+    weights in --type (the types gguf-py quantizes; k-quant files come from llama.cpp's
+    llama-quantize). Weights already quantized are dequantized first."""
     try:
         cfg, values, tokenizer = gguf_io.load_model(source)
         quantized = quantize_model(values, dtype)

@@ -2,10 +2,11 @@
 
 Model file (`save_model` / `load_model`)
     general.architecture "llama", general.name, general.type "model", general.file_type 0
-    (0: all f32, else the block type holding most values: 1 MOSTLY_F16, 2 MOSTLY_Q4_0,
-    7 MOSTLY_Q8_0); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
-    .attention.head_count, .attention.head_count_kv (fewer than head_count: grouped-query
-    attention), .attention.key_length and .value_length (only when the head size is not
+    (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
+    1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); llama.context_length,
+    .embedding_length, .block_count, .feed_forward_length, .attention.head_count,
+    .attention.head_count_kv (fewer than head_count: grouped-query attention),
+    .attention.key_length and .value_length (only when the head size is not
     embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when
     rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
@@ -13,10 +14,10 @@ Model file (`save_model` / `load_model`)
     tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
-    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors), shapes in NumPy order (gguf-py
-    writes them reversed, as ggml's ne); f32, or F16 / Q8_0 / Q4_0 for `Quantized` values
-    (frozen weights, ggwgpu.quant), written as their raw blocks. Reading takes F32, F16,
-    Q8_0 and Q4_0 tensors.
+    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors), shapes in NumPy
+    order (gguf-py writes them reversed, as ggml's ne); f32, or a block type (F16, BF16,
+    Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen weights, ggwgpu.quant),
+    written as their raw blocks. Reading takes F32 and those block types.
 
 Checkpoint (`save_checkpoint` / `load_checkpoint`): the model file above plus
     ggwgpu.checkpoint.version        uint32, CHECKPOINT_VERSION; marks the file as a checkpoint
@@ -63,7 +64,7 @@ from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuan
                   GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
 from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
-from .quant import Quantized, dequantize
+from .quant import TYPES, Quantized, dequantize, type_of_ggml
 from .tensor import ShapeError
 
 ARCH = "llama"
@@ -116,11 +117,6 @@ _INT_TYPES = {_T.UINT8, _T.INT8, _T.UINT16, _T.INT16, _T.UINT32, _T.INT32, _T.UI
 _FLOAT_TYPES = {_T.FLOAT32, _T.FLOAT64}
 
 
-# Frozen weight types (ggwgpu.quant) as GGUF tensor types and llama.cpp file types.
-GGML_TYPES = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
-              "q4_0": GGMLQuantizationType.Q4_0}
-FILE_TYPES = {"f16": LlamaFileType.MOSTLY_F16, "q8_0": LlamaFileType.MOSTLY_Q8_0,
-              "q4_0": LlamaFileType.MOSTLY_Q4_0}
 
 
 class GGUFError(ValueError):
@@ -158,7 +154,7 @@ def _file_type(tensors) -> LlamaFileType:
     for t in tensors.values():
         if isinstance(t, Quantized):
             counts[t.dtype] = counts.get(t.dtype, 0) + int(np.prod(t.shape))
-    return FILE_TYPES[max(counts, key=counts.get)] if counts else LlamaFileType.ALL_F32
+    return TYPES[max(counts, key=counts.get)].file_type if counts else LlamaFileType.ALL_F32
 
 
 def save_checkpoint(path, cfg: LlamaConfig, params: dict, tokenizer, opt_state: dict,
@@ -380,7 +376,7 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
             for name, array in tensors.items():
                 if isinstance(array, Quantized):     # raw blocks, one row of bytes per row
                     rows = array.data.reshape(array.shape[:-1] + (-1,))
-                    writer.add_tensor(name, rows, raw_dtype=GGML_TYPES[array.dtype])
+                    writer.add_tensor(name, rows, raw_dtype=TYPES[array.dtype].ggml)
                 else:
                     writer.add_tensor(name, array)
             writer.write_header_to_file()
@@ -418,10 +414,11 @@ def _fsync_directory(directory: Path):
 # -- reading ----------------------------------------------------------------------------------
 
 def load_model(path, keep_quantized: bool = False):
-    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's f32/f16/q8_0/q4_0 llama files)
-    and return (cfg, params, tokenizer): params as float32 arrays that own their memory (F16,
-    Q8_0 and Q4_0 tensors dequantized), tokenizer from `tokenizer.tokenizer_from_metadata`.
-    With keep_quantized, 2-D tensors stored as F16, Q8_0 or Q4_0 come back as `Quantized`
+    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's llama files in F32 and the block
+    types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
+    arrays that own their memory (block types dequantized), tokenizer from
+    `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors stored in a block
+    type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) come back as `Quantized`
     values in their storage type instead (frozen weights for `constant()`; 1-D ones, the
     norms, are still converted). A file without output.weight has tied embeddings
     (cfg.tied_embeddings: the output projection reads token_embd.weight, as in llama.cpp).
@@ -679,12 +676,13 @@ class _GGUFFile:
 
     def tensor_value(self, name, shape, keep_quantized=False):
         """Tensor `name` of `shape`, owning its memory: a float32 array, or with
-        keep_quantized a `Quantized` value when it is stored as F16, Q8_0 or Q4_0."""
+        keep_quantized a `Quantized` value when it is stored in a block type of
+        ggwgpu.quant's TYPES (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K)."""
         t = self.tensors[name]
-        dtype = next((k for k, v in GGML_TYPES.items() if v == t.tensor_type), None)
+        dtype = type_of_ggml(t.tensor_type)
         if t.tensor_type != GGMLQuantizationType.F32 and dtype is None:
             raise GGUFError(f"{self.path}: tensor {name} has type {t.tensor_type.name}; ggwgpu "
-                            f"reads F32, {', '.join(v.name for v in GGML_TYPES.values())} "
+                            f"reads F32, {', '.join(v.ggml.name for v in TYPES.values())} "
                             f"tensors only")
         got = self.numpy_shape(name)
         if got != tuple(shape):

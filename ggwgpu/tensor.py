@@ -8,7 +8,7 @@ A tensor either owns its storage (leaves and most op results, always contiguous)
 view into the storage of `view_src` (view, reshape, permute, transpose, cpy), which makes
 views zero-copy: the shaders read any tensor through its strides and offset.
 
-Frozen weights may be stored in ggml's block types f16, q8_0 and q4_0 (ggwgpu/quant.py):
+Frozen weights may be stored in ggml's block types (f16, bf16, q4_0 .. q6_k: ggwgpu/quant.py):
 such tensors are constants (or views of them), never params or op results. Their storage
 is the raw blocks, held by the backends as u32 words (`storage_dtype`, `storage_len`).
 """
@@ -95,7 +95,7 @@ class Tensor:
 
     @property
     def is_quantized(self) -> bool:
-        """Stored in a block type (f16, q8_0, q4_0): raw blocks, read by ops/quant.py."""
+        """Stored in a block type (ggwgpu.quant.TYPES): raw blocks, read by ops/quant.py."""
         return self.dtype in QUANT_TYPES
 
     @property
@@ -163,8 +163,8 @@ def constant(value, dtype="f32", name=None) -> Tensor:
     """A leaf with a fixed value, uploaded once when a graph is planned.
 
     A `Quantized` value (ggwgpu.quant) gives a frozen weight of its block type, stored on the
-    device as its raw blocks; a float array with dtype "f16", "q8_0" or "q4_0" is quantized
-    first. mul_mat and get_rows read such weights directly (ops/quant.py)."""
+    device as its raw blocks; a float array with a block dtype ("f16", "q4_1", ...) is
+    quantized first. mul_mat and get_rows read such weights directly (ops/quant.py)."""
     if dtype in QUANT_TYPES and not isinstance(value, Quantized):
         value = quantize(value, dtype)
     if isinstance(value, Quantized):

@@ -18,7 +18,7 @@ from . import ops as O
 from .backends.numpy_backend import NumpyBackend
 from .graph import build_backward
 from .ops.registry import Case, OpDef
-from .quant import QUANT_TYPES, quantize
+from .quant import QUANT_TYPES, QUANTIZABLE, quantize, random_blocks
 from .tensor import constant, input_tensor
 
 SENTINEL = 37           # guard elements on each side of every storage block
@@ -36,7 +36,7 @@ class Result:
 def describe(case: Case) -> str:
     parts = []
     for i in case.inputs:
-        s = "x".join(map(str, i.shape))
+        s = "x".join(map(str, i.shape)) + (f":{i.dtype}" if i.dtype in QUANT_TYPES else "")
         parts.append(s if i.layout == "contiguous" else f"{s}({i.layout})")
     params = ",".join(f"{k}={v}" for k, v in case.params.items())
     return " ".join(parts) + (f" {params}" if params else "")
@@ -48,8 +48,9 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
     for k, spec in enumerate(case.inputs):
         shape = tuple(spec.shape)
         if spec.dtype in QUANT_TYPES:  # a frozen weight: a constant, quantized random values
-            leaf = constant(quantize(rng.uniform(spec.lo, spec.hi, shape), spec.dtype),
-                            name=f"in{k}")
+            value = (quantize(rng.uniform(spec.lo, spec.hi, shape), spec.dtype)
+                     if spec.dtype in QUANTIZABLE else random_blocks(spec.dtype, shape, rng))
+            leaf = constant(value, name=f"in{k}")
             leaves.append(leaf)
             srcs.append(leaf)
             continue

@@ -1,50 +1,11 @@
-// Frozen weights in ggml block types (ggwgpu/quant.py), dequantized inside the kernels.
-// src0 holds the weight's raw blocks, bound as u32 words: p.off.y is where they start, in
-// words; ne_0 and nb_0 count values. p.u.x is the type (TYPE_CODE in ggwgpu/ops/quant.py).
-// Blocks of 34 and 18 bytes are only 2-byte aligned, so values come out of words by shifts,
-// and f16 scales through unpack2x16float: no shader-f16 feature needed.
+// Frozen weights in ggml block types (ggwgpu/quant.py), dequantized inside the kernels by
+// quad() of quant_blocks.wgsl. ne_0 and nb_0 count values. p.u.x is the type (TYPE_CODE in
+// ggwgpu/ops/quant.py): one kernel branches on it for every type.
+//#include quant_blocks.wgsl
 
-// Raw and int32 views of the bindings (src1_v4 is common.wgsl's): an entry point uses either
-// the alias or the f32 name of a binding, never both.
-@group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
+// The int32 view of src1 (src1_v4 is common.wgsl's): an entry point uses either the alias or
+// the f32 name of a binding, never both.
 @group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
-
-const F16: u32 = 0u;
-const Q8_0: u32 = 1u;   // 32 values in 34 bytes: f16 d, 32 x int8 q; value = d * q
-const Q4_0: u32 = 2u;   // 32 values in 18 bytes: f16 d, 16 bytes qs; value = d * (nibble - 8)
-
-// The 4 bytes of src0 from byte b on (b even), little-endian.
-fn word_at(b: u32) -> u32 {
-    let w = src0_u32[b / 4u];
-    if ((b & 2u) == 0u) { return w; }
-    return (w >> 16u) | (src0_u32[b / 4u + 1u] << 16u);
-}
-
-// The f16 at byte b (b even) of src0.
-fn half_at(b: u32) -> f32 {
-    return unpack2x16float(src0_u32[b / 4u] >> ((b & 2u) * 8u)).x;
-}
-
-// Values e .. e + 3 of src0 (e: flat value index, a multiple of 4), dequantized.
-fn quad(t: u32, e: u32) -> vec4f {
-    let base = p.off.y * 4u;
-    if (t == F16) {
-        let b = base + e * 2u;
-        return vec4f(unpack2x16float(word_at(b)), unpack2x16float(word_at(b + 4u)));
-    }
-    let j = e % 32u;                                   // place in the block
-    if (t == Q8_0) {
-        let b = base + (e / 32u) * 34u;
-        let q = bitcast<i32>(word_at(b + 2u + j));
-        return half_at(b) * vec4f(vec4i(extractBits(q, 0u, 8u), extractBits(q, 8u, 8u),
-                                        extractBits(q, 16u, 8u), extractBits(q, 24u, 8u)));
-    }
-    let b = base + (e / 32u) * 18u;
-    // values j < 16: low nibbles of bytes j.., values j >= 16: high nibbles of bytes j - 16..
-    let q = (word_at(b + 2u + j % 16u) >> ((j / 16u) * 4u)) & 0x0F0F0F0Fu;
-    let v = vec4u(q & 0xFFu, (q >> 8u) & 0xFFu, (q >> 16u) & 0xFFu, q >> 24u);
-    return half_at(b) * (vec4f(v) - 8.0);
-}
 
 // mul_mat_q: src0 w [.., M, K] frozen, src1_v4 x [.., N, K] f32 -> dst [.., N, M],
 // dst[n, m] = sum_k w[m, k] x[n, k]. ggml order: ne_0 = (K, M, w2, w3), ne_d = (M, N, x2, x3);

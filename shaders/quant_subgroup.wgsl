@@ -5,12 +5,10 @@
 // subgroup and handed to the other lanes by subgroupBroadcast, and each block of a weight row
 // is read word by word, each word once (q4_0: 5 words for 32 values, q8_0: 9, f16: 16),
 // rather than 4 values at a time with their scale. A workgroup is one subgroup of 8.
+// That streaming is written out for the types of the models at hand (f16, bf16, q8_0, q4_0,
+// q4_1); the others read their 4 rows through quad() (quant_blocks.wgsl), still sharing x.
 
-@group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
-
-const F16: u32 = 0u;
-const Q8_0: u32 = 1u;   // 34-byte blocks: f16 d, 32 x int8
-const Q4_0: u32 = 2u;   // 18-byte blocks: f16 d, 16 bytes of nibbles
+//#include quant_blocks.wgsl
 
 // The 4 bytes from byte 2 of the pair of words (w, next) on, or `next` itself when the
 // block starts at byte 2 of w (s = 16): q8_0 and q4_0 blocks are only 2-byte aligned, and
@@ -25,14 +23,15 @@ fn bytes_i8(q: u32) -> vec4f {
                        extractBits(v, 24u, 8u)));
 }
 
-// The nibbles of q at bit `at` (0: low, 4: high) of each byte, minus 8.
+// The nibbles of q at bit `at` (0: low, 4: high) of each byte.
 fn nibbles(q: u32, at: u32) -> vec4f {
-    let v = (q >> at) & 0x0F0F0F0Fu;
-    return vec4f(vec4u(v & 0xFFu, (v >> 8u) & 0xFFu, (v >> 16u) & 0xFFu, v >> 24u)) - 8.0;
+    return bytes4((q >> at) & 0x0F0F0F0Fu);
 }
 
-fn f16x4(lo: u32, hi: u32) -> vec4f {
-    return vec4f(unpack2x16float(lo), unpack2x16float(hi));
+// 4 values from the 2 words (lo, hi) of an f16 or bf16 row.
+fn halves4(t: u32, lo: u32, hi: u32) -> vec4f {
+    if (t == F16) { return vec4f(unpack2x16float(lo), unpack2x16float(hi)); }
+    return bitcast<vec4f>(vec4u(lo << 16u, lo & 0xFFFF0000u, hi << 16u, hi & 0xFFFF0000u));
 }
 
 // (dot(w[0], x), .., dot(w[3], x)): x against 4 weight rows.
@@ -64,7 +63,7 @@ fn mac16(acc: ptr<function, array<vec4f, 16>>, w: array<vec4f, 4>, x0: vec4f, x1
 // k_mul_mat_q_subgroup_<type>: operands and result as k_mul_mat_q. The workgroup computes 32
 // weight rows x 16 tokens: lane `lane` owns rows m0 .. m0 + 3 and loads the x of tokens
 // n0 + lane and n0 + 8 + lane. Per block of 32 values a lane reads 4 x 9 (q8_0) or 4 x 5
-// (q4_0) words of weight and 2 x 32 floats of x, for 2048 multiply-adds.
+// (q4_0, q4_1) words of weight and 2 x 32 floats of x, for 2048 multiply-adds.
 // One entry point per type, so that the type is a constant the compiler folds away
 // (measured on lavapipe: a quarter faster than branching on p.u.x).
 @compute @workgroup_size(8)
@@ -74,15 +73,69 @@ fn k_mul_mat_q_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
 }
 
 @compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
+fn k_mul_mat_q_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
                              @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q8_0, lane, flat_group(wid, nwg));
+    mul_mat_q_subgroup(BF16, lane, flat_group(wid, nwg));
 }
 
 @compute @workgroup_size(8)
 fn k_mul_mat_q_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
                              @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     mul_mat_q_subgroup(Q4_0, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q4_1, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q5_0, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q5_1, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q8_0, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q2_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q3_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q4_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q5_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
+                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_subgroup(Q6_K, lane, flat_group(wid, nwg));
 }
 
 fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
@@ -106,18 +159,18 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
     let x1 = (x_base + min(n0 + 8u + lane, N - 1u) * p.nb_1.y) / 4u;
     let bytes = p.off.y * 4u;
     var acc: array<vec4f, 16>;  // acc[j]: dst[n0 + j, m0 .. m0 + 3]
-    if (t == F16) {
+    if (t == F16 || t == BF16) {
         let w = bytes / 4u + row / 2u;                 // in words: 2 values per word
         for (var k = 0u; k < K / 4u; k++) {
             let wk = w + 2u * k;
-            let wq = array<vec4f, 4>(f16x4(src0_u32[wk.x], src0_u32[wk.x + 1u]),
-                                     f16x4(src0_u32[wk.y], src0_u32[wk.y + 1u]),
-                                     f16x4(src0_u32[wk.z], src0_u32[wk.z + 1u]),
-                                     f16x4(src0_u32[wk.w], src0_u32[wk.w + 1u]));
+            let wq = array<vec4f, 4>(halves4(t, src0_u32[wk.x], src0_u32[wk.x + 1u]),
+                                     halves4(t, src0_u32[wk.y], src0_u32[wk.y + 1u]),
+                                     halves4(t, src0_u32[wk.z], src0_u32[wk.z + 1u]),
+                                     halves4(t, src0_u32[wk.w], src0_u32[wk.w + 1u]));
             mac16(&acc, wq, src1_v4[x0 + k], src1_v4[x1 + k]);
         }
-    } else {
-        let size = select(18u, 34u, t == Q8_0);
+    } else if (t == Q8_0 || t == Q4_0 || t == Q4_1) {
+        let size = select(select(18u, 20u, t == Q4_1), 34u, t == Q8_0);
         for (var k = 0u; k < K; k += 32u) {
             let b = bytes + ((row + k) / 32u) * size;  // each row's block
             let s = (b & vec4u(2u)) * 8u;              // 16 where a block starts mid-word
@@ -139,21 +192,37 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                     mac16(&acc, wq, src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
                 }
             } else {
+                // q4_0: value d * (n - 8); q4_1 (20-byte blocks, word-aligned): d * n + m,
+                // m the second half of the first word
+                var m = vec4f(-8.0) * d;
+                if (t == Q4_1) {
+                    m = vec4f(unpack2x16float(prev.x).y, unpack2x16float(prev.y).y,
+                              unpack2x16float(prev.z).y, unpack2x16float(prev.w).y);
+                }
                 // word j of the nibbles holds values 4j .. 4j + 3 (low) and 16 + 4j .. (high)
                 for (var j = 0u; j < 4u; j++) {
                     w += 1u;
                     let next = vec4u(src0_u32[w.x], src0_u32[w.y], src0_u32[w.z], src0_u32[w.w]);
-                    let q = vec4u(after_d(prev.x, next.x, s.x), after_d(prev.y, next.y, s.y),
+                    var q = next;
+                    if (t == Q4_0) {
+                        q = vec4u(after_d(prev.x, next.x, s.x), after_d(prev.y, next.y, s.y),
                                   after_d(prev.z, next.z, s.z), after_d(prev.w, next.w, s.w));
+                    }
                     prev = next;
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 0u), d.y * nibbles(q.y, 0u),
-                                                d.z * nibbles(q.z, 0u), d.w * nibbles(q.w, 0u)),
+                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 0u) + m.x, d.y * nibbles(q.y, 0u) + m.y,
+                                                d.z * nibbles(q.z, 0u) + m.z, d.w * nibbles(q.w, 0u) + m.w),
                           src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 4u), d.y * nibbles(q.y, 4u),
-                                                d.z * nibbles(q.z, 4u), d.w * nibbles(q.w, 4u)),
+                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 4u) + m.x, d.y * nibbles(q.y, 4u) + m.y,
+                                                d.z * nibbles(q.z, 4u) + m.z, d.w * nibbles(q.w, 4u) + m.w),
                           src1_v4[x0 + xk + j + 4u], src1_v4[x1 + xk + j + 4u]);
                 }
             }
+        }
+    } else {
+        for (var k = 0u; k < K; k += 4u) {
+            let wq = array<vec4f, 4>(quad(t, row.x + k), quad(t, row.y + k), quad(t, row.z + k),
+                                     quad(t, row.w + k));
+            mac16(&acc, wq, src1_v4[x0 + k / 4u], src1_v4[x1 + k / 4u]);
         }
     }
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
@@ -166,14 +235,44 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
 }
 
 // k_mul_mat_q_back_subgroup_<type>: operands and result as k_mul_mat_q_back. The workgroup computes
-// 32 values of k (one block of the weight's rows) x 16 tokens: lane `lane` owns k0 .. k0 + 3
-// and loads g of tokens n0 + lane and n0 + 8 + lane. Per weight row m a lane reads 2 words
-// of the block (its 4 values; d comes from lane 0's first word); per 4 rows 2 vec4s of g,
-// for 256 multiply-adds.
+// 32 values of k (one block of the weight's rows, or an eighth of a k-quant's) x 16 tokens:
+// lane `lane` owns k0 .. k0 + 3 and loads g of tokens n0 + lane and n0 + 8 + lane. Per weight
+// row m a lane reads 2 words of the block (its 4 values; q4_0 and q8_0 take d from lane 0's
+// first word); per 4 rows 2 vec4s of g, for 256 multiply-adds.
 @compute @workgroup_size(8)
 fn k_mul_mat_q_back_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     mul_mat_q_back_subgroup(F16, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(BF16, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q4_0, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q4_1, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q5_0, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q5_1, lane, flat_group(wid, nwg));
 }
 
 @compute @workgroup_size(8)
@@ -183,19 +282,49 @@ fn k_mul_mat_q_back_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
 }
 
 @compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
+fn k_mul_mat_q_back_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
                                   @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_0, lane, flat_group(wid, nwg));
+    mul_mat_q_back_subgroup(Q2_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q3_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q4_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q5_K, lane, flat_group(wid, nwg));
+}
+
+@compute @workgroup_size(8)
+fn k_mul_mat_q_back_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
+                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    mul_mat_q_back_subgroup(Q6_K, lane, flat_group(wid, nwg));
 }
 
 // The 4 values k0 .. k0 + 3 of the weight row starting at value e, block kb .. kb + 31 of
 // it (each lane of the subgroup asks for its 4 values of the same block).
 fn back_quad(t: u32, lane: u32, e: u32, kb: u32, k0: u32) -> vec4f {
     let bytes = p.off.y * 4u;
-    if (t == F16) {
+    if (t == F16 || t == BF16) {
         let w = bytes / 4u + (e + k0) / 2u;
-        return f16x4(src0_u32[w], src0_u32[w + 1u]);
+        return halves4(t, src0_u32[w], src0_u32[w + 1u]);
     }
+    if (t == Q4_1) {   // word-aligned: d and m in word 0, the nibbles of lane % 4 in word 1 + ..
+        let w = (bytes + ((e + kb) / 32u) * 20u) / 4u;
+        let dm = unpack2x16float(src0_u32[w]);
+        return dm.x * nibbles(src0_u32[w + 1u + lane % 4u], 4u * (lane / 4u)) + dm.y;
+    }
+    if (t != Q8_0 && t != Q4_0) { return quad(t, e + k0); }
     let b = bytes + ((e + kb) / 32u) * select(18u, 34u, t == Q8_0);   // the block
     let s = (b & 2u) * 8u;
     // q8_0: values 4 lane .. from byte 2 + 4 lane of the block; q4_0: nibble word lane % 4,
@@ -205,7 +334,7 @@ fn back_quad(t: u32, lane: u32, e: u32, kb: u32, k0: u32) -> vec4f {
     let q = after_d(first, src0_u32[w + 1u], s);
     let d = unpack2x16float(subgroupBroadcast(first, 0u) >> s).x;      // lane 0: d's word
     if (t == Q8_0) { return d * bytes_i8(q); }
-    return d * nibbles(q, 4u * (lane / 4u));
+    return d * (nibbles(q, 4u * (lane / 4u)) - 8.0);
 }
 
 // acc[j] += w0 * g_j.x + w1 * g_j.y + w2 * g_j.z + w3 * g_j.w, the 16 tokens' g spread over
@@ -230,6 +359,15 @@ fn mac4x16(acc: ptr<function, array<vec4f, 16>>, w0: vec4f, w1: vec4f, w2: vec4f
     (*acc)[14] += w * subgroupBroadcast(gb, 6u);
     (*acc)[15] += w * subgroupBroadcast(gb, 7u);
 }
+// g of rows m .. m + 3 (0 past M) of the token whose row of g starts at `at`, any stride.
+fn g_rows4(at: u32, m: u32, M: u32) -> vec4f {
+    var v = vec4f();
+    for (var r = 0u; r < 4u; r++) {
+        let i = at + (m + r) * p.nb_1.x;
+        if (m + r < M) { v[r] = src1_v4[i / 4u][i % 4u]; }
+    }
+    return v;
+}
 
 fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     if (g >= p.n) { return; }  // the whole workgroup
@@ -249,25 +387,25 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     let g0 = g_base + min(n0 + lane, N - 1u) * p.nb_1.y;
     let g1 = g_base + min(n0 + 8u + lane, N - 1u) * p.nb_1.y;
     var acc: array<vec4f, 16>;  // acc[j]: dst[n0 + j, k0 .. k0 + 3]
-    // 4 rows at a time, g read as vec4s along m where its layout allows (p.u.x == 1), then
-    // the rows left one at a time
+    // 4 rows at a time (rows past M repeat the last one, against a g of 0), g read as vec4s
+    // along m where its layout allows (p.u.x == 1), else value by value. One mac4x16 in the
+    // loop: each inlined copy costs lavapipe seconds of shader compilation.
     let m4 = select(0u, M / 4u, p.u.x == 1u) * 4u;
-    for (var m = 0u; m < m4; m += 4u) {
+    for (var m = 0u; m < M; m += 4u) {
         let w0 = back_quad(t, lane, w_base + m * K, kb, k0);
-        let w1 = back_quad(t, lane, w_base + (m + 1u) * K, kb, k0);
-        let w2 = back_quad(t, lane, w_base + (m + 2u) * K, kb, k0);
-        let w3 = back_quad(t, lane, w_base + (m + 3u) * K, kb, k0);
-        let ga = src1_v4[(g0 + m) / 4u];
-        let gb = src1_v4[(g1 + m) / 4u];
+        let w1 = back_quad(t, lane, w_base + min(m + 1u, M - 1u) * K, kb, k0);
+        let w2 = back_quad(t, lane, w_base + min(m + 2u, M - 1u) * K, kb, k0);
+        let w3 = back_quad(t, lane, w_base + min(m + 3u, M - 1u) * K, kb, k0);
+        var ga: vec4f;
+        var gb: vec4f;
+        if (m < m4) {
+            ga = src1_v4[(g0 + m) / 4u];
+            gb = src1_v4[(g1 + m) / 4u];
+        } else {
+            ga = g_rows4(g0, m, M);
+            gb = g_rows4(g1, m, M);
+        }
         mac4x16(&acc, w0, w1, w2, w3, ga, gb);
-    }
-    for (var m = m4; m < M; m++) {
-        let wq = back_quad(t, lane, w_base + m * K, kb, k0);
-        let ia = g0 + m * p.nb_1.x;
-        let ib = g1 + m * p.nb_1.x;
-        let z = vec4f();
-        mac4x16(&acc, wq, z, z, z, vec4f(src1_v4[ia / 4u][ia % 4u], 0.0, 0.0, 0.0),
-                vec4f(src1_v4[ib / 4u][ib % 4u], 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;

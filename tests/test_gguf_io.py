@@ -423,8 +423,8 @@ def test_tensor_with_wrong_shape_missing_or_unexpected(tmp_path):
 def test_unsupported_tensor_type(tmp_path):
     path = forge(tmp_path / "a.gguf", tensors={"blk.0.attn_q.weight": np.zeros((8, 8), np.int32)})
     raises_naming(path, "blk.0.attn_q.weight", "I32")
-    # a quantized type ggwgpu does not read: Q4_1, blocks of 32 values in 20 bytes (n_embd 32
-    # for whole blocks)
+    # a quantized type ggwgpu does not read: IQ4_NL, blocks of 32 values in 18 bytes (n_embd
+    # 32 for whole blocks)
     cfg = LlamaConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     path = tmp_path / "q.gguf"
     writer = GGUFWriter(path, "llama")
@@ -433,15 +433,15 @@ def test_unsupported_tensor_type(tmp_path):
             writer.add_key_value(key, value, vtype)
     for name, shape in parameter_shapes(cfg).items():
         if name == "blk.0.attn_q.weight":
-            writer.add_tensor(name, np.zeros((32, 20), np.uint8),
-                              raw_dtype=GGMLQuantizationType.Q4_1)
+            writer.add_tensor(name, np.zeros((32, 18), np.uint8),
+                              raw_dtype=GGMLQuantizationType.IQ4_NL)
         else:
             writer.add_tensor(name, np.zeros(shape, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    raises_naming(path, "blk.0.attn_q.weight", "Q4_1")
+    raises_naming(path, "blk.0.attn_q.weight", "IQ4_NL")
 
 
 def test_vocabulary_size_mismatch(tmp_path):

@@ -1,6 +1,9 @@
-"""Frozen weights in f16, q8_0 and q4_0: the quantizers against gguf-py's, the kernels that
-dequantize inside mul_mat and get_rows against NumPy dequantize-then-f32, a llama whose base
-is quantized constants against the same llama in f32, GGUF files and `ggwgpu quantize`."""
+"""Frozen weights in every block type of ggwgpu.quant: the type table against gguf-py and the
+shaders, the kernels that dequantize inside mul_mat and get_rows against NumPy
+dequantize-then-f32 (gguf.quants' values), a llama whose base is quantized constants against
+the same llama in f32, GGUF files mixing every type, and `ggwgpu quantize`."""
+import re
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -13,12 +16,12 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.gguf_io import GGUFError, load_model, save_model
 from ggwgpu.models.llama import (LlamaConfig, attention, feed_forward, init_parameters,
                                  project_qkv, weighted_rms_norm)
-from ggwgpu.quant import QUANT_TYPES, Quantized, dequantize, quantize, quantize_model
+from ggwgpu.backends.wgpu_backend import shader_dir
+from ggwgpu.quant import (QUANT_TYPES, QUANTIZABLE, TYPES, Quantized, dequantize, quantize,
+                          quantize_model, random_blocks)
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli import main as cli_main
 
-GGML = {"f16": GGMLQuantizationType.F16, "q8_0": GGMLQuantizationType.Q8_0,
-        "q4_0": GGMLQuantizationType.Q4_0}
 NMSE = 1e-7     # kernel against NumPy: both products see the same dequantized values
 # n_embd and n_ff multiples of 32: every matrix is quantized; byte vocabulary as `train`
 TINY = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=64, n_head=2, n_layer=2, n_ff=96,
@@ -38,14 +41,44 @@ def awkward_rows(rng):
     return x
 
 
-@pytest.mark.parametrize("dtype", QUANT_TYPES)
-def test_quantize_matches_gguf_py_bit_for_bit(dtype):
-    x = awkward_rows(np.random.default_rng(0))
+# 5 rows of 64 values: bytes, and the largest error |x - dequantize(quantize(x))| as a share
+# of each block's largest |x|: half a step of the type's grid (a whole one at the far end of
+# the symmetric 4- and 5-bit grids), plus the f16 scales' rounding
+ROUND_TRIP = {"f16": (640, 2 ** -11), "bf16": (640, 2 ** -8), "q4_0": (180, 1 / 8 + 2e-3),
+              "q4_1": (200, 1 / 15 + 2e-3), "q5_0": (220, 1 / 16 + 2e-3),
+              "q5_1": (240, 1 / 31 + 2e-3), "q8_0": (340, 1 / 254 + 2e-3)}
+
+
+@pytest.mark.parametrize("dtype", QUANTIZABLE)
+def test_quantize_round_trips_within_half_a_step(dtype):
+    x = np.delete(awkward_rows(np.random.default_rng(0)), 3, axis=0)   # no f16 subnormals
     q = quantize(x, dtype)
-    theirs = gguf_quants.quantize(x, GGML[dtype])
-    np.testing.assert_array_equal(q.data, theirs.view(np.uint8).reshape(-1))
-    np.testing.assert_array_equal(dequantize(q), gguf_quants.dequantize(theirs, GGML[dtype]))
-    assert q.nbytes == {"f16": 768, "q8_0": 408, "q4_0": 216}[dtype]
+    nbytes, share = ROUND_TRIP[dtype]
+    assert q.nbytes == nbytes
+    err = np.abs(dequantize(q) - x).reshape(-1, 32)
+    largest = np.abs(x).reshape(-1, 32).max(axis=1, keepdims=True)
+    assert (err <= share * largest).all()
+    np.testing.assert_array_equal(dequantize(q)[0], 0)
+
+
+def test_the_type_table_matches_gguf_py_and_the_shaders():
+    """Sizes are gguf-py's; the kernels' type codes are the table's order; k-quants come
+    from files only, and `random_blocks` makes valid ones (finite, about [-1, 1])."""
+    source = (shader_dir() / "quant_blocks.wgsl").read_text()
+    codes = {name.lower(): int(code)
+             for name, code in re.findall(r"const (\w+): u32 = (\d+)u;", source)}
+    assert codes == {name: code for code, name in enumerate(TYPES)}
+    assert gg.ops.quant.TYPE_CODE == codes
+    for name, t in TYPES.items():
+        assert gguf_quants.GGML_QUANT_SIZES[t.ggml] == (t.block, t.size)
+        assert (name in QUANTIZABLE) == (t.block < 256)
+    rng = np.random.default_rng(3)
+    for name in QUANT_TYPES:
+        q = random_blocks(name, (3, 512), rng)
+        values = dequantize(q)
+        np.testing.assert_array_equal(values, gguf_quants.dequantize(
+            q.data.reshape(3, -1), TYPES[name].ggml))
+        assert np.isfinite(values).all() and 0.2 < np.abs(values).max() <= 2.5, name
 
 
 def test_quantized_values_check_their_rows_and_bytes():
@@ -53,8 +86,10 @@ def test_quantized_values_check_their_rows_and_bytes():
         quantize(np.zeros((2, 48)), "q4_0")
     with pytest.raises(ValueError, match="bytes of blocks"):
         Quantized("q8_0", (2, 32), np.zeros(34, np.uint8))
-    with pytest.raises(ValueError, match="q5_0"):
-        quantize(np.zeros(32), "q5_0")
+    with pytest.raises(ValueError, match="cannot quantize to 'q4_k'"):
+        quantize(np.zeros(256), "q4_k")
+    with pytest.raises(ValueError, match="unknown block type 'iq4_nl'"):
+        Quantized("iq4_nl", (1, 32), np.zeros(18, np.uint8))
 
 
 def test_frozen_weights_route_mul_mat_and_get_rows_and_stay_frozen():
@@ -77,8 +112,8 @@ def test_frozen_weights_route_mul_mat_and_get_rows_and_stay_frozen():
 
 def product_case(dtype, seed=0):
     rng = np.random.default_rng(seed)
-    w = quantize(rng.uniform(-1, 1, (70, 96)), dtype)
-    x = rng.uniform(-1, 1, (2, 33, 96)).astype(np.float32)
+    w = random_blocks(dtype, (70, 256), rng)
+    x = rng.uniform(-1, 1, (2, 33, 256)).astype(np.float32)
     r = rng.uniform(-1, 1, (2, 33, 70)).astype(np.float32)
     return w, x, r
 
@@ -140,12 +175,11 @@ def llama_forward(cfg, leaves: dict, batch: int):
     tokens = gg.input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = gg.input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = gg.input_tensor((batch * cfg.n_ctx,), "i32", name="targets")
-    heads = (batch, cfg.n_ctx, cfg.n_head, cfg.head_dim)
     x = gg.get_rows(leaves["token_embd.weight"], tokens)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        q, k, v = project_qkv(cfg, leaves, b, x, heads, positions)
-        att = gg.reshape(gg.cont(attention(cfg, q, k, v, False)), (batch, cfg.n_ctx, cfg.n_embd))
+        q, k, v = project_qkv(cfg, leaves, b, x, (batch, cfg.n_ctx), positions)
+        att = gg.reshape(gg.cont(attention(cfg, q, k, v, False)), (batch, cfg.n_ctx, cfg.q_dim))
         x = feed_forward(cfg, leaves, b, gg.add(x, gg.mul_mat(leaves[b + "attn_output.weight"],
                                                                att)))
     logits = gg.mul_mat(leaves["output.weight"],
@@ -177,7 +211,7 @@ def llama_outputs(backend, cfg, values, batch=2):
     return plan.read(logits), {p.name: plan.read(g) for p, g in grads.items()}
 
 
-@pytest.mark.parametrize("dtype", ["q4_0", "q8_0"])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
 def test_a_llama_on_a_quantized_base_matches_its_dequantized_f32_twin(wgpu, dtype):
     values = quantize_model(init_parameters(TINY, seed=2), dtype)
     assert sum(isinstance(v, Quantized) for v in values.values()) == 2 + 7 * TINY.n_layer
@@ -222,42 +256,102 @@ def test_a_quantized_model_file_round_trips_its_bytes(tmp_path):
     assert gguf_io.field_value(reader.fields["general.file_type"]) == 2    # MOSTLY_Q4_0
 
 
-def test_unsupported_tensor_types_are_named(tmp_path):
-    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=32, n_head=2, n_layer=1, n_ff=32,
-                      n_ctx=4)
-    path = tmp_path / "q5.gguf"
+def write_llama(path, cfg, tensors: dict):
+    """A llama GGUF written by gguf-py itself: float arrays, `Quantized` values, or raw
+    (uint8 rows, GGML type) pairs."""
     writer = GGUFWriter(path, "llama")
     for key, (value, vtype) in gguf_io._model_metadata(path, cfg, ByteTokenizer(), None).items():
         if key != "general.architecture":
             writer.add_key_value(key, value, vtype)
-    for name, value in init_parameters(cfg).items():
-        if name == "blk.0.ffn_up.weight":   # Q5_0: 32 values in 22 bytes
-            writer.add_tensor(name, np.zeros((32, 22), np.uint8),
-                              raw_dtype=GGMLQuantizationType.Q5_0)
+    for name, value in tensors.items():
+        if isinstance(value, Quantized):
+            writer.add_tensor(name, value.data.reshape(value.shape[:-1] + (-1,)),
+                              raw_dtype=TYPES[value.dtype].ggml)
+        elif isinstance(value, tuple):
+            writer.add_tensor(name, value[0], raw_dtype=value[1])
         else:
             writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+# rows of 256 values: every matrix can take every type
+WIDE = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=4, n_layer=2, n_ff=256,
+                   n_ctx=8)
+
+
+def test_a_gguf_file_mixing_every_type_loads_each_in_its_type(wgpu, tmp_path):
+    """16 matrices in F32 and the 12 block types (gguf.quants' quantizers, random valid
+    k-quant blocks): keep_quantized gives each in its type with its bytes, dequantized as
+    gguf.quants does, and a llama on that base runs on the device as on its f32 twin."""
+    rng = np.random.default_rng(7)
+    values = init_parameters(WIDE, seed=7)
+    matrices = [n for n, v in values.items() if v.ndim == 2]
+    kinds = (["f32"] + list(QUANT_TYPES)) * 2
+    written = dict(values)
+    for name, kind in zip(matrices, kinds):
+        if kind != "f32":
+            written[name] = random_blocks(kind, values[name].shape, rng, scale=0.1)
+    path = tmp_path / "mixed.gguf"
+    write_llama(path, WIDE, written)
+
+    reader = {t.name: t for t in GGUFReader(path).tensors}
+    _, kept, _ = load_model(path, keep_quantized=True)
+    _, dense, _ = load_model(path)
+    assert {kept[n].dtype if isinstance(kept[n], Quantized) else "f32" for n in matrices} \
+        == {"f32", *QUANT_TYPES}
+    for name, value in written.items():
+        theirs = gguf_quants.dequantize(reader[name].data, reader[name].tensor_type)
+        if isinstance(value, Quantized):
+            assert (kept[name].dtype, kept[name].shape) == (value.dtype, value.shape), name
+            np.testing.assert_array_equal(kept[name].data, value.data)
+            np.testing.assert_array_equal(dequantize(kept[name]), theirs.reshape(value.shape))
+        else:
+            np.testing.assert_array_equal(kept[name], value)
+        np.testing.assert_array_equal(dense[name], theirs.reshape(values[name].shape))
+
+    logits, grads = llama_outputs(wgpu, WIDE, kept)
+    ref_logits, ref_grads = llama_outputs(wgpu, WIDE, dense)
+    assert testing.nmse(logits, ref_logits) < NMSE
+    for name, g in grads.items():
+        assert testing.nmse(g, ref_grads[name]) < 1e-6, name
+
+
+def test_unsupported_tensor_types_are_named(tmp_path):
+    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=32, n_head=2, n_layer=1, n_ff=32,
+                      n_ctx=4)
+    path = tmp_path / "iq4.gguf"
+    tensors = dict(init_parameters(cfg))
+    # IQ4_NL: 32 values in 18 bytes, a type ggwgpu does not read
+    tensors["blk.0.ffn_up.weight"] = (np.zeros((32, 18), np.uint8), GGMLQuantizationType.IQ4_NL)
+    write_llama(path, cfg, tensors)
     for keep in (False, True):
-        with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight has type Q5_0"):
+        with pytest.raises(GGUFError, match=r"blk\.0\.ffn_up\.weight has type IQ4_NL"):
             load_model(path, keep_quantized=keep)
 
 
-def test_quantize_command_makes_a_q4_0_base(tmp_path):
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "bf16"])
+def test_quantize_command_makes_a_frozen_base(tmp_path, dtype):
     values = init_parameters(TINY, seed=6)
     save_model(tmp_path / "f32.gguf", TINY, values, ByteTokenizer())
     result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "f32.gguf"),
-                                               str(tmp_path / "q4.gguf"), "--type", "q4_0"])
+                                               str(tmp_path / "q.gguf"), "--type", dtype])
     assert result.exit_code == 0, result.output
-    assert "16 of 21 tensors in q4_0" in result.output
-    _, kept, _ = load_model(tmp_path / "q4.gguf", keep_quantized=True)
+    assert f"16 of 21 tensors in {dtype}" in result.output
+    _, kept, _ = load_model(tmp_path / "q.gguf", keep_quantized=True)
     for name, value in values.items():
         if value.ndim == 2:
-            np.testing.assert_array_equal(kept[name].data, quantize(value, "q4_0").data)
+            assert kept[name].dtype == dtype
+            np.testing.assert_array_equal(kept[name].data, quantize(value, dtype).data)
         else:
             np.testing.assert_array_equal(kept[name], value)
+    assert gguf_io.field_value(GGUFReader(tmp_path / "q.gguf").fields["general.file_type"]) \
+        == TYPES[dtype].file_type
+    result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "q.gguf"),
+                                               str(tmp_path / "k.gguf"), "--type", "q4_k"])
+    assert result.exit_code != 0 and "q4_k" in result.output
     result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "none.gguf"),
                                                str(tmp_path / "x.gguf")])
     assert result.exit_code != 0 and "no such file" in result.output

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 import sys
 import tempfile
@@ -60,9 +61,12 @@ def shader_dir() -> Path:
 
 
 def shader_source(stem: str) -> str:
-    """The common header followed by the op family's file."""
+    """The common header followed by the op family's file, in which a line
+    `//#include NAME.wgsl` stands for that file's text (code two files share)."""
     d = shader_dir()
-    return (d / "common.wgsl").read_text() + "\n" + (d / f"{stem}.wgsl").read_text()
+    text = re.sub(r"^//#include (\w+\.wgsl)$", lambda m: (d / m[1]).read_text(),
+                  (d / f"{stem}.wgsl").read_text(), flags=re.M)
+    return (d / "common.wgsl").read_text() + "\n" + text
 
 
 def kernel_name(entry: str) -> str:

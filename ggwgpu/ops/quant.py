@@ -1,5 +1,6 @@
-"""Ops that read frozen weights stored in a block type (f16, q8_0, q4_0; ggwgpu/quant.py),
-dequantizing inside the kernel. Shader: shaders/quant.wgsl.
+"""Ops that read frozen weights stored in a block type (f16, bf16, q4_0 .. q8_0, q2_k ..
+q6_k: ggwgpu/quant.py's TYPES), dequantizing inside the kernel. Shaders: shaders/quant.wgsl
+and quant_subgroup.wgsl, both dequantizing through shaders/quant_blocks.wgsl.
 
     mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32 -> [.., N, M] = x @ w.T
     mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32 -> [.., N, K] = g @ w
@@ -12,8 +13,8 @@ over the same blocks (mul_mat_q_back), not a dequantize into f32 scratch followe
 product: no f32 copy of any weight ever exists, and the blocks are read as often as the
 forward reads them. The two are each other's backward.
 
-The kernels read 4 values at a time (a "quad"), so f16 rows must hold a multiple of 4
-values (q8_0 and q4_0 rows are multiples of 32 anyway). Frozen operands must be whole,
+The kernels read 4 values at a time (a "quad"), so f16 and bf16 rows must hold a multiple
+of 4 values (block types' rows are multiples of 32 or 256 anyway). Frozen operands must be whole,
 contiguous tensors (a constant or a reshape of one).
 """
 from __future__ import annotations
@@ -21,20 +22,20 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..quant import QUANT_TYPES, dequantize
+from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_ref, product_shape, vec4_ready
 from .registry import Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
-TYPE_CODE = {"f16": 0, "q8_0": 1, "q4_0": 2}   # p.u.x of the kernels (shaders/quant.wgsl)
+# p.u.x of the portable kernels: the table's order (the constants of shaders/quant_blocks.wgsl)
+TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
 # The kernels of mul_mat_q and mul_mat_q_back by variant, chosen per adapter as matmul's are
 # (WgpuBackend.kernel_variants): 'portable' (quant.wgsl) runs anywhere; 'subgroup'
 # (quant_subgroup.wgsl) shares loads through subgroup broadcasts, as CPU adapters want.
 # Per variant: (shader file, tile of the forward (M, N), tile of the backward (K, N)).
 KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
            "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
-assert set(TYPE_CODE) == set(QUANT_TYPES)
 
 
 def check_frozen(w):
@@ -43,7 +44,7 @@ def check_frozen(w):
     if w.offset or not w.is_contiguous():
         raise ShapeError(f"a {w.dtype} weight must be whole and contiguous (a constant or a "
                          f"reshape of one)")
-    quad = 4 if w.dtype == "f16" else 32
+    quad = max(4, TYPES[w.dtype].block)
     if w.shape[-1] % quad:
         raise ShapeError(f"{w.dtype} rows must hold a multiple of {quad} values, got "
                          f"{w.shape[-1]}")
@@ -80,16 +81,24 @@ def mul_mat_q_dispatch(node, variant="portable"):
                             workgroups=groups, shader=shader)]
 
 
+# The gradient rule and the f32 operand's strided and permuted layouts do not depend on the
+# weight's type: their cases run for one type of each kind, the rest for every type.
+SAMPLE_TYPES = ("f16", "q4_0", "q8_0", "q4_k")
+
+
 def frozen_cases(shapes, grad_limit=400):
-    """One case per block type for each (weight shape, other operand) pair; finite
-    differences only where the f32 operand is small."""
+    """One case per block type for each (weight shape, other operand) pair whose rows fit the
+    type: rows of 12 and 44 for f16 and bf16 only, rows of 256 and 512 for every type (the
+    k-quants' only cases); finite differences only where the f32 operand is small."""
     cases = []
     for dtype in QUANT_TYPES:
         for w_shape, other in shapes:
-            if w_shape[-1] % 32 and dtype != "f16":
+            if w_shape[-1] % max(4, TYPES[dtype].block) or (
+                    other.layout != "contiguous" and dtype not in SAMPLE_TYPES):
                 continue
             cases.append(Case((Input(w_shape, dtype=dtype), other),
-                              grad=int(np.prod(other.shape)) <= grad_limit))
+                              grad=dtype in SAMPLE_TYPES
+                              and int(np.prod(other.shape)) <= grad_limit))
     return cases
 
 
@@ -108,8 +117,10 @@ mul_mat_q = register(
         ((7, 12), Input((5, 12))),                            # f16 only: rows of 12
         ((36, 44), Input((5, 44))),                           # f16 only: a block and 12
         ((67, 128), Input((2, 37, 128))),
-        ((70, 96), Input((2, 19, 96)))]),                     # tiles of 32 x 16 cut
-    doc="ggml_mul_mat with a frozen weight: w [.., M, K] in f16, q8_0 or q4_0, x [.., N, K] "
+        ((70, 96), Input((2, 19, 96))),                       # tiles of 32 x 16 cut
+        ((3, 256), Input((1, 256))),                          # k-quants: small enough for fd
+        ((33, 512), Input((2, 17, 512)))]),                   # k-quants: tiles cut, batches
+    doc="ggml_mul_mat with a frozen weight: w [.., M, K] in a block type, x [.., N, K] "
         "f32 -> [.., N, M] = x @ w.T, dequantized inside the kernel; w broadcast over x's "
         "batch dims. mul_mat(w, x) becomes this when w is frozen.")
 
@@ -151,7 +162,9 @@ mul_mat_q_back = register(
         ((7, 12), Input((5, 7))),
         ((36, 44), Input((5, 36))),                           # f16 only: a block and 12
         ((67, 128), Input((2, 37, 67))),
-        ((68, 96), Input((2, 19, 68)))]),                     # g read as vec4s
+        ((68, 96), Input((2, 19, 68))),                       # g read as vec4s
+        ((3, 256), Input((1, 3))),                            # k-quants
+        ((36, 512), Input((2, 17, 36)))]),
     doc="The gradient of mul_mat_q w.r.t. x: w [.., M, K] frozen, g [.., N, M] f32 -> "
         "[.., N, K] = g @ w, dequantized inside the kernel; w broadcast over g's batch dims.")
 
@@ -178,8 +191,10 @@ get_rows_q = register(
                    for t, ids in [((5, 32), Input((9,), 0, 5, dtype="i32")),
                                   ((3, 64), Input((2, 13), 0, 3, dtype="i32")),
                                   ((6, 32), Input((5, 3), 0, 6, "permuted", "i32")),
-                                  ((300, 96), Input((4, 70), 0, 300, dtype="i32"))]],
-    doc="get_rows from a frozen table: table [n_rows, n_cols] in f16, q8_0 or q4_0, int32 "
+                                  ((300, 96), Input((4, 70), 0, 300, dtype="i32")),
+                                  ((7, 256), Input((2, 5), 0, 7, dtype="i32"))]
+                   if t[-1] % max(4, TYPES[dtype].block) == 0],
+    doc="get_rows from a frozen table: table [n_rows, n_cols] in a block type, int32 "
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
 

@@ -88,7 +88,7 @@ class OpDef:
     uniforms: Callable = lambda node: {}   # node -> {"f": (...), "u": (...)} for the shader
     doc: str = ""
     frozen_variant: str | None = None   # the op that takes over when source 0 is a frozen
-                                        # block-type weight (f16, q8_0, q4_0; ops/quant.py)
+                                        # block-type weight (ggwgpu.quant.TYPES; ops/quant.py)
     # kernel variants of the op's shader family; `dispatches` then takes (node, variant) and
     # the backend picks one per adapter (dispatches_on)
     variants: tuple[str, ...] = ()
