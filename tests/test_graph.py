@@ -219,6 +219,19 @@ def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):
             np.testing.assert_allclose(plan.read(w), expected[w], rtol=1e-5)
 
 
+
+def test_a_reader_of_a_written_tensor_runs_before_the_write_unless_it_depends_on_it():
+    buf, a = gg.input_tensor((3,), name="buf"), gg.input_tensor((3,), name="a")
+    w = gg.cpy(a, buf)
+    y = gg.add(buf, gg.neg(w))   # reads buf, and depends on the write through neg(w)
+    r = gg.neg(buf)              # reads buf only: sees the old contents
+    order = gg.topo_order([y, r])
+    assert order.index(r) < order.index(w) < order.index(y)
+    old, new = np.array([1.0, 2.0, 3.0]), np.array([5.0, 7.0, 9.0])
+    got_y, got_r = NumpyBackend(np.float64).compute([y, r], {buf: old, a: new})
+    np.testing.assert_array_equal(got_r, -old)
+    np.testing.assert_array_equal(got_y, np.zeros(3))   # new buf + (-new buf)
+
 PACKAGE = str(Path(gg.__file__).parent)
 
 
