@@ -87,3 +87,21 @@ def test_memory_report_sorts_the_planned_bytes_by_role():
     assert memory["state"] >= 2 * 4 * 32
     assert memory["inputs"] == 4 * (24 + 7)
     assert 0 < memory["peak"] <= memory["planned"]
+
+
+def test_numpy_dequantizes_a_frozen_weight_once_and_again_after_a_write():
+    from ggwgpu.quant import dequantize, quantize
+    rng = np.random.default_rng(2)
+    first, second = (quantize(rng.uniform(-1, 1, (6, 32)), "q4_1") for _ in range(2))
+    w, x = gg.constant(first, name="w"), gg.input_tensor((3, 32), name="x")
+    y, rows = gg.mul_mat(w, x), gg.get_rows(w, gg.input_tensor((2,), "i32", name="ids"))
+    plan = NumpyBackend().plan([y, rows])
+    feeds = {x: rng.uniform(-1, 1, (3, 32)).astype(np.float32),
+             rows.srcs[1]: np.array([5, 0], np.int32)}
+    for value in (first, second):
+        if value is second:
+            plan.write(w, second)
+        plan.run(feeds)
+        dense = dequantize(value)
+        np.testing.assert_allclose(plan.read(y), feeds[x] @ dense.T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(plan.read(rows), dense[[5, 0]])

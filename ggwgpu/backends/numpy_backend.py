@@ -1,5 +1,7 @@
 """The reference backend: every op runs its registry's NumPy function, in float32 or float64.
-Frozen block-type weights stay raw blocks; the references that read them dequantize."""
+Frozen block-type weights stay raw blocks in the plan's storage; the ops that read them get
+their values dequantized once per plan (and again after a write), not at every run: the
+references would dequantize every weight at every step, many times the cost of the products."""
 from __future__ import annotations
 
 import time
@@ -7,6 +9,7 @@ import time
 import numpy as np
 
 from ..ops import OPS
+from ..quant import dequantize
 from ..tensor import Tensor
 from .base import Backend, Plan, guarded_block
 
@@ -31,8 +34,10 @@ def out_prod_rows(a, b):
 
 
 # Faster kernels than the references for the hot ops of a training step, with the same
-# results up to float rounding (tests/test_backends.py).
-FAST = {"mul_mat": mul_mat_rows, "out_prod": out_prod_rows}
+# results up to float rounding (tests/test_backends.py). The frozen-weight products see their
+# weight dequantized (NumpyPlan.dense).
+FAST = {"mul_mat": mul_mat_rows, "out_prod": out_prod_rows, "mul_mat_q": mul_mat_rows,
+        "mul_mat_q_back": lambda w, g: mul_mat_rows(np.swapaxes(w, -1, -2), g)}
 
 
 class NumpyPlan(Plan):
@@ -40,6 +45,7 @@ class NumpyPlan(Plan):
         super().__init__(outputs, sentinel)
         self.float_dtype = backend.float_dtype
         self.storage = {}
+        self.dense = {}     # id(block-type storage) -> its values, as float arrays
         for root in self.roots:
             dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
             self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
@@ -47,8 +53,17 @@ class NumpyPlan(Plan):
                 self.write(root, root.value)
         # storage never moves: every node's views are made once, as its kernel
         self.steps = [(FAST.get(node.op, OPS[node.op].reference),
-                       [self.array(s) for s in node.srcs], self.array(node), node.params)
+                       [self.dense_array(s) if s.is_quantized else self.array(s)
+                        for s in node.srcs], self.array(node), node.params)
                       for node in self.nodes]
+
+    def dense_array(self, t: Tensor) -> np.ndarray:
+        """The values of block-type tensor t, dequantized once into an array that `write`
+        keeps up to date (the ops' references take a float array as well as blocks)."""
+        key = id(t.storage)
+        if key not in self.dense:
+            self.dense[key] = dequantize(self.array(t)).astype(self.float_dtype)
+        return self.dense[key].reshape(t.shape)
 
     def array(self, t: Tensor):
         """A writable NumPy view of t inside its storage block (a Quantized view of the
@@ -87,6 +102,9 @@ class NumpyPlan(Plan):
         value = self._check_value(t, value)
         if t.is_quantized:
             self.array(t).data[...] = value.data
+            dense = self.dense.get(id(t.storage))
+            if dense is not None:
+                dense[...] = dequantize(value).reshape(dense.shape)
         else:
             np.copyto(self.array(t), value, casting="unsafe")
 

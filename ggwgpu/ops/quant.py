@@ -50,6 +50,12 @@ def check_frozen(w):
                          f"{w.shape[-1]}")
 
 
+def values(w) -> np.ndarray:
+    """A frozen weight's values: its blocks dequantized, or the float array the NumPy
+    backend already dequantized them into."""
+    return w if isinstance(w, np.ndarray) else dequantize(w)
+
+
 def tiles(n: int, size: int) -> int:
     return -(-n // size)
 
@@ -104,7 +110,7 @@ def frozen_cases(shapes, grad_limit=400):
 
 mul_mat_q = register(
     "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
-    reference=lambda w, x: mul_mat_ref(dequantize(w).astype(x.dtype), x),
+    reference=lambda w, x: mul_mat_ref(values(w).astype(x.dtype), x),
     dispatches=mul_mat_q_dispatch, variants=tuple(KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
     cases=lambda: frozen_cases([
@@ -149,7 +155,7 @@ def mul_mat_q_back_dispatch(node, variant="portable"):
 
 mul_mat_q_back = register(
     "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
-    reference=lambda w, g: mul_mat_ref(np.swapaxes(dequantize(w), -1, -2).astype(g.dtype), g),
+    reference=lambda w, g: mul_mat_ref(np.swapaxes(values(w), -1, -2).astype(g.dtype), g),
     dispatches=mul_mat_q_back_dispatch, variants=tuple(KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
     cases=lambda: frozen_cases([
@@ -182,7 +188,7 @@ def get_rows_q_shape(srcs):
 
 get_rows_q = register(
     "get_rows_q", n_srcs=2, shape=get_rows_q_shape, shader="quant",
-    reference=lambda table, ids: get_rows_ref(dequantize(table), ids),
+    reference=lambda table, ids: get_rows_ref(values(table), ids),
     uniforms=lambda n: {"u": (TYPE_CODE[n.srcs[0].dtype],)},
     no_grad=(0, 1),   # a frozen table and ids: nothing here takes a gradient
     backward=lambda n, g: (None, None),
