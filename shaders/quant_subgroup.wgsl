@@ -6,7 +6,8 @@
 // is read word by word, each word once (q4_0: 5 words for 32 values, q8_0: 9, f16: 16),
 // rather than 4 values at a time with their scale. A workgroup is one subgroup of 8.
 // That streaming is written out for the types of the models at hand (f16, bf16, q8_0, q4_0,
-// q4_1); the others read their 4 rows through quad() (quant_blocks.wgsl), still sharing x.
+// q4_1); the others read their 4 rows through coef() and codes() (quant_blocks.wgsl), each
+// row's scale once per 16 values, still sharing x.
 
 //#include quant_blocks.wgsl
 
@@ -219,10 +220,18 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
             }
         }
     } else {
-        for (var k = 0u; k < K; k += 4u) {
-            let wq = array<vec4f, 4>(quad(t, row.x + k), quad(t, row.y + k), quad(t, row.z + k),
-                                     quad(t, row.w + k));
-            mac16(&acc, wq, src1_v4[x0 + k / 4u], src1_v4[x1 + k / 4u]);
+        // 16 values at a time (a sub-block or a part of one): each row's scale and offset
+        // once, then 4 quads of codes
+        for (var k = 0u; k < K; k += 16u) {
+            let c = array<vec2f, 4>(coef(t, row.x + k), coef(t, row.y + k), coef(t, row.z + k),
+                                    coef(t, row.w + k));
+            for (var e = k; e < k + 16u; e += 4u) {
+                let wq = array<vec4f, 4>(c[0].x * codes(t, row.x + e) + c[0].y,
+                                         c[1].x * codes(t, row.y + e) + c[1].y,
+                                         c[2].x * codes(t, row.z + e) + c[2].y,
+                                         c[3].x * codes(t, row.w + e) + c[3].y);
+                mac16(&acc, wq, src1_v4[x0 + e / 4u], src1_v4[x1 + e / 4u]);
+            }
         }
     }
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
