@@ -2,8 +2,8 @@
 
 Model file (`save_model` / `load_model`)
     general.architecture "llama", general.name, general.type "model", general.file_type 0
-    (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
-    1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
+    (0: all f32, else the block type holding most values, e.g. 1 MOSTLY_F16, 2 MOSTLY_Q4_0,
+    7 MOSTLY_Q8_0); llama.context_length, .embedding_length, .block_count, .feed_forward_length,
     .attention.head_count, .attention.head_count_kv (= head_count), .rope.dimension_count,
     .rope.freq_base, .attention.layer_norm_rms_epsilon, .vocab_size, and, when
     rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =

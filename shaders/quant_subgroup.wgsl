@@ -29,6 +29,12 @@ fn nibbles(q: u32, at: u32) -> vec4f {
     return bytes4((q >> at) & 0x0F0F0F0Fu);
 }
 
+// The 4 rows' values d * n + m of the nibbles at bit `at` of their words q.
+fn rows_q4(q: vec4u, at: u32, d: vec4f, m: vec4f) -> array<vec4f, 4> {
+    return array<vec4f, 4>(d.x * nibbles(q.x, at) + m.x, d.y * nibbles(q.y, at) + m.y,
+                           d.z * nibbles(q.z, at) + m.z, d.w * nibbles(q.w, at) + m.w);
+}
+
 // 4 values from the 2 words (lo, hi) of an f16 or bf16 row.
 fn halves4(t: u32, lo: u32, hi: u32) -> vec4f {
     if (t == F16) { return vec4f(unpack2x16float(lo), unpack2x16float(hi)); }
@@ -210,12 +216,9 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                                   after_d(prev.z, next.z, s.z), after_d(prev.w, next.w, s.w));
                     }
                     prev = next;
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 0u) + m.x, d.y * nibbles(q.y, 0u) + m.y,
-                                                d.z * nibbles(q.z, 0u) + m.z, d.w * nibbles(q.w, 0u) + m.w),
-                          src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 4u) + m.x, d.y * nibbles(q.y, 4u) + m.y,
-                                                d.z * nibbles(q.z, 4u) + m.z, d.w * nibbles(q.w, 4u) + m.w),
-                          src1_v4[x0 + xk + j + 4u], src1_v4[x1 + xk + j + 4u]);
+                    mac16(&acc, rows_q4(q, 0u, d, m), src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
+                    mac16(&acc, rows_q4(q, 4u, d, m), src1_v4[x0 + xk + j + 4u],
+                          src1_v4[x1 + xk + j + 4u]);
                 }
             }
         }
