@@ -1,7 +1,7 @@
 // The block types of frozen weights (ggwgpu/quant.py's table TYPES), dequantized 4 values at
 // a time. Included by quant.wgsl and quant_subgroup.wgsl. src0 holds the weight's raw blocks,
-// bound as u32 words: p.off.y is where they start, in words. Blocks of 18, 22, 110 and 210
-// bytes are only 2-byte aligned, so bytes come out of words by shifts, and f16 scales
+// bound as u32 words: p.off.y is where they start, in words. Blocks of 18, 22, 34, 110 and
+// 210 bytes are only 2-byte aligned, so bytes come out of words by shifts, and f16 scales
 // through unpack2x16float: no shader-f16 feature needed.
 
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
@@ -41,10 +41,10 @@ fn bytes4(q: u32) -> vec4f {
     return vec4f(vec4u(q & 0xFFu, (q >> 8u) & 0xFFu, (q >> 16u) & 0xFFu, q >> 24u));
 }
 
-// Bits i .. i + 3 of h, one to a byte, at bit `to` of each: the high bits of 4 q5 values.
-fn bits4(h: u32, i: u32, to: u32) -> u32 {
+// Bits i .. i + 3 of h, one to a byte, at bit 4 of each: the high bits of 4 q5 codes.
+fn bits4(h: u32, i: u32) -> u32 {
     let b = (h >> i) & 0xFu;
-    return ((b & 1u) | ((b & 2u) << 7u) | ((b & 4u) << 14u) | ((b & 8u) << 21u)) << to;
+    return ((b & 1u) | ((b & 2u) << 7u) | ((b & 4u) << 14u) | ((b & 8u) << 21u)) << 4u;
 }
 
 // The 6-bit scale (x) and min (y) of sub-block j of a q4_k / q5_k block whose 12 scale
@@ -123,7 +123,7 @@ fn codes(t: u32, e: u32) -> vec4f {
         // values j < 16: low nibbles of bytes j.., values j >= 16: high nibbles of bytes j - 16..
         let at = b + select(select(2u, 4u, t == Q4_1), select(6u, 8u, t == Q5_1), t >= Q5_0);
         var q = (word_at(at + j % 16u) >> ((j / 16u) * 4u)) & 0x0F0F0F0Fu;
-        if (t == Q5_0 || t == Q5_1) { q |= bits4(word_at(at - 4u), j, 4u); }  // qh before qs
+        if (t == Q5_0 || t == Q5_1) { q |= bits4(word_at(at - 4u), j); }  // qh before qs
         return bytes4(q);
     }
     // k-quants: 256-value superblocks. v: place in the block; h, pos: its 128-value half
