@@ -6,7 +6,8 @@
 // is read word by word, each word once (q4_0: 5 words for 32 values, q8_0: 9, f16: 16),
 // rather than 4 values at a time with their scale. A workgroup is one subgroup of 8.
 // That streaming is written out for the types of the models at hand (f16, bf16, q8_0, q4_0,
-// q4_1); the others read their 4 rows through quad() (quant_blocks.wgsl), still sharing x.
+// q4_1); the others read their 4 rows through coef() and codes() (quant_blocks.wgsl), each
+// row's scale once per 16 values, still sharing x.
 
 //#include quant_blocks.wgsl
 
@@ -26,6 +27,12 @@ fn bytes_i8(q: u32) -> vec4f {
 // The nibbles of q at bit `at` (0: low, 4: high) of each byte.
 fn nibbles(q: u32, at: u32) -> vec4f {
     return bytes4((q >> at) & 0x0F0F0F0Fu);
+}
+
+// The 4 rows' values d * n + m of the nibbles at bit `at` of their words q.
+fn rows_q4(q: vec4u, at: u32, d: vec4f, m: vec4f) -> array<vec4f, 4> {
+    return array<vec4f, 4>(d.x * nibbles(q.x, at) + m.x, d.y * nibbles(q.y, at) + m.y,
+                           d.z * nibbles(q.z, at) + m.z, d.w * nibbles(q.w, at) + m.w);
 }
 
 // 4 values from the 2 words (lo, hi) of an f16 or bf16 row.
@@ -209,20 +216,25 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                                   after_d(prev.z, next.z, s.z), after_d(prev.w, next.w, s.w));
                     }
                     prev = next;
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 0u) + m.x, d.y * nibbles(q.y, 0u) + m.y,
-                                                d.z * nibbles(q.z, 0u) + m.z, d.w * nibbles(q.w, 0u) + m.w),
-                          src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
-                    mac16(&acc, array<vec4f, 4>(d.x * nibbles(q.x, 4u) + m.x, d.y * nibbles(q.y, 4u) + m.y,
-                                                d.z * nibbles(q.z, 4u) + m.z, d.w * nibbles(q.w, 4u) + m.w),
-                          src1_v4[x0 + xk + j + 4u], src1_v4[x1 + xk + j + 4u]);
+                    mac16(&acc, rows_q4(q, 0u, d, m), src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
+                    mac16(&acc, rows_q4(q, 4u, d, m), src1_v4[x0 + xk + j + 4u],
+                          src1_v4[x1 + xk + j + 4u]);
                 }
             }
         }
     } else {
-        for (var k = 0u; k < K; k += 4u) {
-            let wq = array<vec4f, 4>(quad(t, row.x + k), quad(t, row.y + k), quad(t, row.z + k),
-                                     quad(t, row.w + k));
-            mac16(&acc, wq, src1_v4[x0 + k / 4u], src1_v4[x1 + k / 4u]);
+        // 16 values at a time (a sub-block or a part of one): each row's scale and offset
+        // once, then 4 quads of codes
+        for (var k = 0u; k < K; k += 16u) {
+            let c = array<vec2f, 4>(coef(t, row.x + k), coef(t, row.y + k), coef(t, row.z + k),
+                                    coef(t, row.w + k));
+            for (var e = k; e < k + 16u; e += 4u) {
+                let wq = array<vec4f, 4>(c[0].x * codes(t, row.x + e) + c[0].y,
+                                         c[1].x * codes(t, row.y + e) + c[1].y,
+                                         c[2].x * codes(t, row.z + e) + c[2].y,
+                                         c[3].x * codes(t, row.w + e) + c[3].y);
+                mac16(&acc, wq, src1_v4[x0 + e / 4u], src1_v4[x1 + e / 4u]);
+            }
         }
     }
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
@@ -359,16 +371,6 @@ fn mac4x16(acc: ptr<function, array<vec4f, 16>>, w0: vec4f, w1: vec4f, w2: vec4f
     (*acc)[14] += w * subgroupBroadcast(gb, 6u);
     (*acc)[15] += w * subgroupBroadcast(gb, 7u);
 }
-// g of rows m .. m + 3 (0 past M) of the token whose row of g starts at `at`, any stride.
-fn g_rows4(at: u32, m: u32, M: u32) -> vec4f {
-    var v = vec4f();
-    for (var r = 0u; r < 4u; r++) {
-        let i = at + (m + r) * p.nb_1.x;
-        if (m + r < M) { v[r] = src1_v4[i / 4u][i % 4u]; }
-    }
-    return v;
-}
-
 fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     if (g >= p.n) { return; }  // the whole workgroup
     let K = p.ne_d.x;
@@ -387,25 +389,26 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     let g0 = g_base + min(n0 + lane, N - 1u) * p.nb_1.y;
     let g1 = g_base + min(n0 + 8u + lane, N - 1u) * p.nb_1.y;
     var acc: array<vec4f, 16>;  // acc[j]: dst[n0 + j, k0 .. k0 + 3]
-    // 4 rows at a time (rows past M repeat the last one, against a g of 0), g read as vec4s
-    // along m where its layout allows (p.u.x == 1), else value by value. One mac4x16 in the
-    // loop: each inlined copy costs lavapipe seconds of shader compilation.
+    // 4 rows at a time, g read as vec4s along m where its layout allows (p.u.x == 1), then
+    // the rows left one at a time. (One loop for both, rows past M against a g of 0, compiled
+    // up to twice as fast on lavapipe but ran 7 % slower.)
     let m4 = select(0u, M / 4u, p.u.x == 1u) * 4u;
-    for (var m = 0u; m < M; m += 4u) {
+    for (var m = 0u; m < m4; m += 4u) {
         let w0 = back_quad(t, lane, w_base + m * K, kb, k0);
-        let w1 = back_quad(t, lane, w_base + min(m + 1u, M - 1u) * K, kb, k0);
-        let w2 = back_quad(t, lane, w_base + min(m + 2u, M - 1u) * K, kb, k0);
-        let w3 = back_quad(t, lane, w_base + min(m + 3u, M - 1u) * K, kb, k0);
-        var ga: vec4f;
-        var gb: vec4f;
-        if (m < m4) {
-            ga = src1_v4[(g0 + m) / 4u];
-            gb = src1_v4[(g1 + m) / 4u];
-        } else {
-            ga = g_rows4(g0, m, M);
-            gb = g_rows4(g1, m, M);
-        }
+        let w1 = back_quad(t, lane, w_base + (m + 1u) * K, kb, k0);
+        let w2 = back_quad(t, lane, w_base + (m + 2u) * K, kb, k0);
+        let w3 = back_quad(t, lane, w_base + (m + 3u) * K, kb, k0);
+        let ga = src1_v4[(g0 + m) / 4u];
+        let gb = src1_v4[(g1 + m) / 4u];
         mac4x16(&acc, w0, w1, w2, w3, ga, gb);
+    }
+    for (var m = m4; m < M; m++) {
+        let wq = back_quad(t, lane, w_base + m * K, kb, k0);
+        let ia = g0 + m * p.nb_1.x;
+        let ib = g1 + m * p.nb_1.x;
+        let z = vec4f();
+        mac4x16(&acc, wq, z, z, z, vec4f(src1_v4[ia / 4u][ia % 4u], 0.0, 0.0, 0.0),
+                vec4f(src1_v4[ib / 4u][ib % 4u], 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
     let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;

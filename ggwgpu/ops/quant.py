@@ -14,8 +14,8 @@ product: no f32 copy of any weight ever exists, and the blocks are read as often
 forward reads them. The two are each other's backward.
 
 The kernels read 4 values at a time (a "quad"), so f16 and bf16 rows must hold a multiple
-of 4 values (block types' rows are multiples of 32 or 256 anyway). Frozen operands must be whole,
-contiguous tensors (a constant or a reshape of one).
+of 4 values (block types' rows are multiples of 32 or 256 anyway). Frozen operands must be
+whole, contiguous tensors (a constant or a reshape of one).
 """
 from __future__ import annotations
 
