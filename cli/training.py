@@ -80,10 +80,13 @@ class StopSignals:
 
 
 def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
-                  checkpoint_path=None, resume_command=None, on_nan: str = "stop"):
+                  checkpoint_path=None, resume_command=None, on_nan: str = "stop",
+                  validation=None):
     """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
-    `save_checkpoint()` every `save_every` steps (0: never) and once at the end. Returns the
-    first and last loss and the seconds taken. The train and finetune commands share it.
+    `save_checkpoint()` every `save_every` steps (0: never) and once at the end, and with a
+    `Validation` its loss in the log and the progress line, stopping early when it says so.
+    Returns the first and last loss and the seconds taken. The train and finetune commands
+    share it.
 
     Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
     (atomically: the previous file stays whole until the new one is complete) and
@@ -147,6 +150,12 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 last = record["loss"]
                 shown["text"] = (f"step {record['step']} loss {last:.3f} "
                                  f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                val = validation and validation.check(record["step"],
+                                                      record["step"] - start == steps)
+                if val:
+                    record["val_loss"] = val["val_loss"]
+                    shown["val"] = f" val {val['val_loss']:.3f}"
+                shown["text"] += shown.get("val", "")
                 if log:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
@@ -167,6 +176,11 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 if save_every and record["step"] % save_every == 0:
                     save()
                 bar.update(1)
+                if val and val["stop"]:
+                    click.echo(f"\nearly stop after step {record['step']}: {validation.patience} "
+                               f"evaluations without a lower validation loss (best "
+                               f"{validation.best:.4f})", err=True)
+                    break
                 if signals.signum:
                     break
             if signals.signum and trainer.step - start < steps:
@@ -334,3 +348,86 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
     if kw["on_nan"] != "stop":
         args += ["--on-nan", kw["on_nan"]]
     return args
+
+
+# -- instruction and chat data (--data) -------------------------------------------------------
+
+def data_options(command):
+    """--data and what shapes it: the chat template, masking, long examples."""
+    options = [
+        click.option("--data", "data_path", type=click.Path(exists=True),
+                     help="Examples instead of text: a JSONL file, or a directory with "
+                          "train.jsonl (and valid.jsonl, test.jsonl); lines {\"text\"}, "
+                          "{\"prompt\", \"completion\"} or {\"messages\": [...]}."),
+        click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
+                     help="A Jinja chat template file (default: the model's own, else "
+                          "ChatML)."),
+        click.option("--mask-prompt", is_flag=True,
+                     help="Train on the answers only (assistant turns, completions)."),
+        click.option("--drop-long", is_flag=True,
+                     help="Leave out examples longer than --n-ctx (default: cut them)."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
+    """{split: encoded examples} of --data (only the splits asked for and present); the
+    template is --chat-template's, else the model's, else ChatML."""
+    from ggwgpu import chat
+    try:
+        sets = chat.load_dataset(kw["data_path"])
+        source = None
+        if kw.get("chat_template"):
+            with open(kw["chat_template"], encoding="utf-8") as f:
+                source = f.read()
+        template = chat.ChatTemplate.of(tokenizer, source)
+        return {split: [chat.encode_example(e, tokenizer, template, kw["mask_prompt"])
+                        for e in sets[split]] for split in splits if split in sets}
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None
+
+
+def example_batches(examples, cfg, options, kw: dict, seed: int):
+    from ggwgpu import chat
+    try:
+        return chat.ExampleBatches(examples, cfg.n_ctx, options.batch, seed,
+                                   drop_long=kw["drop_long"])
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def describe_examples(name: str, batches) -> str:
+    """One line on a split's examples: counts, what was cut or left out, padding."""
+    line = (f"{name}: {batches.n_samples} examples, {batches.trained_tokens} trained tokens, "
+            f"{batches.fill:.0%} of the padded rows used")
+    if batches.truncated:
+        line += f", {batches.truncated} cut to n_ctx"
+    if batches.dropped:
+        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or " \
+                f"nothing to train within it)"
+    return line
+
+
+class Validation:
+    """The validation loss every `every` steps (and after the last): `check(step)` evaluates,
+    calls `save_best()` when the loss is the lowest so far, and says when `patience`
+    evaluations in a row brought no improvement (0: never stop early)."""
+
+    def __init__(self, evaluate, every: int, patience: int, save_best):
+        self.evaluate, self.every, self.patience, self.save_best = (evaluate, every, patience,
+                                                                    save_best)
+        self.best, self.since_best = float("inf"), 0
+
+    def check(self, step: int, last: bool) -> dict | None:
+        if step % self.every and not last:
+            return None
+        loss = self.evaluate()
+        if loss < self.best:
+            self.best, self.since_best = loss, 0
+            self.save_best()
+        else:
+            self.since_best += 1
+        return {"val_loss": loss,
+                "stop": bool(self.patience) and self.since_best >= self.patience}

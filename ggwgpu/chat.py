@@ -232,6 +232,27 @@ def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
 
 # -- batches ----------------------------------------------------------------------------------
 
+def split_off(examples: list, fraction: float, seed: int) -> tuple[list, list]:
+    """(kept, held out): a seeded random `fraction` of the examples held out for validation
+    (at least one, and at least one kept)."""
+    if len(examples) < 2:
+        raise DataError(f"{len(examples)} example(s) cannot be split for validation")
+    n = min(len(examples) - 1, max(1, round(fraction * len(examples))))
+    order = np.random.default_rng(seed).permutation(len(examples))
+    held = set(order[:n].tolist())
+    return ([e for i, e in enumerate(examples) if i not in held],
+            [e for i, e in enumerate(examples) if i in held])
+
+
+def examples_digest(examples: list[Example]) -> str:
+    """Identifies encoded examples (ids and trained flags), for a resume to check its data."""
+    import hashlib
+    h = hashlib.sha256()
+    for e in examples:
+        h.update(e.ids.tobytes() + e.trained.tobytes() + b"|")
+    return h.hexdigest()[:16]
+
+
 IGNORE = -1         # the target of a position that is not trained (padding, masked prompt)
 STATE_VERSION = 1
 
@@ -288,6 +309,17 @@ class ExampleBatches:
 
     def _permutation(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+
+    def in_order(self, limit: int | None = None):
+        """(inputs, targets) batches of the examples in file order, the same every time (for
+        evaluation): at most `limit` batches; the last one is filled up with rows that have
+        no target."""
+        n = self.n_samples if limit is None else min(self.n_samples, limit * self.batch)
+        for start in range(0, n, self.batch):
+            rows = np.arange(start, start + self.batch)
+            inputs, targets = self.inputs[rows % n], self.targets[rows % n].copy()
+            targets[rows >= n] = IGNORE
+            yield inputs, targets
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         rows = []

@@ -200,6 +200,22 @@ class Trainer:
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": self.step * self.step_tokens, "skipped": skipped}
 
+    def evaluate(self, batches) -> float:
+        """The mean loss per counted target over `batches` ((inputs, targets) pairs), with
+        the parameters left as they are: each batch runs the planned step under no-op
+        hyper-parameters (lr 0, betas 1), so no second plan (and no copy of the weights) is
+        needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
+        g, total, count = self.graph, 0.0, 0
+        for inputs, targets in batches:
+            feeds = {**g.feeds(inputs, targets), self.hparams: self.noop_hparams()}
+            if self.options.grad_accum > 1:
+                feeds[self.keep] = np.zeros(1, np.float32)
+            self.plan.run(feeds)
+            n = int((np.asarray(targets) >= 0).sum())
+            total += float(self.plan.read(g.loss)[0]) * n
+            count += n
+        return total / max(count, 1)
+
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: self.plan.read(p) for name, p in self.graph.params.items()}
 
