@@ -11,7 +11,7 @@ from ggwgpu import testing
 from ggwgpu.backends.wgpu_backend import (MATMUL_ENV, kernel_name, matmul_variant, row_variant,
                                           shader_dir)
 from ggwgpu.ops import OPS
-from ggwgpu.ops.norm import ROW_VARIANTS
+from ggwgpu.ops.norm import ROW_VARIANTS, ROWWISE_MAX
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
@@ -122,6 +122,24 @@ def test_row_variant_follows_the_adapter():
     assert row_variant(SimpleNamespace(info={"adapter_type": "DiscreteGPU"})) == "workgroup"
     assert {name for name, _ in ROW_OPS} >= {"soft_max", "soft_max_ext", "soft_max_back",
                                              "rms_norm_mul", "rms_norm_mul_back"}
+
+
+def test_rows_too_long_for_one_invocation_take_the_workgroup_kernel():
+    """lavapipe ends an invocation's loops after about 65534 iterations: rows longer than
+    ROWWISE_MAX run the workgroup kernel even where the adapter wants 'rowwise'."""
+    def entries(node):
+        opdef = OPS[node.op]
+        return [d.entry for d in opdef.dispatches_on(node, {opdef.shader: "rowwise"})]
+    short, long = (gg.input_tensor((2, n)) for n in (ROWWISE_MAX, ROWWISE_MAX + 1))
+    ids, w, ones = gg.input_tensor((2,), "i32"), gg.input_tensor((2,)), gg.input_tensor((1,))
+    assert entries(gg.soft_max(short, 1.0)) == ["soft_max_rowwise"]
+    assert entries(gg.soft_max(long, 1.0)) == ["soft_max"]
+    assert entries(gg.rms_norm_mul(long, gg.input_tensor((ROWWISE_MAX + 1,)), 1e-5)) \
+        == ["rms_norm_mul"]
+    assert entries(gg.cross_entropy_ids(short, ids, w))[0] == "cross_entropy_ids_rowwise"
+    assert entries(gg.cross_entropy_ids(long, ids, w))[0] == "cross_entropy_ids"
+    assert entries(gg.cross_entropy_ids_back(long, ids, w, ones)) == ["cross_entropy_ids_back"]
+    assert entries(gg.cross_entropy_loss(long, long))[0] == "cross_entropy_loss"
 
 
 def test_mul_mat_reads_vec4s_when_k_allows():

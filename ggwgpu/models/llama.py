@@ -297,7 +297,8 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
 
 
 def nodes_between(x, y) -> list:
-    """The nodes that compute y from x (and leaves)."""
+    """The nodes that compute y from x: y's sources back to x, stopping at leaves (the
+    weights; LoRA pairs on the output add their products)."""
     found, todo = {}, [y]
     while todo:
         t = todo.pop()

@@ -45,6 +45,16 @@ def weighted_shape(srcs, eps):
 # barriers, as GPUs want; 'rowwise' (k_<op>_rowwise) runs one invocation per row with no
 # barriers, as CPU adapters (lavapipe) want: there a barrier costs more than a row of work.
 ROW_VARIANTS = ("workgroup", "rowwise")
+# lavapipe stops an invocation's loops after about 65534 iterations in all (measured: a
+# rowwise kernel with two passes over a row of 32768 leaves the last 3 elements unwritten,
+# one over 28672 is right). Longer rows take the workgroup kernel: each of its invocations
+# loops over a 64th of the row.
+ROWWISE_MAX = 16384
+
+
+def row_kernel(variant: str, row_len: int) -> str:
+    """The kernel variant a row of row_len elements runs: 'rowwise' only up to ROWWISE_MAX."""
+    return "workgroup" if row_len > ROWWISE_MAX else variant
 
 
 def row_dispatch(node, variant="workgroup"):
@@ -52,7 +62,7 @@ def row_dispatch(node, variant="workgroup"):
     x = node.srcs[0]
     rows = x.nelements // x.shape[-1]
     eps = (float(node.params["eps"]),)
-    if variant == "rowwise":
+    if row_kernel(variant, x.shape[-1]) == "rowwise":
         return [Dispatch(f"{node.op}_rowwise", node, node.srcs, n=rows, f=eps)]
     return [Dispatch(node.op, node, node.srcs, n=rows, workgroups=rows, f=eps)]
 

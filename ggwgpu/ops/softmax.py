@@ -25,7 +25,7 @@ from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 from .rows import check_range
 from .elementwise import LARGE, reduce_to
-from .norm import ROW_VARIANTS
+from .norm import ROW_VARIANTS, row_kernel
 from .reduce import sum_into
 
 
@@ -38,7 +38,7 @@ def row_dispatch(node, variant="workgroup", **uniforms):
     """One workgroup per row of the first source, or one invocation per row ('rowwise')."""
     rows = n_rows(node.srcs[0])
     entry = O.OPS[node.op].entry
-    if variant == "rowwise":
+    if row_kernel(variant, node.srcs[0].shape[-1]) == "rowwise":
         return [Dispatch(f"{entry}_rowwise", node, node.srcs, n=rows, **uniforms)]
     return [Dispatch(entry, node, node.srcs, n=rows, workgroups=rows, **uniforms)]
 
@@ -220,7 +220,8 @@ def ce_dispatch(node, variant="workgroup"):
     x = node.srcs[0]
     rows = n_rows(x)
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    entry, groups = (("cross_entropy_loss_rowwise", 0) if variant == "rowwise"
+    entry, groups = (("cross_entropy_loss_rowwise", 0)
+                     if row_kernel(variant, x.shape[-1]) == "rowwise"
                      else ("cross_entropy_loss", rows))
     return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups, f=(1.0 / rows,)),
             *sum_into(node, losses)]
@@ -333,7 +334,8 @@ def ce_ids_dispatch(node, variant="workgroup"):
     cross_entropy_loss does."""
     rows = n_rows(node.srcs[0])
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    entry, groups = (("cross_entropy_ids_rowwise", 0) if variant == "rowwise"
+    entry, groups = (("cross_entropy_ids_rowwise", 0)
+                     if row_kernel(variant, node.srcs[0].shape[-1]) == "rowwise"
                      else ("cross_entropy_ids", rows))
     return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups),
             *sum_into(node, losses)]
@@ -348,6 +350,7 @@ def ce_ids_cases():
             ((3, 4, 67), "contiguous", "contiguous", True),
             ((2, 3, 5), "permuted", "strided", True), ((4, 9), "strided", "permuted", True),
             ((2, 3, 4, 5), "contiguous", "contiguous", False),
+            ((2, 40000), "contiguous", "contiguous", False),   # past ROWWISE_MAX
             ((70001, 3), "contiguous", "contiguous", False)]:
         lo = 0 if x == (1, 3) else -2
         cases.append(Case((Input(x, -4, 4, layout), Input(x[:-1], lo, x[-1], id_layout, "i32"),
