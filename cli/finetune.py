@@ -7,6 +7,7 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import math
+import os
 import re
 import shlex
 
@@ -17,14 +18,16 @@ from ggwgpu.lora import TARGETS
 
 try:
     from .common import ctx_option, describe_backend, planned_memory, select_backend, with_context
-    from .training import (default_checkpoint_path, device_errors, existing_directory,
-                           read_text, resume_args, steps_of, train_options, training_loop,
-                           training_options, training_samples)
+    from .training import (Validation, data_options, default_checkpoint_path,
+                           describe_examples, device_errors, example_batches, example_sets,
+                           existing_directory, read_text, resume_args, steps_of, train_options,
+                           training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from common import ctx_option, describe_backend, planned_memory, select_backend, with_context
-    from training import (default_checkpoint_path, device_errors, existing_directory,
-                          read_text, resume_args, steps_of, train_options, training_loop,
-                          training_options, training_samples)
+    from training import (Validation, data_options, default_checkpoint_path,
+                          describe_examples, device_errors, example_batches, example_sets,
+                          existing_directory, read_text, resume_args, steps_of, train_options,
+                          training_loop, training_options, training_samples)
 
 
 def parse_layers(ctx, param, value):
@@ -65,6 +68,17 @@ def rank_options(command):
 @click.option("--lora-layers", callback=parse_layers,
               help="Blocks whose weights get LoRA pairs, e.g. '0-3,6' (default: all).")
 @ctx_option("Tokens per sample")
+@data_options
+@click.option("--val-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              help="Hold out this fraction of the --data examples for validation (when the "
+                   "data has no valid.jsonl).")
+@click.option("--val-every", default=0, type=click.IntRange(min=0),
+              help="Validation loss every N steps (default: at the end, when there is a "
+                   "validation set); the best weights are kept in OUT's .best.gguf.")
+@click.option("--val-batches", default=0, type=click.IntRange(min=0),
+              help="Batches of the validation set per evaluation (0: all of it).")
+@click.option("--early-stop", default=0, type=click.IntRange(min=0),
+              help="Stop after this many evaluations without a lower validation loss.")
 @training_options(steps=100, warmup=10, seed_help="Seed of the LoRA init and the sample order.")
 @click.pass_context
 def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):
@@ -99,7 +113,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                                    f"{', '.join(sorted(blocks))} ones: finetune it with LoRA "
                                    f"(without --full), or start from an f32/f16 model")
         values = {n: dequantize(v) if isinstance(v, Quantized) else v for n, v in values.items()}
-    text, source = read_text(kw["texts"], kw["corpus"])
+    if kw["data_path"] and kw["texts"]:
+        raise click.UsageError("give TEXTS or --data, not both")
 
     adapter, opt_state, state, step = None, None, None, 0
     if checkpoint_in:
@@ -132,8 +147,16 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                 raise click.UsageError(str(e)) from None
 
     cfg = with_context(model_cfg, n_ctx)
-    tokens, digest, samples = training_samples(text, tokenizer, cfg, options, samples_after_nl,
-                                               state, checkpoint_in)
+    validation_set = None
+    if kw["data_path"]:
+        samples, validation_set, digest, data_lines = finetune_examples(
+            kw, tokenizer, cfg, options, state, checkpoint_in)
+    else:
+        text, source = read_text(kw["texts"], kw["corpus"])
+        tokens, digest, samples = training_samples(text, tokenizer, cfg, options,
+                                                   samples_after_nl, state, checkpoint_in)
+        data_lines = [f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
+                      f"{cfg.n_ctx}"]
     steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
@@ -148,8 +171,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     click.echo(f"finetune on {describe_backend(backend)}")
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
-    click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
-               f"{cfg.n_ctx}")
+    for line in data_lines:
+        click.echo(line)
     what = "every weight" if full else (f"LoRA alpha {adapter.alpha:g} on "
                                         f"{len(adapter.weights())} weights")
     click.echo(f"training {what}: {n_trained} parameters; {steps} steps of "
@@ -175,10 +198,23 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         args = resume_args(ctx, ["finetune", base], kw, checkpoint_path, steps_left)
         return shlex.join(args + ["--out", out] + (["--full"] if full else []))
 
+    validation = None
+    if validation_set is not None:
+        best = best_path(out)
+
+        def save_best():
+            if full:
+                gguf_io.save_model(best, model_cfg, trainer.parameters(), tokenizer)
+            else:
+                lora.save_adapter(best, trained_adapter(), cfg, base_digest)
+
+        validation = Validation(
+            lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
+            kw["val_every"] or steps, kw["early_stop"], save_best)
     first, last, seconds = training_loop(trainer, steps, kw["log_path"],
                                          kw["save_every"] if checkpoint_out else 0,
                                          save_checkpoint, checkpoint_path, resume_command,
-                                         kw["on_nan"])
+                                         kw["on_nan"], validation)
     try:
         if full:
             gguf_io.save_model(out, model_cfg, trainer.parameters(), tokenizer)
@@ -188,6 +224,44 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         raise click.ClickException(str(e)) from None
     click.echo(f"loss {first:.3f} -> {last:.3f} nats/token in {seconds:.0f} s; "
                f"{'model' if full else 'adapter'} written to {out}")
+    if validation is not None:
+        click.echo(f"best validation loss {validation.best:.4f}: kept in {best_path(out)}")
+
+
+def best_path(out: str) -> str:
+    """Where the weights of the lowest validation loss go: x.gguf -> x.best.gguf."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.best{ext or '.gguf'}"
+
+
+def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
+    """(train batches, validation batches or None, digest, lines to show) of --data: the
+    validation set is valid.jsonl, else --val-split of the training examples."""
+    from ggwgpu import chat
+    sets = example_sets(kw, tokenizer)
+    train, valid = sets["train"], sets.get("valid")
+    if valid is None and kw["val_split"]:
+        try:
+            train, valid = chat.split_off(train, kw["val_split"], options.seed)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    if valid is None and (kw["val_every"] or kw["early_stop"]):
+        raise click.UsageError("--val-every and --early-stop need a validation set: "
+                               "valid.jsonl in the --data directory, or --val-split")
+    digest = chat.examples_digest(train)
+    if state is not None and state.get("tokens_digest") != digest:
+        raise click.UsageError(f"{checkpoint_in} was trained on other examples: pass the same "
+                               f"--data (and template options) to resume")
+    batches = example_batches(train, cfg, options, kw, options.seed)
+    if state is not None:
+        batches.load_state(state["data"])
+    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)
+             + f"; one example per row of {cfg.n_ctx}, padded"]
+    held = None
+    if valid is not None:
+        held = example_batches(valid, cfg, options, kw, options.seed)
+        lines.append("      " + describe_examples("validation", held))
+    return batches, held, digest, lines
 
 
 @click.command("merge")

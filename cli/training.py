@@ -337,7 +337,13 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
     args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
     args += [*command, *kw["texts"], "--checkpoint-in", checkpoint_path,
              "--steps", str(steps_left)]
-    if not kw["texts"] and kw["corpus"] != "shakespeare":
+    if kw.get("data_path"):
+        args += ["--data", kw["data_path"]]
+        if kw["chat_template"]:
+            args += ["--chat-template", kw["chat_template"]]
+        args += [flag for flag, on in (("--mask-prompt", kw["mask_prompt"]),
+                                       ("--drop-long", kw["drop_long"])) if on]
+    elif not kw["texts"] and kw["corpus"] != "shakespeare":
         args += ["--corpus", kw["corpus"]]
     if kw["checkpoint_out"]:
         args += ["--checkpoint-out", kw["checkpoint_out"], "--save-every", str(kw["save_every"])]
