@@ -115,3 +115,30 @@ def test_add_bos_follows_the_vocabulary(vocab):
     assert vocab("llama-bpe").encode("x", add_special=True).tolist()[0] == 128000
     assert vocab("qwen2").encode("x", add_special=True).tolist() == vocab("qwen2").encode(
         "x").tolist()
+
+
+def test_gguf_io_reads_arrays_as_gguf_py_does(tmp_path):
+    # gguf_io reads array fields whole (fast); the values must be gguf-py's, item for item
+    import gguf
+
+    from ggwgpu import gguf_io
+    path = tmp_path / "arrays.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_array("tokenizer.ggml.tokens", ["", "a", "Ġthe", "日本", "<|im_end|>"] * 400)
+    w.add_array("tokenizer.ggml.merges", ["Ġ t", "h e"] * 300)
+    w.add_array("tokenizer.ggml.token_type", [1, 3, 4, 6] * 500)
+    w.add_array("tokenizer.ggml.scores", [0.5, -1.25] * 1000)
+    w.add_key_value("bools", [True, False], gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.BOOL)
+    w.add_key_value("u64s", [1, 2**40], gguf.GGUFValueType.ARRAY,
+                    gguf.GGUFValueType.UINT64)
+    w.add_string("general.name", "x")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours = gguf_io.read_metadata(path)
+    theirs = {k: gguf_io.field_value(f) for k, f in gguf.GGUFReader(path).fields.items()
+              if not k.startswith("GGUF.")}
+    assert ours == theirs
+    assert ours["tokenizer.ggml.tokens"][:5] == ["", "a", "Ġthe", "日本", "<|im_end|>"]
+    assert ours["u64s"] == [1, 2**40] and ours["bools"] == [True, False]
