@@ -19,7 +19,8 @@ from pathlib import Path
 TEXTS = [
     "", " ", "  ", "   ", "\t", "\n", "\n\n", "\n\n\n", " \n", "\t\n", "\r\n", " \r\n\r\n  x",
     "Hello world", " Hello world", "Hello World!", "  Hello", "    Hello\n    Hello",
-    "hello   world  \n\n   next", "trailing spaces   ", "a\u00a0b\u3000c\u2003d", "tab\tand\tmore\t\t",
+    "hello   world  \n\n   next", "trailing spaces   ", "a\u00a0b\u3000c\u2003d",
+    "tab\tand\tmore\t\t",
     "3", "33", "333", "3333", "33333", "1234567890", "3.14159 and 2,718,281", "v1.2.3-rc4",
     "100% of $42.50 (approx.) -- 1e-9 ~ 0x1F", "Call 555-0123 at 10:30pm!!!",
     "I'm sure you're right, we'll see; it's John's. They've/I'd/don't",
@@ -70,7 +71,8 @@ def main(out, *vocabs):
         result["vocabs"][name] = entry(llama_cpp, path)
         print(name, file=sys.stderr)
     text = json.dumps(result, ensure_ascii=False, indent=1)
-    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), text)  # ids: 1 line
+    # a list of ids on one line
+    text = re.sub(r"\[[\d,\s-]*\]", lambda m: json.dumps(json.loads(m.group())), text)
     Path(out).write_text(text + "\n", encoding="utf-8")
 
 
