@@ -113,6 +113,8 @@ def _split_special(text: str, specials, parse_special: bool) -> list:
                         pos += 1
         fragments = cut
     return fragments
+
+
 # -- the byte vocabulary ---------------------------------------------------------------------
 
 _N_SPECIAL = 3                                  # <unk>, <s>, </s>
@@ -146,15 +148,15 @@ class ByteTokenizer:
 
     n_vocab = len(_BYTE_TOKENS)                 # 259
     unk_id, bos_id, eos_id = 0, 1, 2
+    add_bos, add_eos = True, False
+    eog_ids = frozenset({eos_id})
     newline_ids = (_N_SPECIAL + 0x0A,)          # ids of tokens whose text ends with "\n"
+    # what llama.cpp's special-token parsing sees in the exported vocabulary, longest first
+    _specials = ((0, "<unk>", ATTR_UNKNOWN), (2, "</s>", ATTR_CONTROL), (1, "<s>", ATTR_CONTROL))
 
     @property
     def tokens(self) -> list[str]:
         return list(_BYTE_TOKENS)
-
-    add_bos, add_eos = True, False
-    eog_ids = frozenset({eos_id})
-    _specials = ((0, "<unk>", ATTR_UNKNOWN), (2, "</s>", ATTR_CONTROL), (1, "<s>", ATTR_CONTROL))
 
     def encode(self, text: str, parse_special: bool = False,
                add_special: bool = False) -> np.ndarray:

@@ -281,3 +281,20 @@ def test_train_predict_prints_a_sample(tmp_path):
                "--out", str(tmp_path / "m.gguf"), "--predict", "10")
     assert r.exit_code == 0, r.output
     assert "sample of 10 tokens:\nFirst line" in r.stdout
+
+
+def test_generate_command_with_a_bpe_vocabulary(tmp_path):
+    # a byte-level BPE vocabulary (the 256 byte characters, two merges, three control
+    # tokens): the prompt's <|im_start|> is parsed (and not printed), <|im_end|> ends it
+    from ggwgpu.tokenizer import _BYTE_CHARS, BPEVocab
+    tokens = list(_BYTE_CHARS) + ["Ġt", "he", "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab = BPEVocab(tokens, ["Ġ t", "h e"], [1] * 258 + [3] * 3, pre="qwen2", eos_id=258)
+    assert sorted(vocab.eog_ids) == [258, 260] and not vocab.add_bos
+    assert prompt_tokens(vocab, "<|im_start|>the") == [259, ord("t"), 257]
+    cfg = LlamaConfig(n_vocab=vocab.n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=16)
+    path = tmp_path / "bpe.gguf"
+    gguf_io.save_model(path, cfg, init_parameters(cfg, seed=1), vocab)
+    r = invoke("--backend", "numpy", "generate", str(path), "--prompt", "<|im_start|>the",
+               "-n", "6", "--seed", "1")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("the")

@@ -1,5 +1,6 @@
-"""Tokenizers: the byte vocabulary, llama.cpp's SPM algorithm on a hand-made vocabulary, the
-byte vocabulary's llama.cpp compatibility, and tokenizer.ggml.* keys through real GGUF files.
+"""Tokenizers: the byte vocabulary, llama.cpp's SPM and BPE algorithms on hand-made
+vocabularies, the byte vocabulary's llama.cpp compatibility, and tokenizer.ggml.* keys through
+real GGUF files (published vocabularies against llama.cpp: test_bpe.py).
 
 Expected ids of the SPM cases are worked out by hand from the algorithm (see the comments):
 symbols start as characters; the adjacent pair whose concatenation is the best-scored token
@@ -8,9 +9,9 @@ import gguf
 import numpy as np
 import pytest
 
-from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, ByteTokenizer,
-                              SentencePieceVocab, VocabError, load_vocab, read_metadata,
-                              tokenizer_from_metadata)
+from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, BPEVocab,
+                              ByteTokenizer, SentencePieceVocab, VocabError, load_vocab,
+                              read_metadata, tokenizer_from_metadata)
 
 TEXTS = ["", "hello", "Hello, world!\n", " leading", "trailing ", "double  space",
          "   ", "\n\n a \n", "tab\tand\r\nCRLF", "naïve café — ünïcödé", "日本語のテキスト",
@@ -169,11 +170,13 @@ def test_byte_tokenizer_equals_llama_cpp_algorithm_on_its_exported_vocab():
     byte = ByteTokenizer()
     spm = SentencePieceVocab(**_spm_kwargs(byte.gguf_metadata()))
     rng = np.random.default_rng(0)
-    alphabet = list(" \n\t ab▁é€日🙂<>s/0x")
+    alphabet = list(" \n\t ab▁é€日🙂<>s/0xunk") + ["<s>", "</s>", "<unk>"]
     texts = TEXTS + ["".join(rng.choice(alphabet, size=rng.integers(1, 40)))
                      for _ in range(200)]
     for text in texts:
         assert spm.encode(text).tolist() == byte.encode(text).tolist(), repr(text)
+        assert spm.encode(text, parse_special=True, add_special=True).tolist() == \
+            byte.encode(text, parse_special=True, add_special=True).tolist(), repr(text)
         assert spm.decode(byte.encode(text)) == byte.decode(byte.encode(text))
     assert spm.newline_ids == byte.newline_ids
 
@@ -239,3 +242,43 @@ def test_load_vocab_errors_name_the_file(tmp_path):
                                       "tokenizer.ggml.tokens": ["a", "b"]})
     with pytest.raises(VocabError, match="t5.gguf: .*'t5' is not supported"):
         load_vocab(tmp_path / "t5.gguf")
+
+
+# -- llama.cpp's BPE algorithm on a hand-made vocabulary -------------------------------------
+
+def bpe_vocab(merges, pre="gpt-2", extra_tokens=()):
+    """The 256 GPT-2 byte characters (id = byte), then `extra_tokens`, then the merges'
+    results."""
+    from ggwgpu.tokenizer import _BYTE_CHARS
+    tokens = list(_BYTE_CHARS) + list(extra_tokens)
+    tokens += [m.replace(" ", "") for m in merges if m.replace(" ", "") not in tokens]
+    return BPEVocab(tokens, merges, pre=pre)
+
+
+def test_bpe_merges_go_by_rank_then_leftmost():
+    # "abc": (b, c) has the better rank, then (a, bc) is no merge: a, bc.
+    v = bpe_vocab(["b c", "a b", "ab c"])
+    assert [v.tokens[i] for i in v.encode("abc")] == ["a", "bc"]
+    # with (a, b) first, (ab, c) follows: abc.
+    v = bpe_vocab(["a b", "b c", "ab c"])
+    assert [v.tokens[i] for i in v.encode("abc")] == ["abc"]
+    # ties: the leftmost pair first.
+    v = bpe_vocab(["a a"])
+    assert [v.tokens[i] for i in v.encode("aaa")] == ["aa", "a"]
+    # a space is the byte character 'Ġ'; words are cut first, and merges never cross them.
+    v = bpe_vocab(["Ġ a", "a b"])
+    assert [v.tokens[i] for i in v.encode("ab ab")] == ["ab", "Ġa", "b"]
+
+
+def test_bpe_ignore_merges_takes_a_word_that_is_a_token_whole():
+    # llama-bpe: "abc" is a token though no merge makes it.
+    v = bpe_vocab(["a b"], pre="llama-bpe", extra_tokens=["abc"])
+    assert [v.tokens[i] for i in v.encode("abc")] == ["abc"]
+    v = bpe_vocab(["a b"], pre="gpt-2", extra_tokens=["abc"])
+    assert [v.tokens[i] for i in v.encode("abc")] == ["ab", "c"]
+
+
+def test_bpe_decode_cleans_spaces_where_the_pre_tokenizer_says():
+    ids = bpe_vocab([]).encode("a , b ' c 's")
+    assert bpe_vocab([]).decode(ids) == "a, b'c's"                   # gpt-2: clean_spaces
+    assert bpe_vocab([], pre="qwen2").decode(ids) == "a , b ' c 's"  # qwen2: as written
