@@ -252,14 +252,14 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     if state is not None and state.get("tokens_digest") != digest:
         raise click.UsageError(f"{checkpoint_in} was trained on other examples: pass the same "
                                f"--data (and template options) to resume")
-    batches = example_batches(train, cfg, options, kw, options.seed)
+    batches = example_batches(train, cfg, options.batch, kw, options.seed)
     if state is not None:
         batches.load_state(state["data"])
     lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)
              + f"; one example per row of {cfg.n_ctx}, padded"]
     held = None
     if valid is not None:
-        held = example_batches(valid, cfg, options, kw, options.seed)
+        held = example_batches(valid, cfg, options.batch, kw, options.seed)
         lines.append("      " + describe_examples("validation", held))
     return batches, held, digest, lines
 

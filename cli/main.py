@@ -23,12 +23,16 @@ from ggwgpu.generate import Sampling
 try:
     from .common import (backend_choice, ctx_option, describe_backend, human_bytes,
                          planned_memory, select_backend, with_context, wgpu_or_reason)
+    from .training import (SPLITS, data_options, describe_examples, example_batches,
+                           example_sets)
     from .training import (default_checkpoint_path, device_errors, existing_directory,
                            positive, read_text, resume_args, steps_of, train_options,
                            training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from common import (backend_choice, ctx_option, describe_backend, human_bytes,
                         planned_memory, select_backend, with_context, wgpu_or_reason)
+    from training import (SPLITS, data_options, describe_examples, example_batches,
+                          example_sets)
     from training import (default_checkpoint_path, device_errors, existing_directory,
                           positive, read_text, resume_args, steps_of, train_options,
                           training_loop, training_options, training_samples)
@@ -493,12 +497,17 @@ def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, min_p, repeat_pe
 @click.option("--batch", default=8, show_default=True, type=positive(),
               help="Windows per run.")
 @ctx_option("Tokens per window")
+@data_options
+@click.option("--split", type=click.Choice(SPLITS),
+              help="The --data split to evaluate (default: test, else valid, else train).")
 @click.pass_context
-def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx):
+def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split, **kw):
     """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
     (default: the bundled corpus): the mean cross-entropy of next-token prediction over
     n_ctx-token windows at evenly spaced positions, each starting after BOS as in training.
-    The same windows every time, so two models or adapters compare on equal terms."""
+    The same windows every time, so two models or adapters compare on equal terms.
+    With --data, over the examples of one split instead (per trained token: with
+    --mask-prompt, the answers only)."""
     import math
 
     from ggwgpu import data, gguf_io
@@ -511,29 +520,42 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx):
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
     cfg = with_context(cfg, n_ctx)
-    text, source = read_text(texts, corpus)
-    try:
-        windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    n = min(samples, windows.n_samples)
-    batch = min(batch, n)
-    n -= n % batch
-    starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
+    if kw["data_path"]:
+        sets = example_sets(kw, tokenizer, splits=(split,) if split else SPLITS)
+        split = split or next(s for s in ("test", "valid", "train") if s in sets)
+        if split not in sets:
+            raise click.UsageError(f"{kw['data_path']} has no {split} split")
+        batch = min(batch, len(sets[split]))
+        examples = example_batches(sets[split], cfg, batch, kw, 0)
+        batches = list(examples.in_order())
+        what = f"{kw['data_path']} ({split}): {describe_examples('examples', examples)}"
+    else:
+        text, source = read_text(texts, corpus)
+        try:
+            windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        n = min(samples, windows.n_samples)
+        batch = min(batch, n)
+        n -= n % batch
+        starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
+        batches = [windows.windows(windows.starts[starts[i:i + batch]])
+                   for i in range(0, n, batch)]
+        what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
     backend = select_backend(ctx)
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
                           max_logits_bytes=logits_bound(backend))
     plan = backend.plan([g.loss])
     plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
-    losses = []
-    for i in range(0, n, batch):
-        inputs, targets = windows.windows(windows.starts[starts[i:i + batch]])
+    total, counted = 0.0, 0
+    for inputs, targets in batches:         # the mean over every counted target
         plan.run(g.feeds(inputs, targets))
-        losses.append(float(plan.read(g.loss)[0]))
-    loss = float(np.mean(losses))
+        n_targets = int((targets >= 0).sum())
+        total += float(plan.read(g.loss)[0]) * n_targets
+        counted += n_targets
+    loss = total / max(counted, 1)
     with_lora = "".join(f" + {path}" for path in lora_paths)
-    click.echo(f"eval on {describe_backend(backend)}: {model}{with_lora} on {source}: "
-               f"{n} windows of {cfg.n_ctx} tokens")
+    click.echo(f"eval on {describe_backend(backend)}: {model}{with_lora} on {what}")
     click.echo(f"loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f}")
 
 

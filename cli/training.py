@@ -14,6 +14,7 @@ import time
 
 import click
 
+from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 
 
@@ -395,10 +396,11 @@ def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
         raise click.UsageError(str(e)) from None
 
 
-def example_batches(examples, cfg, options, kw: dict, seed: int):
+def example_batches(examples, cfg, batch: int, kw: dict, seed: int):
+    """ExampleBatches of --data's encoded examples, as --drop-long says."""
     from ggwgpu import chat
     try:
-        return chat.ExampleBatches(examples, cfg.n_ctx, options.batch, seed,
+        return chat.ExampleBatches(examples, cfg.n_ctx, batch, seed,
                                    drop_long=kw["drop_long"])
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -152,8 +152,8 @@ class ChatTemplate:
     def of(cls, tokenizer, source: str | None = None) -> "ChatTemplate":
         """The template `source`, else the tokenizer's own (tokenizer.chat_template in its
         GGUF), else ChatML; bos_token and eos_token are the tokenizer's."""
-        meta = tokenizer.gguf_metadata()
-        source = source or meta.get("tokenizer.chat_template") or CHATML
+        from .tokenizer import CHAT_TEMPLATE
+        source = source or tokenizer.gguf_metadata().get(CHAT_TEMPLATE) or CHATML
         text = lambda i: tokenizer.tokens[i] if i is not None else ""   # noqa: E731
         return cls(source, text(getattr(tokenizer, "bos_id", None)),
                    text(getattr(tokenizer, "eos_id", None)))

@@ -678,6 +678,8 @@ def _clean_spaces(text: bytes) -> bytes:
 
 # -- from metadata and from files ------------------------------------------------------------
 
+TOKENIZER = "tokenizer."
+CHAT_TEMPLATE = TOKENIZER + "chat_template"
 _OWN_KEYS = {KEY + k for k in ("model", "tokens", "scores", "token_type", "merges", "pre",
                                "bos_token_id", "eos_token_id", "unknown_token_id",
                                "add_space_prefix", "add_bos_token", "add_eos_token")}
@@ -739,7 +741,9 @@ def tokenizer_from_metadata(meta: dict, model_name: str | None = None):
         value = _token_id(meta, KEY + key)
         special[name] = value if value is not None else (
             default if default is not None and default < len(tokens) else None)
-    extra = {k: v for k, v in meta.items() if k.startswith(KEY) and k not in _OWN_KEYS}
+    # every other tokenizer.* key, tokenizer.chat_template among them, goes back into what
+    # the vocabulary writes (a finetuned or merged model keeps its template)
+    extra = {k: v for k, v in meta.items() if k.startswith(TOKENIZER) and k not in _OWN_KEYS}
 
     if model == "gpt2":
         merges = _as_list(meta, KEY + "merges", str)
@@ -790,7 +794,7 @@ def load_vocab(path):
     meta = _read_all(path)
     name = meta.get("general.name")
     try:
-        return tokenizer_from_metadata({k: v for k, v in meta.items() if k.startswith(KEY)},
+        return tokenizer_from_metadata({k: v for k, v in meta.items() if k.startswith(TOKENIZER)},
                                        name if isinstance(name, str) else None)
     except VocabError as e:
         raise VocabError(f"{path}: {e}") from None

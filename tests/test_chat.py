@@ -220,3 +220,34 @@ def test_padded_batches_ignore_padding_and_masked_positions_and_resume():
     dropped = ExampleBatches(examples, n_ctx=48, batch=2, seed=5, drop_long=True)
     assert dropped.n_samples == 2 and dropped.dropped == 2
     assert 0 < dropped.fill < 1
+
+
+def test_a_padded_batch_has_the_loss_of_its_examples_one_at_a_time():
+    """Rows of different lengths and masks in one batch: the loss per trained token equals
+    the token-weighted mean of each example alone (padding and other rows change nothing)."""
+    from ggwgpu.backends.numpy_backend import NumpyBackend
+    from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+    vocab, template = Vocab(), ChatTemplate(SMOLLM2)
+    cfg = LlamaConfig(n_vocab=len(vocab.tokens), n_embd=8, n_head=2, n_layer=1, n_ff=12,
+                      n_ctx=120)
+    values = init_parameters(cfg, seed=3)
+    examples = [encode_example({"messages": CHAT[:n]}, vocab, template, mask_prompt=True)
+                for n in (3, 5)] + [encode_example({"text": "plain"}, vocab, template, True)]
+    backend = NumpyBackend(np.float64)
+
+    def loss(batch):
+        rows = ExampleBatches(examples, cfg.n_ctx, batch, seed=0)
+        g = build_train_graph(cfg, values, batch)
+        plan = backend.plan([g.loss])
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        out = []
+        for inputs, targets in rows.in_order():
+            plan.run(g.feeds(inputs, targets))
+            out.append((float(plan.read(g.loss)[0]), int((targets >= 0).sum())))
+        return out
+
+    together = loss(3)
+    alone = loss(1)
+    assert len(together) == 1 and len(alone) == 3
+    weighted = sum(l * n for l, n in alone) / sum(n for _, n in alone)
+    assert together[0][0] == pytest.approx(weighted, rel=1e-6)   # f32 row weights

@@ -436,3 +436,74 @@ def test_train_refuses_unusable_text_with_a_usage_error(tmp_path, content, messa
     assert result.exit_code == 2, result.output
     assert message in result.output and "train on" not in result.output
     assert not (tmp_path / "model.gguf").exists()
+
+
+# -- finetuning on examples (--data) -----------------------------------------------------------
+
+SHORT_TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+                  "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def finetune_on(base, *args):
+    return invoke("--backend", "numpy", "finetune", str(base), "--batch", "2", "--lr", "1e-2",
+                  "--warmup", "2", *args)
+
+
+def chat_data(tmp_path):
+    """A data directory of short sums (train and valid) and a compact template file."""
+    directory = tmp_path / "sums"
+    directory.mkdir()
+    for split, n in (("train", 24), ("valid", 6)):
+        lines = [json.dumps({"prompt": f"{i % 7}+{i % 3}=", "completion": str(i % 7 + i % 3)})
+                 for i in range(n)]
+        (directory / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
+    template = tmp_path / "template.jinja"
+    template.write_text(SHORT_TEMPLATE)
+    return directory, template
+
+
+def test_finetune_on_chat_data_validates_and_keeps_the_best(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    data, template = chat_data(tmp_path)
+    out, log = tmp_path / "sums.gguf", tmp_path / "log.jsonl"
+    args = ["--data", str(data), "--chat-template", str(template), "--mask-prompt",
+            "--n-ctx", "24"]
+    r = finetune_on(base, *args, "--steps", "6", "--val-every", "2", "--out", str(out),
+                 "--log", str(log))
+    assert r.exit_code == 0, r.output
+    assert "train: 24 examples" in r.output and "validation: 6 examples" in r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    val = {rec["step"]: rec["val_loss"] for rec in records if "val_loss" in rec}
+    assert sorted(val) == [2, 4, 6]
+    best = float(re.search(r"best validation loss ([0-9.]+)", r.output)[1])
+    assert best == pytest.approx(min(val.values()), abs=1e-4)
+    # eval over the same split with the kept adapter gives that loss
+    r = invoke("--backend", "numpy", "eval", str(base), "--lora", str(tmp_path / "sums.best.gguf"),
+               *args, "--split", "valid")
+    assert r.exit_code == 0, r.output
+    assert float(re.search(r"loss (\S+) nats", r.output)[1]) == pytest.approx(best, abs=1e-4)
+
+
+def test_finetune_stops_early_without_improvement(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    data, template = chat_data(tmp_path)
+    r = finetune_on(base, "--data", str(data / "train.jsonl"), "--val-split", "0.25",
+                 "--chat-template", str(template), "--n-ctx", "24", "--lr", "1e-12",
+                 "--steps", "20", "--val-every", "1", "--early-stop", "2",
+                 "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0, r.output
+    assert "train: 18 examples" in r.output and "validation: 6 examples" in r.output
+    assert "early stop after step 3: 2 evaluations without a lower validation loss" in r.output
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"prompt": "1+1="}', "train.jsonl:2: 'completion' must be a string"),
+    ("not json", "train.jsonl:2: not valid JSON"),
+])
+def test_finetune_names_the_bad_line_of_its_data(tmp_path, line, message):
+    base = tiny_base(tmp_path / "base.gguf")
+    (tmp_path / "train.jsonl").write_text('{"text": "fine"}\n' + line + "\n")
+    r = finetune_on(base, "--data", str(tmp_path / "train.jsonl"))
+    assert r.exit_code == 2 and message in r.output, r.output
+    r = finetune_on(base, "--data", str(tmp_path / "train.jsonl"), "--val-every", "1")
+    assert r.exit_code == 2
