@@ -209,3 +209,52 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
             assert abs(grad[i] - numeric) <= atol + rtol * abs(numeric), \
                 f"{p.name}{list(i)}: backward {grad[i]} vs finite differences {numeric}"
 
+
+# -- a llama in plain NumPy -------------------------------------------------------------------
+
+
+def _rms_norm(x, w, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def _rope_normal(x, positions, cfg, factors):
+    """llama.cpp's rope mode 0 on x (T, heads, head_dim): adjacent pairs (2i, 2i + 1) of the
+    first n_rot dims turn by pos * freq_scale * base^(-2i / n_rot) / factor_i."""
+    out = x.copy()
+    i = np.arange(cfg.rot // 2)
+    theta = (positions[:, None] * cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * i / cfg.rot)
+             / factors)[:, None, :]
+    a, b = x[..., 0:cfg.rot:2], x[..., 1:cfg.rot:2]
+    out[..., 0:cfg.rot:2] = a * np.cos(theta) - b * np.sin(theta)
+    out[..., 1:cfg.rot:2] = a * np.sin(theta) + b * np.cos(theta)
+    return out
+
+
+def llama_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """The logits (T, n_vocab) of one token sequence under a llama, in float64 and plain NumPy,
+    independent of ggwgpu's ops and graphs: llama.cpp's llama graph written out (grouped-query
+    attention, tied embeddings, rope mode normal with Llama 3's frequency factors). `values`
+    are float arrays (dequantize block types first)."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
+    positions = np.arange(n, dtype=np.float64)
+    factors = w.get("rope_freqs.weight", np.ones(cfg.rot // 2))
+    causal = np.triu(np.full((n, n), -np.inf), 1)
+    x = w["token_embd.weight"][tokens]
+    for i in range(cfg.n_layer):
+        b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
+        h = _rms_norm(x, b("attn_norm"), cfg.norm_eps)
+        q = _rope_normal((h @ b("attn_q").T).reshape(n, cfg.n_head, hd), positions, cfg, factors)
+        k = _rope_normal((h @ b("attn_k").T).reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
+        v = (h @ b("attn_v").T).reshape(n, cfg.kv_heads, hd)
+        heads = []
+        for j in range(cfg.n_head):
+            s = q[:, j] @ k[:, j // group].T / np.sqrt(hd) + causal
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            heads.append(p / p.sum(axis=1, keepdims=True) @ v[:, j // group])
+        x = x + np.concatenate(heads, axis=1) @ b("attn_output").T
+        h = _rms_norm(x, b("ffn_norm"), cfg.norm_eps)
+        gate = h @ b("ffn_gate").T
+        x = x + (gate / (1 + np.exp(-gate)) * (h @ b("ffn_up").T)) @ b("ffn_down").T
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T

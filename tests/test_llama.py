@@ -7,7 +7,7 @@ import pytest
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
-from ggwgpu.testing import spot_check_gradients
+from ggwgpu.testing import llama_reference_logits, spot_check_gradients
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
 # grouped-query attention (4 query heads over 2 K/V heads) with tied embeddings, and heads
@@ -182,52 +182,7 @@ def test_a_logits_bound_keeps_every_tensor_under_it_and_lowers_the_planned_bytes
     assert planned[32 << 20] < 0.4 * planned[2 ** 40]
 
 
-# -- the llama as llama.cpp computes it, written out in float64 NumPy --------------------------
-
-def rms_norm(x, w, eps):
-    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
-
-
-def rope_normal(x, positions, cfg, factors):
-    """llama.cpp's rope mode 0 on x (T, heads, head_dim): adjacent pairs (2i, 2i + 1) of the
-    first n_rot dims turn by pos * freq_scale * base^(-2i / n_rot) / factor_i."""
-    out = x.copy()
-    i = np.arange(cfg.rot // 2)
-    theta = (positions[:, None] * cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * i / cfg.rot)
-             / factors)[:, None, :]
-    a, b = x[..., 0:cfg.rot:2], x[..., 1:cfg.rot:2]
-    out[..., 0:cfg.rot:2] = a * np.cos(theta) - b * np.sin(theta)
-    out[..., 1:cfg.rot:2] = a * np.sin(theta) + b * np.cos(theta)
-    return out
-
-
-def reference_logits(cfg, values, tokens):
-    """Logits (T, n_vocab) of one sequence: grouped-query attention, tied embeddings, rope
-    factors, each as llama.cpp's llama graph has them, independent of ggwgpu's ops."""
-    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
-    n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
-    positions = np.arange(n, dtype=np.float64)
-    factors = w.get("rope_freqs.weight", np.ones(cfg.rot // 2))
-    causal = np.triu(np.full((n, n), -np.inf), 1)
-    x = w["token_embd.weight"][tokens]
-    for i in range(cfg.n_layer):
-        b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
-        h = rms_norm(x, b("attn_norm"), cfg.norm_eps)
-        q = rope_normal((h @ b("attn_q").T).reshape(n, cfg.n_head, hd), positions, cfg, factors)
-        k = rope_normal((h @ b("attn_k").T).reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
-        v = (h @ b("attn_v").T).reshape(n, cfg.kv_heads, hd)
-        heads = []
-        for j in range(cfg.n_head):
-            s = q[:, j] @ k[:, j // group].T / np.sqrt(hd) + causal
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            heads.append(p / p.sum(axis=1, keepdims=True) @ v[:, j // group])
-        x = x + np.concatenate(heads, axis=1) @ b("attn_output").T
-        h = rms_norm(x, b("ffn_norm"), cfg.norm_eps)
-        gate = h @ b("ffn_gate").T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ b("ffn_up").T)) @ b("ffn_down").T
-    out = w.get("output.weight", w["token_embd.weight"])
-    return rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T
-
+# -- against the llama as llama.cpp computes it ------------------------------------------------
 
 @pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
 @pytest.mark.parametrize("model", CONFIGS)
@@ -239,5 +194,5 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
     plan.run({g.tokens: feeds[g.tokens], g.positions: feeds[g.positions]})
     got = g.read_logits(plan)
     for row, tokens in enumerate(feeds[g.tokens]):
-        want = reference_logits(cfg, model_values(cfg), tokens)
+        want = llama_reference_logits(cfg, model_values(cfg), tokens)
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)

@@ -14,8 +14,8 @@ import ggwgpu as gg
 from ggwgpu import gguf_io, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.gguf_io import GGUFError, load_model, save_model
-from ggwgpu.models.llama import (LlamaConfig, attention, feed_forward, init_parameters,
-                                 project_qkv, weighted_rms_norm)
+from ggwgpu.models.llama import (ROPE_FREQS, LlamaConfig, attention, feed_forward,
+                                 init_parameters, output, project_qkv, weighted_rms_norm)
 from ggwgpu.backends.wgpu_backend import shader_dir
 from ggwgpu.quant import (QUANT_TYPES, QUANTIZABLE, TYPES, Quantized, dequantize, quantize,
                           quantize_model, random_blocks)
@@ -182,8 +182,7 @@ def llama_forward(cfg, leaves: dict, batch: int):
         att = gg.reshape(gg.cont(attention(cfg, q, k, v, False)), (batch, cfg.n_ctx, cfg.q_dim))
         x = feed_forward(cfg, leaves, b, gg.add(x, gg.mul_mat(leaves[b + "attn_output.weight"],
                                                                att)))
-    logits = gg.mul_mat(leaves["output.weight"],
-                        weighted_rms_norm(cfg, x, leaves["output_norm.weight"]))
+    logits = output(leaves, weighted_rms_norm(cfg, x, leaves["output_norm.weight"]))
     weights = gg.constant(np.full(batch * cfg.n_ctx, 1 / (batch * cfg.n_ctx), np.float32))
     loss = gg.cross_entropy_ids(gg.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab)), targets,
                                 weights)
@@ -193,8 +192,8 @@ def llama_forward(cfg, leaves: dict, batch: int):
 def frozen_base(cfg, values):
     """Matrices as frozen constants, norms as params (the smallest finetune that needs the
     gradient through every frozen product)."""
-    return {n: gg.param(v, name=n) if v.ndim == 1 else gg.constant(v, name=n)
-            for n, v in values.items()}
+    return {n: gg.param(v, name=n) if v.ndim == 1 and n != ROPE_FREQS
+            else gg.constant(v, name=n) for n, v in values.items()}
 
 
 def llama_outputs(backend, cfg, values, batch=2):
@@ -208,7 +207,7 @@ def llama_outputs(backend, cfg, values, batch=2):
     plan.run(dict(zip(inputs, (tokens[:, :-1].astype(np.int32),
                                np.arange(cfg.n_ctx, dtype=np.int32),
                                tokens[:, 1:].reshape(-1).astype(np.int32)))))
-    return plan.read(logits), {p.name: plan.read(g) for p, g in grads.items()}
+    return tokens[:, :-1], plan.read(logits), {p.name: plan.read(g) for p, g in grads.items()}
 
 
 @pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "q8_0"])
@@ -216,8 +215,8 @@ def test_a_llama_on_a_quantized_base_matches_its_dequantized_f32_twin(wgpu, dtyp
     values = quantize_model(init_parameters(TINY, seed=2), dtype)
     assert sum(isinstance(v, Quantized) for v in values.values()) == 2 + 7 * TINY.n_layer
     dense = {n: dequantize(v) if isinstance(v, Quantized) else v for n, v in values.items()}
-    logits, grads = llama_outputs(wgpu, TINY, values)
-    ref_logits, ref_grads = llama_outputs(wgpu, TINY, dense)
+    _, logits, grads = llama_outputs(wgpu, TINY, values)
+    _, ref_logits, ref_grads = llama_outputs(wgpu, TINY, dense)
     assert testing.nmse(logits, ref_logits) < NMSE
     for name, g in grads.items():     # the gradient went back through every frozen product
         assert testing.nmse(g, ref_grads[name]) < 1e-6, name
@@ -277,17 +276,22 @@ def write_llama(path, cfg, tensors: dict):
     writer.close()
 
 
-# rows of 256 values: every matrix can take every type
-WIDE = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=4, n_layer=2, n_ff=256,
-                   n_ctx=8)
+# a published model's shape (grouped-query attention, tied embeddings, Llama 3 rope factors)
+# with rows of 256 values: every matrix can take every type
+WIDE = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=4, n_head_kv=2,
+                   n_layer=2, n_ff=256, n_ctx=8, tied_embeddings=True, rope_freqs=True,
+                   rope_freq_base=500000.0)
 
 
 def test_a_gguf_file_mixing_every_type_loads_each_in_its_type(wgpu, tmp_path):
-    """16 matrices in F32 and the 12 block types (gguf.quants' quantizers, random valid
-    k-quant blocks): keep_quantized gives each in its type with its bytes, dequantized as
-    gguf.quants does, and a llama on that base runs on the device as on its f32 twin."""
+    """15 matrices of a GQA model with tied embeddings and rope factors, in F32 and the 12
+    block types (gguf.quants' quantizers, random valid k-quant blocks): keep_quantized gives
+    each in its type with its bytes, dequantized as gguf.quants does, and a llama on that base
+    runs on the device as on its f32 twin, both backends giving the logits of the float64
+    reference llama."""
     rng = np.random.default_rng(7)
     values = init_parameters(WIDE, seed=7)
+    values[ROPE_FREQS] = rng.uniform(1, 8, values[ROPE_FREQS].shape).astype(np.float32)
     matrices = [n for n, v in values.items() if v.ndim == 2]
     kinds = (["f32"] + list(QUANT_TYPES)) * 2
     written = dict(values)
@@ -312,11 +316,17 @@ def test_a_gguf_file_mixing_every_type_loads_each_in_its_type(wgpu, tmp_path):
             np.testing.assert_array_equal(kept[name], value)
         np.testing.assert_array_equal(dense[name], theirs.reshape(values[name].shape))
 
-    logits, grads = llama_outputs(wgpu, WIDE, kept)
-    ref_logits, ref_grads = llama_outputs(wgpu, WIDE, dense)
+    tokens, logits, grads = llama_outputs(wgpu, WIDE, kept)
+    _, ref_logits, ref_grads = llama_outputs(wgpu, WIDE, dense)
     assert testing.nmse(logits, ref_logits) < NMSE
     for name, g in grads.items():
         assert testing.nmse(g, ref_grads[name]) < 1e-6, name
+    # and both backends against the llama written out in float64 (gguf.quants' values)
+    numpy_tokens, numpy_logits, _ = llama_outputs(NumpyBackend(), WIDE, kept)
+    for got in (logits, numpy_logits):
+        for row, ids in zip(got.reshape(len(tokens), WIDE.n_ctx, -1), tokens):
+            want = testing.llama_reference_logits(WIDE, dense, ids)
+            assert testing.nmse(row, want) < 1e-9
 
 
 def test_unsupported_tensor_types_are_named(tmp_path):
