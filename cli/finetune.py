@@ -179,6 +179,12 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens; "
                f"{planned_memory(trainer.plan)}")
 
+    if adapter is not None and cfg.tied_embeddings and \
+            {"token_embd.weight", "output.weight"} & set(adapter.weights()):
+        click.echo("note: the base ties its output to token_embd, and llama.cpp cannot apply "
+                   "a LoRA pair on either: use the adapter in ggwgpu, or `ggwgpu merge` it "
+                   "into a model llama.cpp loads", err=True)
+
     def trained_adapter():
         return lora.Adapter(adapter.alpha, trainer.parameters())
 

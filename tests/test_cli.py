@@ -391,6 +391,11 @@ def test_train_writes_a_grouped_query_model_with_tied_embeddings(tmp_path):
     cfg, values, _ = gguf_io.load_model(out)
     assert cfg.kv_heads == 1 and cfg.tied_embeddings and "output.weight" not in values
     assert values["blk.0.attn_k.weight"].shape == (8, 16)       # one head of 8
+    # its LoRA finetune pairs no embedding unless asked, and says llama.cpp cannot apply those
+    r = finetune(tmp_path, out, "--steps", "1", "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0 and "note:" not in r.output, r.output
+    r = finetune(tmp_path, out, "--steps", "1", "--rank-out", "2", "--out", str(tmp_path / "b.gguf"))
+    assert r.exit_code == 0 and "llama.cpp cannot apply a LoRA pair" in r.output, r.output
 
 
 @pytest.mark.parametrize("args,message", [
