@@ -245,7 +245,8 @@ def demo(ctx, steps, lr, seed):
 @click.option("--out", type=click.Path(dir_okay=False),
               help="The PNG to write. Default: the log's name with .png.")
 def plot(log, out):
-    """Plot the loss (and learning rate) of a `train --log` JSONL file as a PNG.
+    """Plot the loss (validation loss too, and the learning rate) of a `train --log` or
+    `finetune --log` JSONL file as a PNG.
 
     Needs matplotlib: pip install 'ggwgpu[plot]'.
     """
@@ -268,6 +269,11 @@ def plot(log, out):
     out = out or str(Path(log).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
+    validated = [r for r in records if "val_loss" in r]
+    if validated:           # finetune --val-every
+        ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], "o-",
+                label="validation loss")
+        ax.legend(loc="upper right")
     ax.set_xlabel("step")
     ax.set_ylabel("loss (nats/token)")
     if all("lr" in r for r in records):
