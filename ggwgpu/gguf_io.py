@@ -64,7 +64,7 @@ from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuan
                   GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
 from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
-from .quant import TYPES, Quantized, dequantize, type_of_ggml
+from .quant import TYPES, Quantized, dequantize, is_finite, type_of_ggml
 from .tensor import ShapeError
 
 ARCH = "llama"
@@ -689,9 +689,15 @@ class _GGUFFile:
             raise GGUFError(f"{self.path}: tensor {name} has shape {got} (NumPy order) but the "
                             f"hyper-parameters need {tuple(shape)}")
         if dtype is None:
-            return np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
-        value = Quantized(dtype, shape, np.array(t.data, copy=True).view(np.uint8).reshape(-1))
-        return value if keep_quantized else dequantize(value)
+            value = np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
+            finite = np.isfinite(value).all()
+        else:
+            value = Quantized(dtype, shape, np.array(t.data, copy=True).view(np.uint8).reshape(-1))
+            finite = is_finite(value)
+        if not finite:    # it would only surface later, as a NaN loss or sampling error
+            raise GGUFError(f"{self.path}: tensor {name} holds non-finite values (NaN or "
+                            f"infinity)")
+        return value if keep_quantized or dtype is None else dequantize(value)
 
 
 class _ArrayReader(GGUFReader):

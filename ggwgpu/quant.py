@@ -70,6 +70,21 @@ def type_of_ggml(ggml_type) -> str | None:
     return next((name for name, t in TYPES.items() if t.ggml == ggml_type), None)
 
 
+def is_finite(q: "Quantized") -> bool:
+    """Whether every value of `q` is finite, from its f16/bf16 fields alone (a block's values
+    are small integers times its f16 scales, so they are finite when the scales are)."""
+    t = TYPES[q.dtype]
+    if q.dtype == "bf16":
+        return not np.any((q.data.view(np.uint16) & 0x7F80) == 0x7F80)
+    if q.dtype == "f16":
+        halves = q.data.view(np.uint16)
+    else:
+        blocks = q.data.reshape(-1, t.size)
+        halves = np.concatenate([blocks[:, o:o + 2].copy().view(np.uint16).reshape(-1)
+                                 for o in t.halves])
+    return not np.any((halves & 0x7C00) == 0x7C00)
+
+
 def storage_bytes(dtype: str, n: int) -> int:
     """Bytes that n values of `dtype` take (n a multiple of the block size)."""
     t = TYPES[dtype]
