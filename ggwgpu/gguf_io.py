@@ -108,6 +108,7 @@ TRAIN_COUNTS = {"step": "training.iteration_count", "samples": "training.sample_
 MOMENT_PREFIX = {"m": "optimizer.adamw.m.", "v": "optimizer.adamw.v."}
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
+MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 MAX_TENSOR_NAME = 63          # ggml's GGML_MAX_NAME (64) less the terminating NUL
 MAX_DIMS = 4                  # ggml's GGML_MAX_DIMS
 _T = GGUFValueType
@@ -532,6 +533,10 @@ def _read_model(f: "_GGUFFile"):
         factor = f.float_key(K_SCALE_LINEAR_OLD, default=None, allow_zero=True)
     # llama.cpp: freq_scale = 1 / factor, a missing or zero factor meaning 1.
     hp["rope_freq_scale"] = 1.0 if scaling == "none" or not factor else 1.0 / factor
+    if not MIN_ROPE_FACTOR <= 1.0 / hp["rope_freq_scale"] <= MAX_ROPE_FACTOR:
+        raise GGUFError(f"{f.path}: {K_SCALING_FACTOR} = {factor!r} is not a plausible rope "
+                        f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
+                        f"rotation angles would overflow or vanish")
 
     meta = {k: v for k, v in f.meta.items() if k.startswith(TOKENIZER_PREFIX)}
     if K_TOKENS not in meta:

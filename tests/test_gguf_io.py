@@ -404,6 +404,8 @@ def test_wrong_architecture_and_bad_key_values(tmp_path):
     raises_naming(path, "llama.block_count")
     path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("yarn", T.STRING)})
     raises_naming(path, "llama.rope.scaling.type", "yarn")
+    path = forge(tmp_path / "f.gguf", set_keys={"llama.rope.scaling.factor": (1e-45, T.FLOAT32)})
+    raises_naming(path, "llama.rope.scaling.factor", "plausible")
 
 
 def test_tensor_with_wrong_shape_missing_or_unexpected(tmp_path):
