@@ -31,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .data import DataError
+from .data import DataError, EpochOrder
 
 SPLITS = ("train", "valid", "test")
 ROLES = ("system", "user", "assistant", "tool")
@@ -265,8 +265,8 @@ class ExampleBatches:
     is cut to that (`truncated` counts them), or with `drop_long` left out; one with no
     trained token in its window is left out too (`dropped` counts both).
 
-    The order of epoch e is a permutation seeded with (seed, e), as `data.Samples`; `state()`
-    and `load_state()` resume exactly."""
+    The order is `data.EpochOrder`'s, as for text samples; `state()` and `load_state()`
+    resume exactly."""
 
     def __init__(self, examples: list[Example], n_ctx: int, batch: int, seed: int,
                  pad_id: int = 0, drop_long: bool = False):
@@ -278,7 +278,7 @@ class ExampleBatches:
         if not kept:
             raise DataError(f"no example has a trained token within n_ctx {n_ctx} (of "
                             f"{len(examples)} examples)")
-        self.n_ctx, self.batch, self.seed = int(n_ctx), int(batch), int(seed)
+        self.n_ctx, self.batch = int(n_ctx), int(batch)
         self.inputs = np.full((len(kept), n_ctx), pad_id, np.int32)
         self.targets = np.full((len(kept), n_ctx), IGNORE, np.int32)
         self._used = 0
@@ -287,8 +287,7 @@ class ExampleBatches:
             self._used += len(ids) - 1
             self.inputs[row, :len(ids) - 1] = ids[:-1]
             self.targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE)
-        self._epoch, self._pos = 0, 0
-        self._order = self._permutation(0)
+        self.order = EpochOrder(len(kept), seed)
 
     @property
     def n_samples(self) -> int:
@@ -296,7 +295,7 @@ class ExampleBatches:
 
     @property
     def epoch(self) -> float:
-        return self._epoch + self._pos / self.n_samples
+        return self.order.progress
 
     @property
     def trained_tokens(self) -> int:
@@ -306,9 +305,6 @@ class ExampleBatches:
     def fill(self) -> float:
         """The share of the rows' positions that hold an example rather than padding."""
         return self._used / self.inputs.size
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
 
     def in_order(self, limit: int | None = None):
         """(inputs, targets) batches of the examples in file order, the same every time (for
@@ -322,30 +318,20 @@ class ExampleBatches:
             yield inputs, targets
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = []
-        for _ in range(self.batch):
-            rows.append(self._order[self._pos])
-            self._pos += 1
-            if self._pos == self.n_samples:
-                self._epoch, self._pos = self._epoch + 1, 0
-                self._order = self._permutation(self._epoch)
+        rows = self.order.take(self.batch)
         return self.inputs[rows], self.targets[rows]
 
     def state(self) -> dict:
-        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
-                "position": self._pos, "n_samples": self.n_samples, "n_ctx": self.n_ctx}
+        return {"version": STATE_VERSION, **self.order.state(), "n_samples": self.n_samples,
+                "n_ctx": self.n_ctx}
 
     def load_state(self, state: dict) -> None:
         try:
-            if int(state["version"]) != STATE_VERSION or \
-                    (int(state["n_samples"]), int(state["n_ctx"])) != (self.n_samples,
-                                                                       self.n_ctx):
-                raise ValueError("other examples")
-            seed, epoch, pos = int(state["seed"]), int(state["epoch"]), int(state["position"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataError(f"the saved example order does not fit these examples ({e}): "
-                            f"resume with the same data, vocabulary and n_ctx") from None
-        if seed < 0 or epoch < 0 or not 0 <= pos < self.n_samples:
-            raise DataError(f"example-order state out of range: {state!r}")
-        self.seed, self._epoch, self._pos = seed, epoch, pos
-        self._order = self._permutation(epoch)
+            same = (int(state["version"]), int(state["n_samples"]), int(state["n_ctx"])) == (
+                STATE_VERSION, self.n_samples, self.n_ctx)
+        except (KeyError, TypeError, ValueError):
+            same = False
+        if not same:
+            raise DataError(f"the saved example order does not fit these examples: resume "
+                            f"with the same data, vocabulary and n_ctx ({state!r})")
+        self.order.load_state(state)

@@ -75,6 +75,51 @@ def bundled_corpus(name: str = "shakespeare") -> str:
 
 # -- samples ---------------------------------------------------------------------------------
 
+class EpochOrder:
+    """The order in which n items are drawn: epoch e is a permutation seeded with (seed, e),
+    and a draw that runs past the end of an epoch goes on with the next epoch's order, so
+    (seed, epoch, position) is the whole state."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed, self.epoch, self.position = int(n), int(seed), 0, 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
+    @property
+    def progress(self) -> float:
+        """Epochs done, with the fraction of the current one."""
+        return self.epoch + self.position / self.n
+
+    def take(self, count: int) -> np.ndarray:
+        """The indices of the next `count` items (advances the state)."""
+        out = []
+        while count > 0:
+            step = min(count, self.n - self.position)
+            out.append(self._order[self.position:self.position + step])
+            self.position += step
+            count -= step
+            if self.position == self.n:
+                self.epoch, self.position = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+        return np.concatenate(out)
+
+    def state(self) -> dict:
+        return {"seed": self.seed, "epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from `state()`; a DataError when it is malformed or out of range."""
+        try:
+            seed, epoch, pos = int(state["seed"]), int(state["epoch"]), int(state["position"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise DataError(f"not a sample-order state: {state!r} ({e})") from None
+        if seed < 0 or epoch < 0 or not 0 <= pos < self.n:
+            raise DataError(f"sample-order state out of range: {state!r}")
+        self.seed, self.epoch, self.position = seed, epoch, pos
+        self._order = self._permutation(epoch)
+
+
 class Samples:
     """Shuffled n_ctx-token training windows of a token stream, in batches.
 
@@ -118,10 +163,9 @@ class Samples:
             starts = np.arange(last + 1)
         self.tokens = tokens
         self.starts = starts.astype(np.int64)
-        self.n_ctx, self.batch, self.seed, self.bos_id = n_ctx, batch, seed, bos_id
+        self.n_ctx, self.batch, self.bos_id = n_ctx, batch, bos_id
         self.after_newline = bool(after_newline)
-        self._epoch, self._pos = 0, 0
-        self._order = self._permutation(0)
+        self.order = EpochOrder(len(self.starts), seed)
 
     @property
     def n_samples(self) -> int:
@@ -131,24 +175,11 @@ class Samples:
     def epoch(self) -> float:
         """Epochs done, with the fraction of the current one (1.5: half-way through the
         second)."""
-        return self._epoch + self._pos / self.n_samples
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_samples)
+        return self.order.progress
 
     def next_starts(self, count: int) -> np.ndarray:
         """The start positions of the next `count` samples (advances the state)."""
-        out = []
-        while count > 0:
-            take = min(count, self.n_samples - self._pos)
-            out.append(self.starts[self._order[self._pos:self._pos + take]])
-            self._pos += take
-            count -= take
-            if self._pos == self.n_samples:
-                self._epoch += 1
-                self._pos = 0
-                self._order = self._permutation(self._epoch)
-        return np.concatenate(out)
+        return self.starts[self.order.take(count)]
 
     def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
         """(inputs, targets): int32 arrays (batch, n_ctx); inputs = [BOS, t_s .. t_{s+n_ctx-2}],
@@ -165,8 +196,8 @@ class Samples:
 
     def state(self) -> dict:
         """JSON-serialisable position in the sample order; `load_state` resumes from it."""
-        return {"version": STATE_VERSION, "seed": self.seed, "epoch": self._epoch,
-                "position": self._pos, "n_samples": self.n_samples, "n_ctx": self.n_ctx}
+        return {"version": STATE_VERSION, **self.order.state(), "n_samples": self.n_samples,
+                "n_ctx": self.n_ctx}
 
     def load_state(self, state: dict) -> None:
         """Continue from `state()`: the following batches are exactly those a run that never
@@ -175,7 +206,6 @@ class Samples:
         differ."""
         try:
             version = int(state["version"])
-            seed, epoch, pos = int(state["seed"]), int(state["epoch"]), int(state["position"])
             n_samples, n_ctx = int(state["n_samples"]), int(state["n_ctx"])
         except (KeyError, TypeError, ValueError) as e:
             raise DataError(f"not a sample-order state: {state!r} ({e})") from None
@@ -187,7 +217,4 @@ class Samples:
                 f"the saved sample order is for {n_samples} samples of n_ctx {n_ctx}, but "
                 f"this data has {self.n_samples} samples of n_ctx {self.n_ctx}: resume with "
                 f"the same text, vocabulary, n_ctx and newline option")
-        if seed < 0 or epoch < 0 or not 0 <= pos < n_samples:
-            raise DataError(f"sample-order state out of range: {state!r}")
-        self.seed, self._epoch, self._pos = seed, epoch, pos
-        self._order = self._permutation(epoch)
+        self.order.load_state(state)

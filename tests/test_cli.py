@@ -512,3 +512,25 @@ def test_finetune_names_the_bad_line_of_its_data(tmp_path, line, message):
     assert r.exit_code == 2 and message in r.output, r.output
     r = finetune_on(base, "--data", str(tmp_path / "train.jsonl"), "--val-every", "1")
     assert r.exit_code == 2
+
+
+def test_finetune_on_chat_data_resumes_exactly(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    data, template = chat_data(tmp_path)
+    args = ["--data", str(data), "--chat-template", str(template), "--mask-prompt",
+            "--n-ctx", "24"]
+    whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
+    r = finetune_on(base, *args, "--steps", "4", "--out", str(tmp_path / "w.gguf"),
+                    "--log", str(whole))
+    assert r.exit_code == 0, r.output
+    ckpt = tmp_path / "ckpt.gguf"
+    r = finetune_on(base, *args, "--steps", "2", "--out", str(tmp_path / "p.gguf"),
+                    "--checkpoint-out", str(ckpt), "--log", str(part))
+    assert r.exit_code == 0, r.output
+    r = finetune_on(base, *args, "--steps", "2", "--out", str(tmp_path / "p.gguf"),
+                    "--checkpoint-in", str(ckpt), "--log", str(part))
+    assert r.exit_code == 0, r.output
+    assert log_losses(part) == log_losses(whole)
+    r = finetune_on(base, "--data", str(data), "--n-ctx", "24", "--steps", "1",
+                    "--out", str(tmp_path / "x.gguf"), "--checkpoint-in", str(ckpt))
+    assert r.exit_code == 2 and "trained on other examples" in r.output, r.output
