@@ -51,6 +51,19 @@ RENDERED = {
 TEMPLATES = {"chatml": CHATML, "smollm2": SMOLLM2, "llama3": LLAMA3, "zephyr": ZEPHYR}
 
 
+# What llama.cpp's own template engine (llama_chat_apply_template, llama-cpp-python 0.3.36)
+# made of CHAT with these templates: it writes no BOS text (it adds the BOS token when it
+# tokenizes), so Llama 3's is compared with bos_token "". Zephyr's it renders its own way
+# (no end-of-turn text), unlike jinja2 and llama.cpp's --jinja mode: not a fixture here.
+LLAMA_CPP = {"chatml": RENDERED["chatml"], "smollm2": RENDERED["smollm2"],
+             "llama3": RENDERED["llama3"][len("<s>"):]}
+
+
+@pytest.mark.parametrize("name", LLAMA_CPP)
+def test_templates_render_as_llama_cpp_does(name):
+    assert ChatTemplate(TEMPLATES[name], eos_token="</s>").render(CHAT) == LLAMA_CPP[name]
+
+
 @pytest.mark.parametrize("name", TEMPLATES)
 def test_templates_render_conversations_as_their_models_expect(name):
     template = ChatTemplate(TEMPLATES[name], bos_token="<s>", eos_token="</s>")
