@@ -242,3 +242,12 @@ def test_rope_ff_divides_the_angle_of_pair_k_by_factor_k(wgpu, mode, frozen_dims
         np.testing.assert_allclose(plan.read(single[0]), plan.read(single[1]), atol=2e-5)
     with pytest.raises(gg.ShapeError, match=r"factors must be f32 of shape \(4,\)"):
         gg.rope_ff(x, pos, gg.input_tensor((6,)), *args)
+
+
+def test_the_package_exports_every_op_and_no_family_module():
+    """`ggwgpu.quant` is the block-type module, not ops/quant.py: star imports carry op
+    constructors, not the modules that define them."""
+    import ggwgpu
+    import ggwgpu.ops as ops
+    assert set(OPS) <= set(ops.__all__) and all(callable(getattr(ggwgpu, n)) for n in OPS)
+    assert ggwgpu.quant.__name__ == "ggwgpu.quant" and hasattr(ggwgpu.quant, "quantize")
