@@ -14,7 +14,7 @@ import shlex
 import click
 
 from ggwgpu import gguf_io
-from ggwgpu.lora import TARGETS
+from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
 try:
     from .common import ctx_option, describe_backend, planned_memory, select_backend, with_context
@@ -48,7 +48,9 @@ def rank_options(command):
     for kind in reversed(list(TARGETS)):
         command = click.option(
             f"--rank-{kind.replace('_', '-')}", f"rank_{kind}", type=click.IntRange(min=0),
-            help=f"LoRA rank on {TARGETS[kind]} (default --lora-r; 0: no pair).")(command)
+            help=f"LoRA rank on {TARGETS[kind]} (default --lora-r"
+                 + ("; 0 when the base ties its embeddings" if kind in GLOBAL_TARGETS else "")
+                 + "; 0: no pair).")(command)
     return command
 
 
