@@ -452,3 +452,25 @@ def test_a_weight_that_cannot_be_split_over_the_binding_limit_is_refused_by_name
     monkeypatch.setitem(wgpu.storage_limits, "max-buffer-size", 16384)   # no buffer holds it
     with pytest.raises(gg.ShapeError, match=r"tensor embd .* max buffer size"):
         wgpu.plan([gg.get_rows(gg.constant(w, name="embd"), ids)])
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "f16"])
+def test_a_tied_llama_whose_embedding_is_over_the_binding_limit_gives_the_same_numbers(
+        wgpu, monkeypatch, dtype):
+    """The tied embedding (259 x 256) is read by get_rows_q, by the output projection
+    (mul_mat_q) and, for the gradients, by mul_mat_q_back; under a binding limit of a
+    quarter of it plus a little, it and every other matrix are bound in ranges."""
+    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=2, n_layer=1,
+                      n_ff=256, n_ctx=8, tied_embeddings=True)
+    values = quantize_model(init_parameters(cfg, seed=4), dtype)
+    embd = values["token_embd.weight"]
+    assert isinstance(embd, Quantized) and "output.weight" not in values
+    _, whole_logits, whole_grads = llama_outputs(wgpu, cfg, values)
+    limit = -(-embd.data.nbytes // 4 // 32) * 32 + 32
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, limit)
+    assert 3 * limit < embd.data.nbytes
+    _, logits, grads = llama_outputs(wgpu, cfg, values)
+    np.testing.assert_array_equal(logits, whole_logits)
+    assert grads.keys() == whole_grads.keys()
+    for name, g in grads.items():
+        np.testing.assert_array_equal(g, whole_grads[name], err_msg=name)

@@ -186,7 +186,7 @@ class WgpuBackend(Backend):
             size=16, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
         self.fence = self.device.create_buffer(
             size=16, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        self._modules, self._pipelines = {}, {}
+        self._modules, self._pipelines, self._src0_in_parts = {}, {}, {}
 
     @property
     def info(self) -> dict:
@@ -201,7 +201,9 @@ class WgpuBackend(Backend):
     def reads_src0_in_parts(self, stem: str) -> bool:
         """Whether <stem>.wgsl reads source 0 through src0_word (quant_blocks.wgsl), and can
         therefore take it bound as several ranges."""
-        return "override SRC0_PART_WORDS" in shader_source(stem)
+        if stem not in self._src0_in_parts:
+            self._src0_in_parts[stem] = "override SRC0_PART_WORDS" in shader_source(stem)
+        return self._src0_in_parts[stem]
 
     def pipeline(self, stem: str, entry: str, part_words: int = 0):
         """The compute pipeline of kernel `entry`, WGSL function k_<entry> in <stem>.wgsl;
@@ -237,15 +239,15 @@ class WgpuPlan(Plan):
         limits = backend.storage_limits
         binding = limits.get(BINDING_LIMIT, 0)
         self.part_bytes = binding // backend.part_alignment * backend.part_alignment
-        # blocks over the binding limit that every dispatch binding them reads in parts
+        # a block may be bound in ranges when every dispatch that binds it reads it so
         may_split = {}
         for stem, d in self.dispatches:
             for b, t in enumerate((d.dst, *d.srcs)):
-                key = id(t.storage)
-                may_split[key] = may_split.get(key, True) and b == 1 and \
-                    backend.reads_src0_in_parts(stem)
+                in_parts = b == 1 and backend.reads_src0_in_parts(stem)
+                may_split[id(t.storage)] = may_split.get(id(t.storage), True) and in_parts
         check_storage_limits(self.roots + self.scratch, self.nbytes, limits,
                              {k for k, ok in may_split.items() if ok}, self.part_bytes)
+        # the blocks bound in ranges (each its own buffer: leaves share none)
         self.in_parts = {id(t) for t in self.roots + self.scratch
                          if binding and self.nbytes(t) > binding}
         self.layout = self.storage_layout(private)
