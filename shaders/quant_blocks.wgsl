@@ -6,6 +6,26 @@
 
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
 
+// A weight larger than one storage binding is bound as up to 4 ranges of SRC0_PART_WORDS
+// words each (WgpuPlan): src0_u32 holds the first, the three below the rest. The backend
+// sets SRC0_PART_WORDS only in the pipelines of such weights; 0 is one binding.
+override SRC0_PART_WORDS: u32 = 0u;
+@group(0) @binding(6) var<storage, read_write> src0_part1: array<u32>;
+@group(0) @binding(7) var<storage, read_write> src0_part2: array<u32>;
+@group(0) @binding(8) var<storage, read_write> src0_part3: array<u32>;
+
+// Word i of src0's blocks, from whichever binding holds it: the only read of src0.
+fn src0_word(i: u32) -> u32 {
+    if (SRC0_PART_WORDS == 0u) { return src0_u32[i]; }
+    let j = i % SRC0_PART_WORDS;
+    switch (i / SRC0_PART_WORDS) {
+        case 0u: { return src0_u32[j]; }
+        case 1u: { return src0_part1[j]; }
+        case 2u: { return src0_part2[j]; }
+        default: { return src0_part3[j]; }
+    }
+}
+
 // Type codes: the order of TYPES (tests/test_quant.py checks them).
 const F16: u32 = 0u;
 const BF16: u32 = 1u;
@@ -22,18 +42,18 @@ const Q6_K: u32 = 11u;
 
 // The 4 bytes of src0 from byte b on (b even), little-endian.
 fn word_at(b: u32) -> u32 {
-    let w = src0_u32[b / 4u];
+    let w = src0_word(b / 4u);
     if ((b & 2u) == 0u) { return w; }
-    return (w >> 16u) | (src0_u32[b / 4u + 1u] << 16u);
+    return (w >> 16u) | (src0_word(b / 4u + 1u) << 16u);
 }
 
 // The f16 at byte b (b even) of src0.
 fn half_at(b: u32) -> f32 {
-    return unpack2x16float(src0_u32[b / 4u] >> ((b & 2u) * 8u)).x;
+    return unpack2x16float(src0_word(b / 4u) >> ((b & 2u) * 8u)).x;
 }
 
 fn byte_at(b: u32) -> u32 {
-    return (src0_u32[b / 4u] >> ((b & 3u) * 8u)) & 0xFFu;
+    return (src0_word(b / 4u) >> ((b & 3u) * 8u)) & 0xFFu;
 }
 
 // The 4 bytes of q as floats (byte 0 first).
@@ -88,10 +108,10 @@ fn coef(t: u32, e: u32) -> vec2f {
             let d = half_at(b);
             return vec2f(d, select(select(-8.0, -16.0, t == Q5_0), -128.0, t == Q8_0) * d);
         }
-        case Q4_1, Q5_1: { return unpack2x16float(src0_u32[b / 4u]); }   // d, m
+        case Q4_1, Q5_1: { return unpack2x16float(src0_word(b / 4u)); }   // d, m
         case Q2_K: {        // scales[16] at 0 (scale low nibble, min high), d and dmin at 80
             let sc = byte_at(b + (e % 256u) / 16u);
-            let dm = unpack2x16float(src0_u32[(b + 80u) / 4u]);
+            let dm = unpack2x16float(src0_word((b + 80u) / 4u));
             return vec2f(dm.x * f32(sc & 0xFu), -dm.y * f32(sc >> 4u));
         }
         case Q3_K: {        // 16 6-bit scales at 96: low nibbles in bytes 0..7, high 2 bits
@@ -102,7 +122,7 @@ fn coef(t: u32, e: u32) -> vec2f {
             return vec2f(a, -4.0 * a);
         }
         case Q4_K, Q5_K: {  // d, dmin, then 12 bytes of 6-bit scales and mins
-            let dm = unpack2x16float(src0_u32[b / 4u]);
+            let dm = unpack2x16float(src0_word(b / 4u));
             let sm = scale_min_k4(b + 4u, (e % 256u) / 32u);
             return vec2f(dm.x * sm.x, -dm.y * sm.y);
         }

@@ -170,10 +170,10 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
         let w = bytes / 4u + row / 2u;                 // in words: 2 values per word
         for (var k = 0u; k < K / 4u; k++) {
             let wk = w + 2u * k;
-            let wq = array<vec4f, 4>(halves4(t, src0_u32[wk.x], src0_u32[wk.x + 1u]),
-                                     halves4(t, src0_u32[wk.y], src0_u32[wk.y + 1u]),
-                                     halves4(t, src0_u32[wk.z], src0_u32[wk.z + 1u]),
-                                     halves4(t, src0_u32[wk.w], src0_u32[wk.w + 1u]));
+            let wq = array<vec4f, 4>(halves4(t, src0_word(wk.x), src0_word(wk.x + 1u)),
+                                     halves4(t, src0_word(wk.y), src0_word(wk.y + 1u)),
+                                     halves4(t, src0_word(wk.z), src0_word(wk.z + 1u)),
+                                     halves4(t, src0_word(wk.w), src0_word(wk.w + 1u)));
             mac16(&acc, wq, src1_v4[x0 + k], src1_v4[x1 + k]);
         }
     } else if (t == Q8_0 || t == Q4_0 || t == Q4_1) {
@@ -182,14 +182,14 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
             let b = bytes + ((row + k) / 32u) * size;  // each row's block
             let s = (b & vec4u(2u)) * 8u;              // 16 where a block starts mid-word
             var w = b / 4u;
-            var prev = vec4u(src0_u32[w.x], src0_u32[w.y], src0_u32[w.z], src0_u32[w.w]);
+            var prev = vec4u(src0_word(w.x), src0_word(w.y), src0_word(w.z), src0_word(w.w));
             let d = vec4f(unpack2x16float(prev.x >> s.x).x, unpack2x16float(prev.y >> s.y).x,
                           unpack2x16float(prev.z >> s.z).x, unpack2x16float(prev.w >> s.w).x);
             let xk = k / 4u;
             if (t == Q8_0) {
                 for (var j = 0u; j < 8u; j++) {
                     w += 1u;
-                    let next = vec4u(src0_u32[w.x], src0_u32[w.y], src0_u32[w.z], src0_u32[w.w]);
+                    let next = vec4u(src0_word(w.x), src0_word(w.y), src0_word(w.z), src0_word(w.w));
                     let wq = array<vec4f, 4>(
                         d.x * bytes_i8(after_d(prev.x, next.x, s.x)),
                         d.y * bytes_i8(after_d(prev.y, next.y, s.y)),
@@ -209,7 +209,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                 // word j of the nibbles holds values 4j .. 4j + 3 (low) and 16 + 4j .. (high)
                 for (var j = 0u; j < 4u; j++) {
                     w += 1u;
-                    let next = vec4u(src0_u32[w.x], src0_u32[w.y], src0_u32[w.z], src0_u32[w.w]);
+                    let next = vec4u(src0_word(w.x), src0_word(w.y), src0_word(w.z), src0_word(w.w));
                     var q = next;
                     if (t == Q4_0) {
                         q = vec4u(after_d(prev.x, next.x, s.x), after_d(prev.y, next.y, s.y),
@@ -329,12 +329,12 @@ fn back_quad(t: u32, lane: u32, e: u32, kb: u32, k0: u32) -> vec4f {
     let bytes = p.off.y * 4u;
     if (t == F16 || t == BF16) {
         let w = bytes / 4u + (e + k0) / 2u;
-        return halves4(t, src0_u32[w], src0_u32[w + 1u]);
+        return halves4(t, src0_word(w), src0_word(w + 1u));
     }
     if (t == Q4_1) {   // word-aligned: d and m in word 0, the nibbles of lane % 4 in word 1 + ..
         let w = (bytes + ((e + kb) / 32u) * 20u) / 4u;
-        let dm = unpack2x16float(src0_u32[w]);
-        return dm.x * nibbles(src0_u32[w + 1u + lane % 4u], 4u * (lane / 4u)) + dm.y;
+        let dm = unpack2x16float(src0_word(w));
+        return dm.x * nibbles(src0_word(w + 1u + lane % 4u), 4u * (lane / 4u)) + dm.y;
     }
     if (t != Q8_0 && t != Q4_0) { return quad(t, e + k0); }
     let b = bytes + ((e + kb) / 32u) * select(18u, 34u, t == Q8_0);   // the block
@@ -342,8 +342,8 @@ fn back_quad(t: u32, lane: u32, e: u32, kb: u32, k0: u32) -> vec4f {
     // q8_0: values 4 lane .. from byte 2 + 4 lane of the block; q4_0: nibble word lane % 4,
     // low nibbles for lanes 0..3, high for 4..7
     let w = b / 4u + select(lane % 4u, lane, t == Q8_0);
-    let first = src0_u32[w];
-    let q = after_d(first, src0_u32[w + 1u], s);
+    let first = src0_word(w);
+    let q = after_d(first, src0_word(w + 1u), s);
     let d = unpack2x16float(subgroupBroadcast(first, 0u) >> s).x;      // lane 0: d's word
     if (t == Q8_0) { return d * bytes_i8(q); }
     return d * (nibbles(q, 4u * (lane / 4u)) - 8.0);

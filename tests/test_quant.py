@@ -383,3 +383,94 @@ def test_a_quantized_base_plans_less_memory():
     assert sizes["f32"][0] == f32_weights
     assert sizes["q4_0"][0] == f32_weights * 18 // 128
     assert sizes["f32"][1] - sizes["q4_0"][1] == sizes["f32"][0] - sizes["q4_0"][0]
+
+
+# -- weights larger than one storage binding --------------------------------------------------
+
+BINDING_LIMIT = "max-storage-buffer-binding-size"
+
+
+def split_limit(nbytes):
+    """A binding limit under which a block of `nbytes` is bound as 4 ranges."""
+    return nbytes // 7 * 2
+
+
+def frozen_products(backend, w, x, r, ids):
+    """mul_mat_q, its gradient (mul_mat_q_back) and get_rows_q over the frozen `w`."""
+    wt, xt, idt = gg.constant(w), gg.input_tensor(x.shape), gg.input_tensor(ids.shape, "i32")
+    y = gg.mul_mat(wt, xt)
+    dx = gg.build_backward(gg.sum(gg.mul(y, gg.constant(r))), [xt])[xt]
+    rows = gg.get_rows(wt, idt)
+    plan = backend.plan([y, dx, rows], sentinel=testing.SENTINEL)
+    assert {d.entry.split("_subgroup")[0] for _, d in plan.dispatches} >= {
+        "mul_mat_q", "mul_mat_q_back", "get_rows_q"}
+    plan.run({xt: x, idt: ids})
+    assert plan.stray_writes() == []
+    return plan, [plan.read(t) for t in (y, dx, rows)]
+
+
+@pytest.mark.parametrize("variant", gg.ops.OPS["mul_mat_q"].variants)
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_k", "q6_k"])
+def test_a_frozen_weight_over_the_binding_limit_is_read_from_4_bindings(
+        wgpu, monkeypatch, dtype, variant):
+    """The products and rows of a weight bound as 4 ranges are those of the weight bound
+    whole, bit for bit: the same kernels, reading each word from the range that holds it."""
+    monkeypatch.setitem(wgpu.kernel_variants, "quant", variant)
+    rng = np.random.default_rng(3)
+    w = random_blocks(dtype, (300, 256), rng)
+    x = rng.uniform(-1, 1, (3, 256)).astype(np.float32)
+    r = rng.uniform(-1, 1, (3, 300)).astype(np.float32)
+    ids = np.array([0, 299, 150, 77, 298, 1, 223], np.int32)
+    whole_plan, whole = frozen_products(wgpu, w, x, r, ids)
+    (table,) = [t for t in whole_plan.roots if t.dtype == dtype]
+    limit = split_limit(whole_plan.nbytes(table))
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, limit)
+    plan, split = frozen_products(wgpu, w, x, r, ids)
+    (big,) = [t for t in plan.roots if plan.nbytes(t) > limit]
+    assert big.dtype == dtype and -(-plan.nbytes(big) // plan.part_bytes) == 4
+    for a, b in zip(split, whole):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(split[2], dequantize(w)[ids])
+
+
+def test_a_weight_that_cannot_be_split_over_the_binding_limit_is_refused_by_name(
+        wgpu, monkeypatch):
+    """Only a frozen block-type weight, read as mul_mat's or get_rows' first operand, is
+    split, into at most 4 ranges; anything else over the limit is still a named error."""
+    w = quantize(np.ones((64, 256)), "q8_0")                    # 17 408 bytes
+    ids = gg.input_tensor((3,), "i32")
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, 17408 // 4)
+    wgpu.plan([gg.get_rows(gg.constant(w, name="embd"), ids)])  # 4 parts of 4352 bytes
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, 17408 // 4 - 32)   # 5 parts
+    with pytest.raises(gg.ShapeError, match=r"tensor embd \(64, 256\) needs 17408 bytes.*"
+                                            r"split across bindings, into at most 4"):
+        wgpu.plan([gg.get_rows(gg.constant(w, name="embd"), ids)])
+    dense = gg.constant(np.ones((64, 32), np.float32), name="dense")   # 8 KiB of f32
+    with pytest.raises(gg.ShapeError, match=r"tensor dense \(64, 32\) needs 8192 bytes"):
+        wgpu.plan([gg.get_rows(dense, ids)])
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, 17408 // 4)
+    monkeypatch.setitem(wgpu.storage_limits, "max-buffer-size", 16384)   # no buffer holds it
+    with pytest.raises(gg.ShapeError, match=r"tensor embd .* max buffer size"):
+        wgpu.plan([gg.get_rows(gg.constant(w, name="embd"), ids)])
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "f16"])
+def test_a_tied_llama_whose_embedding_is_over_the_binding_limit_gives_the_same_numbers(
+        wgpu, monkeypatch, dtype):
+    """The tied embedding (259 x 256) is read by get_rows_q, by the output projection
+    (mul_mat_q) and, for the gradients, by mul_mat_q_back; under a binding limit of a
+    quarter of it plus a little, it and every other matrix are bound in ranges."""
+    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=2, n_layer=1,
+                      n_ff=256, n_ctx=8, tied_embeddings=True)
+    values = quantize_model(init_parameters(cfg, seed=4), dtype)
+    embd = values["token_embd.weight"]
+    assert isinstance(embd, Quantized) and "output.weight" not in values
+    _, whole_logits, whole_grads = llama_outputs(wgpu, cfg, values)
+    limit = -(-embd.data.nbytes // 4 // 32) * 32 + 32
+    monkeypatch.setitem(wgpu.storage_limits, BINDING_LIMIT, limit)
+    assert 3 * limit < embd.data.nbytes
+    _, logits, grads = llama_outputs(wgpu, cfg, values)
+    np.testing.assert_array_equal(logits, whole_logits)
+    assert grads.keys() == whole_grads.keys()
+    for name, g in grads.items():
+        np.testing.assert_array_equal(g, whole_grads[name], err_msg=name)

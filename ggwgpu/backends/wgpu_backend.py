@@ -25,6 +25,11 @@ from .base import Backend, Plan, guarded_block
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 UNIFORM_SIZE = 240          # sizeof(Params) in shaders/common.wgsl
 MAX_SRCS = 4
+# A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
+# of a kernel that reads it through quant_blocks.wgsl's src0_word: its own binding and
+# bindings 6 .. 8, so dst, 4 sources and the parts stay within WebGPU's 8 storage buffers.
+SRC0_PARTS = 4
+PART_BINDINGS = tuple(range(2 + MAX_SRCS, 1 + MAX_SRCS + SRC0_PARTS))
 MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
 
 
@@ -37,17 +42,25 @@ class DeviceLimitError(ShapeError):
     is made or anything dispatched."""
 
 
-def check_storage_limits(tensors, nbytes, limits: dict):
+BINDING_LIMIT = "max-storage-buffer-binding-size"
+
+
+def check_storage_limits(tensors, nbytes, limits: dict, in_parts=frozenset(), part_bytes=0):
     """Refuse the first of `tensors` whose storage (nbytes(t) bytes) exceeds one of `limits`
-    ({adapter limit name: bytes}): every block is bound whole, and a buffer is as large as
-    the largest block it holds."""
+    ({adapter limit name: bytes}): a buffer is as large as the largest block it holds, and
+    every block is bound whole, except those in `in_parts` (ids), which may be bound as up to
+    SRC0_PARTS ranges of `part_bytes`."""
     for t in tensors:
         for key, limit in limits.items():
-            if nbytes(t) > limit:
-                raise DeviceLimitError(
-                    f"tensor {t.name or t.op} {t.shape} needs {nbytes(t)} bytes, more than the "
-                    f"device's {key.replace('-', ' ')} ({key}) of {limit} bytes: make the "
-                    f"model, the vocabulary or the batch smaller")
+            if nbytes(t) <= limit or (key == BINDING_LIMIT and id(t) in in_parts
+                                      and nbytes(t) <= SRC0_PARTS * part_bytes):
+                continue
+            how = (f"; only a frozen block-type weight (mul_mat, get_rows) is split across "
+                   f"bindings, into at most {SRC0_PARTS}" if key == BINDING_LIMIT else "")
+            raise DeviceLimitError(
+                f"tensor {t.name or t.op} {t.shape} needs {nbytes(t)} bytes, more than the "
+                f"device's {key.replace('-', ' ')} ({key}) of {limit} bytes{how}: make the "
+                f"model, the vocabulary or the batch smaller")
 
 
 def shader_dir() -> Path:
@@ -146,7 +159,7 @@ class WgpuBackend(Backend):
     def __init__(self, adapter=None):
         self.adapter = adapter or request_adapter()
         limits = self.adapter.limits
-        wanted = ("max-storage-buffer-binding-size", "max-buffer-size")
+        wanted = (BINDING_LIMIT, "max-buffer-size")
         # timestamp queries time a whole step on the device (WgpuPlan.device_seconds);
         # subgroups run the CPU matmul kernel
         features = [f for f in ("timestamp-query", "subgroup") if f in self.adapter.features]
@@ -164,30 +177,44 @@ class WgpuBackend(Backend):
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,
                     "buffer": {"type": wgpu.BufferBindingType.uniform}}]
         entries += [{"binding": i, "visibility": wgpu.ShaderStage.COMPUTE, "buffer": storage}
-                    for i in range(1, 2 + MAX_SRCS)]
+                    for i in (*range(1, 2 + MAX_SRCS), *PART_BINDINGS)]
         self.bind_group_layout = self.device.create_bind_group_layout(entries=entries)
         self.pipeline_layout = self.device.create_pipeline_layout(
             bind_group_layouts=[self.bind_group_layout])
+        self.part_alignment = self.device.limits["min-storage-buffer-offset-alignment"]
         self.dummy = self.device.create_buffer(
             size=16, usage=wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC)
         self.fence = self.device.create_buffer(
             size=16, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
-        self._modules, self._pipelines = {}, {}
+        self._modules, self._pipelines, self._src0_in_parts = {}, {}, {}
 
     @property
     def info(self) -> dict:
         return dict(self.adapter.info)
 
-    def pipeline(self, stem: str, entry: str):
-        """The compute pipeline of kernel `entry`, WGSL function k_<entry> in <stem>.wgsl."""
-        key = (stem, entry)
+    def _module(self, stem: str):
+        if stem not in self._modules:
+            self._modules[stem] = self.device.create_shader_module(
+                label=stem, code=shader_source(stem))
+        return self._modules[stem]
+
+    def reads_src0_in_parts(self, stem: str) -> bool:
+        """Whether <stem>.wgsl reads source 0 through src0_word (quant_blocks.wgsl), and can
+        therefore take it bound as several ranges."""
+        if stem not in self._src0_in_parts:
+            self._src0_in_parts[stem] = "override SRC0_PART_WORDS" in shader_source(stem)
+        return self._src0_in_parts[stem]
+
+    def pipeline(self, stem: str, entry: str, part_words: int = 0):
+        """The compute pipeline of kernel `entry`, WGSL function k_<entry> in <stem>.wgsl;
+        with `part_words`, the one that reads source 0 bound as ranges of that many words."""
+        key = (stem, entry, part_words)
         if key not in self._pipelines:
-            if stem not in self._modules:
-                self._modules[stem] = self.device.create_shader_module(
-                    label=stem, code=shader_source(stem))
+            compute = {"module": self._module(stem), "entry_point": kernel_name(entry)}
+            if part_words:
+                compute["constants"] = {"SRC0_PART_WORDS": part_words}
             self._pipelines[key] = self.device.create_compute_pipeline(
-                label=f"{stem}:{entry}", layout=self.pipeline_layout,
-                compute={"module": self._modules[stem], "entry_point": kernel_name(entry)})
+                label=f"{stem}:{entry}", layout=self.pipeline_layout, compute=compute)
         return self._pipelines[key]
 
     def plan(self, outputs, sentinel=0):
@@ -209,7 +236,20 @@ class WgpuPlan(Plan):
                                 if id(t.storage) not in self._known})
         private = list(private.values())
         self.scratch = [t for t, _ in private]
-        check_storage_limits(self.roots + self.scratch, self.nbytes, backend.storage_limits)
+        limits = backend.storage_limits
+        binding = limits.get(BINDING_LIMIT, 0)
+        self.part_bytes = binding // backend.part_alignment * backend.part_alignment
+        # a block may be bound in ranges when every dispatch that binds it reads it so
+        may_split = {}
+        for stem, d in self.dispatches:
+            for b, t in enumerate((d.dst, *d.srcs)):
+                in_parts = b == 1 and backend.reads_src0_in_parts(stem)
+                may_split[id(t.storage)] = may_split.get(id(t.storage), True) and in_parts
+        check_storage_limits(self.roots + self.scratch, self.nbytes, limits,
+                             {k for k, ok in may_split.items() if ok}, self.part_bytes)
+        # the blocks bound in ranges (each its own buffer: leaves share none)
+        self.in_parts = {id(t) for t in self.roots + self.scratch
+                         if binding and self.nbytes(t) > binding}
         self.layout = self.storage_layout(private)
         slot_buffers = [device.create_buffer(size=max(16, n), usage=usage)
                         for n in self.layout.slot_bytes]
@@ -234,12 +274,23 @@ class WgpuPlan(Plan):
                                                    "offset": i * UNIFORM_SLOT,
                                                    "size": UNIFORM_SIZE}}]
             tensors = (d.dst,) + tuple(d.srcs)
-            for b in range(1 + MAX_SRCS):
-                buf = self.buffers[id(tensors[b].storage)] if b < len(tensors) else backend.dummy
-                entries.append({"binding": 1 + b, "resource": {"buffer": buf, "offset": 0,
-                                                               "size": buf.size}})
+            ranges = [(backend.dummy, 0, backend.dummy.size)] * (MAX_SRCS + SRC0_PARTS)
+            for b, t in enumerate(tensors):
+                buf = self.buffers[id(t.storage)]
+                ranges[b] = (buf, 0, buf.size)
+            split = len(tensors) > 1 and id(tensors[1].storage) in self.in_parts
+            if split:  # source 0 in its binding and bindings 6 ..: ranges of part_bytes
+                size = self.nbytes(tensors[1].storage)
+                parts = [(ranges[1][0], at, min(self.part_bytes, size - at))
+                         for at in range(0, size, self.part_bytes)]
+                ranges[1] = parts[0]
+                ranges[1 + MAX_SRCS:len(parts) + MAX_SRCS] = parts[1:]
+            for b, (buf, offset, size) in enumerate(ranges):
+                entries.append({"binding": 1 + b, "resource": {"buffer": buf, "offset": offset,
+                                                               "size": size}})
             group = device.create_bind_group(layout=backend.bind_group_layout, entries=entries)
-            self.recorded.append((backend.pipeline(stem, d.entry), group, grid_2d(d.grid())))
+            pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
+            self.recorded.append((pipeline, group, grid_2d(d.grid())))
         # The encode loop's work, prepared once: the pipeline only where it changes (None
         # else), and the native handles when the direct calls are there.
         self.direct_calls = DIRECT_CALLS is not None
