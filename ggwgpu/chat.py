@@ -186,6 +186,21 @@ class ChatTemplate:
         return [(t, trained) for t, trained in pieces if t]
 
 
+def adds_bos(tokenizer, rendered: str) -> bool:
+    """Whether BOS goes before `rendered` text: the vocabulary adds one and the template did
+    not write it already (many templates start with {{ bos_token }})."""
+    bos = getattr(tokenizer, "bos_id", None)
+    return bool(getattr(tokenizer, "add_bos", False)) and bos is not None \
+        and not (rendered and rendered.startswith(tokenizer.tokens[bos]))
+
+
+def rendered_ids(tokenizer, rendered: str) -> list[int]:
+    """The token ids of a rendered conversation, as the model sees it at inference: BOS as
+    `adds_bos` says, special tokens (<|im_start|>, ...) recognised."""
+    ids = [int(i) for i in tokenizer.encode(rendered, parse_special=True)]
+    return [tokenizer.bos_id] * adds_bos(tokenizer, rendered) + ids
+
+
 # -- examples as tokens -----------------------------------------------------------------------
 
 @dataclass
@@ -214,10 +229,8 @@ def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
     else:
         pieces, special, eos = [(example["text"], True)], False, True
     ids, trained = [], []
-    bos = getattr(tokenizer, "bos_id", None)
-    if getattr(tokenizer, "add_bos", False) and bos is not None \
-            and not (special and pieces[0][0].startswith(tokenizer.tokens[bos])):
-        ids.append(bos)
+    if adds_bos(tokenizer, pieces[0][0] if special else ""):
+        ids.append(tokenizer.bos_id)
         trained.append(False)
     for text, is_answer in pieces:
         piece = tokenizer.encode(text, parse_special=special) if special \
