@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,8 @@ import numpy as np
 from .data import DataError
 
 SPLITS = ("train", "valid", "test")
+# name -> directory under ggwgpu/data: usable as --data NAME
+BUNDLED = {"chat-demo": "chat"}
 ROLES = ("system", "user", "assistant", "tool")
 
 # ChatML, for models without a template of their own.
@@ -45,10 +48,13 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 # -- reading ----------------------------------------------------------------------------------
 
 def load_dataset(path) -> dict[str, list[dict]]:
-    """{split: examples} of a JSONL file (all "train") or a directory with train.jsonl and
-    optionally valid.jsonl and test.jsonl. Every line is checked (`check_example`); a bad one
-    is a DataError naming the file, the line and the problem."""
+    """{split: examples} of a JSONL file (all "train"), a directory with train.jsonl and
+    optionally valid.jsonl and test.jsonl, or a bundled dataset's name (`BUNDLED`) when no
+    such file exists. Every line is checked (`check_example`); a bad one is a DataError
+    naming the file, the line and the problem."""
     path = Path(path)
+    if str(path) in BUNDLED and not path.exists():
+        path = Path(str(resources.files("ggwgpu").joinpath("data", BUNDLED[str(path)])))
     if path.is_dir():
         files = {s: path / f"{s}.jsonl" for s in SPLITS if (path / f"{s}.jsonl").exists()}
         if "train" not in files:
@@ -57,7 +63,8 @@ def load_dataset(path) -> dict[str, list[dict]]:
     elif path.exists():
         files = {"train": path}
     else:
-        raise DataError(f"{path}: no such file or directory")
+        raise DataError(f"{path}: no such file or directory (nor a bundled dataset: "
+                        f"{', '.join(BUNDLED)})")
     return {split: read_jsonl(file) for split, file in files.items()}
 
 
