@@ -1,5 +1,7 @@
 """Chatting: ChatSession keeps the KV cache across turns and the model sees exactly what the
 template renders; `ggwgpu chat` and `ggwgpu generate --chat` on a tiny byte-vocabulary model."""
+import io
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -168,3 +170,27 @@ def test_generate_chat_answers_the_rendered_prompt(files):
     assert plain.stdout.startswith(prompt)
     assert r.stdout == plain.stdout[len(prompt):] and len(r.stdout) > 1
     assert invoke(*args, "--system", "x").exit_code == 2
+
+
+class InterruptedInput(io.BytesIO):
+    """Standard input whose reader gets Ctrl-C (KeyboardInterrupt) once `data` is read."""
+
+    def read(self, size=-1):
+        return self._interrupt_at_end(super().read(size), size)
+
+    def read1(self, size=-1):
+        return self._interrupt_at_end(super().read1(size), size)
+
+    def _interrupt_at_end(self, data, size):
+        if not data and size != 0:
+            raise KeyboardInterrupt
+        return data
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session(files):
+    model, template = files
+    r = invoke("--backend", "numpy", "chat", model, "--chat-template", template, "-n", "3",
+               input=InterruptedInput(b"Hi?\n"))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("> Hi?\n") and r.stdout.endswith("> \n")
+    assert r.stdout.count("> ") == 2
