@@ -85,3 +85,78 @@ def with_context(cfg, n_ctx):
     MAX_DEFAULT_CTX (the model file keeps its own context length)."""
     import dataclasses
     return dataclasses.replace(cfg, n_ctx=n_ctx or min(cfg.n_ctx, MAX_DEFAULT_CTX))
+
+
+# -- what generate and chat share -------------------------------------------------------------
+
+def sampling_options(command):
+    """llama.cpp's sampling options (its defaults) and --seed; `sampling_of(kwargs)` makes
+    them a Sampling."""
+    from ggwgpu.generate import Sampling
+    options = [
+        click.option("--temp", default=Sampling.temperature, show_default=True,
+                     type=click.FloatRange(min=0),
+                     help="Temperature; 0 is greedy (the most likely token, whatever the "
+                          "seed)."),
+        click.option("--top-k", default=Sampling.top_k, show_default=True, type=int,
+                     help="Keep the k most likely tokens (<= 0: all)."),
+        click.option("--top-p", default=Sampling.top_p, show_default=True,
+                     type=click.FloatRange(0, 1, min_open=True),
+                     help="Then keep the most likely tokens up to this probability mass "
+                          "(1: all)."),
+        click.option("--min-p", default=Sampling.min_p, show_default=True,
+                     type=click.FloatRange(0, 1),
+                     help="Then keep the tokens at least this fraction as likely as the most "
+                          "likely one (0: all)."),
+        click.option("--repeat-penalty", default=Sampling.repeat_penalty, show_default=True,
+                     type=click.FloatRange(min=0, min_open=True),
+                     help="Make the tokens of the last --repeat-last-n less likely (1: off)."),
+        click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
+                     type=click.IntRange(min=0), help="Context tokens the repeat penalty "
+                                                      "looks at."),
+        click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def sampling_of(kw: dict):
+    from ggwgpu.generate import Sampling
+    return Sampling(kw["temp"], kw["top_k"], kw["top_p"], kw["repeat_penalty"],
+                    kw["repeat_last_n"], kw["min_p"])
+
+
+lora_option = click.option(
+    "--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+    help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
+
+
+def load_model(path, lora_paths=(), n_ctx=None):
+    """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file."""
+    from ggwgpu import gguf_io
+    from ggwgpu.lora import load_adapter
+    try:
+        cfg, values, tokenizer = gguf_io.load_model(path, keep_quantized=True)
+        adapters = [load_adapter(p, cfg) for p in lora_paths]
+    except gguf_io.GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    return with_context(cfg, n_ctx), values, tokenizer, adapters
+
+
+template_option = click.option(
+    "--chat-template", type=click.Path(exists=True, dir_okay=False),
+    help="A Jinja chat template file (default: the model's own, else ChatML).")
+
+
+def chat_template(tokenizer, path=None):
+    """The ChatTemplate of --chat-template's file, else the model's, else ChatML."""
+    from ggwgpu.chat import ChatTemplate
+    try:
+        source = None
+        if path:
+            with open(path, encoding="utf-8") as f:
+                source = f.read()
+        return ChatTemplate.of(tokenizer, source)
+    except (ValueError, OSError) as e:
+        raise click.UsageError(str(e)) from None

@@ -21,16 +21,22 @@ from ggwgpu.data import BUNDLED
 from ggwgpu.generate import Sampling
 
 try:
-    from .common import (backend_choice, ctx_option, describe_backend, human_bytes,
-                         planned_memory, select_backend, with_context, wgpu_or_reason)
+    from .chat import chat_answer, chat_command
+    from .common import chat_template as load_chat_template
+    from .common import (backend_choice, ctx_option, describe_backend, human_bytes, load_model,
+                         lora_option, planned_memory, sampling_of, sampling_options,
+                         select_backend, template_option, with_context, wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
     from .training import (default_checkpoint_path, device_errors, existing_directory,
                            positive, read_text, resume_args, steps_of, train_options,
                            training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import (backend_choice, ctx_option, describe_backend, human_bytes,
-                        planned_memory, select_backend, with_context, wgpu_or_reason)
+    from chat import chat_answer, chat_command
+    from common import chat_template as load_chat_template
+    from common import (backend_choice, ctx_option, describe_backend, human_bytes, load_model,
+                        lora_option, planned_memory, sampling_of, sampling_options,
+                        select_backend, template_option, with_context, wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
     from training import (default_checkpoint_path, device_errors, existing_directory,
@@ -441,54 +447,44 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 @click.argument("model", type=click.Path(exists=True, dir_okay=False))
 @click.option("--prompt", "-p", default="",
               help="Text to continue (BOS is put before it if the vocabulary adds one; special "
-                   "tokens such as <|im_start|> in it are recognised).")
+                   "tokens such as <|im_start|> in it are recognised); with --chat, the user's "
+                   "message.")
 @click.option("--n-predict", "-n", default=200, show_default=True, type=click.IntRange(min=0),
               help="Tokens to generate at most (it stops earlier at an end-of-generation "
                    "token: EOS, <|im_end|>, <|eot_id|>, ...).")
-@click.option("--temp", default=Sampling.temperature, show_default=True,
-              type=click.FloatRange(min=0), help="Temperature; 0 is greedy (the most likely "
-                                                 "token, whatever the seed).")
-@click.option("--top-k", default=Sampling.top_k, show_default=True, type=int,
-              help="Keep the k most likely tokens (<= 0: all).")
-@click.option("--top-p", default=Sampling.top_p, show_default=True,
-              type=click.FloatRange(0, 1, min_open=True),
-              help="Then keep the most likely tokens up to this probability mass (1: all).")
-@click.option("--min-p", default=Sampling.min_p, show_default=True, type=click.FloatRange(0, 1),
-              help="Then keep the tokens at least this fraction as likely as the most likely "
-                   "one (0: all).")
-@click.option("--repeat-penalty", default=Sampling.repeat_penalty, show_default=True,
-              type=click.FloatRange(min=0, min_open=True),
-              help="Make the tokens of the last --repeat-last-n less likely (1: off).")
-@click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
-              type=click.IntRange(min=0), help="Context tokens the repeat penalty looks at.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed.")
-@click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
-              help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
+@sampling_options
+@lora_option
 @ctx_option("Tokens the KV cache holds")
+@click.option("--chat", is_flag=True,
+              help="The prompt is a user message put through the model's chat template with "
+                   "the generation prompt (after --system); only the answer is printed.")
+@click.option("--system", help="With --chat: a system message first.")
+@template_option
 @click.pass_context
-def generate(ctx, model, prompt, n_predict, temp, top_k, top_p, min_p, repeat_penalty,
-             repeat_last_n, seed, lora_paths, n_ctx):
+def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
+             **kw):
     """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
     does: repeat penalty, top-k, top-p, min-p, temperature. When the model's context (n_ctx) is
-    full, the window slides to BOS plus its last half and is recomputed.
+    full, the window slides to BOS plus its last half and is recomputed. With --chat the
+    prompt is answered as one chat turn (for scripts; `ggwgpu chat` goes on talking).
     """
-    from ggwgpu import gguf_io
-    from ggwgpu.lora import load_adapter
-    try:
-        cfg, values, tokenizer = gguf_io.load_model(model, keep_quantized=True)
-        adapters = [load_adapter(path, cfg) for path in lora_paths]
-    except gguf_io.GGUFError as e:
-        raise click.ClickException(str(e)) from None
-    cfg = with_context(cfg, n_ctx)
-    if not prompt and not (tokenizer.add_bos and tokenizer.bos_id is not None):
+    cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    if (system or chat_template) and not chat:
+        raise click.UsageError("--system and --chat-template go with --chat")
+    if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
     click.echo(f"generate on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, "
-               f"seed {seed}", err=True)
-    sampling = Sampling(temp, top_k, top_p, repeat_penalty, repeat_last_n, min_p)
-    stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling, seed, adapters)
+               f"seed {kw['seed']}", err=True)
+    if chat:
+        template = load_chat_template(tokenizer, chat_template)
+        chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n_predict,
+                    sampling_of(kw), kw["seed"], adapters)
+    else:
+        stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling_of(kw),
+                      kw["seed"], adapters)
 
 
 @cli.command("eval")
@@ -578,6 +574,7 @@ cli.add_command(bench)
 cli.add_command(quantize_command)
 cli.add_command(finetune_command)
 cli.add_command(merge_command)
+cli.add_command(chat_command)
 
 if __name__ == "__main__":
     cli()

@@ -14,8 +14,14 @@ import time
 
 import click
 
+from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
+
+try:
+    from .common import chat_template, template_option
+except ImportError:  # run as a script: python cli/main.py
+    from common import chat_template, template_option
 
 
 def positive(kind=int):
@@ -362,13 +368,12 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
 def data_options(command):
     """--data and what shapes it: the chat template, masking, long examples."""
     options = [
-        click.option("--data", "data_path", type=click.Path(exists=True),
-                     help="Examples instead of text: a JSONL file, or a directory with "
-                          "train.jsonl (and valid.jsonl, test.jsonl); lines {\"text\"}, "
+        click.option("--data", "data_path", type=click.Path(),
+                     help="Examples instead of text: a JSONL file, a directory with "
+                          "train.jsonl (and valid.jsonl, test.jsonl), or a bundled set "
+                          f"({', '.join(BUNDLED_SETS)}); lines {{\"text\"}}, "
                           "{\"prompt\", \"completion\"} or {\"messages\": [...]}."),
-        click.option("--chat-template", type=click.Path(exists=True, dir_okay=False),
-                     help="A Jinja chat template file (default: the model's own, else "
-                          "ChatML)."),
+        template_option,
         click.option("--mask-prompt", is_flag=True,
                      help="Train on the answers only (assistant turns, completions)."),
         click.option("--drop-long", is_flag=True,
@@ -385,11 +390,7 @@ def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
     from ggwgpu import chat
     try:
         sets = chat.load_dataset(kw["data_path"])
-        source = None
-        if kw.get("chat_template"):
-            with open(kw["chat_template"], encoding="utf-8") as f:
-                source = f.read()
-        template = chat.ChatTemplate.of(tokenizer, source)
+        template = chat_template(tokenizer, kw.get("chat_template"))
         return {split: [chat.encode_example(e, tokenizer, template, kw["mask_prompt"])
                         for e in sets[split]] for split in splits if split in sets}
     except (ValueError, OSError) as e:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from datetime import datetime
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -34,6 +35,8 @@ import numpy as np
 from .data import DataError, EpochOrder
 
 SPLITS = ("train", "valid", "test")
+# name -> directory under ggwgpu/data: usable as --data NAME
+BUNDLED = {"chat-demo": "chat"}
 ROLES = ("system", "user", "assistant", "tool")
 
 # ChatML, for models without a template of their own.
@@ -45,10 +48,13 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 # -- reading ----------------------------------------------------------------------------------
 
 def load_dataset(path) -> dict[str, list[dict]]:
-    """{split: examples} of a JSONL file (all "train") or a directory with train.jsonl and
-    optionally valid.jsonl and test.jsonl. Every line is checked (`check_example`); a bad one
-    is a DataError naming the file, the line and the problem."""
+    """{split: examples} of a JSONL file (all "train"), a directory with train.jsonl and
+    optionally valid.jsonl and test.jsonl, or a bundled dataset's name (`BUNDLED`) when no
+    such file exists. Every line is checked (`check_example`); a bad one is a DataError
+    naming the file, the line and the problem."""
     path = Path(path)
+    if str(path) in BUNDLED and not path.exists():
+        path = Path(str(resources.files("ggwgpu").joinpath("data", BUNDLED[str(path)])))
     if path.is_dir():
         files = {s: path / f"{s}.jsonl" for s in SPLITS if (path / f"{s}.jsonl").exists()}
         if "train" not in files:
@@ -57,7 +63,8 @@ def load_dataset(path) -> dict[str, list[dict]]:
     elif path.exists():
         files = {"train": path}
     else:
-        raise DataError(f"{path}: no such file or directory")
+        raise DataError(f"{path}: no such file or directory (nor a bundled dataset: "
+                        f"{', '.join(BUNDLED)})")
     return {split: read_jsonl(file) for split, file in files.items()}
 
 
@@ -186,6 +193,21 @@ class ChatTemplate:
         return [(t, trained) for t, trained in pieces if t]
 
 
+def adds_bos(tokenizer, rendered: str) -> bool:
+    """Whether BOS goes before `rendered` text: the vocabulary adds one and the template did
+    not write it already (many templates start with {{ bos_token }})."""
+    bos = getattr(tokenizer, "bos_id", None)
+    return bool(getattr(tokenizer, "add_bos", False)) and bos is not None \
+        and not (rendered and rendered.startswith(tokenizer.tokens[bos]))
+
+
+def rendered_ids(tokenizer, rendered: str) -> list[int]:
+    """The token ids of a rendered conversation, as the model sees it at inference: BOS as
+    `adds_bos` says, special tokens (<|im_start|>, ...) recognised."""
+    ids = [int(i) for i in tokenizer.encode(rendered, parse_special=True)]
+    return [tokenizer.bos_id] * adds_bos(tokenizer, rendered) + ids
+
+
 # -- examples as tokens -----------------------------------------------------------------------
 
 @dataclass
@@ -214,10 +236,8 @@ def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
     else:
         pieces, special, eos = [(example["text"], True)], False, True
     ids, trained = [], []
-    bos = getattr(tokenizer, "bos_id", None)
-    if getattr(tokenizer, "add_bos", False) and bos is not None \
-            and not (special and pieces[0][0].startswith(tokenizer.tokens[bos])):
-        ids.append(bos)
+    if adds_bos(tokenizer, pieces[0][0] if special else ""):
+        ids.append(tokenizer.bos_id)
         trained.append(False)
     for text, is_answer in pieces:
         piece = tokenizer.encode(text, parse_special=special) if special \

@@ -26,6 +26,7 @@ than the window is cut the same way. Generation stops at any end-of-generation t
 """
 from __future__ import annotations
 
+import itertools
 import os
 from dataclasses import dataclass
 from typing import Iterator
@@ -121,7 +122,9 @@ class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
     two plans on `backend`, built once: a max_ctx-token graph for prefills and a one-token
     graph for steps. Each plan holds its own copy of the weights (plans share no buffers); a
-    prefill hands its cache to the step plan (one read and one write of the cache).
+    run of the prefill plan takes the step plan's cache and hands it back (one read and one
+    write of the cache each way). `tokens` are the ids the cache holds (positions 0 .. past -
+    1); they change only when a run is complete, so an interrupted run leaves a usable cache.
     `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does."""
 
     def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None,
@@ -136,20 +139,17 @@ class Decoder:
         self.step_graph = build_decode_graph(cfg, values, 1, self.max_ctx, adapters=adapters)
         self.prefill_plan = backend.plan([self.prefill_graph.logits])
         self.step_plan = backend.plan([self.step_graph.logits])
-        self.past = 0      # positions in the step plan's cache
+        self.tokens: list[int] = []     # in the step plan's cache
+
+    @property
+    def past(self) -> int:
+        return len(self.tokens)
 
     def prefill(self, tokens) -> np.ndarray:
         """Start over with `tokens` (1 .. max_ctx ids) at positions 0 ..; the logits of the
         last one, (n_vocab,)."""
-        g = self.prefill_graph
-        self.prefill_plan.run(g.feeds(tokens, 0))
-        logits = self.prefill_plan.read(g.logits)[0]
-        kv = self.prefill_plan.read(g.kv)                         # [scratch | cache] per layer
-        step_kv = np.zeros(self.step_graph.kv.shape, kv.dtype)
-        step_kv[:, self.step_graph.n_tokens:] = kv[:, g.n_tokens:]
-        self.step_plan.write(self.step_graph.kv, step_kv)
-        self.past = len(np.atleast_1d(tokens))
-        return logits
+        self.tokens = []
+        return self._run_prefill(tokens)
 
     def step(self, token: int) -> np.ndarray:
         """Append one token at position `past`; its logits, (n_vocab,)."""
@@ -157,8 +157,45 @@ class Decoder:
             raise ValueError(f"the cache is full ({self.max_ctx} positions): prefill a window")
         g = self.step_graph
         self.step_plan.run(g.feeds([token], self.past))
-        self.past += 1
+        self.tokens = self.tokens + [int(token)]
         return self.step_plan.read(g.logits)[0]
+
+    def append(self, tokens) -> np.ndarray:
+        """Append `tokens` at positions past, past + 1, ... (at most max_ctx in all); the
+        logits of the last one. One token is a step, more are one run of the prefill plan
+        at that offset."""
+        tokens = [int(t) for t in np.atleast_1d(tokens)]
+        if len(tokens) == 1:
+            return self.step(tokens[0])
+        if self.past:       # the prefill plan attends to the cache the steps wrote
+            g = self.prefill_graph
+            cache = self.step_plan.read(self.step_graph.kv)[:, self.step_graph.n_tokens:]
+            kv = np.zeros(g.kv.shape, cache.dtype)
+            kv[:, g.n_tokens:] = cache
+            self.prefill_plan.write(g.kv, kv)
+        return self._run_prefill(tokens)
+
+    def sync(self, tokens) -> np.ndarray:
+        """Make the cache hold `tokens` (1 .. max_ctx ids) and return the logits of the last:
+        the cached positions that already hold the same ids are kept (all but the last token
+        at most, whose logits are wanted), the rest is appended. What a chat turn or a slid
+        window costs is thus only what changed."""
+        tokens = [int(t) for t in tokens]
+        keep = len(os.path.commonprefix([self.tokens, tokens[:-1]]))
+        self.tokens = self.tokens[:keep]    # rows past `keep` are masked and overwritten
+        return self.append(tokens[keep:])
+
+    def _run_prefill(self, tokens) -> np.ndarray:
+        g = self.prefill_graph
+        tokens = [int(t) for t in np.atleast_1d(tokens)]
+        self.prefill_plan.run(g.feeds(tokens, self.past))
+        logits = self.prefill_plan.read(g.logits)[0]
+        kv = self.prefill_plan.read(g.kv)                         # [scratch | cache] per layer
+        step_kv = np.zeros(self.step_graph.kv.shape, kv.dtype)
+        step_kv[:, self.step_graph.n_tokens:] = kv[:, g.n_tokens:]
+        self.step_plan.write(self.step_graph.kv, step_kv)
+        self.tokens = self.tokens + tokens
+        return logits
 
 
 def window(context: list[int], bos_id, max_ctx: int) -> list[int]:
@@ -173,24 +210,28 @@ def window(context: list[int], bos_id, max_ctx: int) -> list[int]:
 
 def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = Sampling(),
                     seed: int = 0, bos_id: int | None = None,
-                    eog_ids=()) -> Iterator[int]:
+                    eog_ids=(), fit=None) -> Iterator[int]:
     """Sampled token ids, one at a time, after `prompt_ids` (BOS included if wanted): at
-    most n, ending early at any of `eog_ids` (an int or a collection; not yielded).
-    Deterministic for a given seed."""
+    most n (< 0: no limit), ending early at any of `eog_ids` (an int or a collection; not
+    yielded). Deterministic for a given seed (an int, or a numpy Generator to go on drawing from).
+    `fit(context)` gives the window the model sees of the context (prompt and tokens so far)
+    at the start and whenever the cache is full (default: `window`); the cache keeps what
+    it shares with the previous one (`Decoder.sync`)."""
     stop = {eog_ids} if isinstance(eog_ids, (int, np.integer)) else set(eog_ids or ())
     rng = np.random.default_rng(seed)
     context = [int(t) for t in prompt_ids]
     if not context:
         raise ValueError("the prompt has no tokens (and the tokenizer no BOS to start with)")
-    if n <= 0:
+    if n == 0:
         return
-    logits = decoder.prefill(window(context, bos_id, decoder.max_ctx))
-    for i in range(n):
+    fit = fit or (lambda ids: window(ids, bos_id, decoder.max_ctx))
+    logits = decoder.sync(fit(context))
+    for i in range(n) if n > 0 else itertools.count():
         if i:   # the logits after the last token, computed only when another is wanted
             if decoder.past < decoder.max_ctx:
                 logits = decoder.step(context[-1])
             else:
-                logits = decoder.prefill(window(context, bos_id, decoder.max_ctx))
+                logits = decoder.sync(fit(context))
         token = sample_token(logits, context, sampling, rng)
         if token in stop:
             return
@@ -249,3 +290,68 @@ def generate(backend, cfg: LlamaConfig, values: dict, tokenizer, prompt: str, n:
                                                       context_bos(tokenizer),
                                                       tokenizer.eog_ids)]
     return "".join(pieces) + stream.finish()
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+class ChatSession:
+    """A conversation with a model through its chat template (ggwgpu.chat.ChatTemplate),
+    the KV cache kept across turns.
+
+    Each reply renders the whole conversation with the generation prompt, tokenizes it and
+    hands it to `Decoder.sync`, which computes only what the cache does not hold yet: the
+    end of the last answer as the template writes it and the new user turn. So the logits
+    are those of the whole conversation computed from scratch, at the cost of the new
+    tokens (as llama.cpp's server reuses its cache). When the conversation no longer fits
+    the context, the model sees the system messages and the latest turns that fit in half
+    of it (`window`); a reply that fills the context slides the same way."""
+
+    def __init__(self, decoder: Decoder, tokenizer, template, system: str | None = None,
+                 sampling: Sampling = Sampling(), seed: int = 0):
+        self.decoder, self.tokenizer, self.template = decoder, tokenizer, template
+        self.sampling, self.rng = sampling, np.random.default_rng(seed)
+        self.messages = [{"role": "system", "content": system}] if system else []
+
+    def ids(self, messages) -> list[int]:
+        """The tokens of `messages` rendered with the generation prompt."""
+        from .chat import rendered_ids
+        return rendered_ids(self.tokenizer,
+                            self.template.render(messages, add_generation_prompt=True))
+
+    def window(self, answer=()) -> list[int]:
+        """What the model sees of the conversation, then `answer` (the reply so far): all of
+        it if it fits the context; else the system messages and the latest turns (from a
+        user message on) that fit in half of it; else (the last turn alone is too long) BOS
+        and the last half of the tokens, as `generate_tokens` slides."""
+        max_ctx, answer = self.decoder.max_ctx, list(answer)
+        ids = self.ids(self.messages) + answer
+        if len(ids) <= max_ctx:
+            return ids
+        n_system = next((i for i, m in enumerate(self.messages) if m["role"] != "system"),
+                        len(self.messages))
+        system, turns = self.messages[:n_system], self.messages[n_system:]
+        for start in range(1, len(turns)):
+            if turns[start]["role"] == "user":
+                ids = self.ids(system + turns[start:]) + answer
+                if len(ids) <= max_ctx // 2:
+                    return ids
+        return window(ids, context_bos(self.tokenizer), max_ctx)
+
+    def reply(self, text: str, n: int = -1) -> Iterator[int]:
+        """Add the user message `text` and yield the answer's tokens as they are sampled: at
+        most n (< 0: no limit), ending at an end-of-generation token. The answer joins the
+        conversation when the generator ends, also when it is closed early or interrupted
+        (Ctrl-C), as far as it went."""
+        self.messages.append({"role": "user", "content": text})
+        answer = []
+        try:
+            prompt = self.window()
+            tokens = generate_tokens(self.decoder, prompt, n, self.sampling, self.rng,
+                                     eog_ids=self.tokenizer.eog_ids,
+                                     fit=lambda context: self.window(context[len(prompt):]))
+            for token in tokens:
+                answer.append(token)
+                yield token
+        finally:
+            self.messages.append({"role": "assistant",
+                                  "content": self.tokenizer.decode(answer)})

@@ -264,3 +264,23 @@ def test_a_padded_batch_has_the_loss_of_its_examples_one_at_a_time():
     assert len(together) == 1 and len(alone) == 3
     weighted = sum(l * n for l, n in alone) / sum(n for _, n in alone)
     assert together[0][0] == pytest.approx(weighted, rel=1e-6)   # f32 row weights
+
+
+def test_the_bundled_chat_demo_loads_by_name_renders_and_holds_out_a_valid_split():
+    sets = load_dataset("chat-demo")
+    assert sorted(sets) == ["train", "valid"] and len(sets["train"]) >= 200
+    template, vocab = ChatTemplate(CHATML), ByteTokenizer()
+    seen = {json.dumps(e, sort_keys=True) for e in sets["train"]}
+    for split, examples in sets.items():
+        for example in examples:
+            text = template.render(example["messages"])
+            assert text.startswith("<|im_start|>user\n") and text.endswith("<|im_end|>\n")
+            e = encode_example(example, vocab, template, mask_prompt=True)
+            answers = [m["content"] for m in example["messages"] if m["role"] == "assistant"]
+            assert _text(vocab, e.ids[e.trained]) == "".join(a + "<|im_end|>\n"
+                                                             for a in answers)
+            assert all(a.startswith("Run `ggwgpu") for a in answers)   # the style it teaches
+    # valid asks about the same commands in words train never uses
+    assert not seen & {json.dumps(e, sort_keys=True) for e in sets["valid"]}
+    train_questions = {m["content"] for e in sets["train"] for m in e["messages"]}
+    assert not train_questions & {e["messages"][0]["content"] for e in sets["valid"]}

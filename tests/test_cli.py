@@ -501,6 +501,17 @@ def test_finetune_stops_early_without_improvement(tmp_path):
     assert "early stop after step 3: 2 evaluations without a lower validation loss" in r.output
 
 
+def test_finetune_on_the_bundled_chat_demo_by_name(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    r = finetune_on(base, "--data", "chat-demo", "--mask-prompt", "--n-ctx", "128", "--steps",
+                    "1", "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0, r.output
+    assert re.search(r"data: chat-demo: train: \d+ examples.*\n *validation: \d+ examples",
+                     r.output), r.output
+    r = finetune_on(base, "--data", "no-such-set", "--steps", "1")
+    assert r.exit_code == 2 and "nor a bundled dataset: chat-demo" in r.output
+
+
 @pytest.mark.parametrize("line,message", [
     ('{"prompt": "1+1="}', "train.jsonl:2: 'completion' must be a string"),
     ("not json", "train.jsonl:2: not valid JSON"),

@@ -88,6 +88,41 @@ def test_kv_cache_takes_several_tokens_after_a_past():
         g.feeds(tokens[:3], TINY.n_ctx - 2)
 
 
+def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():
+    """A cache of [prompt, steps] synced to a sequence that leaves it after 4 tokens: only
+    the rest is run (one append at position 4), and the logits are those of a prefill of the
+    whole sequence; syncing to the same sequence again reruns only its last token."""
+    backend = NumpyBackend(np.float64)
+    values = tiny_values()
+    d = Decoder(backend, TINY, values)
+    d.prefill([1, 4, 7])
+    for t in (2, 9):
+        d.step(t)
+    runs = []
+    append = d.append
+    d.append = lambda tokens: runs.append((d.past, list(tokens))) or append(tokens)
+    target = [1, 4, 7, 2, 5, 6, 3]
+    got = d.sync(target)
+    assert runs == [(4, [5, 6, 3])] and d.tokens == target
+    np.testing.assert_allclose(got, Decoder(backend, TINY, values).prefill(target),
+                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(d.sync(target), got, rtol=0, atol=1e-12)
+    assert runs[-1] == (6, [3])
+    np.testing.assert_allclose(d.sync(target[:2]), TrainingForward(backend, TINY, values)(
+        target)[1], rtol=0, atol=1e-12)
+
+
+def test_sync_on_the_device_equals_the_training_forward(wgpu):
+    values = tiny_values()
+    tokens = [1, 4, 7, 2, 5, 6, 3, 8]
+    ref = TrainingForward(NumpyBackend(np.float64), TINY, values)(tokens)
+    d = Decoder(wgpu, TINY, values)
+    d.prefill(tokens[:3])
+    d.step(9)
+    got = [d.sync(tokens[:6]), d.step(tokens[6]), d.sync(tokens)]
+    assert np.abs(np.array(got) - ref[[5, 6, 7]]).max() <= 1e-5 * np.abs(ref).max()
+
+
 @pytest.mark.parametrize("cfg", [TINY, GQA], ids=["mha", "gqa-tied"])
 def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu, cfg):
     values = tiny_values(cfg)

@@ -1,0 +1,196 @@
+"""Chatting: ChatSession keeps the KV cache across turns and the model sees exactly what the
+template renders; `ggwgpu chat` and `ggwgpu generate --chat` on a tiny byte-vocabulary model."""
+import io
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ggwgpu import gguf_io
+from ggwgpu.backends import ENV_VAR
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.chat import ChatTemplate, rendered_ids
+from ggwgpu.generate import ChatSession, Decoder, Sampling, TextStream
+from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.tokenizer import ByteTokenizer
+from ggwgpu_cli.main import cli
+
+# one letter per role, so a byte vocabulary's conversations stay short
+TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}a:{% endif %}")
+CFG = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
+                  n_ctx=48)
+GREEDY = Sampling(temperature=0.0)
+
+
+def session(backend, max_ctx=None, system="Be brief.", sampling=GREEDY, seed=0):
+    decoder = Decoder(backend, CFG, init_parameters(CFG, seed=3), max_ctx)
+    return ChatSession(decoder, ByteTokenizer(), ChatTemplate(TEMPLATE), system, sampling, seed)
+
+
+class Recorder:
+    """Wraps a decoder's sync: the tokens and logits of every call."""
+
+    def __init__(self, decoder):
+        self.calls, self.sync = [], decoder.sync
+        decoder.sync = self
+
+    def __call__(self, tokens):
+        logits = self.sync(tokens)
+        self.calls.append((list(tokens), logits))
+        return logits
+
+
+def test_turns_reuse_the_cache_and_give_the_logits_of_the_whole_conversation():
+    backend = NumpyBackend(np.float64)
+    s = session(backend)
+    recorder = Recorder(s.decoder)
+    first = list(s.reply("Hi?", 5))
+    cached = list(s.decoder.tokens)
+    second = list(s.reply("And?", 5))
+    assert len(first) == len(second) == 5
+    # the model saw the template's rendering of the conversation, answers included
+    messages = [{"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "Hi?"},
+                {"role": "assistant", "content": ByteTokenizer().decode(first)},
+                {"role": "user", "content": "And?"}]
+    assert s.messages[:4] == messages
+    prompt = rendered_ids(ByteTokenizer(), ChatTemplate(TEMPLATE).render(messages, True))
+    assert ByteTokenizer().decode(prompt) == "s:Be brief.\nu:Hi?\na:" + \
+        ByteTokenizer().decode(first) + "\nu:And?\na:"
+    tokens, logits = recorder.calls[-1]
+    assert tokens == prompt
+    # the second turn kept the first turn's prompt in the cache (the answer too, as far as
+    # its bytes decode to the same text: a random model writes invalid UTF-8) ...
+    first_prompt = recorder.calls[0][0]
+    assert cached[:len(first_prompt)] == first_prompt
+    assert recorder.calls[-1][0][:len(first_prompt)] == first_prompt
+    # ... and its logits are those of the whole conversation computed from scratch
+    fresh = Decoder(backend, CFG, init_parameters(CFG, seed=3)).prefill(prompt)
+    np.testing.assert_allclose(logits, fresh, rtol=0, atol=1e-12)
+
+
+def test_a_stopped_answer_joins_the_conversation_as_far_as_it_went():
+    s = session(NumpyBackend())
+    reply = s.reply("Hi?", 10)
+    partial = [next(reply), next(reply)]
+    reply.close()
+    assert s.messages[-1] == {"role": "assistant", "content": ByteTokenizer().decode(partial)}
+    list(s.reply("More?", 2))
+    assert [m["role"] for m in s.messages] == ["system", "user", "assistant", "user",
+                                               "assistant"]
+
+
+def test_a_full_context_keeps_the_system_message_and_the_latest_turns():
+    s = session(NumpyBackend(), max_ctx=64)
+    recorder = Recorder(s.decoder)
+    for text in ("one", "two", "three", "four", "five"):
+        list(s.reply(text, 4))
+    ids = recorder.calls[-1][0]         # what the last turn started from
+    assert len(ids) <= 64 // 2
+    text = ByteTokenizer().decode(ids)
+    assert text.startswith("s:Be brief.\nu:") and text.endswith("u:five\na:")
+    assert "u:one" not in text
+    # the latest turns that fit: one more would not
+    kept = next(k for k in range(1, len(s.messages), 2)
+                if ids == s.ids(s.messages[:1] + s.messages[k:-1]))
+    assert kept > 1 and len(s.ids(s.messages[:1] + s.messages[kept - 2:-1])) > 64 // 2
+
+
+def test_a_reply_slides_when_the_context_is_full():
+    s = session(NumpyBackend(), max_ctx=24, system=None)
+    answer = list(s.reply("Hi?", 40))
+    assert len(answer) == 40        # the window slid instead of the cache overflowing
+    assert s.decoder.past <= 24
+
+
+# -- the commands ------------------------------------------------------------------------------
+
+def invoke(*args, input=None):
+    return CliRunner().invoke(cli, list(args), input=input, env={ENV_VAR: None})
+
+
+@pytest.fixture
+def files(tmp_path):
+    model, template = tmp_path / "m.gguf", tmp_path / "t.jinja"
+    gguf_io.save_model(model, CFG, init_parameters(CFG, seed=3), ByteTokenizer())
+    template.write_text(TEMPLATE)
+    return str(model), str(template)
+
+
+def expected_transcript(users, n, temp="0", seed=0):
+    """What `ggwgpu chat` prints for `users`, from ChatSession itself."""
+    sampling = Sampling(temperature=float(temp))
+    s = session(NumpyBackend(), system="Be brief.", sampling=sampling, seed=seed)
+    out = ""
+    for text in users:
+        stream = TextStream(ByteTokenizer())
+        out += f"> {text}\n" + "".join(stream.push(t) for t in s.reply(text, n)) + \
+            stream.finish() + "\n"
+    return out + "> \n"
+
+
+@pytest.mark.parametrize("temp", ["0", "1.0"])
+def test_chat_prints_the_sessions_answers_and_ends_at_eof(files, temp):
+    model, template = files
+    users = ["Hi?", "And then?"]
+    r = invoke("--backend", "numpy", "chat", model, "--chat-template", template, "--system",
+               "Be brief.", "-n", "6", "--temp", temp, "--seed", "2",
+               input="".join(u + "\n" for u in users))
+    assert r.exit_code == 0, r.output
+    assert r.stdout == expected_transcript(users, 6, temp, seed=2)
+
+
+def test_ctrl_c_stops_an_answer_and_the_session_goes_on(files, monkeypatch):
+    model, template = files
+    step, calls = Decoder.step, []
+
+    def interrupted(self, token):
+        calls.append(token)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self, token)
+    monkeypatch.setattr(Decoder, "step", interrupted)
+    r = invoke("--backend", "numpy", "chat", model, "--chat-template", template, "-n", "6",
+               input="Hi?\nAgain?\n")
+    assert r.exit_code == 0, r.output
+    assert r.stderr.count("(answer stopped)") == 1
+    assert r.stdout.count("> ") == 3 and r.stdout.endswith("> \n")
+
+
+def test_generate_chat_answers_the_rendered_prompt(files):
+    """generate --chat prints what plain generate writes after the rendered conversation."""
+    model, template = files
+    args = ("--backend", "numpy", "generate", model, "-n", "12", "--seed", "5", "--temp", "1")
+    r = invoke(*args, "--chat", "-p", "Hi?", "--system", "Be brief.", "--chat-template",
+               template)
+    assert r.exit_code == 0, r.output
+    prompt = "s:Be brief.\nu:Hi?\na:"
+    plain = invoke(*args, "-p", prompt)
+    assert plain.stdout.startswith(prompt)
+    assert r.stdout == plain.stdout[len(prompt):] and len(r.stdout) > 1
+    assert invoke(*args, "--system", "x").exit_code == 2
+
+
+class InterruptedInput(io.BytesIO):
+    """Standard input whose reader gets Ctrl-C (KeyboardInterrupt) once `data` is read."""
+
+    def read(self, size=-1):
+        return self._interrupt_at_end(super().read(size), size)
+
+    def read1(self, size=-1):
+        return self._interrupt_at_end(super().read1(size), size)
+
+    def _interrupt_at_end(self, data, size):
+        if not data and size != 0:
+            raise KeyboardInterrupt
+        return data
+
+
+def test_ctrl_c_at_the_prompt_ends_the_session(files):
+    model, template = files
+    r = invoke("--backend", "numpy", "chat", model, "--chat-template", template, "-n", "3",
+               input=InterruptedInput(b"Hi?\n"))
+    assert r.exit_code == 0, r.output
+    assert r.stdout.startswith("> Hi?\n") and r.stdout.endswith("> \n")
+    assert r.stdout.count("> ") == 2
