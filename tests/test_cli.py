@@ -1,8 +1,9 @@
 """The `ggwgpu` command through click's CliRunner.
 
-Tests marked "default backend" run wherever get_backend() sends them (wgpu when an adapter
-exists, else NumPy); without an adapter they still run, but fail under
-GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback).
+Tests meant for the WebGPU backend ask for it (wgpu_args) whenever an adapter exists, so they
+run on lavapipe too; without an adapter they still run on NumPy, but fail under
+GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback). Tests of the default
+backend check auto's rule: wgpu on a hardware adapter, NumPy on a software one or none.
 """
 import json
 import os
@@ -33,6 +34,18 @@ def has_adapter() -> bool:
     return backend is not None
 
 
+def wgpu_args() -> tuple[str, ...]:
+    """--backend wgpu where an adapter exists (software ones included), else nothing."""
+    return ("--backend", "wgpu") if has_adapter() else ()
+
+
+def auto_pick() -> str:
+    """The backend auto picks on this machine, by the rule it must follow."""
+    from ggwgpu.backends import is_software_adapter
+    backend, _ = cli_main.wgpu_or_reason()
+    return "wgpu" if has_adapter() and not is_software_adapter(backend.info) else "numpy"
+
+
 def case_lines(output: str, op: str) -> list[str]:
     return [line for line in output.splitlines() if line.split(" ", 1)[0] == op]
 
@@ -43,32 +56,43 @@ def test_version_comes_from_the_package():
     assert ggwgpu.__version__ in result.output
 
 
-def test_info_shows_the_adapter_or_says_numpy_will_be_used():
-    adapter = has_adapter()
+def test_info_shows_the_adapter_and_what_auto_picks_and_why():
+    adapter, picked = has_adapter(), auto_pick()
     result = invoke("info")
     assert result.exit_code == 0, result.output
     assert "shaders: " in result.output
+    assert f"backend: {picked}, picked by auto: " in result.output
     if adapter:
         assert "adapter type" in result.output
         assert "max storage buffer binding size" in result.output
         assert "features (" in result.output
-        assert "backend: wgpu (" in result.output
+        result = invoke("--backend", "wgpu", "info")
+        assert "backend: wgpu (" in result.output and "asked for by --backend" in result.output
     else:
         assert "adapter: none" in result.output
-        assert "backend: numpy" in result.output
 
 
-def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch):
+def test_info_on_a_software_adapter_says_auto_picks_numpy_and_why(adapter_as):
+    adapter_as({"device": "llvmpipe (LLVM 15.0.6, 256 bits)", "adapter_type": "CPU",
+                "backend_type": "OpenGL"})
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith("backend: ")]
+    assert len(line) == 1 and "backend: numpy, picked by auto: the only WebGPU adapter is a " \
+        "software one (llvmpipe (LLVM 15.0.6, 256 bits), CPU, OpenGL)" in line[0], result.output
+
+
+def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch, adapter_as):
     monkeypatch.setattr(cli_main, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
+    adapter_as(None)
     result = invoke("info")
     assert result.exit_code == 0, result.output
     assert "adapter: none (no WebGPU adapter: test)" in result.output
-    assert "NumPy reference backend" in result.output
+    assert "backend: numpy, picked by auto: no WebGPU adapter: test" in result.output
 
 
 def test_ops_test_add_passes_with_one_line_per_case():
-    has_adapter()
-    result = invoke("ops", "test", "--op", "add")
+    result = invoke(*wgpu_args(), "ops", "test", "--op", "add")
     assert result.exit_code == 0, result.output
     n = len(testing.cases_of("add"))
     lines = case_lines(result.output, "add")
@@ -77,8 +101,7 @@ def test_ops_test_add_passes_with_one_line_per_case():
 
 
 def test_ops_grad_mul_mat_passes_with_one_line_per_case():
-    has_adapter()
-    result = invoke("ops", "grad", "--op", "mul_mat")
+    result = invoke(*wgpu_args(), "ops", "grad", "--op", "mul_mat")
     assert result.exit_code == 0, result.output
     n = len(testing.cases_of("mul_mat", grad_only=True))
     lines = case_lines(result.output, "mul_mat")
@@ -124,20 +147,23 @@ def final_losses(output: str) -> tuple[float, float]:
     return float(match[1]), float(match[2])
 
 
-def test_demo_loss_falls_tenfold_on_numpy():
-    result = invoke("--backend", "numpy", "demo", "--steps", "60")
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_demo_loss_falls_tenfold(backend):
+    args = ("--backend", "numpy") if backend == "numpy" else wgpu_args()
+    result = invoke(*args, "demo", "--steps", "60")
     assert result.exit_code == 0, result.output
+    assert "picked by auto" not in result.output
     first, last = final_losses(result.output)
     assert last < first / 10
 
 
-def test_demo_loss_falls_tenfold_on_the_default_backend():
-    adapter = has_adapter()
-    result = invoke("demo", "--steps", "60")
+def test_the_default_backend_is_auto_and_says_which_and_why():
+    picked = auto_pick()
+    result = invoke("demo", "--steps", "2")
     assert result.exit_code == 0, result.output
-    assert ("demo on wgpu" if adapter else "demo on numpy") in result.output
-    first, last = final_losses(result.output)
-    assert last < first / 10
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"backend: {picked}, picked by auto: "), result.output
+    assert lines[1].startswith(f"demo on {picked} ("), result.output
 
 
 def test_bench_matmul_prints_a_ratio_per_shape(tmp_path):
@@ -368,13 +394,13 @@ def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tm
     assert gguf_io.load_model(out)[0].n_ctx == gguf_io.load_model(base)[0].n_ctx == 16
 
 
-def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):
-    on_wgpu = has_adapter()
+def test_finetune_a_q4_0_base_on_wgpu(tmp_path):
+    args = wgpu_args()
     base = tiny_base(tmp_path / "q4.gguf", "q4_0", 32, 64)
     adapter = tmp_path / "adapter.gguf"
-    r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=())
+    r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=args)
     assert r.exit_code == 0, r.output
-    assert ("finetune on wgpu" if on_wgpu else "finetune on numpy") in r.output
+    assert ("finetune on wgpu" if args else "finetune on numpy") in r.output
     r = invoke("generate", str(base), "--lora", str(adapter), "-p", "To", "-n", "8")
     assert r.exit_code == 0, r.output
 
