@@ -8,6 +8,7 @@ backend check auto's rule: wgpu on a hardware adapter, NumPy on a software one o
 import json
 import os
 import re
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -236,6 +237,58 @@ def test_bench_train_checks_the_losses_and_prints_tokens_per_s(tmp_path):
         memory = stats["memory"]
         assert memory["weights"] == memory["gradients"] > 0
         assert memory["peak"] <= memory["planned"]
+
+
+def peer_in_a_child_process(cfg, options, steps):
+    """A stand-in for the PyTorch peer: fails unless multiprocessing started it."""
+    import multiprocessing
+    assert multiprocessing.parent_process() is not None, "the peer ran in the bench's process"
+    return {"loss": 1.25, "seconds": cfg.n_ctx * options.batch / 1000}  # 1000 tokens/s
+
+
+def peer_that_segfaults(cfg, options, steps):
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def peer_that_raises(cfg, options, steps):
+    raise RuntimeError("no BLAS today")
+
+
+def bench_train_with_peer(monkeypatch, tmp_path, peer):
+    monkeypatch.setattr(cli_bench, "torch_peer", peer)
+    out = tmp_path / "train.json"
+    result = invoke("--backend", "numpy", "bench", "train", "--steps", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.output.splitlines()
+            if re.match(r"(wgpu|numpy|torch)\s+([\d.]+|-)\s", line)}
+    return rows["torch"], json.loads(out.read_text())
+
+
+def test_bench_train_runs_the_torch_peer_in_its_own_process(monkeypatch, tmp_path):
+    torch_row, report = bench_train_with_peer(monkeypatch, tmp_path, peer_in_a_child_process)
+    assert torch_row.split()[1:4] == ["1000", "512.0", "1.250000"], torch_row
+    assert report["tokens_per_s"]["torch"] == pytest.approx(1000)
+    assert report["ratios"]["numpy/torch"] > 0
+
+
+def test_bench_train_survives_a_torch_peer_that_segfaults(monkeypatch, tmp_path):
+    torch_row, report = bench_train_with_peer(monkeypatch, tmp_path, peer_that_segfaults)
+    assert torch_row.split()[1] == "-", torch_row
+    assert "(failed: its process died (killed by SIGSEGV))" in torch_row
+    assert "torch" not in report["tokens_per_s"] and report["tokens_per_s"]["numpy"] > 0
+
+
+def test_an_exception_in_its_own_process_comes_back_as_a_reason():
+    cfg, options = cli_bench.bench_model("tiny")
+    assert cli_bench.in_own_process(peer_that_raises, cfg, options, 1) == \
+        (None, "RuntimeError: no BLAS today")
+
+
+def test_the_torch_peer_says_none_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)      # import torch raises ImportError
+    cfg, options = cli_bench.bench_model("tiny")
+    assert cli_bench.torch_peer(cfg, options, 1) is None
 
 
 def test_bench_ops_times_each_op_on_both_backends(tmp_path):
