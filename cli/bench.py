@@ -272,7 +272,8 @@ def timed_steps(step, n: int) -> tuple[float, float]:
 
 def torch_llama_step(cfg, options, values: dict, batches):
     """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
-    returns the loss; None when torch is not importable (it is no dependency of ggwgpu)."""
+    returns the loss; None when torch is not importable (it is no dependency of ggwgpu).
+    Call it only where no lavapipe device exists (torch_peer in its own process)."""
     try:
         import torch
         import torch.nn.functional as F

@@ -39,7 +39,8 @@ def select_backend(ctx):
     name, by = backend_choice(ctx)
     if name == "auto":
         picked, why = auto_pick()
-        click.echo(f"backend: {picked}, picked by auto: {why}")
+        # stderr: a command's stdout may be its product (generate prints the text there)
+        click.echo(f"backend: {picked}, picked by auto: {why}", err=True)
     try:
         return get_backend(name)
     except NoAdapterError as e:
