@@ -272,7 +272,8 @@ def timed_steps(step, n: int) -> tuple[float, float]:
 
 def torch_llama_step(cfg, options, values: dict, batches):
     """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
-    returns the loss; None when torch is not importable (it is no dependency of ggwgpu)."""
+    returns the loss; None when torch is not importable (it is no dependency of ggwgpu).
+    Call it only where no lavapipe device exists (torch_peer in its own process)."""
     try:
         import torch
         import torch.nn.functional as F
@@ -329,12 +330,61 @@ def torch_llama_step(cfg, options, values: dict, batches):
     return step
 
 
+def torch_peer(cfg, options, steps: int) -> dict | None:
+    """PyTorch CPU training of a bench llama (same weights and batches as the other
+    backends), meant for in_own_process(): {'loss': of the warm-up step, 'seconds': mean of
+    `steps` timed steps}, or None when torch is not importable."""
+    from ggwgpu.models.llama import init_parameters
+    step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
+                            RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
+    if step is None:
+        return None
+    loss, seconds = timed_steps(step, steps)
+    return {"loss": loss, "seconds": seconds}
+
+
+def _send_result(conn, fn, args):
+    try:
+        conn.send((True, fn(*args)))
+    except Exception as e:
+        conn.send((False, f"{type(e).__name__}: {e}"))
+    conn.close()
+
+
+def in_own_process(fn, *args):
+    """fn(*args) in a fresh Python process: (its result, None), or (None, why it failed).
+
+    PyTorch runs there, never here: importing it (its triton loads LLVM) in a process where
+    lavapipe's LLVM is loaded crashes that process, and whatever a peer's version pulls in,
+    a crash over there is one line here. `fn` must be importable by its module name."""
+    import multiprocessing
+    import signal
+    spawn = multiprocessing.get_context("spawn")    # a new interpreter: no device, no LLVM
+    receive, send = spawn.Pipe(duplex=False)
+    child = spawn.Process(target=_send_result, args=(send, fn, args), daemon=True)
+    child.start()
+    send.close()
+    try:
+        ok, value = receive.recv()
+    except EOFError:                                # it died before sending anything
+        child.join()
+        code = child.exitcode
+        died = (f"killed by {signal.Signals(-code).name}" if code is not None and code < 0
+                else f"exit code {code}")
+        return None, f"its process died ({died})"
+    finally:
+        receive.close()
+    child.join()
+    return (value, None) if ok else (None, value)
+
+
 @bench.command("train")
 @config_option
 @click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
               help="Timed training steps per backend, after one warm-up step.")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
-              help="Also time PyTorch CPU training of the same llama, when torch is importable.")
+              help="Also time PyTorch CPU training of the same llama, when torch is "
+                   "importable (in a process of its own).")
 @json_option
 @click.pass_context
 def bench_train(ctx, config_name, steps, use_torch, json_path):
@@ -344,9 +394,9 @@ def bench_train(ctx, config_name, steps, use_torch, json_path):
     random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
     The wgpu and NumPy losses of the warm-up step must agree before any number is printed.
     For wgpu also: dispatches per step, host µs per dispatch (recording and submitting a
-    step), device ms per step and the planned memory.
+    step), device ms per step and the planned memory. PyTorch trains in a process of its
+    own: importing it where a lavapipe device exists can crash the process.
     """
-    from ggwgpu.models.llama import init_parameters
     cfg, options = bench_model(config_name)
     wgpu_backend, why = wgpu_for(ctx, "bench train")
     click.echo(f"bench train {describe_config(config_name)}; 1 warm-up + {steps} timed steps "
@@ -360,11 +410,10 @@ def bench_train(ctx, config_name, steps, use_torch, json_path):
     loss["numpy"] = warm["numpy"]
     torch_why = "--no-torch"
     if use_torch:
-        torch_step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
-                                      RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
-        torch_why = "not importable"
-        if torch_step is not None:
-            loss["torch"], seconds["torch"] = timed_steps(torch_step, steps)
+        peer, failed = in_own_process(torch_peer, cfg, options, steps)
+        torch_why = f"failed: {failed}" if failed else "not importable"
+        if peer is not None:
+            loss["torch"], seconds["torch"] = peer["loss"], peer["seconds"]
     if wgpu_backend is not None:
         _, seconds["wgpu"] = timed_steps(lambda: trainers["wgpu"].train_step()["loss"], steps)
         loss["wgpu"] = warm["wgpu"]

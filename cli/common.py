@@ -9,7 +9,8 @@ import warnings
 
 import click
 
-from ggwgpu.backends import ENV_VAR, get_backend, shared_wgpu_backend
+from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend,
+                             shared_wgpu_backend)
 
 
 def wgpu_or_reason():
@@ -36,26 +37,30 @@ def select_backend(ctx):
     """The backend get_backend() picks for the --backend choice, as a click error if none."""
     from ggwgpu.backends.wgpu_backend import NoAdapterError
     name, by = backend_choice(ctx)
+    if name == "auto":
+        picked, why = auto_pick()
+        # stderr: a command's stdout may be its product (generate prints the text there)
+        click.echo(f"backend: {picked}, picked by auto: {why}", err=True)
     try:
-        # get_backend warns when auto falls back to NumPy: one plain line, not file:line
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            backend = get_backend(name)
-        for w in caught:
-            click.echo(f"warning: {w.message}", err=True)
-        return backend
+        return get_backend(name)
     except NoAdapterError as e:
         raise click.ClickException(f"backend wgpu asked for by {by}, but {e}") from None
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
 
+def auto_pick() -> tuple[str, str]:
+    """What auto picks and why (ggwgpu.backends.auto_choice), without its warning: the
+    commands say it in a line of their own instead."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return auto_choice()
+
+
 def describe_backend(backend) -> str:
     if backend.name == "wgpu":
-        info = backend.info
-        return (f"wgpu ({info.get('device')}, {info.get('adapter_type')}, "
-                f"{info.get('backend_type')})")
-    return f"{backend.name} (the NumPy reference backend, no GPU)"
+        return f"wgpu ({describe_adapter(backend.info)})"
+    return f"{backend.name} (the NumPy reference backend)"
 
 
 def human_bytes(n: int) -> str:

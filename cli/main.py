@@ -23,9 +23,10 @@ from ggwgpu.generate import Sampling
 try:
     from .chat import chat_answer, chat_command
     from .common import chat_template as load_chat_template
-    from .common import (backend_choice, ctx_option, describe_backend, human_bytes, load_model,
-                         lora_option, planned_memory, sampling_of, sampling_options,
-                         select_backend, template_option, with_context, wgpu_or_reason)
+    from .common import (auto_pick, backend_choice, ctx_option, describe_backend, human_bytes,
+                         load_model, lora_option, planned_memory, sampling_of,
+                         sampling_options, select_backend, template_option, with_context,
+                         wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
     from .training import (default_checkpoint_path, device_errors, existing_directory,
@@ -34,9 +35,10 @@ try:
 except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
     from common import chat_template as load_chat_template
-    from common import (backend_choice, ctx_option, describe_backend, human_bytes, load_model,
-                        lora_option, planned_memory, sampling_of, sampling_options,
-                        select_backend, template_option, with_context, wgpu_or_reason)
+    from common import (auto_pick, backend_choice, ctx_option, describe_backend, human_bytes,
+                        load_model, lora_option, planned_memory, sampling_of,
+                        sampling_options, select_backend, template_option, with_context,
+                        wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
     from training import (default_checkpoint_path, device_errors, existing_directory,
@@ -58,8 +60,9 @@ LIMITS = (
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ggwgpu.__version__, prog_name="ggwgpu")
 @click.option("--backend", type=click.Choice(CHOICES, case_sensitive=False), default=None,
-              help=f"Where graphs run. Default: ${ENV_VAR}, else auto (wgpu when an adapter "
-                   "exists, else numpy).")
+              help=f"Where graphs run. Default: ${ENV_VAR}, else auto: wgpu on a hardware GPU, "
+                   "numpy when the only adapter is a software one (lavapipe) or none; "
+                   "`ggwgpu info` says which.")
 @click.pass_context
 def cli(ctx, backend):
     """ggwgpu: ggml's training machinery as WGSL compute shaders on any WebGPU GPU."""
@@ -106,14 +109,15 @@ def info(ctx):
         click.echo(f"shaders: not found ({e})")
 
     name, by = backend_choice(ctx)
-    if name == "numpy":
+    if name == "auto":
+        picked, reason = auto_pick()
+        used = f"{picked}, picked by auto: {reason}"
+    elif name == "numpy":
         used = f"numpy (asked for by {by})"
     elif backend is not None:
-        used = describe_backend(backend) + (f", asked for by {by}" if name == "wgpu" else "")
-    elif name == "wgpu":
-        used = f"none: wgpu asked for by {by}, but {why}"
+        used = f"{describe_backend(backend)}, asked for by {by}"
     else:
-        used = "numpy: no WebGPU adapter, so graphs run on the NumPy reference backend"
+        used = f"none: wgpu asked for by {by}, but {why}"
     click.echo(f"backend: {used}")
 
 

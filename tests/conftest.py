@@ -21,6 +21,24 @@ def wgpu_session():
 
 
 @pytest.fixture
+def adapter_as(monkeypatch):
+    """adapter_as(info) makes auto decide as if the only adapter had `info` (None: no adapter
+    at all); auto's cached decision is cleared before and after."""
+    from ggwgpu import backends
+    from ggwgpu.backends.wgpu_backend import NoAdapterError
+
+    def set_adapter(info):
+        def shared_adapter():
+            if info is None:
+                raise NoAdapterError("no WebGPU adapter: test")
+            return type("Adapter", (), {"info": info})()
+        monkeypatch.setattr(backends, "shared_adapter", shared_adapter)
+        backends.auto_choice.cache_clear()
+    yield set_adapter
+    backends.auto_choice.cache_clear()
+
+
+@pytest.fixture
 def wgpu(wgpu_session, request):
     """The wgpu backend; counts the cases that ran on it for the closing summary."""
     yield wgpu_session

@@ -1,12 +1,14 @@
 """The `ggwgpu` command through click's CliRunner.
 
-Tests marked "default backend" run wherever get_backend() sends them (wgpu when an adapter
-exists, else NumPy); without an adapter they still run, but fail under
-GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback).
+Tests meant for the WebGPU backend ask for it (wgpu_args) whenever an adapter exists, so they
+run on lavapipe too; without an adapter they still run on NumPy, but fail under
+GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback). Tests of the default
+backend check auto's rule: wgpu on a hardware adapter, NumPy on a software one or none.
 """
 import json
 import os
 import re
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -33,6 +35,18 @@ def has_adapter() -> bool:
     return backend is not None
 
 
+def wgpu_args() -> tuple[str, ...]:
+    """--backend wgpu where an adapter exists (software ones included), else nothing."""
+    return ("--backend", "wgpu") if has_adapter() else ()
+
+
+def auto_pick() -> str:
+    """The backend auto picks on this machine, by the rule it must follow."""
+    from ggwgpu.backends import is_software_adapter
+    backend, _ = cli_main.wgpu_or_reason()
+    return "wgpu" if has_adapter() and not is_software_adapter(backend.info) else "numpy"
+
+
 def case_lines(output: str, op: str) -> list[str]:
     return [line for line in output.splitlines() if line.split(" ", 1)[0] == op]
 
@@ -43,32 +57,43 @@ def test_version_comes_from_the_package():
     assert ggwgpu.__version__ in result.output
 
 
-def test_info_shows_the_adapter_or_says_numpy_will_be_used():
-    adapter = has_adapter()
+def test_info_shows_the_adapter_and_what_auto_picks_and_why():
+    adapter, picked = has_adapter(), auto_pick()
     result = invoke("info")
     assert result.exit_code == 0, result.output
     assert "shaders: " in result.output
+    assert f"backend: {picked}, picked by auto: " in result.output
     if adapter:
         assert "adapter type" in result.output
         assert "max storage buffer binding size" in result.output
         assert "features (" in result.output
-        assert "backend: wgpu (" in result.output
+        result = invoke("--backend", "wgpu", "info")
+        assert "backend: wgpu (" in result.output and "asked for by --backend" in result.output
     else:
         assert "adapter: none" in result.output
-        assert "backend: numpy" in result.output
 
 
-def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch):
+def test_info_on_a_software_adapter_says_auto_picks_numpy_and_why(adapter_as):
+    adapter_as({"device": "llvmpipe (LLVM 15.0.6, 256 bits)", "adapter_type": "CPU",
+                "backend_type": "OpenGL"})
+    result = invoke("info")
+    assert result.exit_code == 0, result.output
+    line = [x for x in result.output.splitlines() if x.startswith("backend: ")]
+    assert len(line) == 1 and "backend: numpy, picked by auto: the only WebGPU adapter is a " \
+        "software one (llvmpipe (LLVM 15.0.6, 256 bits), CPU, OpenGL)" in line[0], result.output
+
+
+def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch, adapter_as):
     monkeypatch.setattr(cli_main, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
+    adapter_as(None)
     result = invoke("info")
     assert result.exit_code == 0, result.output
     assert "adapter: none (no WebGPU adapter: test)" in result.output
-    assert "NumPy reference backend" in result.output
+    assert "backend: numpy, picked by auto: no WebGPU adapter: test" in result.output
 
 
 def test_ops_test_add_passes_with_one_line_per_case():
-    has_adapter()
-    result = invoke("ops", "test", "--op", "add")
+    result = invoke(*wgpu_args(), "ops", "test", "--op", "add")
     assert result.exit_code == 0, result.output
     n = len(testing.cases_of("add"))
     lines = case_lines(result.output, "add")
@@ -77,8 +102,7 @@ def test_ops_test_add_passes_with_one_line_per_case():
 
 
 def test_ops_grad_mul_mat_passes_with_one_line_per_case():
-    has_adapter()
-    result = invoke("ops", "grad", "--op", "mul_mat")
+    result = invoke(*wgpu_args(), "ops", "grad", "--op", "mul_mat")
     assert result.exit_code == 0, result.output
     n = len(testing.cases_of("mul_mat", grad_only=True))
     lines = case_lines(result.output, "mul_mat")
@@ -124,20 +148,23 @@ def final_losses(output: str) -> tuple[float, float]:
     return float(match[1]), float(match[2])
 
 
-def test_demo_loss_falls_tenfold_on_numpy():
-    result = invoke("--backend", "numpy", "demo", "--steps", "60")
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_demo_loss_falls_tenfold(backend):
+    args = ("--backend", "numpy") if backend == "numpy" else wgpu_args()
+    result = invoke(*args, "demo", "--steps", "60")
     assert result.exit_code == 0, result.output
+    assert "picked by auto" not in result.output
     first, last = final_losses(result.output)
     assert last < first / 10
 
 
-def test_demo_loss_falls_tenfold_on_the_default_backend():
-    adapter = has_adapter()
-    result = invoke("demo", "--steps", "60")
+def test_the_default_backend_is_auto_and_says_which_and_why():
+    picked = auto_pick()
+    result = invoke("demo", "--steps", "2")
     assert result.exit_code == 0, result.output
-    assert ("demo on wgpu" if adapter else "demo on numpy") in result.output
-    first, last = final_losses(result.output)
-    assert last < first / 10
+    lines = result.output.splitlines()
+    assert lines[0].startswith(f"backend: {picked}, picked by auto: "), result.output
+    assert lines[1].startswith(f"demo on {picked} ("), result.output
 
 
 def test_bench_matmul_prints_a_ratio_per_shape(tmp_path):
@@ -210,6 +237,58 @@ def test_bench_train_checks_the_losses_and_prints_tokens_per_s(tmp_path):
         memory = stats["memory"]
         assert memory["weights"] == memory["gradients"] > 0
         assert memory["peak"] <= memory["planned"]
+
+
+def peer_in_a_child_process(cfg, options, steps):
+    """A stand-in for the PyTorch peer: fails unless multiprocessing started it."""
+    import multiprocessing
+    assert multiprocessing.parent_process() is not None, "the peer ran in the bench's process"
+    return {"loss": 1.25, "seconds": cfg.n_ctx * options.batch / 1000}  # 1000 tokens/s
+
+
+def peer_that_segfaults(cfg, options, steps):
+    import signal
+    os.kill(os.getpid(), signal.SIGSEGV)
+
+
+def peer_that_raises(cfg, options, steps):
+    raise RuntimeError("no BLAS today")
+
+
+def bench_train_with_peer(monkeypatch, tmp_path, peer):
+    monkeypatch.setattr(cli_bench, "torch_peer", peer)
+    out = tmp_path / "train.json"
+    result = invoke("--backend", "numpy", "bench", "train", "--steps", "1", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.output.splitlines()
+            if re.match(r"(wgpu|numpy|torch)\s+([\d.]+|-)\s", line)}
+    return rows["torch"], json.loads(out.read_text())
+
+
+def test_bench_train_runs_the_torch_peer_in_its_own_process(monkeypatch, tmp_path):
+    torch_row, report = bench_train_with_peer(monkeypatch, tmp_path, peer_in_a_child_process)
+    assert torch_row.split()[1:4] == ["1000", "512.0", "1.250000"], torch_row
+    assert report["tokens_per_s"]["torch"] == pytest.approx(1000)
+    assert report["ratios"]["numpy/torch"] > 0
+
+
+def test_bench_train_survives_a_torch_peer_that_segfaults(monkeypatch, tmp_path):
+    torch_row, report = bench_train_with_peer(monkeypatch, tmp_path, peer_that_segfaults)
+    assert torch_row.split()[1] == "-", torch_row
+    assert "(failed: its process died (killed by SIGSEGV))" in torch_row
+    assert "torch" not in report["tokens_per_s"] and report["tokens_per_s"]["numpy"] > 0
+
+
+def test_an_exception_in_its_own_process_comes_back_as_a_reason():
+    cfg, options = cli_bench.bench_model("tiny")
+    assert cli_bench.in_own_process(peer_that_raises, cfg, options, 1) == \
+        (None, "RuntimeError: no BLAS today")
+
+
+def test_the_torch_peer_says_none_without_torch(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)      # import torch raises ImportError
+    cfg, options = cli_bench.bench_model("tiny")
+    assert cli_bench.torch_peer(cfg, options, 1) is None
 
 
 def test_bench_ops_times_each_op_on_both_backends(tmp_path):
@@ -368,13 +447,13 @@ def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tm
     assert gguf_io.load_model(out)[0].n_ctx == gguf_io.load_model(base)[0].n_ctx == 16
 
 
-def test_finetune_a_q4_0_base_on_the_default_backend(tmp_path):
-    on_wgpu = has_adapter()
+def test_finetune_a_q4_0_base_on_wgpu(tmp_path):
+    args = wgpu_args()
     base = tiny_base(tmp_path / "q4.gguf", "q4_0", 32, 64)
     adapter = tmp_path / "adapter.gguf"
-    r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=())
+    r = finetune(tmp_path, base, "--steps", "2", "--out", str(adapter), backend=args)
     assert r.exit_code == 0, r.output
-    assert ("finetune on wgpu" if on_wgpu else "finetune on numpy") in r.output
+    assert ("finetune on wgpu" if args else "finetune on numpy") in r.output
     r = invoke("generate", str(base), "--lora", str(adapter), "-p", "To", "-n", "8")
     assert r.exit_code == 0, r.output
 

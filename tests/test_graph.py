@@ -101,13 +101,14 @@ def test_backend_choice_by_argument_and_environment(monkeypatch):
         gg.get_backend()
 
 
-def test_without_an_adapter_auto_falls_back_to_numpy_with_one_warning(monkeypatch):
+def test_without_an_adapter_auto_falls_back_to_numpy_with_one_warning(adapter_as,
+                                                                       monkeypatch):
     from ggwgpu.backends.wgpu_backend import NoAdapterError
+    adapter_as(None)
 
-    def no_adapter():
+    def no_device():
         raise NoAdapterError("no WebGPU adapter: test")
-    monkeypatch.setattr(backends, "shared_wgpu_backend", no_adapter)
-    backends._warn_no_adapter.cache_clear()
+    monkeypatch.setattr(backends, "shared_wgpu_backend", no_device)
     monkeypatch.delenv("GGWGPU_BACKEND", raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -116,6 +117,56 @@ def test_without_an_adapter_auto_falls_back_to_numpy_with_one_warning(monkeypatc
     assert len([w for w in caught if "NumPy backend" in str(w.message)]) == 1
     with pytest.raises(NoAdapterError):
         gg.get_backend("wgpu")
+
+
+LAVAPIPE = {"device": "llvmpipe (LLVM 15.0.6, 256 bits)", "vendor": "llvmpipe",
+            "adapter_type": "CPU", "backend_type": "Vulkan"}
+SOFTWARE_ADAPTERS = [
+    LAVAPIPE,
+    {**LAVAPIPE, "backend_type": "OpenGL"},
+    {"device": "SwiftShader Device (Subzero)", "adapter_type": "CPU", "backend_type": "Vulkan"},
+    {"device": "Microsoft Basic Render Driver", "adapter_type": "CPU", "backend_type": "D3D12"},
+    # a GL driver that does not say CPU is still known by name
+    {"device": "llvmpipe (LLVM 19.1.7, 256 bits)", "adapter_type": "Unknown",
+     "backend_type": "OpenGL"},
+]
+HARDWARE_ADAPTERS = [
+    {"device": "NVIDIA GeForce RTX 4090", "adapter_type": "DiscreteGPU", "backend_type": "Vulkan"},
+    {"device": "Intel(R) UHD Graphics 620", "adapter_type": "IntegratedGPU",
+     "backend_type": "Vulkan"},
+    {"device": "Apple M2", "adapter_type": "IntegratedGPU", "backend_type": "Metal"},
+]
+
+
+@pytest.mark.parametrize("info", SOFTWARE_ADAPTERS, ids=lambda i: i["device"])
+def test_auto_runs_numpy_when_the_only_adapter_is_a_software_one(adapter_as, monkeypatch, info):
+    adapter_as(info)
+    monkeypatch.delenv("GGWGPU_BACKEND", raising=False)
+    monkeypatch.setattr(backends, "shared_wgpu_backend", lambda: pytest.fail("device made"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # the intended path: no warning
+        assert isinstance(gg.get_backend(), NumpyBackend)
+    name, why = backends.auto_choice()
+    assert name == "numpy" and info["device"] in why and "software" in why
+
+
+@pytest.mark.parametrize("info", HARDWARE_ADAPTERS, ids=lambda i: i["device"])
+def test_auto_runs_wgpu_on_a_hardware_adapter(adapter_as, monkeypatch, info):
+    adapter_as(info)
+    monkeypatch.delenv("GGWGPU_BACKEND", raising=False)
+    device = object()
+    monkeypatch.setattr(backends, "shared_wgpu_backend", lambda: device)
+    assert gg.get_backend() is device and gg.get_backend("numpy") is not device
+    name, why = backends.auto_choice()
+    assert name == "wgpu" and info["device"] in why and "hardware" in why
+
+
+def test_auto_decides_by_the_adapter_this_machine_has(wgpu):
+    """The wgpu tests' own adapter (lavapipe in CI) gives auto's choice; wgpu stays forced."""
+    backends.auto_choice.cache_clear()
+    software = backends.is_software_adapter(wgpu.info)
+    assert backends.auto_choice()[0] == ("numpy" if software else "wgpu")
+    assert gg.get_backend("wgpu") is wgpu
 
 
 def test_intermediates_share_buffers_and_results_stay_exact(wgpu):

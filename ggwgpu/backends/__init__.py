@@ -1,6 +1,10 @@
-"""Backend choice: wgpu when an adapter exists, else NumPy with one clear warning.
+"""Backend choice. `auto` (the default) runs graphs on wgpu when the adapter is a hardware
+GPU (discrete, integrated) and on NumPy when the only adapter is a software rasterizer
+(lavapipe/llvmpipe, SwiftShader, WARP: its shaders run on the CPU, several times slower than
+NumPy's BLAS on the same cores) or when there is none, the latter with one warning.
 
-Override with get_backend("numpy" | "wgpu") or the environment variable GGWGPU_BACKEND.
+Override with get_backend("numpy" | "wgpu") or the environment variable GGWGPU_BACKEND;
+"wgpu" uses whatever adapter there is, software ones included.
 """
 from __future__ import annotations
 
@@ -14,32 +18,59 @@ from .numpy_backend import NumpyBackend
 ENV_VAR = "GGWGPU_BACKEND"
 CHOICES = ("auto", "wgpu", "numpy")
 
+# Software rasterizers by name, for drivers that report another adapter type than CPU.
+SOFTWARE_NAMES = ("llvmpipe", "lavapipe", "softpipe", "swiftshader", "basic render driver")
+
+
+def is_software_adapter(info: dict) -> bool:
+    """Whether a WebGPU adapter (its `info`) runs its shaders on the CPU."""
+    names = f"{info.get('device', '')} {info.get('vendor', '')} {info.get('description', '')}"
+    return info.get("adapter_type") == "CPU" or any(s in names.lower() for s in SOFTWARE_NAMES)
+
+
+def describe_adapter(info: dict) -> str:
+    return f"{info.get('device')}, {info.get('adapter_type')}, {info.get('backend_type')}"
+
+
+@functools.cache
+def shared_adapter():
+    """The process-wide WebGPU adapter (raises NoAdapterError without one). wgpu asked for
+    high performance prefers discrete, integrated, other, virtual, then CPU adapters, so a
+    software adapter here means there is no hardware one."""
+    from .wgpu_backend import request_adapter
+    return request_adapter()
+
 
 @functools.cache
 def shared_wgpu_backend():
     """The process-wide wgpu backend (one device; raises NoAdapterError without adapter)."""
     from .wgpu_backend import WgpuBackend
-    return WgpuBackend()
+    return WgpuBackend(shared_adapter())
 
 
 @functools.cache
-def _warn_no_adapter(reason: str):
-    warnings.warn(f"ggwgpu: no WebGPU adapter ({reason}); using the NumPy backend", stacklevel=3)
+def auto_choice() -> tuple[str, str]:
+    """What `auto` picks, "wgpu" or "numpy", and why, in words. Decided once per process;
+    without any adapter it warns, once."""
+    from .wgpu_backend import NoAdapterError
+    try:
+        info = dict(shared_adapter().info)
+    except NoAdapterError as e:
+        warnings.warn(f"ggwgpu: {e}; using the NumPy backend", stacklevel=3)
+        return "numpy", str(e)
+    if is_software_adapter(info):
+        return "numpy", (f"the only WebGPU adapter is a software one ({describe_adapter(info)}): "
+                         f"NumPy is faster on the same CPU; --backend wgpu or {ENV_VAR}=wgpu "
+                         "uses it anyway")
+    return "wgpu", f"a hardware WebGPU adapter ({describe_adapter(info)})"
 
 
 def get_backend(name: str | None = None) -> Backend:
-    """The backend named by `name`, else by $GGWGPU_BACKEND, else chosen automatically."""
+    """The backend named by `name`, else by $GGWGPU_BACKEND, else chosen by auto_choice()."""
     name = (name or os.environ.get(ENV_VAR) or "auto").lower()
     if name not in CHOICES:
         raise ValueError(f"unknown backend {name!r}; choose one of {', '.join(CHOICES)} "
                          f"(argument or ${ENV_VAR})")
-    if name == "numpy":
-        return NumpyBackend()
-    if name == "wgpu":
-        return shared_wgpu_backend()
-    from .wgpu_backend import NoAdapterError
-    try:
-        return shared_wgpu_backend()
-    except NoAdapterError as e:
-        _warn_no_adapter(str(e))
-        return NumpyBackend()
+    if name == "auto":
+        name, _ = auto_choice()
+    return NumpyBackend() if name == "numpy" else shared_wgpu_backend()
