@@ -638,35 +638,21 @@ def test_deeply_nested_train_state_is_an_error(tmp_path):
 def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtype):
     """A NaN or infinity in a weight (an f32 value, or an f16/bf16 scale of a block type)
     would only show later as a NaN loss: loading refuses it."""
-    from ggwgpu.quant import TYPES, quantize, random_blocks
+    from ggwgpu.quant import TYPES, Quantized, quantize, random_blocks
     cfg = LlamaConfig(n_vocab=11, n_embd=256, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
-    params = model(cfg=cfg)
     name = "blk.0.attn_q.weight"
+    bad = model(cfg=cfg)[name]
     if dtype is None:
-        params[name][3, 5] = np.inf
-        bad = params[name]
+        bad[3, 5] = np.inf
     else:
-        q = (random_blocks(dtype, (256, 256), np.random.default_rng(0)) if dtype == "q4_k"
-             else quantize(params[name], dtype))
+        q = (random_blocks(dtype, bad.shape, np.random.default_rng(0)) if dtype == "q4_k"
+             else quantize(bad, dtype))
         data = q.data.copy()
         at = TYPES[dtype].halves[-1] if TYPES[dtype].halves else 0
-        data[at:at + 2] = np.array([0x7E00 if dtype != "bf16" else 0x7FC0],
-                                   np.uint16).view(np.uint8)        # a NaN
-        bad = (data.reshape(256, -1), TYPES[dtype].ggml)
-    path = tmp_path / "m.gguf"
-    writer = GGUFWriter(path, "llama")
-    for key, (value, vtype) in gguf_io._model_metadata(path, cfg, TinyVocab(), None).items():
-        if key != "general.architecture":
-            writer.add_key_value(key, value, vtype)
-    for n, v in params.items():
-        if n == name and isinstance(bad, tuple):
-            writer.add_tensor(n, bad[0], raw_dtype=bad[1])
-        else:
-            writer.add_tensor(n, bad if n == name else v)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        nan = 0x7FC0 if dtype == "bf16" else 0x7E00
+        data[at:at + 2] = np.array([nan], np.uint16).view(np.uint8)
+        bad = Quantized(dtype, q.shape, data)
+    path = forge(tmp_path / "m.gguf", cfg=cfg, tensors={name: bad})
     for keep in (False, True):
         with pytest.raises(GGUFError, match=f"tensor {name} holds non-finite values"):
             load_model(path, keep_quantized=keep)
