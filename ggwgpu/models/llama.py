@@ -1,8 +1,12 @@
-"""The llama model of llama.cpp's train-text-from-scratch, as a ggwgpu graph.
+"""The llama model of llama.cpp (its train-text-from-scratch and the published llama-family
+files its converter writes), as a ggwgpu graph.
 
 Token embedding, n_layer blocks of (rms_norm -> attention with rope and a causal mask ->
 residual -> rms_norm -> SwiGLU feed-forward -> residual), a final rms_norm and the output
-matrix. Parameter names are llama.cpp's GGUF tensor names. Shapes in NumPy order: a weight
+matrix. As published models have it: fewer K/V heads than query heads (grouped-query
+attention), a head size of its own (key_length), no output matrix (tied embeddings: the
+token embedding is read instead) and per-pair rope frequency factors (Llama 3's
+rope_freqs.weight). Parameter names are llama.cpp's GGUF tensor names. Shapes in NumPy order: a weight
 that maps n_in features to n_out is stored (n_out, n_in), as GGUF stores it (ne0 = n_in).
 
 build_train_graph is the training forward with its loss; build_decode_graph is the same
