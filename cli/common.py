@@ -4,6 +4,7 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import math
 import os
 import warnings
 
@@ -12,6 +13,17 @@ import click
 from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend,
                              shared_wgpu_backend)
 
+
+class FiniteFloat(click.FloatRange):
+    """click's FloatRange, refusing NaN and infinities: NaN passes every comparison, so
+    `--lr nan` would train with a rate that changes no weight."""
+    name = "finite float range"
+
+    def convert(self, value, param, ctx):
+        value = super().convert(value, param, ctx)
+        if not math.isfinite(value):
+            self.fail(f"{value} is not a finite number", param, ctx)
+        return value
 
 def wgpu_or_reason():
     """(the shared wgpu backend, None), or (None, why there is none)."""
@@ -100,21 +112,21 @@ def sampling_options(command):
     from ggwgpu.generate import Sampling
     options = [
         click.option("--temp", default=Sampling.temperature, show_default=True,
-                     type=click.FloatRange(min=0),
+                     type=FiniteFloat(min=0),
                      help="Temperature; 0 is greedy (the most likely token, whatever the "
                           "seed)."),
         click.option("--top-k", default=Sampling.top_k, show_default=True, type=int,
                      help="Keep the k most likely tokens (<= 0: all)."),
         click.option("--top-p", default=Sampling.top_p, show_default=True,
-                     type=click.FloatRange(0, 1, min_open=True),
+                     type=FiniteFloat(0, 1, min_open=True),
                      help="Then keep the most likely tokens up to this probability mass "
                           "(1: all)."),
         click.option("--min-p", default=Sampling.min_p, show_default=True,
-                     type=click.FloatRange(0, 1),
+                     type=FiniteFloat(0, 1),
                      help="Then keep the tokens at least this fraction as likely as the most "
                           "likely one (0: all)."),
         click.option("--repeat-penalty", default=Sampling.repeat_penalty, show_default=True,
-                     type=click.FloatRange(min=0, min_open=True),
+                     type=FiniteFloat(min=0, min_open=True),
                      help="Make the tokens of the last --repeat-last-n less likely (1: off)."),
         click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
                      type=click.IntRange(min=0), help="Context tokens the repeat penalty "

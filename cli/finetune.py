@@ -17,13 +17,15 @@ from ggwgpu import gguf_io
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
 try:
-    from .common import ctx_option, describe_backend, planned_memory, select_backend, with_context
+    from .common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
+                         select_backend, with_context)
     from .training import (Validation, data_options, default_checkpoint_path,
                            describe_examples, device_errors, example_batches, example_sets,
                            existing_directory, read_text, resume_args, steps_of, train_options,
                            training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import ctx_option, describe_backend, planned_memory, select_backend, with_context
+    from common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
+                        select_backend, with_context)
     from training import (Validation, data_options, default_checkpoint_path,
                           describe_examples, device_errors, example_batches, example_sets,
                           existing_directory, read_text, resume_args, steps_of, train_options,
@@ -64,14 +66,14 @@ def rank_options(command):
               help="Train every weight of an f32/f16 base and write a model, not an adapter.")
 @click.option("--lora-r", default=4, show_default=True, type=click.IntRange(min=0),
               help="LoRA rank of every adapted weight (see --rank-*).")
-@click.option("--lora-alpha", default=4.0, show_default=True, type=click.FloatRange(min=0),
+@click.option("--lora-alpha", default=4.0, show_default=True, type=FiniteFloat(min=0),
               help="LoRA alpha: a pair of rank r adds alpha / r * B A (0: B A).")
 @rank_options
 @click.option("--lora-layers", callback=parse_layers,
               help="Blocks whose weights get LoRA pairs, e.g. '0-3,6' (default: all).")
 @ctx_option("Tokens per sample")
 @data_options
-@click.option("--val-split", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+@click.option("--val-split", type=FiniteFloat(0, 1, min_open=True, max_open=True),
               help="Hold out this fraction of the --data examples for validation (when the "
                    "data has no valid.jsonl).")
 @click.option("--val-every", default=0, type=click.IntRange(min=0),

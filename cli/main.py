@@ -23,8 +23,8 @@ from ggwgpu.generate import Sampling
 try:
     from .chat import chat_answer, chat_command
     from .common import chat_template as load_chat_template
-    from .common import (auto_pick, backend_choice, ctx_option, describe_backend, human_bytes,
-                         load_model, lora_option, planned_memory, sampling_of,
+    from .common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
+                         human_bytes, load_model, lora_option, planned_memory, sampling_of,
                          sampling_options, select_backend, template_option, with_context,
                          wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
@@ -35,8 +35,8 @@ try:
 except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
     from common import chat_template as load_chat_template
-    from common import (auto_pick, backend_choice, ctx_option, describe_backend, human_bytes,
-                        load_model, lora_option, planned_memory, sampling_of,
+    from common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
+                        human_bytes, load_model, lora_option, planned_memory, sampling_of,
                         sampling_options, select_backend, template_option, with_context,
                         wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
@@ -225,7 +225,7 @@ def ops_grad(ctx, names):
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
               help="Full-batch AdamW steps.")
 @click.option("--lr", default=0.02, show_default=True,
-              type=click.FloatRange(min=0, min_open=True), help="AdamW learning rate.")
+              type=FiniteFloat(min=0, min_open=True), help="AdamW learning rate.")
 @click.option("--seed", default=0, show_default=True, type=int, help="Data and init seed.")
 @click.pass_context
 def demo(ctx, steps, lr, seed):

@@ -19,13 +19,13 @@ from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 
 try:
-    from .common import chat_template, template_option
+    from .common import FiniteFloat, chat_template, template_option
 except ImportError:  # run as a script: python cli/main.py
-    from common import chat_template, template_option
+    from common import FiniteFloat, chat_template, template_option
 
 
 def positive(kind=int):
-    return click.IntRange(min=1) if kind is int else click.FloatRange(min=0, min_open=True)
+    return click.IntRange(min=1) if kind is int else FiniteFloat(min=0, min_open=True)
 
 
 def default_checkpoint_path(out: str) -> str:
@@ -230,24 +230,24 @@ def training_options(steps: int, warmup: int, seed_help: str):
                      type=click.Choice(["adamw", "sgd"])),
         click.option("--lr", default=1e-3, show_default=True, type=positive(float)),
         click.option("--beta1", default=0.9, show_default=True,
-                     type=click.FloatRange(0, 1, max_open=True)),
+                     type=FiniteFloat(0, 1, max_open=True)),
         click.option("--beta2", default=0.999, show_default=True,
-                     type=click.FloatRange(0, 1, max_open=True)),
+                     type=FiniteFloat(0, 1, max_open=True)),
         click.option("--adam-eps", default=1e-8, show_default=True, type=positive(float)),
         click.option("--weight-decay", default=0.1, show_default=True,
-                     type=click.FloatRange(min=0),
+                     type=FiniteFloat(min=0),
                      help="AdamW decay, relative to the learning rate, on tensors with >= 2 "
                           "dims."),
         click.option("--grad-clip", default=1.0, show_default=True,
-                     type=click.FloatRange(min=0),
+                     type=FiniteFloat(min=0),
                      help="Clip gradients to this global norm (0: off)."),
         click.option("--warmup", default=warmup, show_default=True,
                      type=click.IntRange(min=1)),
         click.option("--cos-decay-steps", default=1000, show_default=True, type=positive()),
         click.option("--cos-decay-min", default=0.1, show_default=True,
-                     type=click.FloatRange(0, 1)),
+                     type=FiniteFloat(0, 1)),
         click.option("--cos-decay-restart", default=1.1, show_default=True,
-                     type=click.FloatRange(min=1)),
+                     type=FiniteFloat(min=1)),
         click.option("--restarts/--no-restarts", default=False, show_default=True),
         click.option("--flash-attn", is_flag=True,
                      help="Fused attention (same results, less memory)."),

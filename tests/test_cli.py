@@ -10,6 +10,7 @@ import os
 import re
 import sys
 
+import click
 import pytest
 from click.testing import CliRunner
 
@@ -624,3 +625,31 @@ def test_finetune_on_chat_data_resumes_exactly(tmp_path):
     r = finetune_on(base, "--data", str(data), "--n-ctx", "24", "--steps", "1",
                     "--out", str(tmp_path / "x.gguf"), "--checkpoint-in", str(ckpt))
     assert r.exit_code == 2 and "trained on other examples" in r.output, r.output
+
+
+def float_options():
+    """(command, option) for every float option of every ggwgpu command."""
+    out = []
+    for name, command in cli_main.cli.commands.items():
+        for sub in getattr(command, "commands", {"": command}).values():
+            for p in sub.params:
+                if isinstance(p, click.Option) and isinstance(p.type, click.FloatRange):
+                    out.append((name if sub is command else f"{name} {sub.name}", p.opts[0]))
+    return out
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_no_float_option_takes_a_non_finite_value(value):
+    options = float_options()
+    assert ("train", "--lr") in options and ("generate", "--temp") in options
+    for command, option in options:
+        p = next(p for p in click_command(command).params if option in p.opts)
+        with pytest.raises(click.BadParameter, match="not a finite number|not in the range"):
+            p.type.convert(value, p, None)
+
+
+def click_command(path):
+    command = cli_main.cli
+    for part in path.split():
+        command = command.commands[part]
+    return command
