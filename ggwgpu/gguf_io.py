@@ -349,6 +349,16 @@ def _typed(path, key, value):
     raise bad(f"values of type {type(value).__name__} cannot be stored")
 
 
+def write_metadata(path, meta: dict, arch: str = ARCH):
+    """A GGUF file holding only metadata (a vocabulary, say): `meta`'s Python values typed as
+    `_typed` says (general.architecture from `meta`, else `arch`); written atomically."""
+    typed = {K_ARCH: (meta.get(K_ARCH, arch), _T.STRING)}
+    for key, value in meta.items():
+        if key != K_ARCH and (kind := _typed(path, key, value)) is not None:
+            typed[key] = kind
+    _write_gguf(path, typed, {})
+
+
 def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
     """Write `metadata` (key -> (value, GGUF type); general.architecture first) and
     `tensors` (name -> array, written with its dtype) to `path` atomically: a temporary file

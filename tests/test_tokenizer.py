@@ -5,10 +5,10 @@ real GGUF files (published vocabularies against llama.cpp: test_bpe.py).
 Expected ids of the SPM cases are worked out by hand from the algorithm (see the comments):
 symbols start as characters; the adjacent pair whose concatenation is the best-scored token
 merges first (ties: leftmost); leftover symbols that are not tokens become byte tokens."""
-import gguf
 import numpy as np
 import pytest
 
+from ggwgpu import gguf_io
 from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, BPEVocab,
                               ByteTokenizer, SentencePieceVocab, VocabError, load_vocab,
                               read_metadata, tokenizer_from_metadata)
@@ -192,23 +192,8 @@ def _spm_kwargs(meta):
 # -- GGUF files ------------------------------------------------------------------------------
 
 def write_gguf(path, meta):
-    """Write metadata with gguf.GGUFWriter, Python types mapped as gguf_metadata documents."""
-    w = gguf.GGUFWriter(str(path), "llama")
-    for key, value in meta.items():
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    """A metadata-only GGUF, Python types mapped as gguf_metadata documents."""
+    gguf_io.write_metadata(path, meta)
 
 
 def test_byte_vocabulary_through_a_gguf_file(tmp_path):

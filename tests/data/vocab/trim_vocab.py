@@ -23,8 +23,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import gguf
-
 from ggwgpu import gguf_io
 from ggwgpu.tokenizer import (_ALWAYS_SHOWN, _EOG_TEXTS, _ROLE_TEXTS, KEY, NORMAL, BPEVocab,
                               load_vocab)
@@ -61,24 +59,7 @@ def encodings(vocab, texts):
 
 
 def write(path: Path, meta: dict, arch: str):
-    w = gguf.GGUFWriter(str(path), arch)
-    for key, value in meta.items():
-        if key == "general.architecture":
-            continue
-        if isinstance(value, bool):
-            w.add_bool(key, value)
-        elif isinstance(value, int):
-            w.add_uint32(key, value)
-        elif isinstance(value, float):
-            w.add_float32(key, value)
-        elif isinstance(value, str):
-            w.add_string(key, value)
-        else:
-            w.add_array(key, value)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    gguf_io.write_metadata(path, meta, arch)
 
 
 def trim(src: Path, texts: list[str], out: Path):
