@@ -207,16 +207,19 @@ class TrainGraph:
     recompute: list           # what the backward recomputes (build_backward's recompute): the
                               # logits chunks' nodes, when there is more than one chunk
 
-    def feeds(self, tokens, targets) -> dict:
+    def feeds(self, tokens, targets, counted: int | None = None) -> dict:
         """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
-        negative target id leaves its position out of the loss and of the mean."""
+        negative target id leaves its position out of the loss and of the mean. `counted`
+        is the number of targets the mean divides by, when the batch is a rank's part of a
+        larger one (default: the counted targets of this batch)."""
         targets = np.asarray(targets, np.int32).reshape(self.targets.shape)
         n_vocab = self.logits[0].shape[-1]
         if (targets >= n_vocab).any():
             raise ValueError(f"target id {int(targets.max())} out of range for a vocabulary "
                              f"of {n_vocab}")
-        counted = targets >= 0
-        weights = np.where(counted, np.float32(1.0 / max(1, int(counted.sum()))), 0)
+        mask = targets >= 0
+        counted = int(mask.sum()) if counted is None else counted
+        weights = np.where(mask, np.float32(1.0 / max(1, counted)), 0)
         return {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
                 self.weights: weights.astype(np.float32)}
 
