@@ -95,9 +95,10 @@ class World:
         return inputs[mine], targets[mine], int((np.asarray(targets) >= 0).sum())
 
     def abort(self, message: str, code: int = 1):
-        """End every rank of the job (MPI_Abort) after saying why on stderr."""
+        """End every rank of the job (MPI_Abort) after saying why on the process's stderr
+        (the real one: ranks other than 0 have theirs silenced)."""
         print(f"rank {self.rank} of {self.size}: {message}; ending all {self.size} processes",
-              file=sys.stderr, flush=True)
+              file=sys.__stderr__, flush=True)
         self.comm.Abort(code)
 
 
@@ -134,7 +135,7 @@ class RankGuard:
     would otherwise wait in the next allreduce for ever. Exceptions marked on_every_rank
     and clean exits pass through."""
 
-    def __init__(self, world: World | None, describe=str):
+    def __init__(self, world: World | None, describe=lambda e: f"{type(e).__name__}: {e}"):
         self.world, self.describe = world, describe
 
     def __enter__(self):

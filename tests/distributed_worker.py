@@ -3,6 +3,7 @@ data-parallel run and saves, per rank, the loss and a digest of every weight aft
 and the final weights, to OUT/rank<r>.npz.
 
     mpiexec -n 2 python tests/distributed_worker.py OUT BACKEND BATCH GRAD_ACCUM STEPS
+    mpiexec -n 2 python tests/distributed_worker.py OUT fail    (rank 1 raises)
 """
 import hashlib
 import sys
@@ -47,7 +48,18 @@ def digest(params: dict) -> str:
     return h.hexdigest()
 
 
-def main(out, backend_name, batch, grad_accum, steps):
+def fail():
+    """Rank 1 raises while rank 0 waits in an allreduce: the guard must end both."""
+    world = distributed.world()
+    with distributed.RankGuard(world):
+        if world.rank == 1:
+            raise RuntimeError("rank 1 fails")
+        world.allreduce(np.zeros(1))
+
+
+def main(out, backend_name, batch=4, grad_accum=1, steps=1):
+    if backend_name == "fail":
+        return fail()
     world = distributed.world()
     backend = NumpyBackend(np.float64) if backend_name == "numpy-f64" else \
         get_backend(backend_name)
