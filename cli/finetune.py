@@ -176,7 +176,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                                    f"{e}") from None
     n_base = sum(math.prod(v.shape) for v in values.values())
     n_trained = sum(p.nelements for p in graph.params.values())
-    click.echo(f"finetune on {describe_backend(backend)}")
+    world = mpi_world()
+    click.echo(f"finetune on {describe_backend(backend)}" +
+               (f" in each of {world.size} processes (MPI)" if world else ""))
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
     for line in data_lines:

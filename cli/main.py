@@ -386,7 +386,9 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         raise click.ClickException(f"the device failed while planning the train step "
                                    f"({type(e).__name__}: {e})") from None
     entropy = unigram_entropy(tokens)
-    click.echo(f"train on {describe_backend(backend)}")
+    world = mpi_world()
+    click.echo(f"train on {describe_backend(backend)}" +
+               (f" in each of {world.size} processes (MPI)" if world else ""))
     click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
                f"{cfg.n_ctx}; unigram entropy {entropy:.3f} nats/token")
     n_params = sum(v.size for v in values.values())
@@ -576,13 +578,16 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
 
 try:
     from .bench import bench
+    from .bench_ranks import bench_ranks
     from .finetune import finetune_command, merge_command
     from .quantize import quantize_command
 except ImportError:  # run as a script: python cli/main.py
     from bench import bench
+    from bench_ranks import bench_ranks
     from finetune import finetune_command, merge_command
     from quantize import quantize_command
 
+bench.add_command(bench_ranks)
 cli.add_command(bench)
 cli.add_command(quantize_command)
 cli.add_command(finetune_command)

@@ -167,3 +167,13 @@ def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_pat
     np.testing.assert_allclose([x["loss"] for x in two], [x["loss"] for x in one], rtol=1e-5)
     np.testing.assert_allclose(two[-1]["val_loss"], one[-1]["val_loss"], rtol=1e-5)
     assert one[-1]["loss"] != one[0]["loss"]
+
+
+def test_processes_on_a_machine_take_one_gpu_each():
+    from ggwgpu.backends import adapter_for_rank
+
+    def adapter(name, kind):
+        return type("Adapter", (), {"info": {"device": name, "adapter_type": kind}})()
+    gpus = [adapter("llvmpipe", "CPU"), adapter("A", "DiscreteGPU"), adapter("B", "DiscreteGPU")]
+    assert [adapter_for_rank(gpus, k).info["device"] for k in range(3)] == ["A", "B", "A"]
+    assert adapter_for_rank(gpus[:2], 1) is None        # one GPU: every process takes it
