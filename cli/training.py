@@ -197,12 +197,14 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                                         item_show_func=lambda _: shown.get("text")) as bar:
             for _ in range(steps):
                 try:
-                    record = trainer.train_step(stop=signals.signum or 0)
+                    # under MPI the ranks agree on a stop through the step's allreduce
+                    record = (trainer.train_step(stop=signals.signum or 0)
+                              if getattr(trainer, "world", None) else trainer.train_step())
                 except device_errors() as e:
                     raise click.ClickException(
                         f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
                         f"{e}); nothing of that step was saved; {kept()}") from None
-                agreed = record.pop("stop", None)   # under MPI: the ranks stop together
+                agreed = record.pop("stop", None)
                 elapsed = time.perf_counter() - t0
                 record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
                 first = record["loss"] if first is None else first

@@ -46,9 +46,13 @@ def mpiexec():
     for var in distributed.SIZE_VARS:   # a test run under mpirun itself starts clean ones
         env.pop(var, None)
 
-    def run(n, *argv, cwd=None):
-        return subprocess.run([exe, "-n", str(n), *map(str, argv)], env=env, cwd=cwd,
-                              capture_output=True, text=True, timeout=600)
+    def argv(n, *args):
+        return [exe, "-n", str(n), *map(str, args)]
+
+    def run(n, *args):
+        return subprocess.run(argv(n, *args), env=env, capture_output=True, text=True,
+                              timeout=600)
+    run.argv, run.env = argv, env
     return run
 
 
@@ -177,3 +181,29 @@ def test_processes_on_a_machine_take_one_gpu_each():
     gpus = [adapter("llvmpipe", "CPU"), adapter("A", "DiscreteGPU"), adapter("B", "DiscreteGPU")]
     assert [adapter_for_rank(gpus, k).info["device"] for k in range(3)] == ["A", "B", "A"]
     assert adapter_for_rank(gpus[:2], 1) is None        # one GPU: every process takes it
+
+
+def test_ctrl_c_on_mpiexec_stops_every_rank_after_one_step_and_saves_once(tmp_path, mpiexec):
+    import signal
+    import time
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt.gguf"
+    argv = mpiexec.argv(2, sys.executable, "-m", "ggwgpu_cli.main",
+                        *train_args("--batch", "2", "--steps", "100000", "--log", log,
+                                    "--checkpoint-out", ckpt, "--save-every", "100000",
+                                    "--out", tmp_path / "m.gguf"))
+    proc = subprocess.Popen(argv, env=mpiexec.env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while not (log.exists() and log.read_text().count("\n") >= 3):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)     # what Ctrl-C in its terminal sends
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), out + err
+    assert err.count("saved to") == 1, err
+    steps = len(log.read_text().splitlines())
+    assert gguf_io.load_checkpoint(ckpt)[4]["step"] == steps
