@@ -207,3 +207,17 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_after_one_step_and_saves_once(tmp_pa
     assert err.count("saved to") == 1, err
     steps = len(log.read_text().splitlines())
     assert gguf_io.load_checkpoint(ckpt)[4]["step"] == steps
+
+
+def test_bench_ranks_reports_the_scaling_and_the_allreduce(tmp_path, mpiexec):
+    report = tmp_path / "ranks.json"
+    r = subprocess.run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "numpy", "bench",
+                        "ranks", "--ranks", "1,2", "--steps", "1", "--mpiexec",
+                        mpiexec.argv(1)[0], "--json", str(report)],
+                       env=mpiexec.env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    runs = json.loads(report.read_text())["runs"]
+    assert [x["ranks"] for x in runs] == [1, 2]
+    assert runs[0]["allreduce_seconds_per_step"] == 0 < runs[1]["allreduce_seconds_per_step"]
+    assert runs[1]["tokens_per_step"] == 2 * runs[0]["tokens_per_step"]
+    assert "allreduce" in r.stdout
