@@ -73,7 +73,10 @@ class World:
         return self.rank == 0
 
     def allreduce(self, buffer: np.ndarray) -> np.ndarray:
-        """Sum `buffer` (contiguous) over the ranks, in place; every rank gets the same sum."""
+        """Sum `buffer` (contiguous) over the ranks, in place. Every rank gets the same bits:
+        MPI's allreduce algorithms either add each pair on both of its ranks (a + b and
+        b + a are equal in IEEE arithmetic) or add once and send the sum on; the tests check
+        the weights after every step."""
         from mpi4py import MPI
         start = time.perf_counter()
         self.comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)

@@ -215,7 +215,7 @@ class Trainer:
             sent, last = self.plan.read_many([self.exchange.sent, g.loss])
             loss, record["stop"] = self.exchange.exchange(
                 self.world, self.plan, sent, loss + float(last[0]) / n, stop)
-            self.plan.run(stage=optimize)
+            self.plan.run({self.hparams: hp}, stage=optimize)
             sumsq = self.plan.read(self.sumsq)
         else:
             # the last loss and the gradient norm come back together: one wait for the device
