@@ -54,10 +54,20 @@ def measure(ctx, config_name: str, steps: int) -> dict:
         trainer.train_step()
     seconds = (time.perf_counter() - start) / steps
     allreduce = ((world.allreduce_seconds - reduced) / steps) if world else 0.0
+    alone = 0.0     # the same allreduce with every rank there at once: the transfer itself
+    if world:
+        import numpy as np
+        buffer = np.zeros(trainer.exchange.n + 3, np.float32)
+        world.comm.Barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            world.allreduce(buffer)
+        alone = (time.perf_counter() - start) / steps
     return {"ranks": size, "backend": describe_backend(backend),
             "tokens_per_step": options.batch * cfg.n_ctx, "seconds_per_step": seconds,
             "tokens_per_s": options.batch * cfg.n_ctx / seconds,
             "allreduce_seconds_per_step": allreduce, "allreduce_share": allreduce / seconds,
+            "allreduce_alone_seconds": alone,
             "allreduce_bytes": 4 * trainer.exchange.n if trainer.exchange else 0}
 
 
@@ -95,7 +105,8 @@ def default_mpiexec() -> str:
 @click.pass_context
 def bench_ranks(ctx, config_name, counts, steps, mpiexec, worker, json_path):
     """Data-parallel training tokens/s with 1, 2, ... processes (each training the config's
-    batch, on random tokens) and the time of the gradient allreduce per step.
+    batch, on random tokens) and the time of the gradient allreduce per step: within the
+    steps (waiting for the slowest rank included) and alone (all ranks there at once).
 
     Every count runs in fresh processes started by mpiexec (needs mpi4py and an MPI: pip
     install 'ggwgpu[mpi]' mpich); under mpirun itself this measures that run only.
@@ -112,7 +123,7 @@ def bench_ranks(ctx, config_name, counts, steps, mpiexec, worker, json_path):
     click.echo(f"bench ranks {config_name} on {rows[0]['backend']}: each process trains "
                f"{rows[0]['tokens_per_step']} tokens per step; {steps} timed steps")
     click.echo(f"{'ranks':>5} {'tokens/s':>10} {'ms/step':>9} {'allreduce ms':>13} "
-               f"{'share':>6} {'scaling':>8}")
+               f"{'share':>6} {'scaling':>8} {'alone ms':>9}")
     for row in rows:
         click.echo(format_row(row, rows[0]))
     write_json(json_path, {"bench": "ranks", "config": config_name, "steps": steps,
@@ -125,4 +136,5 @@ def format_row(row: dict, first: dict) -> str:
     return (f"{row['ranks']:>5} {row['tokens_per_s']:>10.0f} "
             f"{1e3 * row['seconds_per_step']:>9.1f} "
             f"{1e3 * row['allreduce_seconds_per_step']:>13.2f} "
-            f"{row['allreduce_share']:>6.1%} {scaling:>8.2f}")
+            f"{row['allreduce_share']:>6.1%} {scaling:>8.2f} "
+            f"{1e3 * row['allreduce_alone_seconds']:>9.2f}")
