@@ -64,7 +64,7 @@ def check_mask(q, k, v, mask):
     check_qkv(q, k, v)
     need_f32(mask)
     scores = scores_shape(q, k)
-    if mask.ndim > 4 or not can_repeat(mask.shape, scores):
+    if not can_repeat(mask.shape, scores):
         raise ShapeError(f"mask {mask.shape} does not tile the scores {scores} ([.., n_q, "
                          f"n_kv]; e.g. a mask ({scores[-2]}, {scores[-1]}) or (batch, 1, "
                          f"{scores[-2]}, {scores[-1]}))")
