@@ -37,6 +37,7 @@ def describe(case: Case) -> str:
     parts = []
     for i in case.inputs:
         s = "x".join(map(str, i.shape)) + (f":{i.dtype}" if i.dtype in QUANT_TYPES else "")
+        s += f":{i.dist}" if i.dist in MASKS else ""
         parts.append(s if i.layout == "contiguous" else f"{s}({i.layout})")
     params = ",".join(f"{k}={v}" for k, v in case.params.items())
     return " ".join(parts) + (f" {params}" if params else "")

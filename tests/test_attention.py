@@ -234,3 +234,28 @@ def test_flash_attn_ext_shape_rules_and_mask_without_gradient():
     loss = gg.sum(gg.flash_attn_ext(q, kv, kv, mask, 0.5))
     with pytest.raises(gg.ShapeError, match="flash_attn_ext: input 3 .* takes no gradient"):
         gg.build_backward(loss, [mask])
+
+
+def test_llama_attention_takes_a_mask_on_both_paths():
+    """models.llama.attention(mask=...): flash_attn_ext on the flash path, soft_max_ext
+    otherwise; a causal mask gives the unmasked causal result, a document mask the same on
+    both paths."""
+    from types import SimpleNamespace
+    from ggwgpu.models.llama import attention
+    rng = np.random.default_rng(11)
+    cfg = SimpleNamespace(head_dim=4)
+    q, k, v = (gg.input_tensor(s) for s in ((2, 6, 4, 4), (2, 6, 2, 4), (2, 6, 2, 4)))
+    causal, docs = gg.input_tensor((6, 6)), gg.input_tensor((2, 1, 6, 6))
+    feeds = {t: rng.uniform(-1, 1, t.shape) for t in (q, k, v)}
+    feeds[causal] = np.where(np.isinf(attention_mask((6, 6), "causal", rng)), -np.inf, 0.0)
+    feeds[docs] = np.where(np.isinf(attention_mask((2, 1, 6, 6), "documents", rng)), -np.inf, 0.)
+    outs = [attention(cfg, q, k, v, flash, mask) for flash in (True, False)
+            for mask in (None, causal, docs)]
+    assert [o.srcs[0].op for o in outs] == ["flash_attn", "flash_attn_ext", "flash_attn_ext",
+                                            "mul_mat", "mul_mat", "mul_mat"]
+    flash, flash_causal, flash_docs, plain, plain_causal, plain_docs = \
+        NumpyBackend(np.float64).compute(outs, feeds)
+    for a in (flash_causal, plain, plain_causal):
+        np.testing.assert_allclose(a, flash, atol=1e-12)
+    np.testing.assert_allclose(flash_docs, plain_docs, atol=1e-12)
+    assert np.abs(flash_docs - flash).max() > 1e-3   # the documents do hide keys
