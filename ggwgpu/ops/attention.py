@@ -25,6 +25,8 @@ sources. The mask takes no gradient (a constant input: causality, document bound
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import ops as O
@@ -162,23 +164,38 @@ def rows(t) -> int:
     return t.nelements // t.shape[-1]
 
 
-def parts(node):
-    """(q, k, v, mask or None, dout or None, causal) of any of the four ops."""
-    srcs, ext = node.srcs, node.op.startswith("flash_attn_ext")
+class Parts(NamedTuple):
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: Tensor | None
+    dout: Tensor | None
+    causal: bool
+
+    @property
+    def mask_slot(self) -> Tensor:
+        """What src0 binds: the mask, or k standing in (unread)."""
+        return self.k if self.mask is None else self.mask
+
+
+def parts(node) -> Parts:
+    """The sources and causal rule of any of the four ops."""
+    srcs = list(node.srcs)
     q, k, v = srcs[:3]
-    rest = srcs[4:] if ext else srcs[3:]
-    return q, k, v, srcs[3] if ext else None, rest[0] if rest else None, \
-        bool(node.params.get("causal", False))
+    mask = srcs.pop(3) if node.op.startswith("flash_attn_ext") else None
+    dout = srcs[3] if len(srcs) > 3 else None
+    return Parts(q, k, v, mask, dout, bool(node.params.get("causal", False)))
 
 
-def uniforms(node, mask, causal, dv_at=0):
-    return {"f": (float(node.params["scale"]),), "u": (int(causal), dv_at, int(mask is not None))}
+def uniforms(node, at: Parts, dv_at=0):
+    return {"f": (float(node.params["scale"]),),
+            "u": (int(at.causal), dv_at, int(at.mask is not None))}
 
 
 def forward_dispatch(node):
-    q, k, v, mask, _, causal = parts(node)
-    return [Dispatch("flash_attn", node, (mask or k, k, v, q), n=rows(node),
-                     **uniforms(node, mask, causal))]
+    at = parts(node)
+    return [Dispatch("flash_attn", node, (at.mask_slot, at.k, at.v, at.q), n=rows(node),
+                     **uniforms(node, at))]
 
 
 def backward_dispatch(node):
@@ -186,23 +203,22 @@ def backward_dispatch(node):
     D = dout . out) into a private scratch next to copies of q and dout; then dQ per query
     row; then dK and dV per key row. The scratch stands in for q and dout in the last two (a
     dispatch binds at most four sources), and dout is copied into it first."""
-    q, k, v, mask, dout, causal = parts(node)
+    at = parts(node)
+    q, k, v, mask = at.q, at.k, at.v, at.mask_slot
     d = q.shape[-1]
     # scratch row: [q (d) | dout (d) | lse | D], one per query row
     scratch = Tensor(pad4(q.shape)[:3] + (2 * d + 2,), name=f"{node} softmax statistics")
     dout_in = scratch.layout(pad4(q.shape), scratch.strides, d)
     dq = node.layout(q.shape, contiguous_strides(q.shape), node.offset)
     dk = node.layout(k.shape, contiguous_strides(k.shape), node.offset + q.nelements)
-    stand_in = mask or k
-    return [Dispatch("cpy", dout_in, (dout,),
-                     n=dout.nelements, shader="layout"),
-            Dispatch("flash_attn_back_stats", scratch, (stand_in, k, v, q), n=rows(q),
-                     **uniforms(node, mask, causal)),
-            Dispatch("flash_attn_back_q", dq, (stand_in, k, v, scratch), n=rows(q),
-                     **uniforms(node, mask, causal)),
+    return [Dispatch("cpy", dout_in, (at.dout,), n=q.nelements, shader="layout"),
+            Dispatch("flash_attn_back_stats", scratch, (mask, k, v, q), n=rows(q),
+                     **uniforms(node, at)),
+            Dispatch("flash_attn_back_q", dq, (mask, k, v, scratch), n=rows(q),
+                     **uniforms(node, at)),
             # dV lies k.nelements after dK in the same storage
-            Dispatch("flash_attn_back_kv", dk, (stand_in, k, v, scratch), n=rows(k),
-                     **uniforms(node, mask, causal, k.nelements))]
+            Dispatch("flash_attn_back_kv", dk, (mask, k, v, scratch), n=rows(k),
+                     **uniforms(node, at, k.nelements))]
 
 
 # -- backward rules -------------------------------------------------------------------------------
@@ -220,8 +236,8 @@ def split(t, *shapes):
 def same_attention(node):
     """The forward and backward constructors (q, k, v[, dout]) -> Tensor with node's mask,
     scale and causal rule."""
-    _, _, _, mask, _, causal = parts(node)
-    scale = node.params["scale"]
+    at, scale = parts(node), node.params["scale"]
+    mask, causal = at.mask, at.causal
     if mask is None:
         return (lambda q, k, v: O.flash_attn(q, k, v, scale, causal),
                 lambda q, k, v, dout: O.flash_attn_back(q, k, v, dout, scale, causal))
@@ -230,7 +246,8 @@ def same_attention(node):
 
 
 def attn_backward(node, g):
-    """dq, dk, dv from one *_back node; the mask (flash_attn_ext) takes none."""
+    """The backward of flash_attn and flash_attn_ext: dq, dk, dv from one *_back node; the
+    mask takes none."""
     q, k, v, mask, _, _ = parts(node)
     _, back = same_attention(node)
     grads = tuple(split(back(q, k, v, g), q.shape, k.shape, v.shape))
