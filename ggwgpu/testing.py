@@ -72,6 +72,9 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
             values[leaf] = v / v.sum(axis=-1, keepdims=True)
         else:
             values[leaf] = rng.uniform(spec.lo, spec.hi, leaf.shape)
+            if spec.dist == "nonfinite":  # one NaN, +inf or -inf somewhere
+                values[leaf].flat[rng.integers(values[leaf].size)] = rng.choice(
+                    [np.nan, np.inf, -np.inf])
         srcs.append(src)
     node = getattr(O, opdef.name)(*srcs, **case.params)
     return leaves, values, node

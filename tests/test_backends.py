@@ -80,12 +80,12 @@ def test_memory_report_sorts_the_planned_bytes_by_role():
     loss = gg.sum(gg.sqr(gg.mul_mat(p, x)))
     grad = gg.graph.build_backward(loss, [p])[p]
     m, v = (gg.constant(np.zeros((4, 8), np.float32)) for _ in range(2))
-    hp = gg.input_tensor((7,), name="hparams")
+    hp = gg.input_tensor((8,), name="hparams")
     plan = NumpyBackend().plan([loss, gg.opt_step_adamw(p, grad, m, v, hp, True)])
     memory = plan.memory()
     assert memory["weights"] == memory["gradients"] == 4 * 32
     assert memory["state"] >= 2 * 4 * 32
-    assert memory["inputs"] == 4 * (24 + 7)
+    assert memory["inputs"] == 4 * (24 + 8)
     assert 0 < memory["peak"] <= memory["planned"]
 
 

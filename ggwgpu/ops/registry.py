@@ -56,7 +56,8 @@ class Input:
     hi: float = 1.0
     layout: str = "contiguous"
     dtype: str = "f32"
-    dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets)
+    dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets),
+                            # or "nonfinite": uniform with one NaN or infinity
 
 
 @dataclass(frozen=True)
