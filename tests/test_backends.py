@@ -105,3 +105,76 @@ def test_numpy_dequantizes_a_frozen_weight_once_and_again_after_a_write():
         dense = dequantize(value)
         np.testing.assert_allclose(plan.read(y), feeds[x] @ dense.T, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(plan.read(rows), dense[[5, 0]])
+
+
+# -- the Params uniform block: one layout, common.wgsl's struct --------------------------------
+
+def echo_params(wgpu, uniforms: np.ndarray, n_words: int) -> np.ndarray:
+    """Run a kernel that writes every Params field, by name, into dst (u32 fields as
+    f32(x)): what the shader reads where the backend wrote `uniforms`."""
+    import wgpu as wgpu_py
+    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, shader_dir
+    fields = (["p.n", *(f"p.off[{i}]" for i in range(4)), "p.off3.x"]
+              + [f"p.{k}_{t}[{i}]" for t in "d0123" for k in ("ne", "nb") for i in range(4)]
+              + [f"p.u[{i}]" for i in range(4)])
+    body = "\n".join(f"    dst[{j}] = f32({x});" for j, x in enumerate(fields))
+    body += "\n" + "\n".join(f"    dst[{len(fields) + i}] = p.f[{i}];" for i in range(4))
+    code = ((shader_dir() / "common.wgsl").read_text()
+            + f"\n@compute @workgroup_size(1)\nfn k_echo() {{\n{body}\n}}\n")
+    device = wgpu.device
+    pipeline = device.create_compute_pipeline(
+        layout=wgpu.pipeline_layout,
+        compute={"module": device.create_shader_module(code=code), "entry_point": "k_echo"})
+    uniform = device.create_buffer_with_data(data=uniforms, usage=wgpu_py.BufferUsage.UNIFORM)
+    out = device.create_buffer(size=4 * n_words, usage=wgpu_py.BufferUsage.STORAGE
+                               | wgpu_py.BufferUsage.COPY_SRC)
+    entries = [{"binding": 0, "resource": {"buffer": uniform, "offset": 0,
+                                           "size": uniforms.nbytes}},
+               {"binding": 1, "resource": {"buffer": out, "offset": 0, "size": out.size}}]
+    entries += [{"binding": b, "resource": {"buffer": wgpu.dummy, "offset": 0, "size": 16}}
+                for b in range(2, 2 + MAX_SRCS + SRC0_PARTS - 1)]
+    group = device.create_bind_group(layout=wgpu.bind_group_layout, entries=entries)
+    encoder = device.create_command_encoder()
+    cpass = encoder.begin_compute_pass()
+    cpass.set_pipeline(pipeline)
+    cpass.set_bind_group(0, group)
+    cpass.dispatch_workgroups(1, 1, 1)
+    cpass.end()
+    device.queue.submit([encoder.finish()])
+    assert len(fields) + 4 == n_words
+    return np.frombuffer(device.queue.read_buffer(out), np.float32)
+
+
+def test_the_params_block_is_where_the_shader_reads_it(wgpu):
+    """The backend writes each dispatch's values at the words common.wgsl's struct Params
+    gives its fields: a kernel that reads every field by name sees them all."""
+    from ggwgpu.ops.registry import Dispatch
+    base = gg.input_tensor((10, 10))
+    tensors = [gg.input_tensor((2, 3, 4, 5)),
+               gg.permute(gg.input_tensor((5, 4, 3, 2)), (3, 2, 1, 0)),
+               gg.view(base, (3, 4), (10, 1), 7), gg.input_tensor((9,)),
+               gg.view(gg.input_tensor((6, 7, 8)), (2, 7, 8), (56, 8, 1), 56)]
+    d = Dispatch("echo", tensors[0], tuple(tensors[1:]), n=1234, f=(0.5, -2.0, 3.25, 1e-5),
+                 u=(7, 8, 9, 10))
+    plan = wgpu.plan([gg.exp(tensors[3])], sentinel=3)
+    uniforms = plan._uniforms(d)
+    seen = echo_params(wgpu, uniforms, 1 + 5 + 5 * 8 + 4 + 4)
+    want = ([1234] + [plan.sentinel + t.offset for t in tensors]
+            + [x for t in tensors for x in (*t.ne, *t.nb)] + [7, 8, 9, 10])
+    np.testing.assert_array_equal(seen[:len(want)], np.float32(want))
+    np.testing.assert_array_equal(seen[len(want):], np.float32(d.f))
+
+
+def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill():
+    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE, params_layout, shader_dir
+    source = (shader_dir() / "common.wgsl").read_text()
+    assert params_layout(source) == (PARAMS, UNIFORM_SIZE) and UNIFORM_SIZE == 240
+    # reorder two fields: the words move with them
+    swapped = source.replace("    f: vec4f,", "    TMP").replace("    u: vec4u,", "    f: vec4f,") \
+        .replace("    TMP", "    u: vec4u,")
+    words, size = params_layout(swapped)
+    assert (words["u"], words["f"], size) == (PARAMS["f"], PARAMS["u"], UNIFORM_SIZE)
+    with pytest.raises(ValueError, match="Params needs field off3: vec4u"):
+        params_layout(source.replace("    off3: vec4u,\n", ""))
+    with pytest.raises(ValueError, match="Params.f has type mat4x4f"):
+        params_layout(source.replace("    f: vec4f,", "    f: mat4x4f,"))

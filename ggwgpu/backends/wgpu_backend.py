@@ -23,7 +23,6 @@ from ..tensor import ShapeError, Tensor
 from .base import Backend, Plan, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
-UNIFORM_SIZE = 240          # sizeof(Params) in shaders/common.wgsl
 MAX_SRCS = 4
 # A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
 # of a kernel that reads it through quant_blocks.wgsl's src0_word: its own binding and
@@ -82,6 +81,42 @@ def shader_source(stem: str) -> str:
     return (d / "common.wgsl").read_text() + "\n" + text
 
 
+# Words of the WGSL types a Params field may have, and their alignment in words (WGSL's
+# uniform layout rules).
+PARAM_TYPES = {"u32": (1, 1), "i32": (1, 1), "f32": (1, 1),
+               "vec4u": (4, 4), "vec4i": (4, 4), "vec4f": (4, 4)}
+TENSOR_TAGS = ("d", "0", "1", "2", "3")   # dst, then the sources: ne_<tag>, nb_<tag>
+
+
+def params_layout(source: str) -> tuple[dict[str, int], int]:
+    """The uniform block's layout, read from the `struct Params` of `source` (common.wgsl):
+    ({field: first 32-bit word}, size in bytes). The one description of the block is the
+    WGSL struct; _uniforms writes each value at its field's word. Raises ValueError naming
+    what does not fit what _uniforms writes."""
+    found = re.search(r"struct\s+Params\s*\{(.*?)\}", source, re.S)
+    if not found:
+        raise ValueError("common.wgsl: no `struct Params { ... }`")
+    body = re.sub(r"//[^\n]*", "", found[1])
+    words, at, align_max = {}, 0, 1
+    for name, kind in re.findall(r"(\w+)\s*:\s*([\w<>]+)", body):
+        if kind not in PARAM_TYPES:
+            raise ValueError(f"common.wgsl: Params.{name} has type {kind}, not one of "
+                             f"{', '.join(PARAM_TYPES)}")
+        size, align = PARAM_TYPES[kind]
+        at = -(-at // align) * align
+        words[name] = at
+        at += size
+        align_max = max(align_max, align)
+    want = {"n": "u32", "off": "vec4u", "off3": "vec4u", "f": "vec4f", "u": "vec4u",
+            **{f"{k}_{t}": "vec4u" for t in TENSOR_TAGS for k in ("ne", "nb")}}
+    kinds = dict(re.findall(r"(\w+)\s*:\s*([\w<>]+)", body))
+    for name, kind in want.items():
+        if kinds.get(name) != kind:
+            raise ValueError(f"common.wgsl: Params needs field {name}: {kind} "
+                             f"(found {kinds.get(name)})")
+    return words, -(-at // align_max) * align_max * 4
+
+
 def kernel_name(entry: str) -> str:
     # The k_ prefix keeps kernels such as exp or abs from shadowing WGSL's builtins.
     return f"k_{entry}"
@@ -120,6 +155,7 @@ def direct_pass_calls():
 
 
 DIRECT_CALLS = direct_pass_calls()
+PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
 MATMUL_ENV = "GGWGPU_MATMUL"
@@ -308,17 +344,20 @@ class WgpuPlan(Plan):
         return super().memory(self.layout, self.scratch)
 
     def _uniforms(self, d) -> np.ndarray:
+        """The Params block of dispatch `d`, as 32-bit words at PARAMS' field positions."""
         u = np.zeros(UNIFORM_SIZE // 4, np.uint32)
         tensors = (d.dst,) + tuple(d.srcs)
         if len(tensors) > 1 + MAX_SRCS:
             raise ValueError(f"{d.entry}: at most {MAX_SRCS} sources per dispatch")
-        u[0] = d.n
-        for k, t in enumerate(tensors):
-            u[4 + k] = self.sentinel + t.offset       # off, then off3.x
-            u[12 + 8 * k: 16 + 8 * k] = t.ne
-            u[16 + 8 * k: 20 + 8 * k] = t.nb
-        u[52:52 + len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
-        u[56:56 + len(d.u)] = d.u
+        u[PARAMS["n"]] = d.n
+        # element offsets: off.xyzw of dst and src0..src2, off3.x of src3
+        offset_words = [PARAMS["off"] + k for k in range(4)] + [PARAMS["off3"]]
+        for k, (t, tag) in enumerate(zip(tensors, TENSOR_TAGS)):
+            u[offset_words[k]] = self.sentinel + t.offset
+            u[PARAMS[f"ne_{tag}"]:][:4] = t.ne
+            u[PARAMS[f"nb_{tag}"]:][:4] = t.nb
+        u[PARAMS["f"]:][:len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
+        u[PARAMS["u"]:][:len(d.u)] = d.u
         return u
 
     def run(self, feeds=None):
