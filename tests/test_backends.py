@@ -36,6 +36,77 @@ def test_direct_calls_and_the_wgpu_py_api_record_the_same_step(wgpu):
     np.testing.assert_allclose(results[0][1], ref[1], rtol=1e-5, atol=1e-6)
 
 
+def test_the_direct_calls_are_the_path_in_use_here(wgpu, monkeypatch):
+    """With this wgpu-py (the pinned range) the encode loop records through wgpu-native's C
+    functions: each dispatch goes through them, none through the public calls."""
+    from ggwgpu.backends import wgpu_direct
+    assert wgpu_direct.CALLS is not None, wgpu_direct.WHY_NOT
+    x, w, y, z = small_graph()
+    plan = wgpu.plan([y, z])
+    assert plan.direct_calls and len(plan._handles) == len(plan.dispatches)
+    set_pipeline, set_group, dispatch, null = wgpu_direct.CALLS
+    counted = []
+
+    def counting(*args):
+        counted.append(args[1:])
+        dispatch(*args)
+    monkeypatch.setattr(wgpu_direct, "CALLS", (set_pipeline, set_group, counting, null))
+    cls = type(wgpu.device.create_command_encoder().begin_compute_pass())
+    monkeypatch.setattr(cls, "dispatch_workgroups", lambda *a: pytest.fail("public call"))
+    plan.run()
+    assert counted == [(gx, gy, 1) for _, _, gx, gy in plan._commands]
+
+
+def test_without_the_private_api_the_public_calls_take_over_and_say_so_once(monkeypatch):
+    """A wgpu-py whose _api lacks the functions: the capability check says why, plans
+    record through the public calls, and the warning comes once."""
+    import sys
+    import types
+    from ggwgpu.backends import wgpu_direct
+    monkeypatch.setitem(sys.modules, "wgpu.backends.wgpu_native._api",
+                        types.ModuleType("renamed"))
+    calls, why = wgpu_direct.capability()
+    assert calls is None and "ImportError" in why
+    monkeypatch.setattr(wgpu_direct, "CALLS", None)
+    monkeypatch.setattr(wgpu_direct, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="public API") as seen:
+        wgpu_direct.fall_back(why)
+        wgpu_direct.fall_back(why)
+    assert len(seen) == 1
+    assert wgpu_direct.native_handles([(None, object(), 1, 1)]) is None
+
+
+def test_the_fallback_path_gives_the_same_results(wgpu, monkeypatch):
+    from ggwgpu.backends import wgpu_direct
+    x, w, y, z = small_graph()
+    rng = np.random.default_rng(4)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+             for t in gg.graph.topo_order([z]) if t.op is None}
+    direct = wgpu.plan([y, z])
+    direct.run(feeds)
+    monkeypatch.setattr(wgpu_direct, "CALLS", None)
+    public = wgpu.plan([y, z])
+    assert direct.direct_calls and not public.direct_calls
+    public.run(feeds)
+    for a, b in zip(direct.read_many([y, z]), public.read_many([y, z])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_invalid_dispatch_raises_on_either_path(wgpu, direct):
+    """A grid past the 65535-workgroup limit is a Python error (wgpu's validation error)
+    on the direct calls as on the public ones, not a silent no-op."""
+    import wgpu as wgpu_py
+    x = gg.input_tensor((100,))
+    plan = wgpu.plan([gg.exp(x)])
+    plan.direct_calls = direct and plan.direct_calls
+    assert plan.direct_calls == direct
+    plan._commands = [(p, g, 70000, 1) for p, g, _, _ in plan._commands]
+    plan._handles = [(p, g, 70000, 1) for p, g, _, _ in plan._handles]
+    with pytest.raises(wgpu_py.GPUValidationError, match="65535"):
+        plan.run({x: np.ones(100, np.float32)})
+
+
 def test_read_many_reads_each_span_of_shared_storage(wgpu):
     x = gg.input_tensor((4, 6))
     v = np.arange(24, dtype=np.float32).reshape(4, 6)

@@ -20,6 +20,7 @@ import wgpu
 
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
+from . import wgpu_direct
 from .base import Backend, Plan, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
@@ -138,23 +139,6 @@ def request_adapter():
     return adapter
 
 
-def direct_pass_calls():
-    """wgpu-native's C functions for the three commands of the encode loop (set pipeline,
-    set bind group, dispatch), or None where this wgpu-py does not expose them.
-
-    wgpu-py wraps each call in Python error capture and builds a cffi array of dynamic offsets
-    per set_bind_group: about 2.5 µs of a step's ~4 µs of host time per dispatch on lavapipe.
-    Calling the functions directly skips that; errors still surface, because wgpu-native
-    validates a compute pass when it ends and reports through the (wrapped) end/finish."""
-    try:
-        from wgpu.backends.wgpu_native._api import ffi, lib
-        return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
-                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
-    except (ImportError, AttributeError):
-        return None
-
-
-DIRECT_CALLS = direct_pass_calls()
 PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
@@ -328,14 +312,13 @@ class WgpuPlan(Plan):
             pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
             self.recorded.append((pipeline, group, grid_2d(d.grid())))
         # The encode loop's work, prepared once: the pipeline only where it changes (None
-        # else), and the native handles when the direct calls are there.
-        self.direct_calls = DIRECT_CALLS is not None
+        # else), and the native handles when the direct calls are there (wgpu_direct.py).
         self._commands, last = [], None
         for pipeline, group, (x, y) in self.recorded:
             self._commands.append((None if pipeline is last else pipeline, group, x, y))
             last = pipeline
-        self._handles = [(p and p._internal, g._internal, x, y)
-                         for p, g, x, y in self._commands] if self.direct_calls else None
+        self._handles = wgpu_direct.native_handles(self._commands)
+        self.direct_calls = self._handles is not None
         self._staging = None
         self._timer = None
 
@@ -371,20 +354,7 @@ class WgpuPlan(Plan):
     def encode(self, encoder, timestamp_writes=None):
         """Record every dispatch of the graph into one compute pass of `encoder`."""
         cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
-        if self.direct_calls:
-            set_pipeline, set_group, dispatch, null = DIRECT_CALLS
-            handle = cpass._internal
-            for pipeline, group, x, y in self._handles:
-                if pipeline is not None:
-                    set_pipeline(handle, pipeline)
-                set_group(handle, 0, group, 0, null)
-                dispatch(handle, x, y, 1)
-        else:
-            for pipeline, group, x, y in self._commands:
-                if pipeline is not None:
-                    cpass.set_pipeline(pipeline)
-                cpass.set_bind_group(0, group)
-                cpass.dispatch_workgroups(x, y, 1)
+        wgpu_direct.record(cpass, self._commands, self._handles if self.direct_calls else None)
         cpass.end()
 
     def device_seconds(self, feeds=None) -> float | None:
