@@ -57,7 +57,8 @@ class Input:
     layout: str = "contiguous"
     dtype: str = "f32"
     dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets),
-                            # or "nonfinite": uniform with one NaN or infinity
+                            # "nonfinite": uniform with one NaN or infinity, or an
+                            # attention mask of testing.MASKS (-inf where hidden)
 
 
 @dataclass(frozen=True)
