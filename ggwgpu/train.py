@@ -26,7 +26,7 @@ from .tensor import constant, input_tensor
 @dataclass
 class TrainOptions:
     """Optimizer and schedule (llama.cpp train-text-from-scratch defaults)."""
-    optimizer: str = "adamw"           # or "sgd" (no moments, decoupled weight decay)
+    optimizer: str = "adamw"           # or "sgd" (no moments, decoupled weight decay), "lbfgs"
     batch: int = 8
     grad_accum: int = 1                # micro-batches of `batch` samples per optimizer step
     lr: float = 1e-3
@@ -43,6 +43,27 @@ class TrainOptions:
     flash_attn: bool = False
     checkpointing: bool = False        # gradient checkpointing: keep only block outputs
     seed: int = 0
+    # L-BFGS (ggml's defaults; lbfgs.LbfgsOptions): no lr, schedule, decay or clipping
+    lbfgs_m: int = 6
+    lbfgs_linesearch: str = "strong-wolfe"
+    lbfgs_max_linesearch: int = 20
+    lbfgs_ftol: float = 1e-4
+    lbfgs_wolfe: float = 0.9
+    lbfgs_min_step: float = 1e-20
+    lbfgs_max_step: float = 1e20
+    lbfgs_on_fail: str = "stop"
+    opt_past: int = 0
+    opt_delta: float = 1e-5
+    opt_max_no_improvement: int = 0
+
+    def lbfgs_options(self):
+        from .lbfgs import LbfgsOptions
+        return LbfgsOptions(
+            m=self.lbfgs_m, max_linesearch=self.lbfgs_max_linesearch,
+            linesearch=self.lbfgs_linesearch, ftol=self.lbfgs_ftol, wolfe=self.lbfgs_wolfe,
+            min_step=self.lbfgs_min_step, max_step=self.lbfgs_max_step, past=self.opt_past,
+            delta=self.opt_delta, max_no_improvement=self.opt_max_no_improvement,
+            on_fail=self.lbfgs_on_fail)
 
 
 def schedule(step: int, o: TrainOptions) -> float:
@@ -106,6 +127,10 @@ class Trainer:
                                checkpoints=g.checkpoints if options.checkpointing else None,
                                recompute=g.recompute)
         accumulated = []
+        self.lbfgs = None
+        if options.optimizer == "lbfgs":
+            self.setup_lbfgs(g, grads, backend, (opt_state or {}).get("lbfgs"))
+            return
         if options.grad_accum > 1:
             grads, accumulated = self.accumulate(grads, options.grad_accum)
         self.exchange, loss, sent = None, g.loss, []
@@ -115,7 +140,7 @@ class Trainer:
             grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
         if options.optimizer not in ("adamw", "sgd"):
-            raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
+            raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw, sgd or lbfgs")
         adamw = options.optimizer == "adamw"
         # the host writes every hyper-parameter but the last, the finite flag
         n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - 1
@@ -142,6 +167,29 @@ class Trainer:
         for name, (m, v) in (opt_state or {}).items():
             self.plan.write(self.moments[name][0], m)
             self.plan.write(self.moments[name][1], v)
+
+    def setup_lbfgs(self, g, grads: dict, backend, state: dict | None):
+        """L-BFGS (lbfgs.py): its stages replace the one planned step; one train_step is one
+        L-BFGS iteration (a line search) on one batch."""
+        from .lbfgs import Lbfgs
+        if self.world is not None or self.options.grad_accum > 1:
+            raise ValueError("lbfgs takes one whole batch per iteration on one process: "
+                             "grad_accum must be 1 and there is no data-parallel lbfgs")
+        self.lbfgs = Lbfgs(list(g.params.values()), grads, g.loss, self.options.lbfgs_options())
+        self.moments, self.exchange, self.stages = {}, None, (None, None)
+        self.plan = backend.plan([g.loss, *self.lbfgs.outputs])
+        self.lbfgs.attach(self.plan)
+        self.plan.write(g.positions, np.arange(self.cfg.n_ctx, dtype=np.int32))
+        if state:
+            self.lbfgs.load_state(state)
+
+    def lbfgs_step(self) -> dict:
+        r = self.lbfgs.iterate(self.feeds(*self.batches.next_batch()))
+        self.step += 1
+        return {"step": self.step, "loss": r["loss"], "lr": r["step"],
+                "grad_norm": r["grad_norm"], "tokens": self.step * self.step_tokens,
+                "skipped": not math.isfinite(r["loss"]), "evaluations": r["evaluations"],
+                "status": r["status"]}
 
     def accumulate(self, grads: dict, n: int):
         """Gradient accumulation inside the one planned graph: each micro-batch adds its
@@ -188,7 +236,11 @@ class Trainer:
     def train_step(self, stop: int = 0) -> dict:
         """One optimizer step on the next batch (grad_accum micro-batches); returns what a
         log line needs. With a world, `stop` (a signal number, 0: none) is this rank's wish
-        to stop after this step, and the record's "stop" is the ranks' agreed one."""
+        to stop after this step, and the record's "stop" is the ranks' agreed one. With
+        lbfgs the record's "status" says whether the iteration failed or converged, and "lr"
+        is the step its line search took."""
+        if self.lbfgs is not None:
+            return self.lbfgs_step()
         hp, lr = self.step_hparams()
         g, n, loss = self.graph, self.options.grad_accum, 0.0
         backward, optimize = self.stages
@@ -226,11 +278,17 @@ class Trainer:
         hyper-parameters (lr 0, betas 1), so no second plan (and no copy of the weights) is
         needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
         g, total, count = self.graph, 0.0, 0
+        if self.lbfgs is not None:   # the eval stage overwrites its gradient
+            self.lbfgs.last = None
         for inputs, targets in batches:
-            feeds = {**self.feeds(inputs, targets), self.hparams: self.noop_hparams()}
-            if self.options.grad_accum > 1:
-                feeds[self.keep] = np.zeros(1, np.float32)
-            self.plan.run(feeds, stage=self.stages[0])
+            feeds = self.feeds(inputs, targets)
+            if self.lbfgs is not None:
+                self.plan.run(feeds, stage=self.lbfgs.stages["eval"])
+            else:
+                feeds[self.hparams] = self.noop_hparams()
+                if self.options.grad_accum > 1:
+                    feeds[self.keep] = np.zeros(1, np.float32)
+                self.plan.run(feeds, stage=self.stages[0])
             n = int((np.asarray(targets) >= 0).sum())
             total += float(self.plan.read(g.loss)[0]) * n
             count += n
@@ -241,7 +299,10 @@ class Trainer:
     def parameters(self) -> dict[str, np.ndarray]:
         return {name: self.plan.read(p) for name, p in self.graph.params.items()}
 
-    def optimizer_state(self) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    def optimizer_state(self) -> dict:
+        """AdamW's (m, v) by parameter name; for lbfgs {"lbfgs": its history and scalars}."""
+        if self.lbfgs is not None:
+            return {"lbfgs": self.lbfgs.state()}
         return {name: (self.plan.read(m), self.plan.read(v))
                 for name, (m, v) in self.moments.items()}
 
