@@ -35,6 +35,9 @@ Checkpoint (`save_checkpoint` / `load_checkpoint`): the model file above plus
                                      for people and other tools)
     tensors optimizer.adamw.m.<param name> and optimizer.adamw.v.<param name>: AdamW's first
     and second moments, f32, shaped as their parameter.
+    With L-BFGS instead (optimizer.type "lbfgs"): tensors optimizer.lbfgs.memory_s and
+    optimizer.lbfgs.memory_y (llama.cpp's names), the history, f32 [m, parameter_count], and
+    optimizer.lbfgs.state_json, a string: the optimizer's scalars (ggwgpu.lbfgs).
 
 Writing is atomic: a temporary file in the target's directory, flushed and fsynced, then
 renamed over the target, so the previous file stays whole until the new one is complete, and
@@ -107,6 +110,9 @@ TRAIN_COUNTS = {"step": "training.iteration_count", "samples": "training.sample_
                 "tokens": "training.token_count", "epoch": "training.epoch_count"}
 MOMENT_PREFIX = {"m": "optimizer.adamw.m.", "v": "optimizer.adamw.v."}
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
+LBFGS_TENSORS = ("memory_s", "memory_y")
+LBFGS_PREFIX = "optimizer.lbfgs."
+K_LBFGS_STATE = "optimizer.lbfgs.state_json"
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 MAX_TENSOR_NAME = 63          # ggml's GGML_MAX_NAME (64) less the terminating NUL
@@ -169,6 +175,9 @@ def save_checkpoint(path, cfg: LlamaConfig, params: dict, tokenizer, opt_state: 
     path = Path(path)
     tensors = _checked_params(path, cfg, params)
     shapes = parameter_shapes(cfg)
+    lbfgs = opt_state.get("lbfgs")
+    opt_state = {k: v for k, v in opt_state.items() if k != "lbfgs"}
+    history = _lbfgs_tensors(path, lbfgs, sum(math.prod(s) for s in shapes.values()))
     moments = {}
     n_with_moments = 0         # parameter elements that have moments
     for name, pair in opt_state.items():
@@ -198,8 +207,12 @@ def save_checkpoint(path, cfg: LlamaConfig, params: dict, tokenizer, opt_state: 
 
     metadata = _model_metadata(path, cfg, tokenizer, None)
     metadata[K_CKPT_VERSION] = (CHECKPOINT_VERSION, _T.UINT32)
-    metadata[K_OPT_TYPE] = ("adamw" if ordered else "none", _T.STRING)
+    metadata[K_OPT_TYPE] = ("lbfgs" if history else "adamw" if ordered else "none", _T.STRING)
     metadata[K_OPT_PARAM_COUNT] = (n_with_moments, _T.UINT64)
+    if history:
+        metadata[K_OPT_PARAM_COUNT] = (history[LBFGS_PREFIX + "memory_s"].shape[1], _T.UINT64)
+        metadata[K_LBFGS_STATE] = (json.dumps(lbfgs["scalars"], allow_nan=False), _T.STRING)
+        ordered.update(history)
     step = _count(train_state.get("step"))
     if step is not None:
         metadata[K_OPT_ITERATION] = (step, _T.UINT64)
@@ -220,6 +233,40 @@ def _count(value):
         if 0 <= value < 2 ** 64:
             return value
     return None
+
+
+def _lbfgs_tensors(path, lbfgs, n: int) -> dict:
+    """The L-BFGS history's tensors to write ({} without one), checked: m x n each."""
+    if lbfgs is None:
+        return {}
+    m = np.shape(lbfgs["memory_s"])[0] if np.ndim(lbfgs["memory_s"]) == 2 else 0
+    return {LBFGS_PREFIX + k: _checked_array(path, LBFGS_PREFIX + k, lbfgs[k], (m, n),
+                                             "checkpoint") for k in LBFGS_TENSORS}
+
+
+def _read_lbfgs(f, n: int) -> dict | None:
+    """The L-BFGS state of a checkpoint (None without one), checked against the n
+    parameter elements of its llama."""
+    names = [LBFGS_PREFIX + k for k in LBFGS_TENSORS]
+    present = [name for name in names if name in f.tensors]
+    if not present and K_LBFGS_STATE not in f.meta:
+        return None
+    for name in names:
+        if name not in f.tensors:
+            raise GGUFError(f"{f.path}: tensor {name} is missing (the checkpoint has other "
+                            f"L-BFGS state)")
+    shape = f.numpy_shape(names[0])
+    if len(shape) != 2 or shape[0] < 1 or shape[1] != n:
+        raise GGUFError(f"{f.path}: tensor {names[0]} has shape {shape}; an L-BFGS history "
+                        f"of this llama is [m, {n}]")
+    state = {k: f.tensor_f32(name, shape) for k, name in zip(LBFGS_TENSORS, names)}
+    raw = f.meta.get(K_LBFGS_STATE)
+    try:
+        from .lbfgs import check_scalars
+        state["scalars"] = check_scalars(json.loads(raw), shape[0])
+    except (TypeError, ValueError, RecursionError) as e:
+        raise GGUFError(f"{f.path}: key {K_LBFGS_STATE} is missing or invalid ({e})") from None
+    return state
 
 
 def _checked_array(path, name, value, shape, what) -> np.ndarray:
@@ -461,7 +508,7 @@ def load_checkpoint(path):
     shapes = parameter_shapes(cfg)
     found: dict[str, dict[str, np.ndarray]] = {}
     for name in f.tensors:
-        if not name.startswith(OPTIMIZER_TENSOR_PREFIX):
+        if not name.startswith(OPTIMIZER_TENSOR_PREFIX) or name.startswith(LBFGS_PREFIX):
             continue
         kind = next((k for k, p in MOMENT_PREFIX.items() if name.startswith(p)), None)
         param_name = name[len(MOMENT_PREFIX[kind]):] if kind else None
@@ -478,6 +525,9 @@ def load_checkpoint(path):
                     raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX[kind] + name} is missing "
                                     f"(the checkpoint has the other moment of {name})")
             opt_state[name] = (pair["m"], pair["v"])
+    lbfgs = _read_lbfgs(f, sum(math.prod(s) for s in shapes.values()))
+    if lbfgs is not None:
+        opt_state["lbfgs"] = lbfgs
 
     if K_TRAIN_STATE not in f.meta:
         raise GGUFError(f"{f.path}: required key {K_TRAIN_STATE} is missing")

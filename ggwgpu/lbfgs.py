@@ -301,9 +301,7 @@ class Lbfgs:
         for j in range(m):
             self.plan.write(self.S[j], state["memory_s"][j])
             self.plan.write(self.Y[j], state["memory_y"][j])
-        sc = state["scalars"]
-        if len(sc["rho"]) != m:
-            raise ValueError(f"lbfgs rho has {len(sc['rho'])} entries, expected {m}")
+        sc = check_scalars(state["scalars"], m)
         self.rho = np.array(sc["rho"], np.float64)
         self.gamma, self.k = float(sc["gamma"]), int(sc["k"])
         self.past_f = [float(f) for f in sc["past_f"]]
@@ -311,6 +309,22 @@ class Lbfgs:
         self.no_improvement = int(sc["no_improvement"])
         self.evaluations = int(sc["evaluations"])
         self.last = None
+
+
+def check_scalars(sc, m: int) -> dict:
+    """`sc` if it is an Lbfgs.state()'s "scalars" for history size m, else ValueError."""
+    kinds = {"rho": list, "gamma": (int, float), "k": int, "past_f": list,
+             "best": (int, float, type(None)), "no_improvement": int, "evaluations": int}
+    if not isinstance(sc, dict) or set(sc) != set(kinds):
+        raise ValueError(f"lbfgs scalars must be an object with keys {', '.join(kinds)}")
+    for key, kind in kinds.items():
+        if not isinstance(sc[key], kind) or isinstance(sc[key], bool):
+            raise ValueError(f"lbfgs scalar {key} has the wrong type")
+    if len(sc["rho"]) != m or not all(isinstance(r, (int, float)) for r in sc["rho"]):
+        raise ValueError(f"lbfgs rho must be {m} numbers")
+    if not all(isinstance(f, (int, float)) for f in sc["past_f"]):
+        raise ValueError("lbfgs past_f must be numbers")
+    return sc
 
 
 def same_feeds(a: dict, b: dict) -> bool:
