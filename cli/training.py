@@ -234,6 +234,16 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                             f"on without such steps). A learning rate that is too high is "
                             f"the usual cause. {hint}"))
                     click.echo(f"\n{what} (--on-nan skip)", err=True)
+                status = record.get("status", "ok")      # L-BFGS's
+                if status.startswith("failed") and not record["skipped"]:
+                    try:
+                        hint = save_and_resume_hint()
+                    except click.ClickException as e:
+                        hint = e.message
+                    raise click.ClickException(
+                        f"step {record['step']}: the L-BFGS line search {status[8:]}; the "
+                        f"weights are as before that step. --lbfgs-on-fail reset retries "
+                        f"along the gradient. {hint}")
                 if save_every and record["step"] % save_every == 0:
                     save()
                 bar.update(1)
@@ -241,6 +251,10 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     click.echo(f"\nearly stop after step {record['step']}: {validation.patience} "
                                f"evaluations without a lower validation loss (best "
                                f"{validation.best:.4f})", err=True)
+                    break
+                if status.startswith("converged"):
+                    click.echo(f"\nL-BFGS stops after step {record['step']}: "
+                               f"{status[11:]}", err=True)
                     break
                 stop = signals.signum if agreed is None else agreed
                 if stop:
@@ -282,7 +296,38 @@ def training_options(steps: int, warmup: int, seed_help: str):
         click.option("--epochs", type=positive(float),
                      help="Train this many epochs instead of --steps."),
         click.option("--optimizer", default="adamw", show_default=True,
-                     type=click.Choice(["adamw", "sgd"])),
+                     type=click.Choice(["adamw", "sgd", "lbfgs"]),
+                     help="lbfgs: one L-BFGS iteration (a line search) per step and batch; "
+                          "it takes no --lr, schedule, decay or clipping."),
+        click.option("--lbfgs-m", default=6, show_default=True, type=positive(),
+                     help="L-BFGS: history pairs."),
+        click.option("--lbfgs-linesearch", default="strong-wolfe", show_default=True,
+                     type=click.Choice(["armijo", "wolfe", "strong-wolfe"]),
+                     help="L-BFGS: the conditions the backtracking line search ends on."),
+        click.option("--lbfgs-max-linesearch", default=20, show_default=True, type=positive(),
+                     help="L-BFGS: loss evaluations per line search."),
+        click.option("--lbfgs-ftol", default=1e-4, show_default=True,
+                     type=FiniteFloat(0, 1, min_open=True, max_open=True),
+                     help="L-BFGS: sufficient decrease (Armijo)."),
+        click.option("--lbfgs-wolfe", default=0.9, show_default=True,
+                     type=FiniteFloat(0, 1, min_open=True, max_open=True),
+                     help="L-BFGS: curvature condition (> --lbfgs-ftol)."),
+        click.option("--lbfgs-min-step", default=1e-20, show_default=True,
+                     type=positive(float)),
+        click.option("--lbfgs-max-step", default=1e20, show_default=True,
+                     type=positive(float)),
+        click.option("--lbfgs-on-fail", default="stop", show_default=True,
+                     type=click.Choice(["stop", "reset"]),
+                     help="L-BFGS: when a line search fails (the weights go back to where it "
+                          "began), stop with a checkpoint, or first drop the history and "
+                          "retry along the gradient once."),
+        click.option("--opt-past", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="L-BFGS: stop when the loss fell by less than --opt-delta "
+                          "(relative) over this many steps (0: off)."),
+        click.option("--opt-delta", default=1e-5, show_default=True, type=positive(float)),
+        click.option("--opt-max-no-improvement", default=0, show_default=True,
+                     type=click.IntRange(min=0),
+                     help="L-BFGS: stop after this many steps without a lower loss (0: off)."),
         click.option("--lr", default=1e-3, show_default=True, type=positive(float)),
         click.option("--beta1", default=0.9, show_default=True,
                      type=FiniteFloat(0, 1, max_open=True)),
@@ -342,14 +387,29 @@ def train_options(kw: dict):
     process's, and the options hold the global batch."""
     from ggwgpu.train import TrainOptions
     world = mpi_world()
-    return TrainOptions(
+    options = TrainOptions(
         optimizer=kw["optimizer"], batch=kw["batch"] * (world.size if world else 1),
         grad_accum=kw["grad_accum"],
         lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["adam_eps"],
         weight_decay=kw["weight_decay"], grad_clip=kw["grad_clip"], warmup=kw["warmup"],
         cos_decay_steps=kw["cos_decay_steps"], cos_decay_min=kw["cos_decay_min"],
         cos_decay_restart=kw["cos_decay_restart"], restarts=kw["restarts"],
-        flash_attn=kw["flash_attn"], checkpointing=kw["checkpointing"], seed=kw["seed"])
+        flash_attn=kw["flash_attn"], checkpointing=kw["checkpointing"], seed=kw["seed"],
+        **{k: kw[k] for k in LBFGS_KEYS})
+    if options.optimizer == "lbfgs":
+        if world or options.grad_accum > 1:
+            raise click.UsageError("--optimizer lbfgs takes one whole batch per step in one "
+                                   "process: no --grad-accum, no mpirun")
+        try:
+            options.lbfgs_options().check()
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    return options
+
+
+LBFGS_KEYS = ("lbfgs_m", "lbfgs_linesearch", "lbfgs_max_linesearch", "lbfgs_ftol",
+              "lbfgs_wolfe", "lbfgs_min_step", "lbfgs_max_step", "lbfgs_on_fail", "opt_past",
+              "opt_delta", "opt_max_no_improvement")
 
 
 def read_text(texts, corpus: str) -> tuple[str, str]:

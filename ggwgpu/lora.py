@@ -33,9 +33,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_NAME, K_TRAIN_STATE,
-                      K_TYPE, MOMENT_PREFIX, OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array,
-                      _GGUFFile, _T, _write_gguf)
+from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_LBFGS_STATE, K_NAME,
+                      K_TRAIN_STATE, K_TYPE, LBFGS_PREFIX, MOMENT_PREFIX,
+                      OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array, _GGUFFile, _T,
+                      _lbfgs_tensors, _read_lbfgs, _write_gguf)
 from .models.llama import LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
 from .quant import Quantized, dequantize
 
@@ -188,6 +189,11 @@ def save_adapter_checkpoint(path, adapter: Adapter, cfg: LlamaConfig, opt_state:
         raise GGUFError(f"{path}: cannot write checkpoint: train_state is not "
                         f"JSON-serialisable ({e})") from None
     tensors = _checked_tensors(path, adapter.tensors, "checkpoint")
+    lbfgs = opt_state.get("lbfgs")      # or L-BFGS's history, as gguf_io.save_checkpoint
+    opt_state = {k: v for k, v in opt_state.items() if k != "lbfgs"}
+    tensors.update(_lbfgs_tensors(path, lbfgs, sum(t.size for t in adapter.tensors.values())))
+    if lbfgs is not None:
+        meta[K_LBFGS_STATE] = (json.dumps(lbfgs["scalars"], allow_nan=False), _T.STRING)
     for name, pair in opt_state.items():
         if name not in adapter.tensors:
             raise GGUFError(f"{path}: cannot write checkpoint: optimizer state for {name!r}, "
@@ -240,7 +246,7 @@ def load_adapter_checkpoint(path, cfg: LlamaConfig):
     adapter = _read_adapter(f, cfg, checkpoint=True)
     found = {}
     for name in f.tensors:
-        if not name.startswith(OPTIMIZER_TENSOR_PREFIX):
+        if not name.startswith(OPTIMIZER_TENSOR_PREFIX) or name.startswith(LBFGS_PREFIX):
             continue
         kind = next((k for k, p in MOMENT_PREFIX.items() if name.startswith(p)), None)
         tensor = name[len(MOMENT_PREFIX[kind]):] if kind else None
@@ -252,6 +258,9 @@ def load_adapter_checkpoint(path, cfg: LlamaConfig):
         if set(pair) != {"m", "v"}:
             raise GGUFError(f"{f.path}: only one AdamW moment of {tensor}")
         opt_state[tensor] = (pair["m"], pair["v"])
+    lbfgs = _read_lbfgs(f, sum(t.size for t in adapter.tensors.values()))
+    if lbfgs is not None:
+        opt_state["lbfgs"] = lbfgs
     try:
         train_state = json.loads(f.meta[K_TRAIN_STATE])
     except (KeyError, TypeError, ValueError, RecursionError) as e:

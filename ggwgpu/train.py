@@ -188,8 +188,8 @@ class Trainer:
         self.step += 1
         return {"step": self.step, "loss": r["loss"], "lr": r["step"],
                 "grad_norm": r["grad_norm"], "tokens": self.step * self.step_tokens,
-                "skipped": not math.isfinite(r["loss"]), "evaluations": r["evaluations"],
-                "status": r["status"]}
+                "skipped": not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])),
+                "evaluations": r["evaluations"], "status": r["status"]}
 
     def accumulate(self, grads: dict, n: int):
         """Gradient accumulation inside the one planned graph: each micro-batch adds its
