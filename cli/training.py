@@ -241,7 +241,8 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     except click.ClickException as e:
                         hint = e.message
                     raise click.ClickException(
-                        f"step {record['step']}: the L-BFGS line search {status[8:]}; the "
+                        f"step {record['step']}: the L-BFGS line search failed "
+                        f"({status[8:]}); the "
                         f"weights are as before that step. --lbfgs-on-fail reset retries "
                         f"along the gradient. {hint}")
                 if save_every and record["step"] % save_every == 0:

@@ -2,6 +2,7 @@
 float64 reference, a failed line search reported and undone, and exact resume."""
 import numpy as np
 import pytest
+from click.testing import CliRunner
 
 import ggwgpu as gg
 from ggwgpu import ops as O
@@ -12,6 +13,7 @@ from ggwgpu.lbfgs import Lbfgs, LbfgsOptions, two_loop_reference
 from ggwgpu.models.llama import LlamaConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
+from ggwgpu_cli.main import cli
 
 TINY = dict(n_embd=8, n_head=2, n_layer=1, n_ff=16, n_ctx=8)
 TEXT = data.bundled_corpus()[:5000]
@@ -131,3 +133,44 @@ def test_lbfgs_resumes_exactly_from_a_checkpoint(tmp_path, backend_name, request
     for name, value in straight.parameters().items():
         np.testing.assert_allclose(resumed.parameters()[name], value, rtol=exact * 10,
                                    atol=0)
+
+
+def test_train_command_stops_on_a_failed_line_search_with_a_checkpoint(tmp_path):
+    size = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    out = tmp_path / "m.gguf"
+    # Armijo with ftol 0.85 and one evaluation: the first step cannot pass
+    result = CliRunner().invoke(cli, ["--backend", "numpy", "train", *size, "--batch", "2",
+                                      "--steps", "3", "--optimizer", "lbfgs",
+                                      "--lbfgs-max-linesearch", "1", "--lbfgs-ftol", "0.85",
+                                      "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert "step 1: the L-BFGS line search failed (no step met" in result.output
+    assert (tmp_path / "m.checkpoint.gguf").exists() and not out.exists()
+    _, values, _, opt_state, state = gguf_io.load_checkpoint(tmp_path / "m.checkpoint.gguf")
+    for name, value in init_parameters(LlamaConfig(n_vocab=ByteTokenizer().n_vocab, **TINY), 0).items():
+        np.testing.assert_array_equal(values[name], value)    # the weights went back
+    assert not np.any(opt_state["lbfgs"]["memory_s"])        # and no pair was added
+
+
+def test_train_command_refuses_lbfgs_options_that_cannot_work(tmp_path):
+    run = lambda *a: CliRunner().invoke(cli, ["--backend", "numpy", "train", "--optimizer",
+                                              "lbfgs", "--out", str(tmp_path / "m.gguf"), *a])
+    assert "ftol (0.95) < wolfe (0.9)" in run("--lbfgs-ftol", "0.95").output
+    assert "no --grad-accum" in run("--grad-accum", "2").output
+
+
+def test_baby_llama_demo_trains_both_and_draws_the_wave(tmp_path):
+    png = tmp_path / "wave.png"
+    result = CliRunner().invoke(cli, ["--backend", "numpy", "demo", "baby-llama",
+                                      "--seconds", "0.5", "--png", str(png)])
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "--png needs matplotlib" in result.output
+        return
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    table = lines[lines.index(next(l for l in lines if "adam loss" in l)) + 1:][:11]
+    first, last = [float(v) for v in table[0].split()], [float(v) for v in table[-1].split()]
+    assert first[1] == first[2] and last[1] < first[1] and last[2] < first[2]
+    assert "lbfgs continues the wave" in result.output and png.stat().st_size > 1000
