@@ -135,8 +135,10 @@ class Lbfgs:
                      for x0, di, p in zip(xp, d, self.params)]
         # a stage of its own: the graph orders a write into a view of S_{m-1} after the
         # readers of its views only, not after the shift that reads all of S_{m-1}
-        self.shift = [O.cpy(h[j + 1], h[j]) for h in (self.S, self.Y) for j in range(options.m - 1)]
-        self.push = [O.cpy(O.sub(p, x0), v) for p, x0, v in zip(self.params, xp, parts(self.S[-1]))]
+        self.shift = [O.cpy(h[j + 1], h[j]) for h in (self.S, self.Y)
+                      for j in range(options.m - 1)]
+        self.push = [O.cpy(O.sub(p, x0), v)
+                     for p, x0, v in zip(self.params, xp, parts(self.S[-1]))]
         self.push.append(O.cpy(O.sub(self.G, self.GP), self.Y[-1]))
 
         self.rho = np.zeros(options.m)     # host copies of the history's scalars

@@ -65,6 +65,23 @@ def test_lbfgs_needs_fewer_evaluations_than_adam_on_a_convex_problem(wgpu):
     assert lbfgs_evals < adam / 2, (lbfgs_evals, adam)   # measured: 46 against 127
 
 
+@pytest.mark.parametrize("linesearch", ["armijo", "wolfe", "strong-wolfe"])
+def test_every_line_search_converges_and_the_stopping_tests_say_why(linesearch):
+    w, loss, optimum = least_squares()
+    lb = lbfgs_plan(NumpyBackend(np.float64), w, loss, linesearch=linesearch, past=3,
+                    delta=1e-6)
+    for _ in range(200):
+        record = lb.iterate()
+        if record["status"] != "ok":
+            break
+    assert record["status"].startswith("converged: the loss fell by less than 1e-06")
+    assert record["new_loss"] - optimum < 1e-5
+    lb = lbfgs_plan(NumpyBackend(np.float64), *least_squares()[:2], max_no_improvement=1)
+    lb.iterate()
+    lb.best = 0.0      # as if a lower loss had been seen
+    assert lb.iterate()["status"] == "converged: 1 iterations without a lower loss"
+
+
 def test_a_failed_line_search_says_why_and_puts_x_back():
     w, loss, _ = least_squares()
     # the first trial (a unit-length step) overshoots: one evaluation allowed is not enough
@@ -147,7 +164,8 @@ def test_train_command_stops_on_a_failed_line_search_with_a_checkpoint(tmp_path)
     assert "step 1: the L-BFGS line search failed (no step met" in result.output
     assert (tmp_path / "m.checkpoint.gguf").exists() and not out.exists()
     _, values, _, opt_state, state = gguf_io.load_checkpoint(tmp_path / "m.checkpoint.gguf")
-    for name, value in init_parameters(LlamaConfig(n_vocab=ByteTokenizer().n_vocab, **TINY), 0).items():
+    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, **TINY)
+    for name, value in init_parameters(cfg, 0).items():
         np.testing.assert_array_equal(values[name], value)    # the weights went back
     assert not np.any(opt_state["lbfgs"]["memory_s"])        # and no pair was added
 
