@@ -469,28 +469,40 @@ def load_checkpoint(path):
             raise GGUFError(f"{f.path}: unknown optimizer tensor {name}: expected "
                             f"{MOMENT_PREFIX['m']}<parameter> or {MOMENT_PREFIX['v']}<parameter>")
         found.setdefault(param_name, {})[kind] = f.tensor_f32(name, shapes[param_name])
-    opt_state = {}
-    for name in shapes:
-        if name in found:
-            pair = found[name]
-            for kind in ("m", "v"):
-                if kind not in pair:
-                    raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX[kind] + name} is missing "
-                                    f"(the checkpoint has the other moment of {name})")
-            opt_state[name] = (pair["m"], pair["v"])
+    opt_state = {name: moment_pair(f, name, found[name]) for name in shapes if name in found}
+    return cfg, params, tokenizer, opt_state, read_train_state(f)
 
+
+def moment_pair(f: "_GGUFFile", name: str, pair: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(m, v) of parameter `name` from a checkpoint's {"m": .., "v": ..}: both present, and v
+    (a mean of squared gradients, under a square root in the update) not negative."""
+    for kind in ("m", "v"):
+        if kind not in pair:
+            raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX[kind] + name} is missing "
+                            f"(the checkpoint has the other moment of {name})")
+    if (pair["v"] < 0).any():
+        raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX['v'] + name} holds negative values "
+                        f"(a second moment is a mean of squares)")
+    return pair["m"], pair["v"]
+
+
+def read_train_state(f: "_GGUFFile") -> dict:
+    """The checkpoint's training.state_json, parsed and checked against the training state's
+    one schema (ggwgpu.train.check_state): every defect a GGUFError naming the key."""
+    from .train import check_state      # train builds graphs; reading files does not need it
     if K_TRAIN_STATE not in f.meta:
         raise GGUFError(f"{f.path}: required key {K_TRAIN_STATE} is missing")
     raw = f.meta[K_TRAIN_STATE]
     if not isinstance(raw, str):
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must be a string")
     try:
-        train_state = json.loads(raw)
+        state = json.loads(raw)
     except (ValueError, RecursionError) as e:       # RecursionError: forged deep nesting
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is not valid JSON ({e})") from None
-    if not isinstance(train_state, dict):
-        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must hold a JSON object")
-    return cfg, params, tokenizer, opt_state, train_state
+    try:
+        return check_state(state)
+    except ValueError as e:
+        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE}: {e}") from None
 
 
 def read_metadata(path) -> dict[str, object]:

@@ -12,6 +12,7 @@ from ggwgpu import gguf_io
 from ggwgpu.gguf_io import GGUFError, load_checkpoint, load_model, save_checkpoint, save_model
 from ggwgpu.models.llama import LlamaConfig, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
+from conftest import train_state
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
 T = GGUFValueType
@@ -212,10 +213,9 @@ def test_published_model_shapes_round_trip(tmp_path):
 
 def test_checkpoint_round_trip(tmp_path):
     path, params, opt = tmp_path / "c.gguf", model(), moments()
-    state = {"step": 17, "samples": 34, "tokens": 170, "epoch": 0, "lr_schedule": [17, 0.5],
-             "sampler": {"order_seed": 3, "next": 5},
-             "rng": {"bit_generator": "PCG64", "state": {"state": 2 ** 127 + 12345}},
-             "hparams": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}}
+    state = train_state(17, samples=34, tokens=170, epoch=0, lr_schedule=[17, 0.5],
+                        sampler={"order_seed": 3, "next": 5},
+                        rng={"bit_generator": "PCG64", "state": {"state": 2 ** 127 + 12345}})
     save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
 
     cfg2, params2, tok2, opt2, state2 = load_checkpoint(path)
@@ -245,9 +245,9 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_checkpoint_without_moments(tmp_path):
-    save_checkpoint(tmp_path / "c.gguf", TINY, model(), TinyVocab(), {}, {"step": 0})
+    save_checkpoint(tmp_path / "c.gguf", TINY, model(), TinyVocab(), {}, train_state(0))
     *_, opt, state = load_checkpoint(tmp_path / "c.gguf")
-    assert opt == {} and state == {"step": 0}
+    assert opt == {} and state == train_state(0)
     assert fields(tmp_path / "c.gguf")[0]["optimizer.type"][0] == "none"
 
 
@@ -263,14 +263,14 @@ def test_a_model_is_not_a_checkpoint(tmp_path):
 
 def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
 
     def refuse(src, dst):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf_io.os, "replace", refuse)
     with pytest.raises(GGUFError, match="previous file is unchanged"):
-        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
     assert path.read_bytes() == before
     assert only_file(tmp_path) == ["c.gguf"]
 
@@ -278,7 +278,7 @@ def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
 @pytest.mark.parametrize("error", [RuntimeError("disk gone"), KeyboardInterrupt()])
 def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeypatch, error):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
     real = GGUFWriter.write_tensors_to_file
 
@@ -288,12 +288,12 @@ def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeyp
         raise error
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", half_then_fail)
     with pytest.raises(type(error)):
-        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
     assert path.read_bytes() == before
     assert only_file(tmp_path) == ["c.gguf"]
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", real)
-    save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
-    assert load_checkpoint(path)[4] == {"step": 2}
+    save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
+    assert load_checkpoint(path)[4] == train_state(2)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -313,9 +313,9 @@ def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeyp
 ])
 def test_bad_state_is_refused_before_writing(tmp_path, change, match):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
-    params, opt, state = model(1), moments(1), {"step": 2}
+    params, opt, state = model(1), moments(1), train_state(2)
     change(params, opt, state)
     with pytest.raises(GGUFError, match=match) as e:
         save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
@@ -338,7 +338,7 @@ def raises_naming(path, *words, loader=load_model):
 
 def test_truncated_files(tmp_path):
     path = tmp_path / "m.gguf"
-    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), train_state(1))
     data = path.read_bytes()
     cut_path = tmp_path / "cut.gguf"
     for cut in [0, 3, 7, 20, 40, 300, 1000, len(data) // 2, len(data) - 1]:
@@ -456,7 +456,7 @@ def test_vocabulary_size_mismatch(tmp_path):
 
 def test_checkpoint_specific_errors(tmp_path):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), train_state(1))
     meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
     meta["ggwgpu.checkpoint.version"] = (2, T.UINT32)
     meta["training.state_json"] = ("{}", T.STRING)
