@@ -23,7 +23,9 @@ from .models.llama import MAX_LOGITS_BYTES, LlamaConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
-MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) and seeds hold
+MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
+MAX_STEPS = 10 ** 9             # warmup and decay lengths: more steps than any run takes
+MAX_SEED = 2 ** 32 - 1
 MAX_BATCH = 1 << 16             # samples per micro-batch: more than any device's memory holds
 MAX_GRAD_ACCUM = 1 << 16        # micro-batches per step: each one is a full forward/backward
 MAX_RESTART_GROWTH = 1000.0     # the period after a restart, as a multiple of the one before
@@ -90,14 +92,14 @@ class TrainOptions:
     eps: float = _option(1e-8, POSITIVE)
     weight_decay: float = _option(0.1, NON_NEGATIVE)   # only tensors with >= 2 dims
     grad_clip: float = _option(1.0, NON_NEGATIVE)      # global gradient norm; 0 turns it off
-    warmup: int = _option(100, Bound(int, 0, MAX_INT))            # 0: none
-    cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_INT))
+    warmup: int = _option(100, Bound(int, 0, MAX_STEPS))            # 0: none
+    cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_STEPS))
     cos_decay_min: float = _option(0.1, Bound(float, 0, 1))
     cos_decay_restart: float = _option(1.1, Bound(float, 1, MAX_RESTART_GROWTH))
     restarts: bool = _option(False, Bound(bool))
     flash_attn: bool = _option(False, Bound(bool))
     checkpointing: bool = _option(False, Bound(bool))  # gradient checkpointing
-    seed: int = _option(0, Bound(int, 0, MAX_INT))
+    seed: int = _option(0, Bound(int, 0, MAX_SEED))
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
