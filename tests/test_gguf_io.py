@@ -2,6 +2,7 @@
 with their optimizer and training state, writes are atomic, and every malformed file is a
 GGUFError naming the file and the key or tensor."""
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -479,6 +480,68 @@ def test_checkpoint_specific_errors(tmp_path):
     gguf_io._write_gguf(path, meta, model())
     raises_naming(path, "training.state_json", "missing", loader=load_checkpoint)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def checkpoint_with_state(path, state_json: str, opt=None):
+    """A checkpoint whose training.state_json is `state_json`, as written (forged)."""
+    meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
+    meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
+    meta["training.state_json"] = (state_json, T.STRING)
+    gguf_io._write_gguf(path, meta, {**model(), **(opt or {})})
+    return path
+
+
+def forged(change) -> str:
+    state = train_state(5, tokens_digest="ab")
+    change(state)
+    return json.dumps(state)
+
+
+@pytest.mark.parametrize("state_json, words", [
+    (forged(lambda s: s["options"].update(restarts=True, cos_decay_steps=0)),
+     ["options.cos_decay_steps must be in [1, 1e+09]", "got 0"]),
+    (forged(lambda s: s["options"].update(grad_accum=10 ** 9)), ["options.grad_accum", "65536"]),
+    (forged(lambda s: s["options"].pop("lr")), ["options.lr is missing"]),
+    (forged(lambda s: s["options"].update(batch="8")), ["options.batch must be an integer"]),
+    (forged(lambda s: s["options"].update(optimizer="adam")),
+     ["options.optimizer must be one of adamw, sgd", "'adam'"]),
+    (forged(lambda s: s["options"].update(lion=True)), ["options.lion is not a training option"]),
+    (forged(lambda s: s["options"].update(restarts=1)), ["options.restarts must be true or false"]),
+    (forged(lambda s: s.update(step=-1)), ["step must be in [0, ", "got -1"]),
+    (forged(lambda s: s.pop("step")), ["step is missing"]),
+    (forged(lambda s: s.update(step=2.5)), ["step must be an integer"]),
+    (forged(lambda s: s.pop("data")), ["data is missing"]),
+    (forged(lambda s: s["data"].update(position=None)), ["data.position must be an integer"]),
+    (forged(lambda s: s.update(options=[])), ["options must be a JSON object"]),
+    (forged(lambda s: s.update(tokens_digest=7)), ["tokens_digest must be a string"]),
+    (forged(lambda s: s.update(mode="lora", base="cd")), ["samples_after_nl is missing"]),
+    (forged(lambda s: s.update(n_ctx=1, mode="full", base="cd", samples_after_nl=False)),
+     ["n_ctx must be in [2, "]),
+    (forged(lambda s: s["options"].update(lr="NaN")).replace('"NaN"', "NaN"),
+     ["options.lr must be a finite number"]),
+    (forged(lambda s: s["options"].update(eps=1)).replace('"eps": 1', '"eps": 1e999'),
+     ["options.eps must be a finite number"]),
+    ("[1, 2]", ["must be a JSON object"]),
+])
+def test_a_checkpoint_state_is_checked_against_the_schema(tmp_path, state_json, words):
+    """Each defect a tester forged into training.state_json (an endless schedule, a step of
+    10^9 micro-batches, missing or mistyped keys, an unknown optimizer, a negative step) is
+    a GGUFError naming the file, the key and the problem, not a hang or a traceback."""
+    path = checkpoint_with_state(tmp_path / "c.gguf", state_json)
+    raises_naming(path, "training.state_json", *words, loader=load_checkpoint)
+
+
+@pytest.mark.parametrize("kind, value, words", [
+    ("m", np.inf, ["optimizer.adamw.m.output_norm.weight", "non-finite"]),
+    ("v", np.nan, ["optimizer.adamw.v.output_norm.weight", "non-finite"]),
+    ("v", -1.0, ["optimizer.adamw.v.output_norm.weight", "negative"]),
+])
+def test_a_checkpoint_moment_must_be_finite_and_v_not_negative(tmp_path, kind, value, words):
+    opt = {f"optimizer.adamw.{k}.{name}": np.zeros(shape, np.float32)
+           for name, shape in parameter_shapes(TINY).items() for k in "mv"}
+    opt[f"optimizer.adamw.{kind}.output_norm.weight"][3] = value
+    path = checkpoint_with_state(tmp_path / "c.gguf", json.dumps(train_state(1)), opt)
+    raises_naming(path, *words, loader=load_checkpoint)
 
 
 # -- hostile layouts, byte by byte ------------------------------------------------------------

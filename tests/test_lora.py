@@ -169,6 +169,24 @@ def test_a_checkpoint_holds_adapter_moments_and_state(tmp_path):
         load_adapter(path, TINY)
 
 
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s["options"].update(cos_decay_steps=0, restarts=True), ["options.cos_decay_steps"]),
+    (lambda s: s.pop("samples_after_nl"), ["samples_after_nl is missing"]),
+    (lambda s: s.update(mode="half"), ["mode must be one of lora, full"]),
+])
+def test_an_adapter_checkpoint_state_is_checked_as_a_model_checkpoint_state(tmp_path, change,
+                                                                             words):
+    adapter = trained_adapter()
+    state = train_state(3, base="ab", mode="lora", samples_after_nl=False)
+    change(state)
+    path = tmp_path / "ckpt.gguf"
+    save_adapter_checkpoint(path, adapter, TINY, {}, state)
+    with pytest.raises(GGUFError) as e:
+        load_adapter_checkpoint(path, TINY)
+    for word in [str(path), "training.state_json", *words]:
+        assert word in str(e.value)
+
+
 def test_merging_gives_the_logits_of_base_plus_adapter():
     backend = NumpyBackend(np.float64)
     values = init_parameters(TINY, seed=4)
