@@ -177,7 +177,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
             log.write(json.dumps(record) + "\n")
             log.flush()
         except OSError as e:
-            problem = f"the log {log_path} cannot be written ({os_problem(e, log_path)})"
+            problem = f"the log {log_path} cannot be written: {os_problem(e, log_path)}"
             try:
                 hint = save_and_resume_hint()
             except click.ClickException as e:
@@ -252,7 +252,8 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
         raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
     finally:
         if log:
-            log.close()
+            with contextlib.suppress(OSError):     # a full disk fails the last flush again
+                log.close()
     return first, last, time.perf_counter() - t0
 
 

@@ -158,9 +158,10 @@ def test_a_checkpoint_holds_adapter_moments_and_state(tmp_path):
     adapter = trained_adapter()
     moments = {n: (v + 1, v * v + 2) for n, v in adapter.tensors.items()}
     path = tmp_path / "ckpt.gguf"
-    save_adapter_checkpoint(path, adapter, TINY, moments, train_state(3, base="ab", mode="lora", samples_after_nl=False))
+    saved = train_state(3, base="ab", mode="lora", samples_after_nl=False)
+    save_adapter_checkpoint(path, adapter, TINY, moments, saved)
     back, opt_state, state = load_adapter_checkpoint(path, TINY)
-    assert state == train_state(3, base="ab", mode="lora", samples_after_nl=False) and back.alpha == adapter.alpha
+    assert state == saved and back.alpha == adapter.alpha
     for name, (m, v) in moments.items():
         np.testing.assert_array_equal(back.tensors[name], adapter.tensors[name])
         np.testing.assert_array_equal(opt_state[name][0], m)
@@ -170,7 +171,8 @@ def test_a_checkpoint_holds_adapter_moments_and_state(tmp_path):
 
 
 @pytest.mark.parametrize("change, words", [
-    (lambda s: s["options"].update(cos_decay_steps=0, restarts=True), ["options.cos_decay_steps"]),
+    (lambda s: s["options"].update(cos_decay_steps=0, restarts=True),
+     ["options.cos_decay_steps"]),
     (lambda s: s.pop("samples_after_nl"), ["samples_after_nl is missing"]),
     (lambda s: s.update(mode="half"), ["mode must be one of lora, full"]),
 ])
