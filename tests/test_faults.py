@@ -626,3 +626,20 @@ def test_a_log_on_a_full_disk_stops_the_run_saying_so_and_keeps_a_checkpoint(tmp
             "full (no space left on device)") in e.value.message
     assert f"checkpoint of step 1 saved to {ckpt}" in e.value.message
     assert checkpoint_step(ckpt) == 1
+
+
+def test_a_resumed_finetune_refuses_another_adapter_shape(tmp_path):
+    base, ckpt, out = base_model(tmp_path / "base.gguf"), tmp_path / "c.gguf", tmp_path / "a.gguf"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = ["--backend", "numpy", "finetune", str(base), str(text), "--batch", "2",
+            "--checkpoint-out", str(ckpt), "--out", str(out), "--steps", "1"]
+    r = run_cli(args + ["--lora-r", "2", "--lora-alpha", "3"])
+    assert r.exit_code == 0, r.output
+    resume = args + ["--checkpoint-in", str(ckpt)]
+    r = run_cli(resume + ["--lora-r", "4", "--lora-alpha", "5"])
+    assert r.exit_code == 2
+    assert "contradict it: --lora-r, --lora-alpha 3.0 (given: 5.0)" in r.output
+    r = run_cli(resume + ["--lora-alpha", "3", "--flash-attn"])     # the same alpha: fine
+    assert r.exit_code == 0, r.output
+    assert "resuming with --flash-attn True instead of the checkpoint's False" in r.output
