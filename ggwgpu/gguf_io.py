@@ -242,7 +242,12 @@ def _lbfgs_tensors(path, lbfgs, n: int) -> dict:
     """The L-BFGS history's tensors to write ({} without one), checked: m x n each."""
     if lbfgs is None:
         return {}
+    from .lbfgs import check_scalars
     m = np.shape(lbfgs["memory_s"])[0] if np.ndim(lbfgs["memory_s"]) == 2 else 0
+    try:
+        check_scalars(lbfgs.get("scalars"), m)
+    except ValueError as e:
+        raise GGUFError(f"{path}: cannot write checkpoint: {e}") from None
     return {LBFGS_PREFIX + k: _checked_array(path, LBFGS_PREFIX + k, lbfgs[k], (m, n),
                                              "checkpoint") for k in LBFGS_TENSORS}
 

@@ -192,3 +192,19 @@ def test_baby_llama_demo_trains_both_and_draws_the_wave(tmp_path):
     first, last = [float(v) for v in table[0].split()], [float(v) for v in table[-1].split()]
     assert first[1] == first[2] and last[1] < first[1] and last[2] < first[2]
     assert "lbfgs continues the wave" in result.output and png.stat().st_size > 1000
+
+
+def test_a_checkpoint_refuses_an_lbfgs_history_that_does_not_fit(tmp_path):
+    t, _ = llama_trainer(NumpyBackend(), steps=1)
+    state = t.optimizer_state()["lbfgs"]
+    save = lambda lbfgs: gguf_io.save_checkpoint(tmp_path / "c.gguf", t.cfg, t.parameters(),
+                                                 ByteTokenizer(), {"lbfgs": lbfgs}, t.state())
+    with pytest.raises(gguf_io.GGUFError, match="optimizer.lbfgs.memory_s has shape"):
+        save({**state, "memory_s": state["memory_s"][:, 1:]})
+    with pytest.raises(gguf_io.GGUFError, match="lbfgs rho must be 3 numbers"):
+        save({**state, "scalars": {**state["scalars"], "rho": [1.0]}})
+    with pytest.raises(ValueError, match=r"history memory_s: shape \(2, \d+\), expected \(3, "):
+        t.lbfgs.load_state({**state, "memory_s": state["memory_s"][1:]})
+    state["memory_y"][0, 0] = np.nan
+    with pytest.raises(gguf_io.GGUFError, match="memory_y holds non-finite"):
+        save(state)
