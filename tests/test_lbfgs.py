@@ -208,3 +208,16 @@ def test_a_checkpoint_refuses_an_lbfgs_history_that_does_not_fit(tmp_path):
     state["memory_y"][0, 0] = np.nan
     with pytest.raises(gguf_io.GGUFError, match="memory_y holds non-finite"):
         save(state)
+
+
+def test_a_checkpoint_from_before_lbfgs_resumes_with_its_defaults():
+    from ggwgpu.train import check_state
+    t, _ = llama_trainer(NumpyBackend())
+    state = t.state()
+    state["options"] = {k: v for k, v in state["options"].items()
+                        if not k.startswith(("lbfgs_", "opt_"))}
+    state["options"]["optimizer"] = "adamw"
+    assert TrainOptions(**check_state(state)["options"]).lbfgs_m == 6
+    del state["options"]["lr"]
+    with pytest.raises(ValueError, match="options.lr is missing"):
+        check_state(state)
