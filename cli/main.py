@@ -455,7 +455,8 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
     click.echo(stream.finish())
     t2 = time.perf_counter()
     click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
-               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s)", err=True)
+               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s, "
+               f"{decoder.memory() / 2**20:.1f} MiB planned)", err=True)
 
 
 @cli.command()

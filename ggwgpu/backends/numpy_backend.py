@@ -1,7 +1,8 @@
 """The reference backend: every op runs its registry's NumPy function, in float32 or float64.
 Frozen block-type weights stay raw blocks in the plan's storage; the ops that read them get
-their values dequantized once per plan (and again after a write), not at every run: the
-references would dequantize every weight at every step, many times the cost of the products."""
+their values dequantized once (and again after a write), not at every run: the references
+would dequantize every weight at every step, many times the cost of the products. Constants
+that plans share (base.SharedConstants) share their dequantized values too."""
 from __future__ import annotations
 
 import time
@@ -11,7 +12,7 @@ import numpy as np
 from ..ops import OPS
 from ..quant import dequantize
 from ..tensor import Tensor
-from .base import Backend, Plan, guarded_block
+from .base import Backend, Plan, SharedConstants, guarded_block
 
 
 def unbatched(a: np.ndarray) -> bool:
@@ -47,22 +48,43 @@ class NumpyPlan(Plan):
         self.storage = {}
         self.dense = {}     # id(block-type storage) -> its values, as float arrays
         for root in self.roots:
-            dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
-            self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
-            if root.value is not None:
-                self.write(root, root.value)
-        # storage never moves: every node's views are made once, as its kernel
-        self.steps = [(FAST.get(node.op, OPS[node.op].reference),
-                       [self.dense_array(s) if s.is_quantized else self.array(s)
-                        for s in node.srcs], self.array(node), node.params)
-                      for node in self.nodes]
+            if id(root) in self.constant_keys:
+                shared = backend.constants.get(root, self.nbytes(root), self._upload)
+                self.constants[id(root)] = shared
+                self.storage[id(root)] = shared.storage
+            else:
+                self._upload(root)
+        self.steps = self._kernels()
+
+    def _upload(self, root: Tensor) -> np.ndarray:
+        """A new storage block for `root`, holding its value if it has one."""
+        dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
+        block = self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
+        if root.value is not None:
+            self.write(root, root.value)
+        return block
+
+    def _kernels(self) -> list:
+        """Per node: its kernel, its sources' arrays, its own array and its params. Storage
+        stays where it is (but for a shared constant that a write() copies): every node's
+        views are made once."""
+        return [(FAST.get(node.op, OPS[node.op].reference),
+                 [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs],
+                 self.array(node), node.params)
+                for node in self.nodes]
 
     def dense_array(self, t: Tensor) -> np.ndarray:
         """The values of block-type tensor t, dequantized once into an array that `write`
         keeps up to date (the ops' references take a float array as well as blocks)."""
         key = id(t.storage)
         if key not in self.dense:
-            self.dense[key] = dequantize(self.array(t)).astype(self.float_dtype)
+            shared = self.constants.get(key)
+            dense = shared.dense if shared else None
+            if dense is None:
+                dense = dequantize(self.array(t)).astype(self.float_dtype)
+                if shared:
+                    shared.dense = dense
+            self.dense[key] = dense
         return self.dense[key].reshape(t.shape)
 
     def array(self, t: Tensor):
@@ -101,6 +123,13 @@ class NumpyPlan(Plan):
 
     def write(self, t, value):
         value = self._check_value(t, value)
+        key = id(t.storage)
+        if key in self.constants:   # other plans keep the shared value: copy it first
+            del self.constants[key]
+            self.storage[key] = self.storage[key].copy()
+            if key in self.dense:
+                self.dense[key] = self.dense[key].copy()
+            self.steps = self._kernels()
         if t.is_quantized:
             self.array(t).data[...] = value.data
             dense = self.dense.get(id(t.storage))
@@ -119,6 +148,7 @@ class NumpyBackend(Backend):
     def __init__(self, float_dtype=np.float32):
         self.float_dtype = np.dtype(float_dtype)
         self.name = "numpy" if self.float_dtype == np.float32 else f"numpy-{self.float_dtype}"
+        self.constants = SharedConstants()
 
     def plan(self, outputs, sentinel=0):
         return NumpyPlan(self, outputs, sentinel)
