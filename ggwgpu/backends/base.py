@@ -135,8 +135,9 @@ class Plan:
         constants), inputs, activations (every other block live at the peak, `scratch`
         tensors included), the peak of live bytes, `planned`, the bytes of the buffers
         `layout` (default: storage_layout()) allocates and of the constants, and `shared`,
-        the part of `planned` in constant storage shared with the backend's other plans
-        (planned_bytes() adds several plans up counting each once)."""
+        the part of `planned` in constant storage the backend holds for all its plans
+        (SharedConstants: other plans of the same values use it too); planned_bytes() adds
+        several plans up counting each shared constant once."""
         layout = layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
