@@ -54,18 +54,22 @@ def softmax_ref(v):
     return e / np.sum(e, axis=-1, keepdims=True)
 
 
-def softmax_into(out):
-    """softmax_ref of out, in place: the same operations, no temporaries but the row sums."""
-    out -= np.max(out, axis=-1, keepdims=True)
+def softmax_into(out, v):
+    """softmax_ref(v) into out (v may be out): the same operations, no temporaries but the
+    row maxima and sums."""
+    np.subtract(v, np.max(v, axis=-1, keepdims=True), out=out)
     np.exp(out, out=out)
     out /= np.sum(out, axis=-1, keepdims=True)
 
 
 def soft_max_into(out, x, scale, mask=None):
+    if scale == 1 and mask is None:   # x * 1 is x: one pass fewer
+        softmax_into(out, x)
+        return
     np.multiply(x, x.dtype.type(scale), out=out)
     if mask is not None:
         out += tiled(mask, x.shape)
-    softmax_into(out)
+    softmax_into(out, out)
 
 
 def log_softmax_ref(v):
@@ -427,8 +431,7 @@ def ce_ids_back_ref(x, ids, w, d):
 def ce_ids_back_into(out, x, ids, w, d):
     """ce_ids_back_ref with the one-hot subtracted at the ids only."""
     check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
-    np.copyto(out, x)
-    softmax_into(out)
+    softmax_into(out, x)
     rows = out.reshape(-1, out.shape[-1])
     rows[np.arange(len(rows)), np.maximum(ids, 0).reshape(-1)] -= 1
     out *= np.where(ids >= 0, w * d.reshape(-1)[0], 0)[..., None]
