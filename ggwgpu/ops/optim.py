@@ -97,10 +97,12 @@ def adamw_into(out, param, grad, m, v, hp, decay):
     """adamw_ref in place (out is param's storage), the same operations without np.where,
     where every gradient element is finite (a sum is non-finite if any element is);
     otherwise the reference."""
+    alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite = hp
+    if finite == 0:                        # the whole step is skipped: param stays as it is
+        return
     if not np.isfinite(np.sum(grad)):
         np.copyto(out, adamw_ref(param, grad, m, v, hp, decay))
         return
-    alpha, beta1, beta2, eps, wd, beta1h, beta2h = hp
     keep = 1 - alpha * (wd if decay else 0)
     m *= beta1
     m += grad * (1 - beta1)
