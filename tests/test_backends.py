@@ -1,11 +1,12 @@
 """What the backends do beyond the op matrix: the wgpu encode loop and readback, device
-timing, the NumPy backend's fast kernels, the planner's memory report."""
+timing, the NumPy backend's fast kernels against the references, the planner's memory
+report."""
 import numpy as np
 import pytest
 
 import ggwgpu as gg
+from ggwgpu import testing
 from ggwgpu.backends import NumpyBackend
-from ggwgpu.backends.numpy_backend import FAST
 from ggwgpu.ops import OPS
 
 
@@ -131,18 +132,50 @@ def test_device_seconds_times_a_run_where_timestamps_exist(wgpu):
     np.testing.assert_allclose(plan.read(y), NumpyBackend().compute([y], feeds)[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("op,a_shape,b_shape", [
-    ("mul_mat", (7, 5), (3, 4, 5)),          # a weight times a batch of rows: one BLAS call
-    ("mul_mat", (1, 1, 7, 5), (6, 5)),
-    ("mul_mat", (2, 7, 5), (2, 3, 5)),       # batched a: the reference
-    ("out_prod", (5, 7), (5, 3)),
-    ("out_prod", (2, 5, 7), (4, 5, 3))])
-def test_numpy_fast_kernels_equal_the_references(op, a_shape, b_shape):
-    rng = np.random.default_rng(1)
-    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
-    node = getattr(gg, op)(gg.input_tensor(a_shape), gg.input_tensor(b_shape))
-    fast = FAST[op](a, b).reshape(node.shape)
-    np.testing.assert_allclose(fast, OPS[op].reference(a, b), rtol=1e-12, atol=1e-12)
+FAST = [(name, case) for name in sorted(OPS) if OPS[name].fast
+        for case in testing.cases_of(name)]
+
+
+@pytest.mark.parametrize("name,case", FAST,
+                         ids=[f"{n}[{testing.describe(c)}]" for n, c in FAST])
+def test_numpy_fast_kernels_equal_the_references(name, case):
+    """Every fast kernel against its op's reference on each of the op's cases: float64 to
+    rounding, float32 within the op's bound; the result and every leaf (an update's moments)
+    alike, and nothing written outside them."""
+    opdef = OPS[name]
+    leaves, values, node = testing.build_case(opdef, case, np.random.default_rng(0))
+    for dtype in (np.float64, np.float32):
+        feeds = values if dtype == np.float64 else testing.as_f32(values)
+        results = []
+        for fast in (False, True):
+            plan = NumpyBackend(dtype, fast=fast).plan([node], sentinel=testing.SENTINEL)
+            plan.run(feeds)
+            assert not plan.stray_writes()
+            results.append([plan.read(t) for t in (node, *leaves) if not t.is_quantized])
+        for ref, got in zip(*results, strict=True):
+            if dtype == np.float64:
+                scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=1.0))
+                np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-13 * scale)
+            else:
+                ok, detail = testing.compare(got, ref, case.nmse or opdef.nmse)
+                assert ok, detail
+
+
+def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():
+    rng = np.random.default_rng(3)
+    w, grad, m, v = (gg.param(rng.uniform(0.1, 1, (4, 6)).astype(np.float32)) for _ in range(4))
+    hp = gg.input_tensor((8,), name="hparams")
+    step = gg.opt_step_adamw(w, grad, m, v, hp, True)
+    g = rng.normal(size=(4, 6))
+    g.flat[[1, 9]] = [np.nan, np.inf]
+    results = []
+    for fast in (False, True):
+        plan = NumpyBackend(np.float64, fast=fast).plan([step])
+        plan.run({grad: g, hp: [1e-2, 0.9, 0.999, 1e-8, 0.1, 10, 1000, 1]})
+        results.append([plan.read(t) for t in (w, m, v)])
+    for ref, got in zip(*results, strict=True):
+        np.testing.assert_array_equal(got, ref)
+        assert np.isfinite(got).all()
 
 
 def test_memory_report_sorts_the_planned_bytes_by_role():
