@@ -12,6 +12,7 @@ import click
 
 from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend,
                              shared_wgpu_backend)
+from ggwgpu.files import read_limited
 
 
 class FiniteFloat(click.FloatRange):
@@ -171,9 +172,8 @@ def chat_template(tokenizer, path=None):
     from ggwgpu.chat import ChatTemplate
     try:
         source = None
-        if path:
-            with open(path, encoding="utf-8") as f:
-                source = f.read()
+        if path:            # UnicodeDecodeError is a ValueError too
+            source = read_limited(path, ValueError).decode("utf-8")
         return ChatTemplate.of(tokenizer, source)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

@@ -6,6 +6,7 @@ and as `cli.main` from a source checkout.
 """
 from __future__ import annotations
 
+import math
 import shlex
 import sys
 import textwrap
@@ -268,14 +269,27 @@ def plot(log, out):
         import matplotlib.pyplot as plt
     except ImportError:
         raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
+    from ggwgpu.files import read_limited
+    try:
+        text = read_limited(log, click.ClickException).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{log}: not valid UTF-8 at byte offset {e.start}") from None
     records = []
-    for number, line in enumerate(Path(log).read_text().splitlines(), 1):
+    for number, line in enumerate(text.splitlines(), 1):
         try:
             records.append(json.loads(line))
-        except json.JSONDecodeError as e:
+        except (ValueError, RecursionError) as e:
             raise click.ClickException(f"{log}, line {number}: not JSON ({e})") from None
-    if not records or not all("step" in r and "loss" in r for r in records):
-        raise click.ClickException(f"{log} has no training records (step and loss)")
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    if not records or not all(isinstance(r, dict) and number(r.get("step"))
+                              and number(r.get("loss")) for r in records):
+        raise click.ClickException(f"{log} has no training records (step and loss, numbers "
+                                   f"on every line)")
+    records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
+               else {"step": r["step"], "loss": r["loss"]} for r in records]
     out = out or str(Path(log).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
