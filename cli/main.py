@@ -7,6 +7,7 @@ and as `cli.main` from a source checkout.
 from __future__ import annotations
 
 import math
+import os
 import shlex
 import sys
 import textwrap
@@ -58,7 +59,42 @@ LIMITS = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+TRACEBACK_VAR = "GGWGPU_TRACEBACK"
+
+
+class Commands(click.Group):
+    """The ggwgpu group. Errors a command did not turn into a message of its own end it
+    with one line and exit code 1, never a traceback: ggwgpu's errors for bad input
+    (GGUFError, VocabError, DataError: they name the file and the problem), the operating
+    system's (OSError: a full or read-only disk, a vanished file) and MemoryError. Anything
+    else is a bug in ggwgpu: one line saying so, or the traceback with $GGWGPU_TRACEBACK=1
+    (the tests set it, so that such bugs fail them)."""
+
+    def invoke(self, ctx):
+        from ggwgpu.data import DataError
+        from ggwgpu.gguf_io import GGUFError
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (GGUFError, DataError) as e:
+            raise click.ClickException(str(e)) from None
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from None
+        except MemoryError:
+            raise click.ClickException("out of memory: the host could not allocate what this "
+                                       "command needs (a smaller model, batch or context "
+                                       "needs less)") from None
+        except Exception as e:
+            if os.environ.get(TRACEBACK_VAR) == "1":
+                raise
+            raise click.ClickException(
+                f"internal error, a bug in ggwgpu: {type(e).__name__}: {e} (set "
+                f"{TRACEBACK_VAR}=1 for the traceback)") from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ggwgpu.__version__, prog_name="ggwgpu")
 @click.option("--backend", type=click.Choice(CHOICES, case_sensitive=False), default=None,
               help=f"Where graphs run. Default: ${ENV_VAR}, else auto: wgpu on a hardware GPU, "
@@ -443,8 +479,11 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
     from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
                                  prompt_tokens)
     t0 = time.perf_counter()
+    try:
+        ids = prompt_tokens(tokenizer, prompt)
+    except ValueError as e:         # VocabError: a lone surrogate, a piece without a token
+        raise click.UsageError(f"--prompt: {e}") from None
     decoder = Decoder(backend, cfg, values, adapters=adapters)
-    ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
     t1, count = time.perf_counter(), 0
@@ -554,7 +593,7 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         try:
             windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
         except ValueError as e:
-            raise click.UsageError(str(e)) from None
+            raise click.UsageError(f"{source}: {e}") from None
         n = min(samples, windows.n_samples)
         batch = min(batch, n)
         n -= n % batch

@@ -7,6 +7,7 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import threading
@@ -108,7 +109,6 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
     - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
       previous one stays.
     """
-    import json
     from ggwgpu.gguf_io import GGUFError
     start = trainer.step
     first = last = saved = None         # saved: the step of this run's last checkpoint
@@ -140,7 +140,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
             hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
         return hint
 
-    log = open(log_path, "a") if log_path else None
+    log = RunLog(log_path)
     try:
         with signals, click.progressbar(length=steps, label="training", show_eta=True,
                                         item_show_func=lambda _: shown.get("text")) as bar:
@@ -163,9 +163,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     record["val_loss"] = val["val_loss"]
                     shown["val"] = f" val {val['val_loss']:.3f}"
                 shown["text"] += shown.get("val", "")
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                log.write(record)
                 if record["skipped"]:
                     what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
@@ -202,9 +200,41 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                    f"was not saved; {kept()}", err=True)
         raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
     finally:
-        if log:
-            log.close()
+        log.close()
     return first, last, time.perf_counter() - t0
+
+
+class RunLog:
+    """--log: one JSON record per step, appended and flushed. A path that cannot be opened
+    for appending (a directory, a read-only disk) is an error before the first step; a write
+    that fails later (a full disk) is reported once and the run goes on without its log: the
+    model and its checkpoints matter more."""
+
+    def __init__(self, path):
+        self.path, self.file = path, None
+        if path:
+            try:
+                self.file = open(path, "a", encoding="utf-8")
+            except OSError as e:
+                raise click.UsageError(f"--log {path}: cannot be opened for appending "
+                                       f"({e.strerror or e})") from None
+
+    def write(self, record: dict):
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            click.echo(f"\n--log {self.path}: writing failed ({e.strerror or e}); the run goes "
+                       f"on without its log", err=True)
+            self.close()
+
+    def close(self):
+        if self.file is not None:
+            with contextlib.suppress(OSError):      # what a full disk kept from the log
+                self.file.close()
+            self.file = None
 
 
 def training_options(steps: int, warmup: int, seed_help: str):
@@ -311,7 +341,10 @@ def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool,
     when `state` (a checkpoint's) is given — which must be of the same tokens."""
     from ggwgpu import data
     from ggwgpu.train import token_digest
-    tokens = tokenizer.encode(text)
+    try:
+        tokens = tokenizer.encode(text)
+    except ValueError as e:         # VocabError: no token, not even a byte token, for a piece
+        raise click.UsageError(f"the model's vocabulary cannot tokenize the text: {e}") from None
     digest = token_digest(tokens)
     if state is not None and state.get("tokens_digest") != digest:
         raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "
@@ -324,7 +357,11 @@ def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if state is not None:
-        samples.load_state(state["data"])
+        try:
+            samples.load_state(state["data"])
+        except ValueError as e:     # DataError: other samples (--samples-after-nl, --batch)
+            raise click.UsageError(f"{checkpoint_in} cannot resume with these options: "
+                                   f"{e}") from None
     return tokens, digest, samples
 
 

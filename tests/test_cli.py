@@ -653,3 +653,103 @@ def click_command(path):
     for part in path.split():
         command = command.commands[part]
     return command
+
+
+# -- hostile inputs: a message and exit code 1 or 2, never a traceback ------------------------
+
+def no_traceback(result, code=None):
+    """The result of a refused command: a message, no Python exception escaped."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    assert result.exit_code in ((1, 2) if code is None else (code,)), result.output
+    return result.output
+
+
+def test_a_prompt_that_is_not_unicode_is_a_usage_error(tmp_path):
+    """A lone surrogate: what Python makes of command-line bytes that are not UTF-8."""
+    base = tiny_base(tmp_path / "base.gguf")
+    for chat in ((), ("--chat",)):
+        out = no_traceback(invoke("--backend", "numpy", "generate", str(base), "-n", "2",
+                                  "-p", "a\udced", *chat), 2)
+        assert "--prompt: cannot encode the text" in out and "lone surrogate U+DCED" in out
+
+
+def test_a_chat_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(tmp_path):
+    """In a process of its own: CliRunner echoes input lines, which a terminal does not."""
+    import subprocess
+    base = tiny_base(tmp_path / "base.gguf")
+    run = subprocess.run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "numpy",
+                          "chat", str(base), "-n", "2"], input=b"a\xed\xb2\x80\nhello\n",
+                         capture_output=True, env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+                         timeout=120)
+    out = (run.stdout + run.stderr).decode("utf-8", "replace")
+    assert run.returncode == 0 and "Traceback" not in out, out
+    assert "that message was not sent" in out and out.count("> ") == 3, out
+
+
+def test_a_vocabulary_without_byte_tokens_cannot_train_on_text_it_lacks(tmp_path):
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tokenizer import CONTROL, NORMAL, UNKNOWN, SentencePieceVocab
+    vocab = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b"], [0.0] * 6,
+                               [UNKNOWN, CONTROL, CONTROL, NORMAL, NORMAL, NORMAL])
+    cfg = LlamaConfig(n_vocab=6, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=16)
+    gguf_io.save_model(tmp_path / "v.gguf", cfg, init_parameters(cfg, 0), vocab)
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be\n" * 20)
+    for args in (("train", str(text), "--vocab-model", str(tmp_path / "v.gguf"), "--steps",
+                  "1", "--out", str(tmp_path / "o.gguf")),
+                 ("finetune", str(tmp_path / "v.gguf"), str(text), "--steps", "1",
+                  "--out", str(tmp_path / "o.gguf"))):
+        out = no_traceback(invoke("--backend", "numpy", *args), 2)
+        assert "vocabulary cannot tokenize the text" in out and "no byte token <0x54>" in out
+
+
+def test_resuming_with_another_samples_after_nl_is_a_usage_error(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    args = ("--backend", "numpy", "train", str(text), "--steps", "2", "--n-embd", "8",
+            "--n-layer", "1", "--n-ff", "8", "--n-ctx", "8", "--batch", "2",
+            "--out", str(tmp_path / "o.gguf"))
+    assert invoke(*args, "--checkpoint-out", str(tmp_path / "c.gguf")).exit_code == 0
+    out = no_traceback(invoke(*args, "--checkpoint-in", str(tmp_path / "c.gguf"),
+                              "--samples-after-nl"), 2)
+    assert "c.gguf cannot resume with these options" in out and "newline option" in out
+
+
+@pytest.mark.parametrize("log, message", [
+    ("/dev/full", "writing failed (No space left on device); the run goes on"),
+    ("/proc/version", "cannot be opened for appending"),
+    ("read-only", "cannot be opened for appending"),
+])
+def test_a_log_that_cannot_be_written(tmp_path, log, message):
+    """--log on a full disk: reported once, the model is still written; one that cannot be
+    opened (a read-only place): refused before the first step."""
+    if log == "read-only":
+        (tmp_path / "ro").mkdir()
+        os.chmod(tmp_path / "ro", 0o500)
+        log = str(tmp_path / "ro" / "log.jsonl")
+        if os.access(tmp_path / "ro", os.W_OK):      # root writes anyway: a file in /proc
+            log = "/proc/self/no-such-log"
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    result = invoke("--backend", "numpy", "train", str(text), "--steps", "2", "--n-embd", "8",
+                    "--n-layer", "1", "--n-ff", "8", "--n-ctx", "8", "--batch", "2",
+                    "--out", str(tmp_path / "o.gguf"), "--log", log)
+    assert message in result.output and "Traceback" not in result.output, result.output
+    if "goes on" in message:
+        assert result.exit_code == 0 and (tmp_path / "o.gguf").exists()
+    else:
+        no_traceback(result, 2)
+        assert not (tmp_path / "o.gguf").exists()
+
+
+def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("oops")
+    monkeypatch.setattr(cli_main, "wgpu_or_reason", broken)
+    monkeypatch.delenv(cli_main.TRACEBACK_VAR, raising=False)
+    out = no_traceback(invoke("info"), 1)
+    assert "internal error, a bug in ggwgpu: KeyError: 'oops'" in out
+    result = invoke("info", env={cli_main.TRACEBACK_VAR: "1"})
+    assert isinstance(result.exception, KeyError)
