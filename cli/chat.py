@@ -14,11 +14,13 @@ import click
 from ggwgpu.tokenizer import VocabError
 
 try:
-    from .common import (chat_template, ctx_option, describe_backend, load_model, lora_option,
-                         sampling_of, sampling_options, select_backend, template_option)
+    from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
+                         lora_option, sampling_of, sampling_options, select_backend,
+                         template_option)
 except ImportError:  # run as a script: python cli/main.py
-    from common import (chat_template, ctx_option, describe_backend, load_model, lora_option,
-                        sampling_of, sampling_options, select_backend, template_option)
+    from common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
+                        lora_option, sampling_of, sampling_options, select_backend,
+                        template_option)
 
 
 def stream_reply(session, text: str, n: int) -> int:
@@ -82,6 +84,7 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     (or Ctrl-C at the prompt) ends the session.
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    check_memory(ctx, f"chatting with {model}", cfg, values, decoder=True)
     template = chat_template(tokenizer, kw.pop("chat_template"))
     backend = select_backend(ctx)
     click.echo(f"chat on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, seed "

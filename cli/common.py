@@ -70,6 +70,23 @@ def auto_pick() -> tuple[str, str]:
         return auto_choice()
 
 
+def check_memory(ctx, what: str, cfg, values=None, **estimate):
+    """Refuse, before it allocates, a run whose memory estimate (ggwgpu.memory: from the
+    config; `values`: loaded weights, counted as stored) exceeds the host's memory, with the
+    numbers: every command that builds a graph asks here first."""
+    from ggwgpu import memory
+    from ggwgpu.quant import Quantized
+    name, _ = backend_choice(ctx)
+    device_is_host = name == "numpy" or (name == "auto" and auto_pick()[0] == "numpy")
+    if values is not None:
+        estimate["weight_bytes"] = sum(v.data.nbytes if isinstance(v, Quantized) else v.nbytes
+                                       for v in values.values())
+    try:
+        memory.check(memory.estimate(cfg, **estimate), what, device_is_host)
+    except memory.MemoryLimitError as e:
+        raise click.UsageError(str(e)) from None
+
+
 def describe_backend(backend) -> str:
     if backend.name == "wgpu":
         return f"wgpu ({describe_adapter(backend.info)})"

@@ -25,10 +25,10 @@ from ggwgpu.generate import Sampling
 try:
     from .chat import chat_answer, chat_command
     from .common import chat_template as load_chat_template
-    from .common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
-                         human_bytes, load_model, lora_option, planned_memory, sampling_of,
-                         sampling_options, select_backend, template_option, with_context,
-                         wgpu_or_reason)
+    from .common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
+                         describe_backend, human_bytes, load_model, lora_option,
+                         planned_memory, sampling_of, sampling_options, select_backend,
+                         template_option, with_context, wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
     from .training import (default_checkpoint_path, device_errors, existing_directory,
@@ -37,10 +37,10 @@ try:
 except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
     from common import chat_template as load_chat_template
-    from common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
-                        human_bytes, load_model, lora_option, planned_memory, sampling_of,
-                        sampling_options, select_backend, template_option, with_context,
-                        wgpu_or_reason)
+    from common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
+                        describe_backend, human_bytes, load_model, lora_option,
+                        planned_memory, sampling_of, sampling_options, select_backend,
+                        template_option, with_context, wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
     from training import (default_checkpoint_path, device_errors, existing_directory,
@@ -386,7 +386,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import gguf_io, tokenizer as tok
+    from ggwgpu import gguf_io, memory, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, TrainOptions, unigram_entropy
@@ -399,6 +399,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             raise click.ClickException(str(e)) from None
         options = TrainOptions(**state["options"])
         step = state["step"]
+        check_memory(ctx, f"{checkpoint_in}", cfg, values, batch=options.batch,
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
     else:
         try:
             tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
@@ -416,6 +418,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             raise click.UsageError(f"--n-rot {cfg.rot} is not the head dim {cfg.head_dim} "
                                    f"(n_embd / n_head): llama.cpp refuses such a llama model")
         options = train_options(kw)
+        check_memory(ctx, "this model", cfg, batch=options.batch,
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
         values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 
     text, source = read_text(kw["texts"], kw["corpus"])
@@ -528,6 +532,7 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     prompt is answered as one chat turn (for scripts; `ggwgpu chat` goes on talking).
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    check_memory(ctx, f"generating with {model}", cfg, values, decoder=True)
     if (system or chat_template) and not chat:
         raise click.UsageError("--system and --chat-template go with --chat")
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
@@ -598,9 +603,10 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         batch = min(batch, n)
         n -= n % batch
         starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
-        batches = [windows.windows(windows.starts[starts[i:i + batch]])
-                   for i in range(0, n, batch)]
+        batches = (windows.windows(windows.starts[starts[i:i + batch]])   # one at a time
+                   for i in range(0, n, batch))
         what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
+    check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
     backend = select_backend(ctx)
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
                           max_logits_bytes=logits_bound(backend))

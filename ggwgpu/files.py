@@ -63,7 +63,10 @@ def read_limited(path, error=ValueError) -> bytes:
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
-            data = f.read(limit + 1) if size <= limit else b""    # + 1: it grew meanwhile
+            # read(n) allocates n bytes up front: ask for the size, not the bound
+            data = f.read(size + 1) if size <= limit else b""
+            if len(data) > size:                        # it grew since: read on, bounded
+                data += f.read(limit + 1 - len(data))
     except OSError as e:
         raise error(f"{path}: cannot be read ({e.strerror or e})") from None
     if size > limit or len(data) > limit:

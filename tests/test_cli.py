@@ -753,3 +753,53 @@ def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch)
     assert "internal error, a bug in ggwgpu: KeyError: 'oops'" in out
     result = invoke("info", env={cli_main.TRACEBACK_VAR: "1"})
     assert isinstance(result.exception, KeyError)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("train", "--n-embd", "16384", "--n-ff", "65536"), ["this model", "weights 64 GiB"]),
+    (("train", "--n-ff", "1000000000"), ["this model", "gradients and optimizer moments"]),
+    (("train", "--n-layer", "1000000000"), ["this model"]),
+    (("train", "--n-ctx", "100000"), ["this model", "activations"]),
+    (("finetune", "BASE", "--n-ctx", "100000"), ["finetuning", "activations"]),
+    (("finetune", "BASE", "--batch", "1000000"), ["finetuning", "activations"]),
+    (("finetune", "BASE", "--full", "--n-ctx", "100000"), ["finetuning"]),
+    (("eval", "BASE", "--n-ctx", "60000", "--batch", "4"), ["evaluating", "activations"]),
+    (("generate", "BASE", "--n-ctx", "2000000000"), ["generating with", "KV cache"]),
+    (("chat", "BASE", "--n-ctx", "2000000000"), ["chatting with", "KV cache"]),
+])
+def test_sizes_are_refused_with_the_numbers_before_allocation(tmp_path, args, words):
+    """Under a host limit of 1 GiB, each configuration is refused before it allocates
+    (tracemalloc's peak stays small) with what it needs and the limit."""
+    import tracemalloc
+    base = str(tiny_base(tmp_path / "base.gguf"))
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 4000)
+    args = [base if a == "BASE" else a for a in args]
+    if args[0] in ("train", "finetune", "eval"):
+        args.insert(2 if args[0] != "train" else 1, str(text))
+    if args[0] in ("train", "finetune"):
+        args += ["--steps", "1", "--out", str(tmp_path / "o.gguf")]
+    tracemalloc.start()
+    try:
+        result = invoke("--backend", "numpy", *args, env={"GGWGPU_MAX_HOST_BYTES": str(2 ** 30)})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out = no_traceback(result, 2)
+    assert "of host memory" in out and "the limit is 1 GiB ($GGWGPU_MAX_HOST_BYTES)" in out, out
+    for word in words:
+        assert word in out, out
+    assert peak < 256 * 2 ** 20, peak
+
+
+@pytest.mark.parametrize("option, message", [
+    (("--lora-r", "1000000"), "rank 1000000 of tok_embd is more than token_embd.weight "
+                              "(259 x 16) can use: at most 16"),
+    (("--lora-layers", "0-999999999"), "layer 999999999 is beyond any llama's"),
+    (("--lora-layers", "0-9"), "layer 2 does not exist"),
+])
+def test_lora_options_beyond_the_model_are_refused_before_allocation(tmp_path, option, message):
+    base = tiny_base(tmp_path / "base.gguf")
+    out = no_traceback(finetune(tmp_path, base, *option, "--steps", "1",
+                                "--out", str(tmp_path / "o.gguf")), 2)
+    assert message in out, out
