@@ -15,15 +15,23 @@ from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend
 from ggwgpu.files import read_limited
 
 
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
+
+
 class FiniteFloat(click.FloatRange):
-    """click's FloatRange, refusing NaN and infinities: NaN passes every comparison, so
-    `--lr nan` would train with a rate that changes no weight."""
+    """click's FloatRange, refusing NaN and infinities (NaN passes every comparison, so
+    `--lr nan` would train with a rate that changes no weight) and numbers float32 cannot
+    hold: ggwgpu computes and stores in float32, so 1e308 would be infinity and 1e-50 zero
+    (in a step, or in the GGUF file, which then does not load)."""
     name = "finite float range"
 
     def convert(self, value, param, ctx):
         value = super().convert(value, param, ctx)
         if not math.isfinite(value):
             self.fail(f"{value} is not a finite number", param, ctx)
+        if abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_TINY:
+            self.fail(f"{value} is outside float32's range (magnitudes {FLOAT32_TINY:.3g} .. "
+                      f"{FLOAT32_MAX:.3g}, or 0)", param, ctx)
         return value
 
 def wgpu_or_reason():
@@ -149,7 +157,8 @@ def sampling_options(command):
         click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
                      type=click.IntRange(min=0), help="Context tokens the repeat penalty "
                                                       "looks at."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Sampling seed."),
     ]
     for option in reversed(options):
         command = option(command)

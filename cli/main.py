@@ -263,7 +263,8 @@ def ops_grad(ctx, names):
               help="Full-batch AdamW steps.")
 @click.option("--lr", default=0.02, show_default=True,
               type=FiniteFloat(min=0, min_open=True), help="AdamW learning rate.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Data and init seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Data and init seed.")
 @click.pass_context
 def demo(ctx, steps, lr, seed):
     """Fit a tiny MLP through the autodiff graph; the loss must fall.
@@ -299,12 +300,6 @@ def plot(log, out):
     """
     import json
     from pathlib import Path
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
     from ggwgpu.files import read_limited
     try:
         text = read_limited(log, click.ClickException).decode("utf-8")
@@ -326,6 +321,12 @@ def plot(log, out):
                                    f"on every line)")
     records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
                else {"step": r["step"], "loss": r["loss"]} for r in records]
+    try:          # after the log is checked: a bad log is refused without it
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
     out = out or str(Path(log).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")

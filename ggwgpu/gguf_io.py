@@ -402,6 +402,9 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, (OverflowError, struct.error)):     # a float beyond float32, say
+            raise GGUFError(f"{path}: cannot write: a value does not fit its GGUF type "
+                            f"({e})") from None
         if isinstance(e, OSError):
             raise GGUFError(f"{path}: writing failed, the previous file is unchanged: "
                             f"{e.strerror or e}") from e

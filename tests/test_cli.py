@@ -803,3 +803,13 @@ def test_lora_options_beyond_the_model_are_refused_before_allocation(tmp_path, o
     out = no_traceback(finetune(tmp_path, base, *option, "--steps", "1",
                                 "--out", str(tmp_path / "o.gguf")), 2)
     assert message in out, out
+
+
+@pytest.mark.parametrize("value", ["1e39", "-1e308", "1e-39"])
+def test_no_float_option_takes_a_value_float32_cannot_hold(value):
+    """ggwgpu computes and stores in float32: 1e308 would be infinity, 1e-39 lose its
+    precision or be 0 (a norm eps of 0 in the written file, which then does not load)."""
+    for command, option in float_options():
+        p = next(p for p in click_command(command).params if option in p.opts)
+        with pytest.raises(click.BadParameter, match="outside float32's range|not in the range"):
+            p.type.convert(value, p, None)

@@ -748,3 +748,11 @@ def test_fifos_and_devices_are_refused_without_reading(tmp_path):
         with pytest.raises(GGUFError, match="not a regular file"):
             load_model("/dev/zero")
     raises_naming(tmp_path, "is a directory")
+
+
+def test_a_float_beyond_float32_is_a_gguf_error_and_nothing_is_written(tmp_path):
+    cfg = dataclasses.replace(TINY, rope_freq_base=1e308)
+    with pytest.raises(GGUFError, match="does not fit its GGUF type") as e:
+        save_model(tmp_path / "m.gguf", cfg, model(), TinyVocab())
+    assert str(tmp_path / "m.gguf") in str(e.value)
+    assert only_file(tmp_path) == []
