@@ -105,3 +105,30 @@ def test_numpy_dequantizes_a_frozen_weight_once_and_again_after_a_write():
         dense = dequantize(value)
         np.testing.assert_allclose(plan.read(y), feeds[x] @ dense.T, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(plan.read(rows), dense[[5, 0]])
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_stages_run_apart_and_give_what_one_run_gives(backend_name, request):
+    """Plan.stage: the data-parallel step runs its backward, then (after the allreduce) its
+    optimizer; values cross from one stage to the other only through outputs and leaves."""
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    x, w, y, z = small_graph()
+    later = gg.input_tensor((6, 8), name="later")
+    u = gg.mul(gg.exp(gg.neg(later)), y)            # reads y, the first stage's output
+    rng = np.random.default_rng(1)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+             for t in gg.graph.topo_order([z, u]) if t.op is None}
+    whole = backend.plan([y, z, u])
+    whole.run(feeds)
+    plan = backend.plan([y, z, u])
+    first, second = plan.stage([y, z]), plan.stage([u])
+    assert first and second and not set(first) & set(second)
+    assert set(first) | set(second) == set(range(len(plan.nodes)))
+    plan.run({t: v for t, v in feeds.items() if t is not later}, stage=first)
+    plan.run({later: feeds[later]}, stage=second)
+    for t in (y, z, u):
+        np.testing.assert_array_equal(plan.read(t), whole.read(t))
+    other = backend.plan([z, u])                      # y is no output there
+    other.stage([z])
+    with pytest.raises(ValueError, match="not a plan output"):
+        other.stage([u])

@@ -42,6 +42,7 @@ WALK = {
     "bench train": ["--steps", "1", "--no-torch"],
     "bench ops": ["--top", "1", "--repeat", "1"],
     "bench memory": ["--layers", "1"],
+    "bench ranks": ["--ranks", "1", "--steps", "1"],     # a cut kills its child process
     "quantize": ["{model}", "{out}", "--type", "q8_0"],
     "finetune": ["{model}", "{text}", "--steps", "1", "--batch", "2", "--out", "{out}"],
     "merge": ["{model}", "{adapter}", "--out", "{out}"],

@@ -228,12 +228,15 @@ class WgpuPlan(Plan):
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.dispatches, self.dispatch_ops, private = [], [], {}
+        self.node_dispatches = []    # per node: the range of its dispatches
         for step, node in enumerate(self.nodes):
+            first = len(self.dispatches)
             for d in OPS[node.op].dispatches_on(node, backend.kernel_variants):
                 self.dispatches.append((d.shader or OPS[node.op].shader, d))
                 self.dispatch_ops.append(node.op)
                 private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
                                 if id(t.storage) not in self._known})
+            self.node_dispatches.append(range(first, len(self.dispatches)))
         private = list(private.values())
         self.scratch = [t for t, _ in private]
         limits = backend.storage_limits
@@ -291,17 +294,21 @@ class WgpuPlan(Plan):
             group = device.create_bind_group(layout=backend.bind_group_layout, entries=entries)
             pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
             self.recorded.append((pipeline, group, grid_2d(d.grid())))
-        # The encode loop's work, prepared once: the pipeline only where it changes (None
-        # else), and the native handles when the direct calls are there.
         self.direct_calls = DIRECT_CALLS is not None
-        self._commands, last = [], None
-        for pipeline, group, (x, y) in self.recorded:
-            self._commands.append((None if pipeline is last else pipeline, group, x, y))
-            last = pipeline
-        self._handles = [(p and p._internal, g._internal, x, y)
-                         for p, g, x, y in self._commands] if self.direct_calls else None
+        self._encoded = {}    # (stage, direct_calls) -> _commands_of its dispatches
         self._staging = None
         self._timer = None
+
+    def _commands_of(self, dispatches):
+        """The encode loop's work for these dispatches, prepared once: the pipeline only where
+        it changes (None else), as native handles when the direct calls are there."""
+        commands, last = [], None
+        for pipeline, group, (x, y) in (self.recorded[i] for i in dispatches):
+            commands.append((None if pipeline is last else pipeline, group, x, y))
+            last = pipeline
+        if self.direct_calls:
+            return [(p and p._internal, g._internal, x, y) for p, g, x, y in commands]
+        return commands
 
     def memory(self) -> dict:
         """Plan.memory of this plan's buffers, scratch included."""
@@ -321,27 +328,34 @@ class WgpuPlan(Plan):
         u[56:56 + len(d.u)] = d.u
         return u
 
-    def run(self, feeds=None):
+    def run(self, feeds=None, stage=None):
         for t, value in (feeds or {}).items():
             self.write(t, value)
         device = self.backend.device
         encoder = device.create_command_encoder()
-        self.encode(encoder)
+        self.encode(encoder, stage=stage)
         device.queue.submit([encoder.finish()])
 
-    def encode(self, encoder, timestamp_writes=None):
-        """Record every dispatch of the graph into one compute pass of `encoder`."""
+    def encode(self, encoder, timestamp_writes=None, stage=None):
+        """Record every dispatch of the graph (or of `stage`'s nodes) into one compute pass
+        of `encoder`."""
+        key = (stage, self.direct_calls)
+        if key not in self._encoded:
+            self._encoded[key] = self._commands_of(
+                range(len(self.recorded)) if stage is None else
+                [i for node in stage for i in self.node_dispatches[node]])
+        commands = self._encoded[key]
         cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
         if self.direct_calls:
             set_pipeline, set_group, dispatch, null = DIRECT_CALLS
             handle = cpass._internal
-            for pipeline, group, x, y in self._handles:
+            for pipeline, group, x, y in commands:
                 if pipeline is not None:
                     set_pipeline(handle, pipeline)
                 set_group(handle, 0, group, 0, null)
                 dispatch(handle, x, y, 1)
         else:
-            for pipeline, group, x, y in self._commands:
+            for pipeline, group, x, y in commands:
                 if pipeline is not None:
                     cpass.set_pipeline(pipeline)
                 cpass.set_bind_group(0, group)
