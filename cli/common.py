@@ -177,7 +177,8 @@ lora_option = click.option(
 
 
 def load_model(path, lora_paths=(), n_ctx=None):
-    """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file."""
+    """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file, for
+    generating: a window of at least 2 tokens (the prompt's and the next)."""
     from ggwgpu import gguf_io
     from ggwgpu.lora import load_adapter
     try:
@@ -185,6 +186,10 @@ def load_model(path, lora_paths=(), n_ctx=None):
         adapters = [load_adapter(p, cfg) for p in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
+    if n_ctx is None and cfg.n_ctx < 2:      # --n-ctx itself is at least 2
+        raise click.UsageError(f"{path}: its context length ({gguf_io.K_CTX}) is {cfg.n_ctx}, "
+                               f"but generating needs at least 2 tokens: give --n-ctx 2 or "
+                               f"more")
     return with_context(cfg, n_ctx), values, tokenizer, adapters
 
 

@@ -44,9 +44,10 @@ Reading (`_read_layout`, ggwgpu's own: gguf-py's reader does per-item work that 
 file turns into minutes) walks the memory-mapped file once, checking every count, length and
 offset against the file size and the metadata against bounds on array items and string
 bytes before reading it, then the keys, tensor types and shapes against the
-hyper-parameters. Only regular files are read (not FIFOs or devices). Every problem is a `GGUFError` naming the file and the key or tensor (the
-tokenizer's `VocabError` is one too), never another exception, a hang or an allocation sized
-by a forged count: tests/test_gguf_fuzz.py holds the loaders to that on mutated files.
+hyper-parameters. Only regular files are read (not FIFOs or devices). Every problem is a
+`GGUFError` naming the file and the key or tensor (the tokenizer's `VocabError` is one too),
+never another exception, a hang or an allocation sized by a forged count:
+tests/test_gguf_fuzz.py holds the loaders to that on mutated files and hostile metadata.
 """
 from __future__ import annotations
 

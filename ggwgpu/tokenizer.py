@@ -785,7 +785,7 @@ def tokenizer_from_metadata(meta: dict, model_name: str | None = None):
 
 def read_metadata(path) -> dict[str, object]:
     """The tokenizer.ggml.* keys of a GGUF file, as Python values. The file goes through
-    gguf_io's layout check; its errors come back as VocabErrors naming the file."""
+    gguf_io's reader (`_read_layout`); its errors come back as VocabErrors naming the file."""
     return {k: v for k, v in _read_all(path).items() if k.startswith(KEY)}
 
 

@@ -813,3 +813,17 @@ def test_no_float_option_takes_a_value_float32_cannot_hold(value):
         p = next(p for p in click_command(command).params if option in p.opts)
         with pytest.raises(click.BadParameter, match="outside float32's range|not in the range"):
             p.type.convert(value, p, None)
+
+
+def test_generating_from_a_model_with_a_one_token_context_is_a_usage_error(tmp_path):
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tokenizer import ByteTokenizer
+    cfg = LlamaConfig(n_vocab=259, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=1)
+    gguf_io.save_model(tmp_path / "m.gguf", cfg, init_parameters(cfg, 0), ByteTokenizer())
+    for command in ("generate", "chat"):
+        out = no_traceback(invoke("--backend", "numpy", command, str(tmp_path / "m.gguf"),
+                                  "-n", "3"), 2)
+        assert "context length (llama.context_length) is 1" in out and "--n-ctx 2" in out
+    result = invoke("--backend", "numpy", "generate", str(tmp_path / "m.gguf"), "-n", "3",
+                    "--n-ctx", "2", "-p", "ab")
+    assert result.exit_code == 0, result.output

@@ -2,8 +2,8 @@
 a message and exit code 1 or 2 (or runs, exit 0), never a Python exception.
 
 Each command starts from a small valid command line (WALK); the walk puts every hostile
-file (truncated, lying or forged GGUF, empty, a directory, a FIFO, a device, text that is
-not UTF-8, JSONL with a bad line) in each of its file arguments and options, and each
+file (truncated or lying GGUF, a model of 2^31 - 1 or 1 token of context, empty, a
+directory, a FIFO, a device, text that is not UTF-8, JSONL with a bad line) in each of its file arguments and options, and each
 hostile number (0, -1, huge, NaN) in each of its number options. $GGWGPU_TRACEBACK=1 makes
 an unexpected exception escape the command group (a bug, found here); a 1 GiB host limit
 makes oversized configurations refusals, not allocations. A run still going after a few
@@ -53,8 +53,8 @@ WALK = {
 REFUSED = {"plot": "needs matplotlib", "bench matmul": "times the wgpu backend",
            "bench ops": "times the wgpu backend"}
 OUTPUTS = {"out", "target", "json_path", "checkpoint_out", "log_path"}
-HOSTILE_INPUTS = ["truncated model", "lying model", "huge context model", "empty", "directory",
-                  "fifo", "device", "not utf-8", "bad jsonl"]
+HOSTILE_INPUTS = ["truncated model", "lying model", "huge context model", "one-token model",
+                  "empty", "directory", "fifo", "device", "not utf-8", "bad jsonl"]
 HOSTILE_OUTPUTS = ["directory", "missing directory"]
 HOSTILE_NUMBERS = {"int": ["0", "-1", str(2 ** 63), "nan"], "float": ["0", "-1", "1e308", "nan"]}
 TALLY = collections.Counter()
@@ -95,6 +95,7 @@ def files(tmp_path_factory):
     at = data.index(struct.pack("<Q", len(key)) + key) + 8 + len(key) + 8
     (d / "lying model").write_bytes(data[:at] + struct.pack("<Q", 2 ** 40) + data[at + 8:])
     tiny_model(d / "huge context model", n_ctx=2 ** 31 - 1)
+    tiny_model(d / "one-token model", n_ctx=1)
     (d / "empty").write_bytes(b"")
     (d / "directory").mkdir()
     os.mkfifo(d / "fifo")
