@@ -5,9 +5,9 @@ backward, gradient clipping by global norm and an in-place AdamW (or SGD) update
 the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
 host, as in ggml) and reads back the loss and the gradient norm.
 
-A step whose loss or gradients are not finite changes nothing: every gradient is multiplied
-by finite_gate (NaN then) and the optimizer kernels leave an element alone where its gradient
-is not finite. The step still counts (its batch is used up, the schedule moves on); its record
+A step whose loss or gradients are not finite changes nothing: append_finite_flag tests the
+loss and the gradients' sum of squares on the device (exponent bits, no NaN arithmetic) and
+the optimizer kernels do nothing where that flag is 0. The step still counts (its batch is used up, the schedule moves on); its record
 says "skipped", and what to do next (stop or go on) is the caller's choice.
 """
 from __future__ import annotations
@@ -77,16 +77,6 @@ def clip_scale(grads, max_norm: float):
     return sumsq, O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
 
 
-def finite_gate(*scalars):
-    """A graph scalar: 1 when all `scalars` (one-element tensors) are finite, else NaN, as
-    0 * x + 1 (0 * inf is NaN). Clipping alone is not enough: its factor 0 turns only the
-    infinite entries into NaN and would let the finite ones take a partial step."""
-    total = scalars[0]
-    for s in scalars[1:]:
-        total = O.add(total, s)
-    return O.add(O.scale(total, 0.0), constant(np.ones(1, np.float32), name="one"))
-
-
 def logits_bound(backend) -> int:
     """The most bytes of logits a training graph on `backend` holds at once
     (build_train_graph's max_logits_bytes): the device's largest storage binding, else
@@ -124,24 +114,25 @@ class Trainer:
             self.exchange = GradientExchange(grads)
             grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
-        gate = finite_gate(self.sumsq, loss)
-        factor = gate if factor is None else O.mul(factor, gate)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
         adamw = options.optimizer == "adamw"
-        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS)
+        # the host writes every hyper-parameter but the last, the finite flag
+        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - 1
         self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
+        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss)
         self.moments, updates = {}, []
         for p, grad in grads.items():
-            grad = O.mul(grad, factor)
+            if factor is not None:
+                grad = O.mul(grad, factor)
             decay = p.ndim >= 2
             if not adamw:
-                updates.append(O.opt_step_sgd(p, grad, self.hparams, decay))
+                updates.append(O.opt_step_sgd(p, grad, flagged, decay))
                 continue
             m, v = (constant(np.zeros(p.shape, np.float32), name=f"{p.name}.{k}")
                     for k in ("m", "v"))
             self.moments[p.name] = (m, v)
-            updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
+            updates.append(O.opt_step_adamw(p, grad, m, v, flagged, decay))
         # topo_order runs each in-place update after every reader of the old parameter
         self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *sent, *updates])
         # with a world: the backward and the optimizer run apart, the allreduce between
@@ -185,8 +176,7 @@ class Trainer:
         lr = o.lr * schedule(self.step, o)
         if o.optimizer == "sgd":
             return np.array([lr, o.weight_decay], np.float32), lr
-        return np.array([lr, o.beta1, o.beta2, o.eps, o.weight_decay,
-                         1 / (1 - o.beta1 ** t), 1 / (1 - o.beta2 ** t)], np.float32), lr
+        return O.adamw_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), lr
 
     def feeds(self, inputs, targets) -> dict:
         """The graph's inputs for one batch from the batch source: with a world, this
