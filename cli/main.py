@@ -346,7 +346,10 @@ def plot(log, out):
         lr_ax.set_ylabel("learning rate")
     ax.set_title(Path(log).name)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:                    # a missing directory, a full disk
+        raise click.ClickException(f"{out}: not written ({e.strerror or e})") from None
     click.echo(f"wrote {out}")
 
 
