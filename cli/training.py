@@ -174,6 +174,8 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
     - The signal handlers stay until the result is written: a signal then waits for it. A
       result that cannot be written (a full disk) leaves the trained weights in the
       checkpoint, with the command that writes the result from it.
+    - A log that cannot be written (a full disk) is given up with one message (RunLog); the
+      run goes on.
     """
     from ggwgpu.distributed import on_every_rank
     from ggwgpu.gguf_io import GGUFError
