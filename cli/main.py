@@ -299,7 +299,7 @@ def demo(ctx, steps, lr, seed):
               help="Training time of each optimizer (planning not counted).")
 @click.option("--lr", default=0.01, show_default=True, type=FiniteFloat(min=0, min_open=True),
               help="Adam's learning rate (L-BFGS has none).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2 ** 32 - 1),
               help="Initial weights.")
 @click.option("--png", type=click.Path(dir_okay=False), callback=existing_directory,
               help="Also draw the loss curves and the continuations here (needs "

@@ -34,6 +34,7 @@ WALK = {
     "ops test": ["--op", "add"],
     "ops grad": ["--op", "add"],
     "demo": ["--steps", "2"],
+    "demo baby-llama": ["--seconds", "0.2"],
     "plot": ["{log}", "--out", "{out}"],
     "train": ["{text}", *TINY_TRAIN, "--out", "{out}"],
     "generate": ["{model}", "-n", "2"],
@@ -67,6 +68,8 @@ class Cut(BaseException):
 def command_paths(group=cli_main.cli, prefix=()):
     for name, command in group.commands.items():
         if isinstance(command, click.Group):
+            if command.invoke_without_command:     # `demo` runs alone, too
+                yield " ".join(prefix + (name,)), command
             yield from command_paths(command, prefix + (name,))
         else:
             yield " ".join(prefix + (name,)), command
