@@ -221,3 +221,14 @@ def test_a_checkpoint_from_before_lbfgs_resumes_with_its_defaults():
     del state["options"]["lr"]
     with pytest.raises(ValueError, match="options.lr is missing"):
         check_state(state)
+
+
+def test_baby_llama_png_never_replaces_a_device_or_a_directory(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "fifo.png")
+    for target, why in ((tmp_path / "fifo.png", "exists and is not a regular file"),
+                        (tmp_path, "is a directory")):
+        result = CliRunner().invoke(cli, ["--backend", "numpy", "demo", "baby-llama",
+                                          "--seconds", "0.1", "--png", str(target)])
+        assert result.exit_code == 2 and why in result.output, result.output
+    assert os.path.exists(tmp_path / "fifo.png") and not os.path.isfile(tmp_path / "fifo.png")
