@@ -95,10 +95,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     A (random) and B (zero), so step 0 is the base model. --full trains every weight instead.
     """
     from ggwgpu import lora
-    from ggwgpu.models.llama import build_train_graph
     from ggwgpu.quant import Quantized, dequantize
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, TrainOptions, logits_bound
+    from ggwgpu.train import Trainer, TrainOptions
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
@@ -164,14 +163,12 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
-        graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter,
-                                  max_logits_bytes=logits_bound(backend))
-        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter)
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None
     n_base = sum(math.prod(v.shape) for v in values.values())
-    n_trained = sum(p.nelements for p in graph.params.values())
+    n_trained = sum(p.nelements for p in trainer.graph.params.values())
     click.echo(f"finetune on {describe_backend(backend)}")
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))

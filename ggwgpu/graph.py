@@ -84,6 +84,9 @@ def reads_through(n: Tensor, w: Tensor) -> bool:
     return False
 
 
+REDUCTION = 16   # a kernel whose result is this many times smaller than what it reads
+
+
 def _depth_first(outputs, extra: dict) -> list[Tensor]:
     """A topological order: the post-order of a depth-first walk (`extra` adds ordering
     edges {id(node): [before]}), except that a node that frees memory runs as soon as its
@@ -125,10 +128,14 @@ def _depth_first(outputs, extra: dict) -> list[Tensor]:
     def frees_memory(u) -> bool:
         if not _is_kernel(u):
             return u.op is not None  # a view: free
-        freed = sum(r.nelements * r.np_dtype.itemsize for r in _read_roots(u)
-                    if r.op is not None and id(r) not in keep and left_to_read[id(r)] == 1)
+        read = [r for r in _read_roots(u) if r.op is not None and id(r) not in keep]
+        freed = sum(r.nelements * r.np_dtype.itemsize for r in read if left_to_read[id(r)] == 1)
         cost = 0 if u.view_src is not None else u.nelements * u.np_dtype.itemsize
-        return freed > 0 and freed >= cost
+        if freed > 0 and freed >= cost:
+            return True
+        # a reduction (a LoRA pair's A x, its weight gradients) costs next to nothing to keep
+        # and, left for the optimizer to ask for, would keep what it reads alive to the end
+        return 0 < cost * REDUCTION <= sum(r.nelements * r.np_dtype.itemsize for r in read)
 
     def emit(t):
         ready, queued = [t], {id(t)}

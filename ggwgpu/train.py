@@ -99,12 +99,14 @@ class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
     def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
-                 batch_source, opt_state: dict | None = None, step: int = 0, graph=None):
-        """`graph` (a TrainGraph) replaces the default one built from `values`: finetuning
-        passes one whose params are the trainable tensors only."""
+                 batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
+                 lora=None):
+        """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are
+        trained, `values` (f32 or block types) stay frozen. `graph` (a TrainGraph) replaces
+        the one built from `values` (and `lora`)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         g = graph or build_train_graph(cfg, values, options.batch, flash=options.flash_attn,
-                                       max_logits_bytes=logits_bound(backend))
+                                       lora=lora, max_logits_bytes=logits_bound(backend))
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None,
