@@ -195,12 +195,20 @@ def recompute_from(order, checkpoints=None, recompute=()) -> dict[int, Tensor]:
     copy; the rest stays as the forward left it."""
     keep = {id(t) for t in checkpoints} if checkpoints is not None else None
     redo = {id(t) for t in recompute}
+    # What no checkpoint depends on (the head: final norm, logits, loss) is what the
+    # backward starts with, right after the forward made it: recomputing it would only
+    # double its work (for a llama, the largest product of the step)
+    below = set() if keep is None else set(keep)
+    for t in reversed(order):
+        if id(t) in below:
+            below.update(id(s) for s in sources(t))
     copies = {}
     for t in order:  # topological: sources are mapped before their users
+        unchanged = id(t) not in redo and all(copies[id(s)] is s for s in t.srcs)
         if keep is None:
-            kept = id(t) not in redo and all(copies[id(s)] is s for s in t.srcs)
+            kept = unchanged
         else:
-            kept = id(t) in keep
+            kept = id(t) in keep or (id(t) not in below and unchanged)
         if t.op is None or kept:
             copies[id(t)] = t
         else:

@@ -141,6 +141,22 @@ def test_a_checkpointed_lora_step_adds_only_a_block_output_per_layer():
     assert activations[6] - activations[2] == 4 * block_output
 
 
+
+def test_checkpointing_recomputes_nothing_after_the_last_checkpoint():
+    """The backward starts with the head (final norm, logits, loss) right after the forward
+    made it: with a checkpoint after the last block, the logits product (a 49k vocabulary's
+    is the largest of the step) runs once, while each block's products run twice."""
+    cfg = LlamaConfig(n_vocab=40, n_embd=16, n_head=2, n_layer=2, n_ff=24, n_ctx=8)
+    g = build_train_graph(cfg, init_parameters(cfg, seed=1), BATCH)
+    grads = gg.build_backward(g.loss, list(g.params.values()), checkpoints=g.checkpoints)
+    nodes = NumpyBackend().plan([g.loss, *grads.values()]).nodes
+    products = [n for n in nodes if n.op == "mul_mat"]
+    logits = [n for n in products if n.shape == (BATCH * cfg.n_ctx, cfg.n_vocab)]
+    ffn_wide = [n for n in products if n.shape == (BATCH, cfg.n_ctx, cfg.n_ff)]
+    # per block: gate and up, in the forward and recomputed; the gradient of down's input
+    assert len(logits) == 1 and len(ffn_wide) == (2 * 2 + 1) * cfg.n_layer
+
+
 IGNORED = [(0, 1), (1, 4), (1, 0)]
 
 
