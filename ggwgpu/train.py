@@ -114,6 +114,7 @@ class Trainer:
         accumulated = []
         if options.grad_accum > 1:
             grads, accumulated = self.accumulate(grads, options.grad_accum)
+        self.gradients = grads          # param -> the gradient the update is made from
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
         gate = finite_gate(self.sumsq, g.loss)
         factor = gate if factor is None else O.mul(factor, gate)

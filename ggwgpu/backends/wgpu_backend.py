@@ -302,6 +302,8 @@ class WgpuPlan(Plan):
                          for p, g, x, y in self._commands] if self.direct_calls else None
         self._staging = None
         self._timer = None
+        # host time of the last run(): (all of it, recording and submitting the dispatches)
+        self.host_seconds = None
 
     def memory(self) -> dict:
         """Plan.memory of this plan's buffers, scratch included."""
@@ -322,12 +324,16 @@ class WgpuPlan(Plan):
         return u
 
     def run(self, feeds=None):
+        start = time.perf_counter()
         for t, value in (feeds or {}).items():
             self.write(t, value)
+        written = time.perf_counter()
         device = self.backend.device
         encoder = device.create_command_encoder()
         self.encode(encoder)
         device.queue.submit([encoder.finish()])
+        done = time.perf_counter()
+        self.host_seconds = (done - start, done - written)
 
     def encode(self, encoder, timestamp_writes=None):
         """Record every dispatch of the graph into one compute pass of `encoder`."""
