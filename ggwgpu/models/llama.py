@@ -207,16 +207,19 @@ class TrainGraph:
     recompute: list           # what the backward recomputes (build_backward's recompute): the
                               # logits chunks' nodes, when there is more than one chunk
 
-    def feeds(self, tokens, targets) -> dict:
+    def feeds(self, tokens, targets, counted: int | None = None) -> dict:
         """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
-        negative target id leaves its position out of the loss and of the mean."""
+        negative target id leaves its position out of the loss and of the mean. `counted`
+        is the number of targets the mean divides by, when the batch is a rank's part of a
+        larger one (default: the counted targets of this batch)."""
         targets = np.asarray(targets, np.int32).reshape(self.targets.shape)
         n_vocab = self.logits[0].shape[-1]
         if (targets >= n_vocab).any():
             raise ValueError(f"target id {int(targets.max())} out of range for a vocabulary "
                              f"of {n_vocab}")
-        counted = targets >= 0
-        weights = np.where(counted, np.float32(1.0 / max(1, int(counted.sum()))), 0)
+        mask = targets >= 0
+        counted = int(mask.sum()) if counted is None else counted
+        weights = np.where(mask, np.float32(1.0 / max(1, counted)), 0)
         return {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
                 self.weights: weights.astype(np.float32)}
 
@@ -227,17 +230,21 @@ class TrainGraph:
         return rows.reshape(self.tokens.shape + rows.shape[-1:])
 
 
-def attention(cfg, q, k, v, flash: bool):
+def attention(cfg, q, k, v, flash: bool, mask=None):
     """Causal self-attention of q (batch, n_ctx, n_head, head_dim) over k, v (batch, n_ctx,
     n_head_kv, head_dim): query head h reads K/V head h // (n_head / n_head_kv), which is how
-    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention)."""
+    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention). A
+    `mask` (f32, 0 or -inf; (n_ctx, n_ctx) or (batch, 1, n_ctx, n_ctx)) replaces the
+    causal rule and is added to the scores (document masks of packed rows)."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim)
     if flash:
-        out = O.flash_attn(q, k, v, scale, True)
+        out = (O.flash_attn(q, k, v, scale, True) if mask is None
+               else O.flash_attn_ext(q, k, v, mask, scale))
     else:
         kq = O.mul_mat(k, q)                                      # (batch, head, q, k)
-        probs = O.soft_max(O.diag_mask_inf(O.scale(kq, scale), 0), 1.0)
+        probs = (O.soft_max(O.diag_mask_inf(O.scale(kq, scale), 0), 1.0) if mask is None
+                 else O.soft_max_ext(kq, mask, scale))
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
 
