@@ -10,9 +10,12 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
+from collections import Counter
+from dataclasses import dataclass
 
 import click
 import numpy as np
@@ -31,14 +34,55 @@ except ImportError:  # run as a script: python cli/main.py
 BENCH_SIZES = ((256, 512, 256), (768, 512, 256), (256, 512, 768), (1024, 1024, 1024))
 BENCH_MAX_REL_ERR = 1e-4
 
-# The issue's configs: model shapes and samples per batch.
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """A `bench train` config: a llama's shape, the samples per step and how it trains."""
+    model: dict                 # LlamaConfig fields
+    batch: int
+    base: str | None = None     # a block type: LoRA on a frozen base stored in it
+    lora_rank: int = 4          # rank of every block matrix's pair (alpha = rank: scale 1)
+    checkpointing: bool = False
+    steps: int = 5              # timed steps unless --steps says otherwise
+    shape_of: str = ""          # the published model it is shaped like
+
+    @property
+    def lora(self) -> bool:
+        return self.base is not None
+
+
+# SmolLM2's published shapes (head size 64, grouped-query attention, tied embeddings)
+SMOLLM2_135M = dict(n_vocab=49152, n_embd=576, n_head=9, n_head_kv=3, n_layer=30, n_ff=1536,
+                    rope_freq_base=100000.0, tied_embeddings=True, n_ctx=128)
+SMOLLM2_360M = dict(n_vocab=49152, n_embd=960, n_head=15, n_head_kv=5, n_layer=32, n_ff=2560,
+                    rope_freq_base=100000.0, tied_embeddings=True, n_ctx=128)
+# a finetune as the README's chat demo runs one: 4 x 128 tokens, rank 4 on every block
+# matrix; checkpointing as a memory-bound finetune would; one timed step (lavapipe: minutes)
+PUBLISHED_FINETUNE = dict(batch=4, lora_rank=4, checkpointing=True, steps=1)
 BENCH_TRAIN_CONFIGS = {
-    "tiny": dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=352, n_ctx=64, batch=8),
-    "small": dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704, n_ctx=128, batch=8),
+    "tiny": BenchConfig(dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=352,
+                             n_ctx=64), batch=8),
+    "small": BenchConfig(dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704,
+                              n_ctx=128), batch=8),
+    "smollm-135m": BenchConfig(SMOLLM2_135M, base="q4_0", shape_of="SmolLM2-135M",
+                               **PUBLISHED_FINETUNE),
+    "smollm-135m-q8": BenchConfig(SMOLLM2_135M, base="q8_0", shape_of="SmolLM2-135M",
+                                  **PUBLISHED_FINETUNE),
+    "smollm-360m": BenchConfig(SMOLLM2_360M, base="q4_0", shape_of="SmolLM2-360M",
+                               **PUBLISHED_FINETUNE),
+    "smollm-135m-full": BenchConfig(SMOLLM2_135M, shape_of="SmolLM2-135M",
+                                    **{**PUBLISHED_FINETUNE, "lora_rank": 0}),
 }
 BENCH_TRAIN_MAX_REL_ERR = 1e-3
+# planned device memory against the minimum (memory_against_minimum): the issue's budgets
+MEMORY_BUDGET = {"lora": 1.5, "full": 1.25}
+HOST_SHARE_BUDGET = 0.05    # host work per step, as a share of the step, on lavapipe
 CONFIG_HELP = ("tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; small: vocab "
-               "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both.")
+               "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both. "
+               "smollm-135m, smollm-360m: SmolLM2's shapes (30 layers, embd 576, 9/3 heads, ff "
+               "1536; 32 layers, embd 960, 15/5 heads, ff 2560; vocab 49152, tied), a rank-4 "
+               "LoRA on a frozen q4_0 base (smollm-135m-q8: q8_0; smollm-135m-full: every "
+               "weight in f32), 4 x 128 tokens, checkpointing.")
 
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
                            callback=lambda ctx, param, path: path and (
@@ -227,28 +271,56 @@ class RandomBatches:
 
 
 def bench_model(config_name: str, **changes):
-    """(LlamaConfig, TrainOptions) of a bench config."""
+    """(LlamaConfig, TrainOptions) of a bench config; `changes` replace model fields
+    (n_layer=2: the same shape, fewer layers)."""
     from ggwgpu.models.llama import LlamaConfig
     from ggwgpu.train import TrainOptions
-    shapes = {**BENCH_TRAIN_CONFIGS[config_name], **changes}
-    batch = shapes.pop("batch")
-    return LlamaConfig(**shapes), TrainOptions(batch=batch, lr=1e-3)
+    config = BENCH_TRAIN_CONFIGS[config_name]
+    return (LlamaConfig(**{**config.model, **changes}),
+            TrainOptions(batch=config.batch, lr=1e-3, checkpointing=config.checkpointing))
 
 
-def checked_trainers(config_name: str, wgpu_backend) -> tuple[dict, dict]:
+def bench_weights(config_name: str, cfg):
+    """(values, adapter) of a bench config: train-text-from-scratch's random init (seed 0);
+    for a LoRA config its 2-D weights in the base's block type and a fresh adapter of
+    lora_rank on every block matrix (what `ggwgpu finetune` trains), else adapter None."""
+    from ggwgpu import lora
+    from ggwgpu.models.llama import init_parameters
+    from ggwgpu.quant import quantize_model
+    config = BENCH_TRAIN_CONFIGS[config_name]
+    values = init_parameters(cfg, 0)
+    if not config.lora:
+        return values, None
+    ranks = lora.lora_ranks(cfg, config.lora_rank)
+    return (quantize_model(values, config.base),
+            lora.init_adapter(cfg, ranks, alpha=config.lora_rank, seed=0))
+
+
+def bench_trainer(config_name: str, backend, cfg, options, weights):
+    """A Trainer of the config on `backend` over `weights` (bench_weights), on
+    RandomBatches: the same batches on every backend."""
+    from ggwgpu.train import Trainer
+    values, adapter = weights
+    return Trainer(cfg, values, backend, options,
+                   RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), lora=adapter)
+
+
+def checked_trainers(config_name: str, wgpu_backend, **changes) -> tuple[dict, dict, dict]:
     """A Trainer per backend (NumPy, and wgpu when there is one) on the same weights and
     batches, each after one warm-up step; a click error unless their losses agree.
-    Returns (trainers, warm-up losses)."""
+    Returns (trainers, warm-up losses, seconds each took to plan: graph, backward, storage
+    plan and upload)."""
     from ggwgpu.backends import NumpyBackend
-    from ggwgpu.models.llama import init_parameters
-    from ggwgpu.train import Trainer
-    cfg, options = bench_model(config_name)
+    cfg, options = bench_model(config_name, **changes)
+    weights = bench_weights(config_name, cfg)
     backends = {"numpy": NumpyBackend()}
     if wgpu_backend is not None:
         backends["wgpu"] = wgpu_backend
-    trainers = {key: Trainer(cfg, init_parameters(cfg, 0), b, options,
-                             RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
-                for key, b in backends.items()}
+    trainers, plan_seconds = {}, {}
+    for key, b in backends.items():
+        t0 = time.perf_counter()
+        trainers[key] = bench_trainer(config_name, b, cfg, options, weights)
+        plan_seconds[key] = time.perf_counter() - t0
     warm = {key: tr.train_step()["loss"] for key, tr in trainers.items()}
     if wgpu_backend is not None:
         rel = abs(warm["wgpu"] - warm["numpy"]) / max(abs(warm["numpy"]), 1e-30)
@@ -257,16 +329,28 @@ def checked_trainers(config_name: str, wgpu_backend) -> tuple[dict, dict]:
                 f"wgpu training is wrong: warm-up loss {warm['wgpu']:.6f}, NumPy's "
                 f"{warm['numpy']:.6f} (relative difference {rel:.2e} > "
                 f"{BENCH_TRAIN_MAX_REL_ERR:.0e}); no timing reported")
-    return trainers, warm
+    return trainers, warm, plan_seconds
 
 
-def describe_config(config_name: str) -> str:
-    from ggwgpu.models.llama import init_parameters
-    cfg, options = bench_model(config_name)
-    n_params = sum(v.size for v in init_parameters(cfg, 0).values())
-    return (f"{config_name}: {n_params / 1e6:.2f} M parameters (vocab {cfg.n_vocab}, embd "
-            f"{cfg.n_embd}, {cfg.n_head} heads, {cfg.n_layer} layers, ff {cfg.n_ff}), "
+def describe_config(config_name: str, **changes) -> str:
+    from ggwgpu import lora
+    from ggwgpu.models.llama import parameter_shapes
+    config = BENCH_TRAIN_CONFIGS[config_name]
+    cfg, options = bench_model(config_name, **changes)
+    n_params = sum(math.prod(s) for s in parameter_shapes(cfg).values())
+    heads = f"{cfg.n_head}/{cfg.kv_heads}" if cfg.kv_heads != cfg.n_head else f"{cfg.n_head}"
+    text = (f"{config_name}: {n_params / 1e6:.2f} M parameters (vocab {cfg.n_vocab}, embd "
+            f"{cfg.n_embd}, {heads} heads, {cfg.n_layer} layers, ff {cfg.n_ff}"
+            f"{', tied' if cfg.tied_embeddings else ''}"
+            f"{f'; shaped like {config.shape_of}' if config.shape_of else ''}), "
             f"{options.batch} x {cfg.n_ctx} tokens per step, AdamW")
+    if config.lora:
+        ranks = lora.lora_ranks(cfg, config.lora_rank)
+        n_trained = sum(sum(math.prod(s) for s in lora.pair_shapes(cfg, w, r))
+                        for w, r in ranks.items())
+        text += (f", LoRA rank {config.lora_rank} on {len(ranks)} matrices ({n_trained / 1e6:.2f}"
+                 f" M trained) of a frozen {config.base} base")
+    return text + (", checkpointing" if options.checkpointing else "")
 
 
 def timed_steps(step, n: int) -> tuple[float, float]:
@@ -388,55 +472,94 @@ def in_own_process(fn, *args):
 
 @bench.command("train")
 @config_option
-@click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
-              help="Timed training steps per backend, after one warm-up step.")
+@click.option("--steps", type=click.IntRange(min=1),
+              help="Timed training steps per backend, after one warm-up step (default 5; 1 "
+                   "for the published shapes, whose step takes minutes on lavapipe).")
+@click.option("--layers", "n_layer", type=click.IntRange(min=2),
+              help="n_layer of the model (default: the config's), the rest of its shape kept.")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
               help="Also time PyTorch CPU training of the same llama, when torch is "
                    "importable (in a process of its own).")
 @json_option
 @click.pass_context
-def bench_train(ctx, config_name, steps, use_torch, json_path):
+def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
     """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch CPU.
 
     Every backend trains the same model (same initial weights, AdamW, lr 1e-3) on the same
     random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
     The wgpu and NumPy losses of the warm-up step must agree before any number is printed.
-    For wgpu also: dispatches per step, host µs per dispatch (recording and submitting a
-    step), device ms per step and the planned memory. PyTorch trains in a process of its
-    own: importing it where a lavapipe device exists can crash the process.
+    Also: the seconds each backend took to plan the step, and for wgpu the dispatches per
+    step, per layer and per op, the host's share of a step (inputs written, dispatches
+    recorded and submitted) and the planned device memory by role against the least a step
+    can hold. PyTorch trains in a process of its own: importing it where a lavapipe device
+    exists can crash the process; it has no peer for LoRA on a block-type base.
     """
-    cfg, options = bench_model(config_name)
+    config = BENCH_TRAIN_CONFIGS[config_name]
+    changes = {"n_layer": n_layer} if n_layer else {}
+    steps = steps or config.steps
+    cfg, options = bench_model(config_name, **changes)
     wgpu_backend, why = wgpu_for(ctx, "bench train")
-    click.echo(f"bench train {describe_config(config_name)}; 1 warm-up + {steps} timed steps "
-               "per backend")
+    click.echo(f"bench train {describe_config(config_name, **changes)}; 1 warm-up + {steps} "
+               f"timed step{'s' if steps > 1 else ''} per backend")
     click.echo("wgpu: " + (describe_backend(wgpu_backend) if wgpu_backend else f"none ({why})"))
-    trainers, warm = checked_trainers(config_name, wgpu_backend)
+    trainers, warm, plan_seconds = checked_trainers(config_name, wgpu_backend, **changes)
+    click.echo("planning (graph, backward, storage plan, upload): " + ", ".join(
+        f"{key} {s:.1f} s" for key, s in plan_seconds.items()))
 
     # NumPy and torch before wgpu: lavapipe's threads stay busy for a while after its runs.
     loss, seconds = {}, {}
     _, seconds["numpy"] = timed_steps(lambda: trainers["numpy"].train_step()["loss"], steps)
     loss["numpy"] = warm["numpy"]
     torch_why = "--no-torch"
-    if use_torch:
+    if config.lora:
+        torch_why = (f"no peer: PyTorch has no {config.base} matmul, and an f32 base would "
+                     "time other work")
+    elif use_torch:
         peer, failed = in_own_process(torch_peer, cfg, options, steps)
         torch_why = f"failed: {failed}" if failed else "not importable"
         if peer is not None:
             loss["torch"], seconds["torch"] = peer["loss"], peer["seconds"]
+    host = []
     if wgpu_backend is not None:
-        _, seconds["wgpu"] = timed_steps(lambda: trainers["wgpu"].train_step()["loss"], steps)
+        plan = trainers["wgpu"].plan
+
+        def wgpu_step():
+            result = trainers["wgpu"].train_step()["loss"]
+            host.append(plan.host_seconds)
+            return result
+        _, seconds["wgpu"] = timed_steps(wgpu_step, steps)
         loss["wgpu"] = warm["wgpu"]
+        host = host[1:]         # the timed steps'
 
     tokens = options.batch * cfg.n_ctx
     rate = {key: tokens / s for key, s in seconds.items()}
+    ratios = echo_rates(rate, seconds, loss, {"wgpu": why, "torch": torch_why})
+    report = {"bench": "train", "config": config_name, "n_layer": cfg.n_layer, "steps": steps,
+              "tokens_per_step": tokens, "tokens_per_s": rate, "warmup_loss": loss,
+              "ratios": ratios, "plan_seconds": plan_seconds, "wgpu": None}
+    shown = trainers["wgpu" if wgpu_backend is not None else "numpy"]
+    if wgpu_backend is not None:
+        report["wgpu"] = stats = train_step_stats(plan, host, seconds["wgpu"])
+        echo_train_step_stats(stats)
+        report["dispatches"] = counts = dispatches_per_layer(config_name, wgpu_backend, cfg,
+                                                             plan)
+        echo_dispatches(counts)
+    report["memory"] = memory = memory_against_minimum(shown, config)
+    echo_memory_minimum(memory, "wgpu" if wgpu_backend is not None else "numpy")
+    write_json(json_path, report)
+
+
+def echo_rates(rate: dict, seconds: dict, loss: dict, why_not: dict) -> dict:
+    """The tokens/s table of bench train; returns the ratios it prints."""
     click.echo(f"{'backend':<8} {'tokens/s':>10} {'ms/step':>9} {'warm-up loss':>13} "
                f"{'x torch':>8}")
     for key in ("wgpu", "numpy", "torch"):
         if key not in rate:
-            shown = why if key == "wgpu" else torch_why
-            click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({shown})")
+            click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({why_not[key]})")
             continue
         ratio = f"{rate[key] / rate['torch']:.3f}" if "torch" in rate else "-"
-        click.echo(f"{key:<8} {rate[key]:>10.0f} {1e3 * seconds[key]:>9.1f} "
+        shown = f"{rate[key]:.1f}" if rate[key] < 100 else f"{rate[key]:.0f}"
+        click.echo(f"{key:<8} {shown:>10} {1e3 * seconds[key]:>9.1f} "
                    f"{loss[key]:>13.6f} {ratio:>8}")
     ratios = {}
     if "torch" in rate:
@@ -446,25 +569,164 @@ def bench_train(ctx, config_name, steps, use_torch, json_path):
         ratios["wgpu/numpy"] = rate["wgpu"] / rate["numpy"]
     if ratios:
         click.echo("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-    report = {"bench": "train", "config": config_name, "steps": steps,
-              "tokens_per_step": tokens, "tokens_per_s": rate, "warmup_loss": loss,
-              "ratios": ratios, "wgpu": None}
-    if wgpu_backend is not None:
-        plan = trainers["wgpu"].plan
-        stats = step_stats(plan, steps)
-        echo_step_stats(stats)
-        echo_memory_roles(stats["memory"])
-        report["wgpu"] = stats
-    write_json(json_path, report)
+    return ratios
 
 
-def echo_memory_roles(m: dict):
-    ideal = sum(m[k] for k in ("weights", "gradients", "state", "inputs", "activations"))
-    click.echo(f"wgpu memory by role: weights {human_bytes(m['weights'])}, gradients "
-               f"{human_bytes(m['gradients'])}, optimizer state and constants "
-               f"{human_bytes(m['state'])}, inputs {human_bytes(m['inputs'])}, activations at "
-               f"the peak {human_bytes(m['activations'])}; planned = "
-               f"{m['planned'] / ideal:.3f} x their sum")
+def train_step_stats(plan, host: list, step_seconds: float) -> dict:
+    """What the host spent on the timed wgpu steps (WgpuPlan.host_seconds of each run:
+    inputs written, dispatches recorded and submitted; medians) against the step's
+    seconds, and the planned memory."""
+    n = len(plan.recorded)
+    host_s = float(np.median([h[0] for h in host]))
+    record_s = float(np.median([h[1] for h in host]))
+    return {"dispatches": n, "host_us_per_dispatch": 1e6 * record_s / max(n, 1),
+            "host_ms": 1e3 * host_s, "step_ms": 1e3 * step_seconds,
+            "host_share": host_s / step_seconds, "memory": plan.memory()}
+
+
+def echo_train_step_stats(s: dict):
+    verdict = "within" if s["host_share"] <= HOST_SHARE_BUDGET else "over"
+    click.echo(f"wgpu step: {s['dispatches']} dispatches, host {s['host_us_per_dispatch']:.2f} "
+               f"µs/dispatch; host work {s['host_ms']:.2f} ms of the {s['step_ms']:.0f} ms "
+               f"step = {100 * s['host_share']:.3f} % ({verdict} the "
+               f"{100 * HOST_SHARE_BUDGET:.0f} % budget)")
+
+
+# -- dispatches per layer -------------------------------------------------------------------
+
+class DispatchCounter:
+    """A backend that plans no storage: Trainer(..., DispatchCounter(backend), ...).plan.counts
+    holds the dispatches per op that the step records on `backend` (its kernel variants and
+    binding limits, which decide the logits chunks)."""
+    name = "count"
+
+    def __init__(self, backend=None):
+        self.storage_limits = getattr(backend, "storage_limits", None)
+        self.variants = getattr(backend, "kernel_variants", None)
+
+    def plan(self, outputs, sentinel=0):
+        from ggwgpu.backends.base import Plan
+        from ggwgpu.ops import OPS
+
+        class CountedPlan(Plan):
+            def write(self, t, value):      # no storage: nothing to write
+                pass
+
+        plan = CountedPlan(outputs)
+        plan.counts = Counter({})
+        for node in plan.nodes:
+            plan.counts[node.op] += len(OPS[node.op].dispatches_on(node, self.variants))
+        return plan
+
+
+def dispatches_per_layer(config_name: str, backend, cfg, plan=None) -> dict:
+    """Dispatches per op of one layer, exactly: the step of 3 layers less that of 2 (layer 0
+    does less than the others: nothing below it takes a gradient), and those of the rest of
+    the step (the first layer's difference included), such that the step of n layers
+    records rest + n * per layer. With `plan` (a WgpuPlan of cfg), that identity is checked
+    against the dispatches it records."""
+    counter = DispatchCounter(backend)
+    counts = {}
+    for n in (2, 3):
+        c, options = bench_model(config_name, **{**dataclasses.asdict(cfg), "n_layer": n})
+        weights = bench_weights(config_name, c)
+        counts[n] = bench_trainer(config_name, counter, c, options, weights).plan.counts
+    per_layer = {op: counts[3][op] - counts[2][op] for op in counts[3]}
+    rest = {op: counts[2][op] - 2 * per_layer[op] for op in counts[3]}
+    report = {"per_layer": {op: n for op, n in per_layer.items() if n},
+              "rest": {op: n for op, n in rest.items() if n}, "n_layer": cfg.n_layer}
+    if plan is not None:
+        recorded = Counter(plan.dispatch_ops)
+        expected = {op: rest.get(op, 0) + cfg.n_layer * per_layer.get(op, 0)
+                    for op in set(rest) | set(per_layer)}
+        if {op: n for op, n in recorded.items()} != {op: n for op, n in expected.items() if n}:
+            raise click.ClickException(f"dispatch count per layer is off: the plan records "
+                                       f"{dict(recorded)}, the layers say {expected}")
+    return report
+
+
+# Ops a layer dispatches that a fused kernel could absorb next, and into what (printed for
+# those a layer has, most dispatches first).
+FUSION_HINTS = (
+    (("sqr", "sum"), "the clip's gradient norm, sqr + sum + an add per trained tensor: one "
+                     "accumulating sum-of-squares kernel"),
+    (("mul",), "each gradient times the clip factor: inside the optimizer update"),
+    (("scale",), "a LoRA pair's alpha / r, attention's 1/sqrt(d): a factor of the product "
+                 "beside it"),
+    (("add",), "W x + B (s A x) of each LoRA pair, the residuals and gradient sums: an "
+               "accumulating epilogue of the product that makes one term"),
+    (("diag_mask_inf", "soft_max", "soft_max_back"), "the causal mask and softmax: flash "
+                                                     "attention fuses them with both products"),
+    (("cont",), "attention's output permuted to rows: written in row order by its product"),
+)
+
+
+def echo_dispatches(d: dict):
+    per_layer, rest = d["per_layer"], d["rest"]
+    total = sum(rest.values()) + d["n_layer"] * sum(per_layer.values())
+    click.echo(f"dispatches per layer: {sum(per_layer.values())} ("
+               + ", ".join(f"{op} {n}" for op, n in sorted(per_layer.items(),
+                                                           key=lambda kv: (-kv[1], kv[0])))
+               + f"); embedding and head, less what layer 0 needs not: {sum(rest.values())}; "
+               f"{d['n_layer']} layers: {total}")
+    hints = [(sum(per_layer.get(op, 0) for op in ops), ops, text)
+             for ops, text in FUSION_HINTS]
+    for n, ops, text in sorted((h for h in hints if h[0]), key=lambda h: -h[0]):
+        click.echo(f"  could fuse next: {' + '.join(ops)} ({n} per layer): {text}")
+
+
+# -- memory against the minimum ---------------------------------------------------------------
+
+def memory_against_minimum(trainer, config: BenchConfig) -> dict:
+    """A training step's planned device memory against the least it can hold, by role:
+    the frozen base weights in their storage type, the trained weights, AdamW's two moments
+    and one gradient of each, the inputs, and the other activations live at the planner's
+    peak (with checkpointing when the config has it). What the plan holds besides: other
+    constants (the loss's seed, the clip's), and in the buffers that blocks share by
+    liveness, the gradients the clip scales into new blocks and the slack of buffers as
+    large as their largest block. Bytes, and planned / minimum. The roles need not peak
+    together: in a full step without checkpointing the gradients come after the
+    activations' peak, and the planner's peak of live bytes can be below the minimum."""
+    from ggwgpu.models.llama import parameter_shapes
+    plan = trainer.plan
+    layout = getattr(plan, "layout", None) or plan.storage_layout()
+    m = plan.memory()
+    model = set(parameter_shapes(trainer.cfg))
+    moments = {id(t.storage) for pair in trainer.moments.values() for t in pair}
+    leaves = [t for t in plan.roots if t.op is None]
+    nbytes = {id(t): plan.nbytes(t) for t in plan.roots}
+    base = sum(plan.nbytes(t) for t in leaves if not t.is_param and t.name in model)
+    moment_bytes = sum(nbytes[k] for k in moments)
+    # gradients live at the peak are counted as gradients, not activations
+    grads = {id(g.storage) for g in trainer.gradients.values()}
+    grads_at_peak = sum(nbytes.get(k, 0) for k in grads & layout.peak_keys)
+    minimum = {"base weights": base, "trained weights": m["weights"],
+               "optimizer moments": moment_bytes, "inputs": m["inputs"],
+               "gradients": m["weights"], "activations at the peak":
+               m["activations"] - grads_at_peak}
+    planned = {role: minimum[role] for role in list(minimum)[:4]}
+    planned["other constants"] = m["state"] - base - moment_bytes
+    planned["shared buffers"] = m["planned"] - sum(planned.values())
+    kind = "lora" if config.lora else "full"
+    return {"minimum": minimum, "planned": planned, "minimum_bytes": sum(minimum.values()),
+            "planned_bytes": m["planned"], "peak_bytes": m["peak"],
+            "ratio": m["planned"] / sum(minimum.values()),
+            "budget": MEMORY_BUDGET[kind], "kind": kind}
+
+
+def echo_memory_minimum(r: dict, where: str):
+    click.echo(f"memory ({where} plan, MiB)          minimum    planned")
+    for role in dict.fromkeys([*r["minimum"], *r["planned"]]):
+        least, planned = (("-" if d.get(role) is None else f"{d[role] / 2**20:.2f}")
+                          for d in (r["minimum"], r["planned"]))
+        if role == "shared buffers":
+            role = "shared: gradients, activ., slack"
+        click.echo(f"  {role:<32} {least:>10} {planned:>10}")
+    verdict = "within" if r["ratio"] <= r["budget"] else "over"
+    click.echo(f"  {'live at once, at the peak':<32} {'':>10} {r['peak_bytes'] / 2**20:>10.2f}")
+    click.echo(f"  {'total':<32} {r['minimum_bytes'] / 2**20:>10.2f} "
+               f"{r['planned_bytes'] / 2**20:>10.2f}   planned / minimum {r['ratio']:.3f} "
+               f"({verdict} the {r['kind']} budget {r['budget']})")
 
 
 @bench.command("ops")
@@ -487,7 +749,7 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
         raise click.ClickException(f"bench ops times the wgpu backend against NumPy: {why}")
     click.echo(f"bench ops {describe_config(config_name)}")
     click.echo("wgpu: " + describe_backend(wgpu_backend))
-    trainers, _ = checked_trainers(config_name, wgpu_backend)
+    trainers, _, _ = checked_trainers(config_name, wgpu_backend)
     numpy_times = trainers["numpy"].plan.profile()
     plan = trainers["wgpu"].plan
     wgpu_times = [(op, s) for op, (_, s) in zip(plan.dispatch_ops, plan.profile())]
@@ -543,7 +805,7 @@ def bench_memory(ctx, config_name, layers, json_path):
     so the activations at the peak grow like sqrt(n_layer).
     """
     from ggwgpu.backends import NumpyBackend
-    from ggwgpu.models.llama import build_train_graph, init_parameters
+    from ggwgpu.models.llama import build_train_graph
     from ggwgpu.train import Trainer, logits_bound
     backend, _ = wgpu_for(ctx, "bench memory")
     backend = backend or NumpyBackend()
@@ -556,8 +818,8 @@ def bench_memory(ctx, config_name, layers, json_path):
         for checkpointing in (False, True):
             cfg, options = bench_model(config_name, n_layer=n_layer)
             options.checkpointing = checkpointing
-            values = init_parameters(cfg, 0)
-            graph = build_train_graph(cfg, values, options.batch,
+            values, adapter = bench_weights(config_name, cfg)
+            graph = build_train_graph(cfg, values, options.batch, lora=adapter,
                                       max_logits_bytes=logits_bound(backend))
             every = max(1, round(math.sqrt(n_layer)))
             graph.checkpoints = graph.checkpoints[every - 1::every]

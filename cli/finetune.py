@@ -22,7 +22,7 @@ try:
     from .outputs import check_outputs
     from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                            describe_examples, device_errors, example_batches, example_sets,
-                           existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                           existing_directory, guard_outputs, is_root, mpi_world,
                            read_text, resume_args, resume_data, resumed_options, steps_of,
                            train_options, training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
@@ -31,7 +31,7 @@ except ImportError:  # run as a script: python cli/main.py
     from outputs import check_outputs
     from training import (Validation, across_ranks, data_options, default_checkpoint_path,
                           describe_examples, device_errors, example_batches, example_sets,
-                          existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                          existing_directory, guard_outputs, is_root, mpi_world,
                           read_text, resume_args, resume_data, resumed_options, steps_of,
                           train_options, training_loop, training_options, training_samples)
 
@@ -107,10 +107,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     A (random) and B (zero), so step 0 is the base model. --full trains every weight instead.
     """
     from ggwgpu import lora
-    from ggwgpu.models.llama import build_train_graph
     from ggwgpu.quant import Quantized, dequantize
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, logits_bound
+    from ggwgpu.train import Trainer
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
@@ -193,15 +192,13 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
-        graph = build_train_graph(cfg, values, local_batch(options), options.flash_attn,
-                                  lora=adapter, max_logits_bytes=logits_bound(backend))
-        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph,
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
                           world=mpi_world())
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None
     n_base = sum(math.prod(v.shape) for v in values.values())
-    n_trained = sum(p.nelements for p in graph.params.values())
+    n_trained = sum(p.nelements for p in trainer.graph.params.values())
     world = mpi_world()
     click.echo(f"finetune on {describe_backend(backend)}" +
                (f" in each of {world.size} processes (MPI)" if world else ""))

@@ -84,6 +84,9 @@ def reads_through(n: Tensor, w: Tensor) -> bool:
     return False
 
 
+REDUCTION = 16   # a kernel whose result is this many times smaller than what it reads
+
+
 def _depth_first(outputs, extra: dict) -> list[Tensor]:
     """A topological order: the post-order of a depth-first walk (`extra` adds ordering
     edges {id(node): [before]}), except that a node that frees memory runs as soon as its
@@ -125,10 +128,14 @@ def _depth_first(outputs, extra: dict) -> list[Tensor]:
     def frees_memory(u) -> bool:
         if not _is_kernel(u):
             return u.op is not None  # a view: free
-        freed = sum(r.nelements * r.np_dtype.itemsize for r in _read_roots(u)
-                    if r.op is not None and id(r) not in keep and left_to_read[id(r)] == 1)
+        read = [r for r in _read_roots(u) if r.op is not None and id(r) not in keep]
+        freed = sum(r.nelements * r.np_dtype.itemsize for r in read if left_to_read[id(r)] == 1)
         cost = 0 if u.view_src is not None else u.nelements * u.np_dtype.itemsize
-        return freed > 0 and freed >= cost
+        if freed > 0 and freed >= cost:
+            return True
+        # a reduction (a LoRA pair's A x, its weight gradients) costs next to nothing to keep
+        # and, left for the optimizer to ask for, would keep what it reads alive to the end
+        return 0 < cost * REDUCTION <= sum(r.nelements * r.np_dtype.itemsize for r in read)
 
     def emit(t):
         ready, queued = [t], {id(t)}
@@ -188,12 +195,20 @@ def recompute_from(order, checkpoints=None, recompute=()) -> dict[int, Tensor]:
     copy; the rest stays as the forward left it."""
     keep = {id(t) for t in checkpoints} if checkpoints is not None else None
     redo = {id(t) for t in recompute}
+    # What no checkpoint depends on (the head: final norm, logits, loss) is what the
+    # backward starts with, right after the forward made it: recomputing it would only
+    # double its work (for a llama, the largest product of the step)
+    below = set() if keep is None else set(keep)
+    for t in reversed(order):
+        if id(t) in below:
+            below.update(id(s) for s in sources(t))
     copies = {}
     for t in order:  # topological: sources are mapped before their users
+        unchanged = id(t) not in redo and all(copies[id(s)] is s for s in t.srcs)
         if keep is None:
-            kept = id(t) not in redo and all(copies[id(s)] is s for s in t.srcs)
+            kept = unchanged
         else:
-            kept = id(t) in keep
+            kept = id(t) in keep or (id(t) not in below and unchanged)
         if t.op is None or kept:
             copies[id(t)] = t
         else:

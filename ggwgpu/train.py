@@ -203,17 +203,18 @@ class Trainer:
 
     def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
                  batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
-                 world=None):
-        """`graph` (a TrainGraph) replaces the default one built from `values`: finetuning
-        passes one whose params are the trainable tensors only. With `world` (a
-        distributed.World) this is one rank of a data-parallel run: options.batch is the
-        global batch, the graph takes world.local_batch(options.batch) rows of it, and the
-        gradients are summed over the ranks before the optimizer (distributed.py)."""
+                 lora=None, world=None):
+        """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are
+        trained, `values` (f32 or block types) stay frozen. `graph` (a TrainGraph) replaces
+        the one built from `values` (and `lora`). With `world` (a distributed.World) this is
+        one rank of a data-parallel run: options.batch is the global batch, the graph takes
+        world.local_batch(options.batch) rows of it, and the gradients are summed over the
+        ranks before the optimizer (distributed.py)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
         batch = world.local_batch(options.batch) if world else options.batch
         g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
-                                       max_logits_bytes=logits_bound(backend))
+                                       lora=lora, max_logits_bytes=logits_bound(backend))
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None,
@@ -230,6 +231,7 @@ class Trainer:
             from .distributed import GradientExchange
             self.exchange = GradientExchange(grads)
             grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
+        self.gradients = grads          # param -> the gradient the update is made from
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw, sgd or lbfgs")

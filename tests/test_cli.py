@@ -237,7 +237,9 @@ def test_bench_train_checks_the_losses_and_prints_tokens_per_s(tmp_path):
         assert abs(wgpu_loss - numpy_loss) <= cli_bench.BENCH_TRAIN_MAX_REL_ERR * numpy_loss
         assert "wgpu/numpy" in result.output
         assert re.search(r"wgpu step: \d+ dispatches, host [\d.]+ µs/dispatch", result.output)
-        assert "wgpu memory (planned): peak" in result.output
+        assert re.search(r"planned / minimum [\d.]+ \(within the full budget 1.25\)",
+                         result.output)
+        assert re.search(r"dispatches per layer: \d+ \(mul_mat \d+", result.output)
         stats = report["wgpu"]
         assert stats["dispatches"] == int(re.search(r"(\d+) dispatches", result.output)[1])
         memory = stats["memory"]

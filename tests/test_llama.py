@@ -115,6 +115,51 @@ def test_checkpointing_a_training_step_keeps_activations_near_sqrt_of_the_layers
     assert memory[True]["activations"] < 0.6 * memory[False]["activations"]
 
 
+
+def test_a_checkpointed_lora_step_adds_only_a_block_output_per_layer():
+    """LoRA on a frozen q4_0 base, a checkpoint after every block: 4 more layers add to the
+    activations live at the peak their 4 block outputs and nothing else. The pairs' small
+    products (A x) and weight gradients run as soon as their sources have, not when the
+    optimizer asks for them: left for it, they kept each layer's recomputed norm and gate
+    outputs and its output gradient alive to the end of the step (3.9 block outputs per
+    layer here; on the SmolLM2-135M shape, 1.46x the planned memory)."""
+    from ggwgpu.lora import init_adapter, lora_ranks
+    from ggwgpu.quant import quantize_model
+    from ggwgpu.train import Trainer, TrainOptions
+
+    class NoBatches:
+        def next_batch(self):
+            raise AssertionError("planned, not run")
+
+    activations = {}
+    for n_layer in (2, 6):
+        cfg = LlamaConfig(n_vocab=64, n_embd=64, n_head=4, n_head_kv=2, n_layer=n_layer,
+                          n_ff=128, n_ctx=16, tied_embeddings=True)
+        values = quantize_model(init_parameters(cfg, seed=1), "q4_0")
+        adapter = init_adapter(cfg, lora_ranks(cfg, 4), 4.0, seed=1)
+        options = TrainOptions(batch=4, checkpointing=True)
+        plan = Trainer(cfg, values, NumpyBackend(), options, NoBatches(), lora=adapter).plan
+        activations[n_layer] = plan.memory()["activations"]
+    block_output = 4 * options.batch * cfg.n_ctx * cfg.n_embd
+    assert activations[6] - activations[2] == 4 * block_output
+
+
+
+def test_checkpointing_recomputes_nothing_after_the_last_checkpoint():
+    """The backward starts with the head (final norm, logits, loss) right after the forward
+    made it: with a checkpoint after the last block, the logits product (a 49k vocabulary's
+    is the largest of the step) runs once, while each block's products run twice."""
+    cfg = LlamaConfig(n_vocab=40, n_embd=16, n_head=2, n_layer=2, n_ff=24, n_ctx=8)
+    g = build_train_graph(cfg, init_parameters(cfg, seed=1), BATCH)
+    grads = gg.build_backward(g.loss, list(g.params.values()), checkpoints=g.checkpoints)
+    nodes = NumpyBackend().plan([g.loss, *grads.values()]).nodes
+    products = [n for n in nodes if n.op == "mul_mat"]
+    logits = [n for n in products if n.shape == (BATCH * cfg.n_ctx, cfg.n_vocab)]
+    ffn_wide = [n for n in products if n.shape == (BATCH, cfg.n_ctx, cfg.n_ff)]
+    # per block: gate and up, in the forward and recomputed; the gradient of down's input
+    assert len(logits) == 1 and len(ffn_wide) == (2 * 2 + 1) * cfg.n_layer
+
+
 IGNORED = [(0, 1), (1, 4), (1, 0)]
 
 

@@ -304,6 +304,8 @@ class WgpuPlan(Plan):
         self._stage_commands = {}     # stage -> _commands_of its dispatches
         self._staging = None
         self._timer = None
+        # host time of the last run(): (all of it, recording and submitting the dispatches)
+        self.host_seconds = None
 
     def _record(self, i: int) -> tuple:
         """(pipeline, bind group, grid) of dispatch i, on the buffers of self.buffers."""
@@ -384,12 +386,16 @@ class WgpuPlan(Plan):
         return u
 
     def run(self, feeds=None, stage=None):
+        start = time.perf_counter()
         for t, value in (feeds or {}).items():
             self.write(t, value)
+        written = time.perf_counter()
         device = self.backend.device
         encoder = device.create_command_encoder()
         self.encode(encoder, stage=stage)
         device.queue.submit([encoder.finish()])
+        done = time.perf_counter()
+        self.host_seconds = (done - start, done - written)
 
     def encode(self, encoder, timestamp_writes=None, stage=None):
         """Record every dispatch of the graph (or of `stage`'s nodes) into one compute pass

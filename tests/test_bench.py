@@ -1,0 +1,112 @@
+"""`bench train`'s published shapes: they build and plan, the memory report's minimum, the
+LoRA-on-q4_0 budget, dispatches per layer. Planned at reduced depth, never timed."""
+import dataclasses
+import json
+import math
+from collections import Counter
+
+import pytest
+from click.testing import CliRunner
+
+from ggwgpu.backends import ENV_VAR, NumpyBackend
+from ggwgpu.models.llama import parameter_shapes
+from ggwgpu_cli import bench as cli_bench
+from ggwgpu_cli import main as cli_main
+
+# one block of a small LoRA finetune on a q4_0 base: small enough to count by hand
+HAND = cli_bench.BenchConfig(dict(n_vocab=64, n_embd=64, n_head=4, n_head_kv=2, n_layer=1,
+                                  n_ff=128, n_ctx=8, tied_embeddings=True),
+                             batch=2, base="q4_0", lora_rank=4, checkpointing=True)
+
+
+@pytest.fixture
+def hand_config(monkeypatch):
+    monkeypatch.setitem(cli_bench.BENCH_TRAIN_CONFIGS, "hand", HAND)
+    return "hand"
+
+
+def trainer(name, backend=None, **changes):
+    cfg, options = cli_bench.bench_model(name, **changes)
+    return cli_bench.bench_trainer(name, backend or NumpyBackend(), cfg, options,
+                                   cli_bench.bench_weights(name, cfg))
+
+
+@pytest.mark.parametrize("name, n_params", [("smollm-135m", 134_515_008),
+                                            ("smollm-360m", 361_821_120)])
+def test_the_published_shapes_have_the_published_parameter_counts(name, n_params):
+    cfg, options = cli_bench.bench_model(name)
+    assert sum(math.prod(s) for s in parameter_shapes(cfg).values()) == n_params
+    assert cfg.head_dim == 64 and cfg.tied_embeddings and cfg.n_vocab == 49152
+    assert options.checkpointing and cli_bench.BENCH_TRAIN_CONFIGS[name].lora
+
+
+@pytest.mark.parametrize("name", [n for n in cli_bench.BENCH_TRAIN_CONFIGS
+                                  if n.startswith("smollm")])
+def test_every_published_shape_builds_and_plans_at_two_layers(name):
+    """The step is built, differentiated and its dispatches enumerated (no storage); the
+    vocabulary cut to 2048 for speed (the one above checks the shapes' own)."""
+    config = cli_bench.BENCH_TRAIN_CONFIGS[name]
+    plan = trainer(name, cli_bench.DispatchCounter(), n_layer=2, n_vocab=2048).plan
+    # a pair (2 tensors) on each of a block's 7 matrices; or 9 tensors a block, the
+    # embedding and the output norm (tied: no output matrix)
+    assert plan.counts["opt_step_adamw"] == (2 * 7 * 2 if config.lora else 9 * 2 + 2)
+    assert ("mul_mat_q" in plan.counts) == config.lora
+
+
+def test_the_memory_minimum_of_a_small_lora_step_is_counted_by_hand(hand_config):
+    t = trainer(hand_config)
+    r = cli_bench.memory_against_minimum(t, HAND)
+    # q4_0: 18 bytes per 32 values; embd 64, q 64, k/v 32 rows, ff 128; f32 norms
+    base = 18 * (64 * 64 + 64 * 64 + 2 * 32 * 64 + 64 * 64 + 3 * 128 * 64) // 32 + 3 * 64 * 4
+    # rank 4 pairs, (4 x n_in) + (n_out x 4) floats, on q, k, v, o, gate, up, down
+    trained = 4 * 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64) + 3 * (64 + 128))
+    # tokens, targets, target weights (2 x 8 each), positions (8), AdamW's 7 hyper-parameters
+    inputs = 4 * (3 * 16 + 8 + 7)
+    m = t.plan.memory()
+    assert r["minimum"] == {"base weights": base, "trained weights": trained,
+                            "optimizer moments": 2 * trained, "inputs": inputs,
+                            "gradients": trained, "activations at the peak": m["activations"]}
+    assert (base, trained) == (23_808, 16_384)
+    assert r["minimum_bytes"] == base + 4 * trained + inputs + m["activations"]
+    assert r["planned_bytes"] == m["planned"] == sum(r["planned"].values())
+    assert r["ratio"] == m["planned"] / r["minimum_bytes"] and r["kind"] == "lora"
+
+
+def test_a_lora_finetune_of_the_135m_shape_on_q4_0_plans_within_1_5x_the_minimum():
+    r = cli_bench.memory_against_minimum(trainer("smollm-135m", n_layer=4),
+                                         cli_bench.BENCH_TRAIN_CONFIGS["smollm-135m"])
+    assert r["ratio"] <= cli_bench.MEMORY_BUDGET["lora"] == 1.5
+    assert r["minimum"]["base weights"] > 10 * r["minimum"]["trained weights"] > 0
+
+
+def test_dispatches_per_layer_add_up_to_the_step_exactly(hand_config, wgpu):
+    """rest + n * per layer is the step's count, per op, for the wgpu plan at 2, 3 and 4
+    layers; a LoRA layer has 3 scales per pair (forward, recomputed, backward) and
+    attention's 3, and one input gradient through each of its 7 frozen matrices."""
+    cfg, _ = cli_bench.bench_model(hand_config, n_layer=4)
+    d = cli_bench.dispatches_per_layer(hand_config, wgpu, cfg)
+    assert d["per_layer"]["scale"] == 3 * 7 + 3 and d["per_layer"]["mul_mat_q_back"] == 7
+    for n_layer in (2, 3, 4):
+        plan = trainer(hand_config, wgpu, n_layer=n_layer).plan
+        counted = {op: d["rest"].get(op, 0) + n_layer * d["per_layer"].get(op, 0)
+                   for op in set(d["rest"]) | set(d["per_layer"])}
+        assert Counter(plan.dispatch_ops) == Counter({op: n for op, n in counted.items() if n})
+
+
+def test_bench_train_of_a_lora_shape_says_why_torch_has_no_peer(tmp_path, monkeypatch):
+    """The command on the 135M shape's LoRA step, at 2 layers and (for speed) a vocabulary
+    of 2048 and 32 tokens a row, on NumPy."""
+    config = cli_bench.BENCH_TRAIN_CONFIGS["smollm-135m"]
+    monkeypatch.setitem(cli_bench.BENCH_TRAIN_CONFIGS, "smollm-135m", dataclasses.replace(
+        config, model={**config.model, "n_vocab": 2048, "n_ctx": 32}))
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(cli_main.cli, ["--backend", "numpy", "bench", "train",
+                                               "--config", "smollm-135m", "--layers", "2",
+                                               "--json", str(out)], env={ENV_VAR: None})
+    assert result.exit_code == 0, result.output
+    assert "2 layers" in result.output and "1 warm-up + 1 timed step per backend" in result.output
+    assert "(no peer: PyTorch has no q4_0 matmul" in result.output
+    assert "planned / minimum" in result.output and "within the lora budget 1.5" in result.output
+    report = json.loads(out.read_text())
+    assert report["n_layer"] == 2 and report["tokens_per_s"]["numpy"] > 0
+    assert 1 <= report["memory"]["ratio"] <= 1.5
