@@ -15,6 +15,8 @@ import tempfile
 
 import click
 
+from ggwgpu.files import replace_problem
+
 try:
     import fcntl
 except ImportError:       # not POSIX: runs are not locked
@@ -55,8 +57,9 @@ def check_outputs(inputs, outputs, may_be=()):
 def check_writable(what, path):
     """The output's directory takes a new file (write permission, not a read-only file
     system): checked by creating one, before any work."""
-    if os.path.isdir(path):
-        raise click.UsageError(f"{what} {path} is a directory")
+    problem = replace_problem(path)
+    if problem:
+        raise click.UsageError(f"{what} {path} {problem}")
     directory = os.path.dirname(os.path.abspath(path))
     try:
         with tempfile.TemporaryFile(dir=directory, prefix=".ggwgpu-probe-"):

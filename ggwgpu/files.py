@@ -34,6 +34,22 @@ def regular_file_problem(path) -> str | None:
     return None
 
 
+def replace_problem(path) -> str | None:
+    """Why an output cannot be written to `path` by renaming a new file onto it (as every
+    writer here does): it exists and is a directory, a device, a FIFO or a socket (renaming
+    onto /dev/null as root would replace the device), or None."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None         # missing (or unreadable): the write itself says what fails
+    if stat.S_ISDIR(mode):
+        return "is a directory"
+    if not stat.S_ISREG(mode):
+        return ("exists and is not a regular file (a device, a FIFO or a socket); ggwgpu "
+                "writes outputs as new files renamed into place")
+    return None
+
+
 def max_text_bytes() -> int:
     """The size bound of texts: $GGWGPU_MAX_TEXT_BYTES if set (a positive integer), else
     MAX_TEXT_BYTES."""

@@ -72,7 +72,7 @@ import numpy as np
 from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType,
                   GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
-from .files import regular_file_problem
+from .files import regular_file_problem, replace_problem
 from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
 from .quant import TYPES, Quantized, dequantize, is_finite, type_of_ggml
 from .tensor import ShapeError
@@ -423,8 +423,9 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
     (or interrupt) the temporary file is removed and the old `path` is untouched."""
     path = Path(path)
     directory = path.parent
-    if path.is_dir():
-        raise GGUFError(f"{path}: cannot write: is a directory")
+    problem = replace_problem(path)
+    if problem:
+        raise GGUFError(f"{path}: cannot write: {problem}")
     if not directory.is_dir():
         raise GGUFError(f"{path}: cannot write: directory {directory} does not exist")
     remove_stale_temps(path)

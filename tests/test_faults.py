@@ -7,6 +7,7 @@ import errno
 import json
 import os
 import shlex
+import stat
 import signal
 import subprocess
 import sys
@@ -446,6 +447,31 @@ def test_no_command_writes_over_its_input(tmp_path, case):
     assert words.format(**files) in r.output and "Traceback" not in r.output
     assert " on numpy" not in r.output            # refused before any work
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("args", [
+    ["train", "{t}", "--out", "{f}"],
+    ["finetune", "{b}", "{t}", "--checkpoint-out", "{f}"],
+    ["quantize", "{b}", "{f}"],
+    ["demo", "baby-llama", "--png", "{f}"],
+])
+def test_no_output_replaces_a_device_or_fifo_node(tmp_path, args):
+    """Outputs are new files renamed into place: onto a device node (as root, /dev/null or
+    /dev/zero) that would replace the device. A FIFO stands in for one here."""
+    files = dict(t=tmp_path / "text.txt", b=tmp_path / "base.gguf", f=tmp_path / "fifo")
+    files["t"].write_text(TEXT)
+    base_model(files["b"])
+    os.mkfifo(files["f"])
+    args = [a.format(**files) for a in args]
+    if args[0] in ("train", "finetune"):
+        args += ["--steps", "1", "--batch", "2"] + (TINY_ARGS if args[0] == "train" else [])
+    r = run_cli(["--backend", "numpy", *args])
+    assert r.exit_code == 2, r.output
+    assert f"{files['f']} exists and is not a regular file" in r.output
+    assert stat.S_ISFIFO(os.lstat(files["f"]).st_mode)
+    with pytest.raises(gguf_io.GGUFError, match="exists and is not a regular file"):
+        gguf_io.save_model(files["f"], *gguf_io.load_model(files["b"])[:2], ByteTokenizer())
+    assert stat.S_ISFIFO(os.lstat(files["f"]).st_mode)
 
 
 def test_an_output_directory_that_cannot_be_written_fails_before_training(tmp_path,
