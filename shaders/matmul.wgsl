@@ -5,6 +5,7 @@
 // Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
 // k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
 // arranges, and are chosen per adapter.
+// #include product
 
 // k_mul_mat: any strides (out_prod's transposed views, K % 4 != 0). Each invocation
 // computes a 4x4 tile of dst in registers.
@@ -36,10 +37,7 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
         acc[3] += av * src1[b_row.w + kb];
     }
     for (var j = 0u; j < 4u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[base.x + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
-        }
+        if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
     }
 }
 

@@ -12,6 +12,7 @@
 // unrolled broadcasts (their lane must be a constant) keep everything in registers.
 // Needs subgroups of at least 8 invocations (lavapipe: the SIMD width, 8 or 16); the
 // backend picks this kernel only there. Operands as for k_mul_mat_tiled.
+// #include product
 
 fn times4(a: array<vec4f, 4>, b: vec4f) -> vec4f {
     return vec4f(dot(a[0], b), dot(a[1], b), dot(a[2], b), dot(a[3], b));

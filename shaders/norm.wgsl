@@ -2,6 +2,7 @@
 // src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides
 // (row_start and workgroup_sum4 in common.wgsl). rms_norm_mul(_back) add a weight w that
 // tiles x (ggml broadcasting).
+// #include row_kernels
 
 // 1 / sqrt(mean(x^2) + eps) of the row of src0 that starts at r.
 fn rms_scale(lid: u32, r: vec4u) -> f32 {

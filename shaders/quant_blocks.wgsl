@@ -3,6 +3,7 @@
 // bound as u32 words: p.off.y is where they start, in words. Blocks of 18, 22, 34, 110 and
 // 210 bytes are only 2-byte aligned, so bytes come out of words by shifts, and f16 scales
 // through unpack2x16float: no shader-f16 feature needed.
+// #include common
 
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
 

@@ -8,8 +8,9 @@
 // That streaming is written out for the types of the models at hand (f16, bf16, q8_0, q4_0,
 // q4_1); the others read their 4 rows through coef() and codes() (quant_blocks.wgsl), each
 // row's scale once per 16 values, still sharing x.
+// #include product
 
-//#include quant_blocks.wgsl
+// #include quant_blocks
 
 // The 4 bytes from byte 2 of the pair of words (w, next) on, or `next` itself when the
 // block starts at byte 2 of w (s = 16): q8_0 and q4_0 blocks are only 2-byte aligned, and
@@ -155,10 +156,9 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
     let m0 = (g % bm) * 32u + lane * 4u;
     let n0 = ((g / bm) % bn) * 16u;
     let batch = g / (bm * bn);
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let x_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let offsets = batch_offsets(batch);
+    let w_base = offsets.y;
+    let x_base = p.off.z + offsets.z;
     // rows in values; x rows in vec4s
     let row = vec4u(w_base + min(m0, M - 1u) * K, w_base + min(m0 + 1u, M - 1u) * K,
                     w_base + min(m0 + 2u, M - 1u) * K, w_base + min(m0 + 3u, M - 1u) * K);
@@ -237,12 +237,8 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
             }
         }
     }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, m0, acc[j]); }
     }
 }
 
@@ -382,10 +378,9 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     let k0 = min(kb + lane * 4u, K - 4u);                 // f16 rows may end mid-block
     let n0 = ((g / bk) % bn) * 16u;
     let batch = g / (bk * bn);
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let g_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let offsets = batch_offsets(batch);
+    let w_base = offsets.y;
+    let g_base = p.off.z + offsets.z;
     let g0 = g_base + min(n0 + lane, N - 1u) * p.nb_1.y;
     let g1 = g_base + min(n0 + 8u + lane, N - 1u) * p.nb_1.y;
     var acc: array<vec4f, 16>;  // acc[j]: dst[n0 + j, k0 .. k0 + 3]
@@ -411,11 +406,7 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
                 vec4f(src1_v4[ib / 4u][ib % 4u], 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            dst[d_base + (n0 + j) * p.nb_d.y + (k0 + r) * p.nb_d.x] = acc[j][r];
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
     }
 }

@@ -1,4 +1,5 @@
 // Reductions and tiling.
+// #include row_kernels
 
 // sum: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g]
 // (dst contiguous). Sums longer than one span run twice: partial sums, then their sum

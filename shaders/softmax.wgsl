@@ -1,7 +1,6 @@
-// Softmax family. Row kernels (common.wgsl): one workgroup per row of src0, p.n rows; every
+// Softmax family. Row kernels (row_kernels.wgsl): one workgroup per row of src0, p.n rows; every
 // tensor of a row kernel has src0's shape (a mask tiles it), any strides.
-
-const LOWEST: f32 = -3.40282347e+38;  // the max of an empty set (WGSL has no -inf literal)
+// #include row_kernels
 
 // Online softmax statistics: x = running max m, y = sum of exp(v - m); z, w plain sums.
 // Adding v rescales the sum whenever the max grows, so one pass over the row suffices.

@@ -9,7 +9,7 @@ import pytest
 import ggwgpu as gg
 from ggwgpu import testing
 from ggwgpu.backends.wgpu_backend import (MATMUL_ENV, kernel_name, matmul_variant, row_variant,
-                                          shader_dir)
+                                          shader_source)
 from ggwgpu.ops import OPS
 from ggwgpu.ops.norm import ROW_VARIANTS, ROWWISE_MAX
 
@@ -65,7 +65,7 @@ def test_registry_entry_is_complete(name):
     kernels = {(opdef.shader, opdef.entry)} | {(d.shader or opdef.shader, d.entry)
                                                for c in cases for d in dispatches_of(opdef, c)}
     for stem, entry in kernels:
-        source = (shader_dir() / f"{stem}.wgsl").read_text()
+        source = shader_source(stem)    # includes resolved, generated kernels in place
         assert re.search(rf"\bfn {kernel_name(entry)}\(", source), \
             f"{name}: no entry point {kernel_name(entry)} in shaders/{stem}.wgsl"
 

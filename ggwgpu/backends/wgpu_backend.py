@@ -19,6 +19,7 @@ import numpy as np
 import wgpu
 
 from ..ops import OPS
+from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
 from . import wgpu_direct
 from .base import Backend, Plan, guarded_block
@@ -73,13 +74,43 @@ def shader_dir() -> Path:
     raise FileNotFoundError(f"WGSL shaders not found next to {here}")
 
 
-def shader_source(stem: str) -> str:
-    """The common header followed by the op family's file, in which a line
-    `//#include NAME.wgsl` stands for that file's text (code two files share)."""
-    d = shader_dir()
-    text = re.sub(r"^//#include (\w+\.wgsl)$", lambda m: (d / m[1]).read_text(),
-                  (d / f"{stem}.wgsl").read_text(), flags=re.M)
-    return (d / "common.wgsl").read_text() + "\n" + text
+class ShaderError(ValueError):
+    """A shader that cannot be put together: a missing include or an include cycle."""
+
+
+INCLUDE = re.compile(r"//\s*#include\s+(\S+)\s*")
+
+
+def shader_source(stem: str, folder: Path | None = None) -> str:
+    """The WGSL of <stem>.wgsl (in `folder`, else shader_dir()) with its includes resolved:
+    a line `// #include NAME` stands for NAME.wgsl, itself resolved the same way, or for
+    the code ops/registry.py's GENERATED_WGSL[NAME] makes from a Python table. Each part
+    comes in once, where it is first included, so families share code without copies.
+    A missing part or an include cycle raises ShaderError naming the file and line."""
+    return _compose(stem, folder or shader_dir(), (), set())
+
+
+def _compose(name: str, folder: Path, stack: tuple, done: set) -> str:
+    stack = (*stack, name)
+    done.add(name)
+    text = GENERATED_WGSL[name]() if name in GENERATED_WGSL else \
+        (folder / f"{name}.wgsl").read_text()
+    out = []
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        found = INCLUDE.fullmatch(line.rstrip("\n"))
+        if not found:
+            out.append(line)
+            continue
+        part, where = found[1], f"shader {name}.wgsl line {number}"
+        if part in stack:
+            raise ShaderError(f"{where}: include cycle {' -> '.join((*stack, part))}")
+        if part in done:
+            continue
+        if part not in GENERATED_WGSL and not (folder / f"{part}.wgsl").is_file():
+            raise ShaderError(f"{where}: includes {part!r}, but there is no {part}.wgsl "
+                              f"in {folder}")
+        out.append(_compose(part, folder, stack, done))
+    return "".join(out)
 
 
 # Words of the WGSL types a Params field may have, and their alignment in words (WGSL's
