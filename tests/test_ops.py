@@ -8,10 +8,10 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu import testing
-from ggwgpu.backends.wgpu_backend import (MATMUL_ENV, kernel_name, matmul_variant, row_variant,
-                                          shader_source)
+from ggwgpu.backends.wgpu_backend import kernel_name, shader_source
+from ggwgpu.kernels import (MATMUL_ENV, ROW_VARIANTS, ROWWISE_MAX, matmul_variant,
+                            row_variant)
 from ggwgpu.ops import OPS
-from ggwgpu.ops.norm import ROW_VARIANTS, ROWWISE_MAX
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import wgpu
 
+from ..kernels import choose_variants
 from ..ops import OPS
 from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
@@ -173,32 +174,6 @@ def request_adapter():
 PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
-MATMUL_ENV = "GGWGPU_MATMUL"
-
-
-def matmul_variant(adapter, device) -> str:
-    """The vec4 matmul kernel for this adapter (ops/matmul.py VEC4_KERNELS), or the one
-    $GGWGPU_MATMUL names. 'subgroup' where it was measured fastest: lavapipe, whose
-    subgroups are its SIMD lanes (8 or 16, as the kernel needs); 'tiled' everywhere else."""
-    forced = os.environ.get(MATMUL_ENV)
-    if forced:
-        if forced not in OPS["mul_mat"].variants:
-            raise ValueError(f"${MATMUL_ENV}={forced!r}: choose one of "
-                             f"{', '.join(OPS['mul_mat'].variants)}")
-        return forced
-    info = adapter.info
-    lanes = (info.get("adapter_type") == "CPU" and info.get("vendor") == "llvmpipe"
-             and "subgroup" in device.features)
-    return "subgroup" if lanes else "tiled"
-
-
-def row_variant(adapter) -> str:
-    """The kernels of the row ops (ops/norm.py ROW_VARIANTS): 'rowwise', one invocation per
-    row, on CPU adapters, where workgroup barriers cost more than a row of work (lavapipe,
-    `bench ops` tiny: soft_max 15x, rms_norm_mul 5x faster); 'workgroup' everywhere else."""
-    return "rowwise" if adapter.info.get("adapter_type") == "CPU" else "workgroup"
-
-
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -217,12 +192,7 @@ class WgpuBackend(Backend):
         self.device = self.adapter.request_device_sync(
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
-        matmul = matmul_variant(self.adapter, self.device)
-        rows = row_variant(self.adapter)
-        # the quantized products follow matmul: their subgroup kernels want the same adapters
-        self.kernel_variants = {"matmul": matmul,
-                                "quant": "subgroup" if matmul == "subgroup" else "portable",
-                                "norm": rows, "softmax": rows}
+        self.kernel_variants = choose_variants(self.adapter, self.device)
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,

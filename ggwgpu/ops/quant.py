@@ -22,20 +22,13 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
+from ..kernels import QUANT_KERNELS, TYPE_CODE
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_ref, product_shape, vec4_ready
 from .registry import Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
-# p.u.x of the portable kernels: the table's order (the constants of shaders/quant_blocks.wgsl)
-TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
-# The kernels of mul_mat_q and mul_mat_q_back by variant, chosen per adapter as matmul's are
-# (WgpuBackend.kernel_variants): 'portable' (quant.wgsl) runs anywhere; 'subgroup'
-# (quant_subgroup.wgsl) shares loads through subgroup broadcasts, as CPU adapters want.
-# Per variant: (shader file, tile of the forward (M, N), tile of the backward (K, N)).
-KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
-           "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
 
 
 def check_frozen(w):
@@ -73,7 +66,7 @@ def mul_mat_q_dispatch(node, variant="portable"):
     """The kernel reads x as vec4s (K is a multiple of 4): an x not laid out for that is
     first copied into dispatch-private contiguous storage, as mul_mat does."""
     w, x = node.srcs
-    shader, (tile_m, tile_n), _ = KERNELS[variant]
+    shader, (tile_m, tile_n), _ = QUANT_KERNELS[variant]
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
     copy = []
@@ -111,7 +104,7 @@ def frozen_cases(shapes, grad_limit=400):
 mul_mat_q = register(
     "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
     reference=lambda w, x: mul_mat_ref(values(w).astype(x.dtype), x),
-    dispatches=mul_mat_q_dispatch, variants=tuple(KERNELS), no_grad=(0,),
+    dispatches=mul_mat_q_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 32))),
@@ -144,7 +137,7 @@ def mul_mat_q_back_dispatch(node, variant="portable"):
     w, g = node.srcs
     k, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (k * n)
-    shader, _, (tile_k, tile_n) = KERNELS[variant]
+    shader, _, (tile_k, tile_n) = QUANT_KERNELS[variant]
     groups = tiles(k, tile_k) * tiles(n, tile_n) * batches
     if variant == "portable":  # one invocation per tile
         return [Dispatch("mul_mat_q_back", node, (w, g), n=groups, u=(TYPE_CODE[w.dtype],))]
@@ -156,7 +149,7 @@ def mul_mat_q_back_dispatch(node, variant="portable"):
 mul_mat_q_back = register(
     "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
     reference=lambda w, g: mul_mat_ref(np.swapaxes(values(w), -1, -2).astype(g.dtype), g),
-    dispatches=mul_mat_q_back_dispatch, variants=tuple(KERNELS), no_grad=(0,),
+    dispatches=mul_mat_q_back_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 5))),
