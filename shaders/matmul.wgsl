@@ -15,11 +15,10 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 3u) / 4u;
-    let bn = (N + 3u) / 4u;
-    let m0 = (t % bm) * 4u;
-    let n0 = ((t / bm) % bn) * 4u;
-    let base = product_bases(t / (bm * bn));
+    let tile = product_tile(t, 4u, 4u);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     var a_row: vec4u;
     var b_row: vec4u;
     for (var r = 0u; r < 4u; r++) {
@@ -58,11 +57,10 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K4 = p.ne_0.x / 4u;
-    let bm = (M + TILE - 1u) / TILE;
-    let bn = (N + TILE - 1u) / TILE;
-    let m0 = (g % bm) * TILE;
-    let n0 = ((g / bm) % bn) * TILE;
-    let base = product_bases(g / (bm * bn));
+    let tile = product_tile(g, TILE, TILE);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     // staging: this invocation loads row `row` of the tile, vec4 number `kq` of the step
     let row = lid / TILE_K4;
     let kq = lid % TILE_K4;

@@ -15,6 +15,14 @@ fn batch_offsets(batch: u32) -> vec3u {
 // The same offsets in the buffers (the tensors' offsets added).
 fn product_bases(batch: u32) -> vec3u { return p.off.xyz + batch_offsets(batch); }
 
+// Tile t of dst cut in tiles of tm columns (m) x tn rows (n), numbered along m first, then n,
+// then the batch entries: (first m, first n, batch entry).
+fn product_tile(t: u32, tm: u32, tn: u32) -> vec3u {
+    let bm = (p.ne_d.x + tm - 1u) / tm;
+    let bn = (p.ne_d.y + tn - 1u) / tn;
+    return vec3u((t % bm) * tm, ((t / bm) % bn) * tn, t / (bm * bn));
+}
+
 // Writes dst[n, m .. m + 3] of a product (dst base offset d) through dst_v4: one vec4 store
 // where dst rows allow it, else element by element; columns >= M are skipped.
 fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {

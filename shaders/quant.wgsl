@@ -20,13 +20,10 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 3u) / 4u;
-    let bn = (N + 7u) / 8u;
-    let m0 = (t % bm) * 4u;
-    let rest = t / bm;
-    let n0 = (rest % bn) * 8u;
-    let batch = rest / bn;
-    let offsets = batch_offsets(batch);
+    let tile = product_tile(t, 4u, 8u);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
     let w_base = offsets.y;
     let x_base = p.off.z + offsets.z;
     var w_row: vec4u;
@@ -60,13 +57,10 @@ fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     let K = p.ne_d.x;
     let N = p.ne_d.y;
     let M = p.ne_0.y;
-    let bk = K / 4u;
-    let bn = (N + 7u) / 8u;
-    let k0 = (t % bk) * 4u;
-    let rest = t / bk;
-    let n0 = (rest % bn) * 8u;
-    let batch = rest / bn;
-    let offsets = batch_offsets(batch);
+    let tile = product_tile(t, 4u, 8u);                // dst is [.., N, K]: k along x
+    let k0 = tile.x;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
     let w_base = offsets.y + k0;
     let g_base = p.off.z + offsets.z;
     var g_row: array<u32, 8>;

@@ -151,12 +151,10 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let m0 = (g % bm) * 32u + lane * 4u;
-    let n0 = ((g / bm) % bn) * 16u;
-    let batch = g / (bm * bn);
-    let offsets = batch_offsets(batch);
+    let tile = product_tile(g, 32u, 16u);
+    let m0 = tile.x + lane * 4u;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
     let w_base = offsets.y;
     let x_base = p.off.z + offsets.z;
     // rows in values; x rows in vec4s
@@ -372,13 +370,11 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     let K = p.ne_d.x;
     let N = p.ne_d.y;
     let M = p.ne_0.y;
-    let bk = (K + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let kb = (g % bk) * 32u;                              // the block's first k
+    let tile = product_tile(g, 32u, 16u);                 // dst is [.., N, K]: k along x
+    let kb = tile.x;                                      // the block's first k
     let k0 = min(kb + lane * 4u, K - 4u);                 // f16 rows may end mid-block
-    let n0 = ((g / bk) % bn) * 16u;
-    let batch = g / (bk * bn);
-    let offsets = batch_offsets(batch);
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
     let w_base = offsets.y;
     let g_base = p.off.z + offsets.z;
     let g0 = g_base + min(n0 + lane, N - 1u) * p.nb_1.y;
