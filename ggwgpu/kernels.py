@@ -44,9 +44,14 @@ ROW_VARIANTS = ("workgroup", "rowwise")
 # loops over a 64th of the row.
 ROWWISE_MAX = 16384
 
-# p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES (the
-# constants of shaders/quant_blocks.wgsl, which a test holds to it).
+# p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES.
 TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
+
+
+def type_codes_wgsl() -> str:
+    """TYPE_CODE as WGSL constants (F16 = 0u, ...), which the quantized kernels branch on;
+    shaders include them as `quant_type_codes` (ops/quant.py registers it)."""
+    return "".join(f"const {name.upper()}: u32 = {code}u;\n" for name, code in TYPE_CODE.items())
 
 
 def row_kernel(variant: str, row_len: int) -> str:

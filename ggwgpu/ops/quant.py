@@ -22,11 +22,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..kernels import QUANT_KERNELS, TYPE_CODE
+from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_ref, product_shape, vec4_ready
-from .registry import Case, Dispatch, Input, need_f32, register
+from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
 
@@ -196,5 +196,7 @@ get_rows_q = register(
     doc="get_rows from a frozen table: table [n_rows, n_cols] in a block type, int32 "
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
+
+GENERATED_WGSL["quant_type_codes"] = type_codes_wgsl
 
 __all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]
