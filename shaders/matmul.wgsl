@@ -1,7 +1,7 @@
 // mul_mat (ggml semantics): src0 a [.., M, K], src1 b [.., N, K] -> dst [.., N, M],
 // dst[n, m] = sum_k a[m, k] * b[n, k]. In ggml order: ne_0 = (K, M, a2, a3),
 // ne_1 = (K, N, b2, b3), ne_d = (M, N, b2, b3); a is broadcast over b's batch entries
-// (product_bases in common.wgsl). Out-of-range rows are clamped on load, skipped on store.
+// (product_bases in product.wgsl). Out-of-range rows are clamped on load, skipped on store.
 // Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
 // k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
 // arranges, and are chosen per adapter.
