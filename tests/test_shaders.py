@@ -20,7 +20,8 @@ def test_includes_are_resolved_once_each_in_first_include_order(tmp_path, monkey
     monkeypatch.setitem(GENERATED_WGSL, "made", lambda: "fn made() {}\n")
     write(tmp_path, top="// #include mid\n// #include base\nfn top() {}\n// #include made\n",
           mid="// #include base\nfn mid() {}\n", base="fn base() {}\n")
-    assert shader_source("top", tmp_path) == "fn base() {}\nfn mid() {}\nfn top() {}\nfn made() {}\n"
+    assert shader_source("top", tmp_path) == \
+        "fn base() {}\nfn mid() {}\nfn top() {}\nfn made() {}\n"
 
 
 def test_a_missing_include_is_refused_naming_file_and_line(tmp_path):
