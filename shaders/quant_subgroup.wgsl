@@ -73,78 +73,9 @@ fn mac16(acc: ptr<function, array<vec4f, 16>>, w: array<vec4f, 4>, x0: vec4f, x1
 // n0 + lane and n0 + 8 + lane. Per block of 32 values a lane reads 4 x 9 (q8_0) or 4 x 5
 // (q4_0, q4_1) words of weight and 2 x 32 floats of x, for 2048 multiply-adds.
 // One entry point per type, so that the type is a constant the compiler folds away
-// (measured on lavapipe: a quarter faster than branching on p.u.x).
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
-                            @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(F16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(BF16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q8_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q2_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q3_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q6_K, lane, flat_group(wid, nwg));
-}
+// (measured on lavapipe: a quarter faster than branching on p.u.x); ops/quant.py generates
+// them from the type codes, here and for k_mul_mat_q_back_subgroup_<type>.
+// #include mul_mat_q_subgroup_entries
 
 fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
     if (g >= p.n) { return; }  // the whole workgroup
@@ -245,77 +176,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
 // lane `lane` owns k0 .. k0 + 3 and loads g of tokens n0 + lane and n0 + 8 + lane. Per weight
 // row m a lane reads 2 words of the block (its 4 values; q4_0 and q8_0 take d from lane 0's
 // first word); per 4 rows 2 vec4s of g, for 256 multiply-adds.
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
-                                 @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(F16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(BF16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q8_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q2_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q3_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q6_K, lane, flat_group(wid, nwg));
-}
+// #include mul_mat_q_back_subgroup_entries
 
 // The 4 values k0 .. k0 + 3 of the weight row starting at value e, block kb .. kb + 31 of
 // it (each lane of the subgroup asks for its 4 values of the same block).

@@ -19,6 +19,8 @@ whole, contiguous tensors (a constant or a reshape of one).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from .. import ops as O
@@ -197,6 +199,24 @@ get_rows_q = register(
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
 
+# quant_subgroup.wgsl's entry points, one per kernel and type: the type a constant the
+# compiler folds away.
+SUBGROUP_ENTRY = """
+@compute @workgroup_size(8)
+fn k_{kernel}_{dtype}(@builtin(subgroup_invocation_id) lane: u32,
+        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
+    {kernel}({const}, lane, flat_group(wid, nwg));
+}}
+"""
+
+
+def subgroup_entries(kernel: str) -> str:
+    return "".join(SUBGROUP_ENTRY.format(kernel=kernel, dtype=name, const=name.upper())
+                   for name in TYPE_CODE)
+
+
 GENERATED_WGSL["quant_type_codes"] = type_codes_wgsl
+for _kernel in ("mul_mat_q_subgroup", "mul_mat_q_back_subgroup"):
+    GENERATED_WGSL[f"{_kernel}_entries"] = partial(subgroup_entries, _kernel)
 
 __all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]
