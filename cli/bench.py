@@ -21,8 +21,10 @@ import ggwgpu
 
 try:
     from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+    from .outputs import check_writable
 except ImportError:  # run as a script: python cli/main.py
     from common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+    from outputs import check_writable
 
 # (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
 # layer (d_model 256, ffn 768, 512 tokens) and the classic cube.
@@ -39,6 +41,8 @@ CONFIG_HELP = ("tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; sm
                "2048, embd 256, 8 heads, 8 layers, ff 704, ctx 128; batch 8 for both.")
 
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
+                           callback=lambda ctx, param, path: path and (
+                               check_writable("--json", path) or path),
                            help="Also write the numbers as JSON to this file.")
 config_option = click.option("--config", "config_name", default="tiny", show_default=True,
                              type=click.Choice(sorted(BENCH_TRAIN_CONFIGS)), help=CONFIG_HELP)

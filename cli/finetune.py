@@ -19,19 +19,21 @@ from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 try:
     from .common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
                          select_backend, with_context)
+    from .outputs import check_outputs
     from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                            describe_examples, device_errors, example_batches, example_sets,
-                           existing_directory, is_root, local_batch, mpi_world, read_text,
-                           resume_args, steps_of, train_options, training_loop,
-                           training_options, training_samples)
+                           existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                           read_text, resume_args, resume_data, resumed_options, steps_of,
+                           train_options, training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
                         select_backend, with_context)
+    from outputs import check_outputs
     from training import (Validation, across_ranks, data_options, default_checkpoint_path,
                           describe_examples, device_errors, example_batches, example_sets,
-                          existing_directory, is_root, local_batch, mpi_world, read_text,
-                          resume_args, steps_of, train_options, training_loop,
-                          training_options, training_samples)
+                          existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                          read_text, resume_args, resume_data, resumed_options, steps_of,
+                          train_options, training_loop, training_options, training_samples)
 
 
 def parse_layers(ctx, param, value):
@@ -101,12 +103,18 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     from ggwgpu.models.llama import build_train_graph
     from ggwgpu.quant import Quantized, dequantize
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, TrainOptions, logits_bound
+    from ggwgpu.train import Trainer, logits_bound
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
     samples_after_nl = kw["samples_after_nl"]
     mode = "full" if full else "lora"
+    checkpoint_path = checkpoint_out or default_checkpoint_path(out)
+    guard_outputs(ctx, [("BASE", base), *(("TEXTS", t) for t in kw["texts"]),
+                        ("--checkpoint-in", checkpoint_in),
+                        ("--chat-template", kw["chat_template"]), *data_files(kw["data_path"])],
+                  out, checkpoint_path, kw,
+                  more=[("the best weights", best_path(out))] if kw["data_path"] else [])
     try:
         cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
     except gguf_io.GGUFError as e:
@@ -141,9 +149,13 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
             raise click.UsageError(f"{checkpoint_in} finetunes another base model (digest "
                                    f"{state.get('base')}; {base} is {base_digest}): resume "
                                    f"with the base it started from")
-        options, step = TrainOptions(**state["options"]), state["step"]
-        samples_after_nl = state["samples_after_nl"]
         n_ctx = state.get("n_ctx", model_cfg.n_ctx)
+        fixed = dict(samples_after_nl=state["samples_after_nl"], n_ctx=n_ctx, lora_r=...,
+                     lora_layers=..., **{f"rank_{kind}": ... for kind in TARGETS})
+        if not full:
+            fixed["lora_alpha"] = adapter.alpha
+        options, step = resumed_options(ctx, state, checkpoint_in, fixed), state["step"]
+        samples_after_nl = state["samples_after_nl"]
     else:
         options = train_options(kw)
         if not full:
@@ -198,8 +210,6 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     def trained_adapter():
         return lora.Adapter(adapter.alpha, trainer.parameters())
 
-    checkpoint_path = checkpoint_out or default_checkpoint_path(out)
-
     def save_checkpoint():
         if not is_root():
             return
@@ -231,23 +241,40 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         validation = Validation(
             lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
             kw["val_every"] or steps, kw["early_stop"], save_best)
-    first, last, seconds = training_loop(trainer, steps, kw["log_path"],
-                                         kw["save_every"] if checkpoint_out else 0,
-                                         save_checkpoint, checkpoint_path, resume_command,
-                                         kw["on_nan"], validation)
-    if not is_root():
-        return
-    try:
+
+    def write_result():
+        if not is_root():
+            return
         if full:
             gguf_io.save_model(out, model_cfg, trainer.parameters(), tokenizer)
         else:
             lora.save_adapter(out, trained_adapter(), cfg, base_digest)
-    except gguf_io.GGUFError as e:
-        raise click.ClickException(str(e)) from None
-    click.echo(f"loss {first:.3f} -> {last:.3f} nats/token in {seconds:.0f} s; "
-               f"{'model' if full else 'adapter'} written to {out}")
+
+    first, last, seconds = training_loop(trainer, steps, kw["log_path"],
+                                         kw["save_every"] if checkpoint_out else 0,
+                                         save_checkpoint, checkpoint_path, resume_command,
+                                         kw["on_nan"], validation, write_result, out)
+    if not is_root():
+        return
+    product = "model" if full else "adapter"
+    if first is None:
+        click.echo(f"{product} of step {trainer.step} written to {out}")
+    else:
+        click.echo(f"loss {first:.3f} -> {last:.3f} nats/token in {seconds:.0f} s; {product} "
+                   f"written to {out}")
     if validation is not None:
         click.echo(f"best validation loss {validation.best:.4f}: kept in {best_path(out)}")
+
+
+def data_files(data_path) -> list[tuple[str, str]]:
+    """The files --data reads, as (what, path) inputs for the output checks: the file, or a
+    directory's split files (a bundled set's name is no file)."""
+    from ggwgpu.chat import SPLITS
+    if not data_path:
+        return []
+    if os.path.isdir(data_path):
+        return [("--data", os.path.join(data_path, f"{split}.jsonl")) for split in SPLITS]
+    return [("--data", data_path)] if os.path.exists(data_path) else []
 
 
 def best_path(out: str) -> str:
@@ -276,7 +303,7 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
                                f"--data (and template options) to resume")
     batches = example_batches(train, cfg, options.batch, kw, options.seed)
     if state is not None:
-        batches.load_state(state["data"])
+        resume_data(batches, state, checkpoint_in)
     lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)
              + f"; one example per row of {cfg.n_ctx}, padded"]
     held = None
@@ -297,6 +324,7 @@ def merge_command(base, adapters, out):
     llama.cpp applies them) and write the result as an f32 model; a quantized base is
     dequantized first."""
     from ggwgpu import lora
+    check_outputs([("BASE", base), *(("ADAPTER", a) for a in adapters)], [("--out", out)])
     try:
         cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
         loaded = [lora.load_adapter(path, cfg) for path in adapters]

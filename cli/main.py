@@ -22,6 +22,7 @@ from ggwgpu.generate import Sampling
 
 try:
     from .chat import chat_answer, chat_command
+    from .outputs import check_outputs
     from .common import chat_template as load_chat_template
     from .common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
                          human_bytes, load_model, lora_option, planned_memory, sampling_of,
@@ -30,11 +31,12 @@ try:
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
     from .training import (across_ranks, default_checkpoint_path, device_errors,
-                           existing_directory, is_root, local_batch, mpi_world, positive, read_text,
-                           resume_args, steps_of, train_options, training_loop,
-                           training_options, training_samples)
+                           existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                           positive, read_text, resume_args, resumed_options, steps_of,
+                           train_options, training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
+    from outputs import check_outputs
     from common import chat_template as load_chat_template
     from common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
                         human_bytes, load_model, lora_option, planned_memory, sampling_of,
@@ -43,9 +45,9 @@ except ImportError:  # run as a script: python cli/main.py
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
     from training import (across_ranks, default_checkpoint_path, device_errors,
-                          existing_directory, is_root, local_batch, mpi_world, positive, read_text,
-                          resume_args, steps_of, train_options, training_loop,
-                          training_options, training_samples)
+                          existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                          positive, read_text, resume_args, resumed_options, steps_of,
+                          train_options, training_loop, training_options, training_samples)
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -264,6 +266,8 @@ def plot(log, out):
     """
     import json
     from pathlib import Path
+    out = out or str(Path(log).with_suffix(".png"))
+    check_outputs([("LOG", log)], [("--out", out)])
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -342,15 +346,23 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     from ggwgpu import gguf_io, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, TrainOptions, unigram_entropy
+    from ggwgpu.train import Trainer, unigram_entropy
 
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
+    checkpoint_path = checkpoint_out or default_checkpoint_path(out)
+    guard_outputs(ctx, [*(("TEXTS", t) for t in kw["texts"]), ("--vocab-model", vocab_model),
+                        ("--checkpoint-in", checkpoint_in)], out, checkpoint_path, kw)
     if checkpoint_in:
         try:
             cfg, values, tokenizer, opt_state, state = gguf_io.load_checkpoint(checkpoint_in)
         except gguf_io.GGUFError as e:
             raise click.ClickException(str(e)) from None
-        options = TrainOptions(**state["options"])
+        shape = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_head_kv=cfg.kv_heads,
+                     tie_embeddings=cfg.tied_embeddings, n_layer=cfg.n_layer, n_ff=cfg.n_ff,
+                     n_ctx=cfg.n_ctx, n_rot=cfg.rot, rope_freq_base=cfg.rope_freq_base,
+                     rope_freq_scale=cfg.rope_freq_scale, norm_eps=cfg.norm_eps,
+                     vocab_model=...)
+        options = resumed_options(ctx, state, checkpoint_in, shape)
         step = state["step"]
     else:
         try:
@@ -398,8 +410,6 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                f"{planned_memory(trainer.plan)}" +
                (f", resuming at step {step}" if step else ""))
 
-    checkpoint_path = checkpoint_out or default_checkpoint_path(out)
-
     def save_checkpoint():
         if not is_root():
             return
@@ -413,18 +423,18 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             args += ["--predict", str(predict), "--seed", str(kw["seed"])]
         return shlex.join(args)
 
-    first, last, seconds = training_loop(trainer, steps, kw["log_path"],
-                                         kw["save_every"] if checkpoint_out else 0,
-                                         save_checkpoint, checkpoint_path, resume_command,
-                                         kw["on_nan"])
+    first, last, seconds = training_loop(
+        trainer, steps, kw["log_path"], kw["save_every"] if checkpoint_out else 0,
+        save_checkpoint, checkpoint_path, resume_command, kw["on_nan"],
+        write_result=(lambda: gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer))
+        if is_root() else None, result_path=out)
     if not is_root():
         return
-    try:
-        gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
-    except (gguf_io.GGUFError, *device_errors()) as e:
-        raise click.ClickException(f"the model was not written: {e}") from None
-    click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy {entropy:.3f}) "
-               f"in {seconds:.0f} s; model written to {out}")
+    if first is None:
+        click.echo(f"model of step {trainer.step} written to {out}")
+    else:
+        click.echo(f"loss {first:.3f} -> {last:.3f} nats/token (unigram entropy "
+                   f"{entropy:.3f}) in {seconds:.0f} s; model written to {out}")
     if predict:
         prompt = text.split("\n", 1)[0]
         click.echo(f"sample of {predict} tokens:")
@@ -455,7 +465,8 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
     click.echo(stream.finish())
     t2 = time.perf_counter()
     click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
-               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s)", err=True)
+               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s, "
+               f"{decoder.memory() / 2**20:.1f} MiB planned)", err=True)
 
 
 @cli.command()

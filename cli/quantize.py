@@ -10,6 +10,11 @@ import click
 from ggwgpu import gguf_io
 from ggwgpu.quant import QUANTIZABLE, Quantized, quantize_model
 
+try:
+    from .outputs import check_outputs
+except ImportError:  # run as a script: python cli/main.py
+    from outputs import check_outputs
+
 
 @click.command("quantize")
 @click.argument("source", type=click.Path(dir_okay=False))
@@ -21,6 +26,7 @@ def quantize_command(source, target, dtype):
     """Write SOURCE (a llama GGUF: f32 or any block type ggwgpu reads) to TARGET with its
     weights in --type (the types gguf-py quantizes; k-quant files come from llama.cpp's
     llama-quantize). Weights already quantized are dequantized first."""
+    check_outputs([("SOURCE", source)], [("TARGET", target)])
     try:
         cfg, values, tokenizer = gguf_io.load_model(source)
         quantized = quantize_model(values, dtype)

@@ -30,6 +30,17 @@ def positive(kind=int):
     return click.IntRange(min=1) if kind is int else FiniteFloat(min=0, min_open=True)
 
 
+def bounded(option: str):
+    """The click type of a TrainOptions field: its Bound (ggwgpu.train), the one that a
+    checkpoint's options are checked against too."""
+    from ggwgpu.train import TrainOptions
+    b = TrainOptions.bounds()[option]
+    if b.kind is str:
+        return click.Choice(b.choices)
+    limits = dict(min=b.low, max=b.high, min_open=b.low_open, max_open=b.high_open)
+    return click.IntRange(**limits) if b.kind is int else FiniteFloat(**limits)
+
+
 def default_checkpoint_path(out: str) -> str:
     """Where a stopped run saves when no --checkpoint-out was given: next to the output,
     model.gguf -> model.checkpoint.gguf."""
@@ -81,11 +92,11 @@ class StopSignals:
 
     @contextlib.contextmanager
     def saving(self):
-        self._saving = True
+        before, self._saving = self._saving, True
         try:
             yield
         finally:
-            self._saving = False
+            self._saving = before
 
 
 def mpi_world():
@@ -138,11 +149,12 @@ def across_ranks(command):
 
 def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
                   checkpoint_path=None, resume_command=None, on_nan: str = "stop",
-                  validation=None):
+                  validation=None, write_result=None, result_path=None):
     """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
     `save_checkpoint()` every `save_every` steps (0: never) and once at the end, and with a
-    `Validation` its loss in the log and the progress line, stopping early when it says so.
-    Returns the first and last loss and the seconds taken. The train and finetune commands
+    `Validation` its loss in the log and the progress line, stopping early when it says so;
+    then `write_result()` writes the run's product (`result_path`). Returns the first and
+    last loss (None without steps) and the seconds taken. The train and finetune commands
     share it.
 
     Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
@@ -157,10 +169,13 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       failed step is saved and the last checkpoint stays.
     - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
       previous one stays.
+    - The signal handlers stay until the result is written: a signal then waits for it. A
+      result that cannot be written (a full disk) leaves the trained weights in the
+      checkpoint, with the command that writes the result from it.
     """
     import json
     from ggwgpu.distributed import on_every_rank
-    from ggwgpu.gguf_io import GGUFError
+    from ggwgpu.gguf_io import GGUFError, os_problem
     start, stop = trainer.step, None
     first = last = saved = None         # saved: the step of this run's last checkpoint
     t0, shown, signals = time.perf_counter(), {}, StopSignals()
@@ -187,11 +202,44 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
             return "no checkpoint path was given: nothing was saved"
         save()
         hint = f"checkpoint of step {trainer.step} saved to {checkpoint_path}"
+        left = steps - (trainer.step - start)
         if resume_command is not None:
-            hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
+            hint += (f"; continue with:\n  {resume_command(left)}" if left else
+                     f"; write {result_path or 'the result'} from it with:\n  "
+                     f"{resume_command(0)}")
         return hint
 
-    log = open(log_path, "a") if log_path and is_root() else None
+    def write():
+        if write_result is None:
+            return
+        try:
+            write_result()
+            return
+        except (GGUFError, *device_errors()) as e:
+            problem = f"{result_path} was not written ({e})"
+        try:             # the trained weights must not go with it
+            hint = save_and_resume_hint()
+        except click.ClickException as e:
+            hint = e.message
+        raise click.ClickException(f"{problem}; {hint}")
+
+    def write_log(record):
+        try:
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+        except OSError as e:
+            problem = f"the log {log_path} cannot be written: {os_problem(e, log_path)}"
+            try:
+                hint = save_and_resume_hint()
+            except click.ClickException as e:
+                hint = e.message
+            raise click.ClickException(f"step {trainer.step}: {problem}; {hint}") from None
+
+    try:
+        log = open(log_path, "a") if log_path and is_root() else None
+    except OSError as e:
+        raise click.ClickException(f"the log {log_path} cannot be opened "
+                                   f"({os_problem(e, log_path)})") from None
     try:
         with signals, click.progressbar(length=steps, label="training", show_eta=True,
                                         item_show_func=lambda _: shown.get("text")) as bar:
@@ -218,8 +266,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     shown["val"] = f" val {val['val_loss']:.3f}"
                 shown["text"] += shown.get("val", "")
                 if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                    write_log(record)
                 if record["skipped"]:
                     what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
@@ -250,15 +297,18 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 click.echo(f"\n{name}: stopped after step {trainer.step}; "
                            f"{save_and_resume_hint()}", err=True)
                 raise on_every_rank(SystemExit(128 + stop))
-            if save_every:
-                save()
+            with signals.saving():     # from here on a signal waits for the files
+                if save_every:
+                    save()
+                write()
     except KeyboardInterrupt:
         click.echo(f"\nstopped at once by a second signal in step {trainer.step + 1}, which "
                    f"was not saved; {kept()}", err=True)
         raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
     finally:
         if log:
-            log.close()
+            with contextlib.suppress(OSError):     # a full disk fails the last flush again
+                log.close()
     return first, last, time.perf_counter() - t0
 
 
@@ -271,45 +321,44 @@ def training_options(steps: int, warmup: int, seed_help: str):
                      show_default=True,
                      help="The bundled text to train on when no TEXTS are given: both plays, "
                           "or one of them."),
-        click.option("--batch", default=8, show_default=True, type=positive(),
+        click.option("--batch", default=8, show_default=True, type=bounded("batch"),
                      help="Samples per micro-batch (of each process under mpirun)."),
-        click.option("--grad-accum", default=1, show_default=True, type=positive(),
+        click.option("--grad-accum", default=1, show_default=True, type=bounded("grad_accum"),
                      help="Micro-batches whose gradients add up to one optimizer step."),
         click.option("--samples-after-nl", is_flag=True,
                      help="Start samples only after newlines."),
-        click.option("--steps", default=steps, show_default=True, type=positive(),
-                     help="Optimizer steps."),
+        click.option("--steps", default=steps, show_default=True, type=click.IntRange(min=0),
+                     help="Optimizer steps (0, with --checkpoint-in: write OUT from the "
+                          "checkpoint)."),
         click.option("--epochs", type=positive(float),
                      help="Train this many epochs instead of --steps."),
         click.option("--optimizer", default="adamw", show_default=True,
-                     type=click.Choice(["adamw", "sgd"])),
-        click.option("--lr", default=1e-3, show_default=True, type=positive(float)),
-        click.option("--beta1", default=0.9, show_default=True,
-                     type=FiniteFloat(0, 1, max_open=True)),
-        click.option("--beta2", default=0.999, show_default=True,
-                     type=FiniteFloat(0, 1, max_open=True)),
-        click.option("--adam-eps", default=1e-8, show_default=True, type=positive(float)),
+                     type=bounded("optimizer")),
+        click.option("--lr", default=1e-3, show_default=True, type=bounded("lr")),
+        click.option("--beta1", default=0.9, show_default=True, type=bounded("beta1")),
+        click.option("--beta2", default=0.999, show_default=True, type=bounded("beta2")),
+        click.option("--adam-eps", default=1e-8, show_default=True, type=bounded("eps")),
         click.option("--weight-decay", default=0.1, show_default=True,
-                     type=FiniteFloat(min=0),
+                     type=bounded("weight_decay"),
                      help="AdamW decay, relative to the learning rate, on tensors with >= 2 "
                           "dims."),
-        click.option("--grad-clip", default=1.0, show_default=True,
-                     type=FiniteFloat(min=0),
+        click.option("--grad-clip", default=1.0, show_default=True, type=bounded("grad_clip"),
                      help="Clip gradients to this global norm (0: off)."),
-        click.option("--warmup", default=warmup, show_default=True,
-                     type=click.IntRange(min=1)),
-        click.option("--cos-decay-steps", default=1000, show_default=True, type=positive()),
+        click.option("--warmup", default=warmup, show_default=True, type=bounded("warmup"),
+                     help="Steps of linear warmup (0: none)."),
+        click.option("--cos-decay-steps", default=1000, show_default=True,
+                     type=bounded("cos_decay_steps")),
         click.option("--cos-decay-min", default=0.1, show_default=True,
-                     type=FiniteFloat(0, 1)),
+                     type=bounded("cos_decay_min")),
         click.option("--cos-decay-restart", default=1.1, show_default=True,
-                     type=FiniteFloat(min=1)),
+                     type=bounded("cos_decay_restart")),
         click.option("--restarts/--no-restarts", default=False, show_default=True),
         click.option("--flash-attn", is_flag=True,
                      help="Fused attention (same results, less memory)."),
         click.option("--checkpointing", is_flag=True,
                      help="Gradient checkpointing: recompute activations, keep block outputs "
                           "only."),
-        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+        click.option("--seed", default=0, show_default=True, type=bounded("seed"),
                      help=seed_help),
         click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
                      help="Resume from this checkpoint (weights, optimizer, data order, "
@@ -352,6 +401,76 @@ def train_options(kw: dict):
         flash_attn=kw["flash_attn"], checkpointing=kw["checkpointing"], seed=kw["seed"])
 
 
+# TrainOptions fields a resumed run may change (the checkpoint's value is replaced, and the
+# run says so): the learning rate, and two that change memory and speed, not results.
+MAY_CHANGE = ("lr", "flash_attn", "checkpointing")
+OPTION_FLAGS = {"eps": "adam_eps"}     # TrainOptions field -> its CLI parameter, where they differ
+GIVEN = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")
+
+
+def given(ctx, param: str) -> bool:
+    """Whether the user gave option `param` (not its default)."""
+    source = ctx.get_parameter_source(param)
+    return source is not None and source.name in GIVEN
+
+
+def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
+    """The TrainOptions a resumed run uses: the checkpoint's, with --lr, --flash-attn and
+    --checkpointing applied when given (and said). Any other option given on the command
+    line that contradicts the checkpoint is refused, naming it: `fixed` maps the command's
+    own such parameters (the model's shape, say) to the checkpoint's value, or to ... when
+    the checkpoint fixes it whatever its value."""
+    import dataclasses
+    from ggwgpu.train import TrainOptions
+    saved, kw = TrainOptions(**state["options"]), ctx.params
+    wanted = {name: (OPTION_FLAGS.get(name, name), value)
+              for name, value in dataclasses.asdict(saved).items()}
+    changes, clashes = {}, []
+    for name, (param, value) in wanted.items():
+        if given(ctx, param) and kw[param] != value:
+            if name in MAY_CHANGE:
+                changes[name] = kw[param]
+            else:
+                clashes.append(f"--{param.replace('_', '-')} {value} (given: {kw[param]})")
+    for param, value in fixed.items():
+        if given(ctx, param) and (value is ... or kw[param] != value):
+            clashes.append(f"--{param.replace('_', '-')}" +
+                           ("" if value is ... else f" {value} (given: {kw[param]})"))
+    if clashes:
+        raise click.UsageError(
+            f"{checkpoint_in} fixes the model, the data order and the training options "
+            f"(only --lr, --flash-attn and --checkpointing may change when resuming); "
+            f"these given options contradict it: {', '.join(clashes)}. Resume without them, "
+            f"or start a new run")
+    click.echo(f"{checkpoint_in} fixes the model, the data order and the options: " +
+               ", ".join(f"{param.replace('_', '-')} {value}"
+                         for param, value in wanted.values()), err=True)
+    for name, value in changes.items():
+        click.echo(f"resuming with --{name.replace('_', '-')} {value} instead of the "
+                   f"checkpoint's {getattr(saved, name)}", err=True)
+    return dataclasses.replace(saved, **changes)
+
+
+def guard_outputs(ctx, inputs, out: str, checkpoint_path: str, kw: dict, more=()):
+    """Before a training run starts: its outputs (OUT, the checkpoint, the log, `more`) are
+    none of its `inputs` nor one another (the checkpoint may be --checkpoint-in: a run goes
+    on from its own), their directories can be written, an existing --log is a log; then
+    OUT and the checkpoint are locked until the command ends."""
+    try:
+        from .outputs import RunLock, check_log, check_outputs
+    except ImportError:  # run as a script: python cli/main.py
+        from outputs import RunLock, check_log, check_outputs
+    if not is_root():       # under mpirun rank 0 writes every file
+        return
+    checkpoint = "--checkpoint-out" if kw["checkpoint_out"] else "--checkpoint-out (default)"
+    check_outputs(inputs, [("--out", out), (checkpoint, checkpoint_path),
+                           ("--log", kw["log_path"]), *more],
+                  may_be={(checkpoint, "--checkpoint-in")})
+    check_log(kw["log_path"])
+    ctx.with_resource(RunLock(checkpoint_path, checkpoint))
+    ctx.with_resource(RunLock(out, "--out"))
+
+
 def read_text(texts, corpus: str) -> tuple[str, str]:
     """The training text (the files, else the bundled corpus) and where it came from."""
     from ggwgpu import data
@@ -382,12 +501,24 @@ def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool,
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if state is not None:
-        samples.load_state(state["data"])
+        resume_data(samples, state, checkpoint_in)
     return tokens, digest, samples
+
+
+def resume_data(samples, state: dict, checkpoint_in: str):
+    """Put `samples` (data.Samples, chat.ExampleBatches) at the checkpoint's position."""
+    from ggwgpu.data import DataError
+    try:
+        samples.load_state(state["data"])
+    except DataError as e:
+        raise click.UsageError(f"{checkpoint_in}: {e}") from None
 
 
 def steps_of(kw: dict, samples, options) -> int:
     """--steps, or --epochs as steps over these samples."""
+    if kw["steps"] == 0 and not kw["checkpoint_in"]:
+        raise click.UsageError("--steps 0 writes OUT from a checkpoint: it needs "
+                               "--checkpoint-in")
     if kw["epochs"]:
         return max(1, round(kw["epochs"] * samples.n_samples /
                             (options.batch * options.grad_accum)))

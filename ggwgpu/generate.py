@@ -33,6 +33,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .backends.base import planned_bytes
 from .models.llama import LlamaConfig, build_decode_graph
 
 
@@ -121,9 +122,10 @@ def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generat
 class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
     two plans on `backend`, built once: a max_ctx-token graph for prefills and a one-token
-    graph for steps. Each plan holds its own copy of the weights (plans share no buffers); a
-    run of the prefill plan takes the step plan's cache and hands it back (one read and one
-    write of the cache each way). `tokens` are the ids the cache holds (positions 0 .. past -
+    graph for steps. Both graphs' weights are constants made from the same `values`
+    arrays, so the backend holds them once for both plans (base.SharedConstants); each plan
+    has its own cache, and a run of the prefill plan takes the step plan's cache and hands it
+    back (one read and one write of the cache each way). `tokens` are the ids the cache holds (positions 0 .. past -
     1); they change only when a run is complete, so an interrupted run leaves a usable cache.
     `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does."""
 
@@ -140,6 +142,10 @@ class Decoder:
         self.prefill_plan = backend.plan([self.prefill_graph.logits])
         self.step_plan = backend.plan([self.step_graph.logits])
         self.tokens: list[int] = []     # in the step plan's cache
+
+    def memory(self) -> int:
+        """The bytes of storage the two plans take, the weights they share counted once."""
+        return planned_bytes([self.prefill_plan, self.step_plan])
 
     @property
     def past(self) -> int:

@@ -36,9 +36,11 @@ Checkpoint (`save_checkpoint` / `load_checkpoint`): the model file above plus
     tensors optimizer.adamw.m.<param name> and optimizer.adamw.v.<param name>: AdamW's first
     and second moments, f32, shaped as their parameter.
 
-Writing is atomic: a temporary file in the target's directory, flushed and fsynced, then
-renamed over the target, so the previous file stays whole until the new one is complete, and
-a failure leaves it untouched and removes the temporary file. Nothing non-finite is written.
+Writing is atomic: a temporary file in the target's directory (.NAME.ggwgpu-PID-HEX.tmp),
+flushed and fsynced, then renamed over the target, so the previous file stays whole until the
+new one is complete, and a failure leaves it untouched and removes the temporary file; those
+that a killed process left are removed by the next write of the same target. A full disk is
+said as such. Nothing non-finite is written.
 
 Reading checks the file's layout (magic, version, every count, length and offset against the
 file size) before gguf-py parses it, then the keys, tensor types and shapes against the
@@ -50,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -370,13 +373,14 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
         raise GGUFError(f"{path}: cannot write: is a directory")
     if not directory.is_dir():
         raise GGUFError(f"{path}: cannot write: directory {directory} does not exist")
-    tmp = directory / f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    remove_stale_temps(path)
+    tmp = directory / f".{path.name}.{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
     try:
         # O_EXCL: never clobber another file; mode 0o666 less the umask, like open().
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     except OSError as e:
         raise GGUFError(f"{path}: cannot create a temporary file in {directory}: "
-                        f"{e.strerror or e}") from None
+                        f"{os_problem(e, directory)}") from None
     try:
         arch, _ = metadata[K_ARCH]
         writer = GGUFWriter(tmp, arch)      # adds general.architecture itself
@@ -403,9 +407,45 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
             os.unlink(tmp)
         if isinstance(e, OSError):
             raise GGUFError(f"{path}: writing failed, the previous file is unchanged: "
-                            f"{e.strerror or e}") from e
+                            f"{os_problem(e, directory)}") from e
         raise
     _fsync_directory(directory)
+
+
+TEMP_MARK = "ggwgpu"      # in every temporary file's name: .NAME.ggwgpu-PID-HEX.tmp
+
+
+def remove_stale_temps(path):
+    """Remove the temporary files that writes of `path` left when their process was killed
+    (SIGKILL, a crash): only names of the pattern above for this very target, and only those
+    of processes that no longer run (a live one may be writing right now). POSIX only:
+    elsewhere nothing is removed."""
+    path = Path(path)
+    if os.name != "posix" or not path.parent.is_dir():
+        return
+    pattern = re.compile(re.escape(f".{path.name}.{TEMP_MARK}-") + r"(\d+)-[0-9a-f]{8}\.tmp")
+    for entry in os.scandir(path.parent):
+        m = pattern.fullmatch(entry.name)
+        if m and entry.is_file(follow_symlinks=False) and not _running(int(m[1])):
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)          # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True              # someone else's process (or a forged number): leave it
+    return True
+
+
+def os_problem(e: OSError, where) -> str:
+    """What an OSError of writing in `where` means, in words: a full disk is said as such."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"the disk holding {where} is full (no space left on device)"
+    return e.strerror or str(e)
 
 
 def _fsync_directory(directory: Path):
@@ -469,28 +509,40 @@ def load_checkpoint(path):
             raise GGUFError(f"{f.path}: unknown optimizer tensor {name}: expected "
                             f"{MOMENT_PREFIX['m']}<parameter> or {MOMENT_PREFIX['v']}<parameter>")
         found.setdefault(param_name, {})[kind] = f.tensor_f32(name, shapes[param_name])
-    opt_state = {}
-    for name in shapes:
-        if name in found:
-            pair = found[name]
-            for kind in ("m", "v"):
-                if kind not in pair:
-                    raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX[kind] + name} is missing "
-                                    f"(the checkpoint has the other moment of {name})")
-            opt_state[name] = (pair["m"], pair["v"])
+    opt_state = {name: moment_pair(f, name, found[name]) for name in shapes if name in found}
+    return cfg, params, tokenizer, opt_state, read_train_state(f)
 
+
+def moment_pair(f: "_GGUFFile", name: str, pair: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(m, v) of parameter `name` from a checkpoint's {"m": .., "v": ..}: both present, and v
+    (a mean of squared gradients, under a square root in the update) not negative."""
+    for kind in ("m", "v"):
+        if kind not in pair:
+            raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX[kind] + name} is missing "
+                            f"(the checkpoint has the other moment of {name})")
+    if (pair["v"] < 0).any():
+        raise GGUFError(f"{f.path}: tensor {MOMENT_PREFIX['v'] + name} holds negative values "
+                        f"(a second moment is a mean of squares)")
+    return pair["m"], pair["v"]
+
+
+def read_train_state(f: "_GGUFFile") -> dict:
+    """The checkpoint's training.state_json, parsed and checked against the training state's
+    one schema (ggwgpu.train.check_state): every defect a GGUFError naming the key."""
+    from .train import check_state      # train builds graphs; reading files does not need it
     if K_TRAIN_STATE not in f.meta:
         raise GGUFError(f"{f.path}: required key {K_TRAIN_STATE} is missing")
     raw = f.meta[K_TRAIN_STATE]
     if not isinstance(raw, str):
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must be a string")
     try:
-        train_state = json.loads(raw)
+        state = json.loads(raw)
     except (ValueError, RecursionError) as e:       # RecursionError: forged deep nesting
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is not valid JSON ({e})") from None
-    if not isinstance(train_state, dict):
-        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must hold a JSON object")
-    return cfg, params, tokenizer, opt_state, train_state
+    try:
+        return check_state(state)
+    except ValueError as e:
+        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE}: {e}") from None
 
 
 def read_metadata(path) -> dict[str, object]:

@@ -35,7 +35,7 @@ import numpy as np
 
 from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_NAME, K_TRAIN_STATE,
                       K_TYPE, MOMENT_PREFIX, OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array,
-                      _GGUFFile, _T, _write_gguf)
+                      _GGUFFile, _T, _write_gguf, moment_pair, read_train_state)
 from .models.llama import LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
 from .quant import Quantized, dequantize
 
@@ -247,18 +247,8 @@ def load_adapter_checkpoint(path, cfg: LlamaConfig):
         if tensor not in adapter.tensors:
             raise GGUFError(f"{f.path}: unknown optimizer tensor {name}")
         found.setdefault(tensor, {})[kind] = f.tensor_value(name, adapter.tensors[tensor].shape)
-    opt_state = {}
-    for tensor, pair in found.items():
-        if set(pair) != {"m", "v"}:
-            raise GGUFError(f"{f.path}: only one AdamW moment of {tensor}")
-        opt_state[tensor] = (pair["m"], pair["v"])
-    try:
-        train_state = json.loads(f.meta[K_TRAIN_STATE])
-    except (KeyError, TypeError, ValueError, RecursionError) as e:
-        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is missing or not JSON ({e})") from None
-    if not isinstance(train_state, dict):
-        raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} must hold a JSON object")
-    return adapter, opt_state, train_state
+    opt_state = {tensor: moment_pair(f, tensor, pair) for tensor, pair in found.items()}
+    return adapter, opt_state, read_train_state(f)
 
 
 # -- merging and identity ---------------------------------------------------------------------

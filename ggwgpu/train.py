@@ -13,7 +13,7 @@ says "skipped", and what to do next (stop or go on) is the caller's choice.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
@@ -23,42 +23,133 @@ from .models.llama import MAX_LOGITS_BYTES, LlamaConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
+MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
+MAX_STEPS = 10 ** 9             # warmup and decay lengths: more steps than any run takes
+MAX_SEED = 2 ** 32 - 1
+MAX_BATCH = 1 << 16             # samples per micro-batch: more than any device's memory holds
+MAX_GRAD_ACCUM = 1 << 16        # micro-batches per step: each one is a full forward/backward
+MAX_RESTART_GROWTH = 1000.0     # the period after a restart, as a multiple of the one before
+
+
+@dataclass(frozen=True)
+class Bound:
+    """The values a training option (or a training state's number) may take: the CLI makes
+    its click type from it, TrainOptions and `check_state` check values against it. `kind`
+    is int, float (finite; ints accepted), bool or str (one of `choices`); `low`/`high` are
+    inclusive unless `low_open`/`high_open`."""
+    kind: type
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple = ()
+
+    def problem(self, value) -> str | None:
+        """Why `value` is not one of the bound's values, or None."""
+        if self.kind is bool:
+            return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
+        if self.kind is str:
+            return None if isinstance(value, str) and value in self.choices else \
+                f"must be one of {', '.join(self.choices)}, got {value!r}"
+        number = isinstance(value, (int, np.integer)) or (
+            self.kind is float and isinstance(value, (float, np.floating)))
+        if isinstance(value, (bool, np.bool_)) or not number:
+            return f"must be {'an integer' if self.kind is int else 'a number'}, got {value!r}"
+        if self.kind is float and not math.isfinite(value):
+            return f"must be a finite number, got {value!r}"
+        if (self.low is not None and (value <= self.low if self.low_open else value < self.low)
+                or self.high is not None
+                and (value >= self.high if self.high_open else value > self.high)):
+            return f"must be in {self.describe()}, got {value!r}"
+        return None
+
+    def describe(self) -> str:
+        low = "-inf" if self.low is None else f"{self.low:g}"
+        high = "inf" if self.high is None else f"{self.high:g}"
+        return (f"{'(' if self.low_open or self.low is None else '['}{low}, {high}"
+                f"{')' if self.high_open or self.high is None else ']'}")
+
+
+def _option(default, bound: Bound):
+    return field(default=default, metadata={"bound": bound})
+
+
+POSITIVE = Bound(float, 0, low_open=True)
+NON_NEGATIVE = Bound(float, 0)
+BETA = Bound(float, 0, 1, high_open=True)
+
+
 @dataclass
 class TrainOptions:
-    """Optimizer and schedule (llama.cpp train-text-from-scratch defaults)."""
-    optimizer: str = "adamw"           # or "sgd" (no moments, decoupled weight decay)
-    batch: int = 8
-    grad_accum: int = 1                # micro-batches of `batch` samples per optimizer step
-    lr: float = 1e-3
-    beta1: float = 0.9
-    beta2: float = 0.999
-    eps: float = 1e-8
-    weight_decay: float = 0.1          # only tensors with >= 2 dims (decay_min_ndim 2)
-    grad_clip: float = 1.0             # global gradient norm; 0 turns clipping off
-    warmup: int = 100
-    cos_decay_steps: int = 1000
-    cos_decay_min: float = 0.1
-    cos_decay_restart: float = 1.1     # growth of each restart's length
-    restarts: bool = False
-    flash_attn: bool = False
-    checkpointing: bool = False        # gradient checkpointing: keep only block outputs
-    seed: int = 0
+    """Optimizer and schedule (llama.cpp train-text-from-scratch defaults). Each field's
+    Bound (`bounds()`) is checked on construction: a ValueError names the option."""
+    optimizer: str = _option("adamw", Bound(str, choices=("adamw", "sgd")))  # sgd: no moments
+    batch: int = _option(8, Bound(int, 1, MAX_BATCH))
+    grad_accum: int = _option(1, Bound(int, 1, MAX_GRAD_ACCUM))   # micro-batches per step
+    lr: float = _option(1e-3, POSITIVE)
+    beta1: float = _option(0.9, BETA)
+    beta2: float = _option(0.999, BETA)
+    eps: float = _option(1e-8, POSITIVE)
+    weight_decay: float = _option(0.1, NON_NEGATIVE)   # only tensors with >= 2 dims
+    grad_clip: float = _option(1.0, NON_NEGATIVE)      # global gradient norm; 0 turns it off
+    warmup: int = _option(100, Bound(int, 0, MAX_STEPS))            # 0: none
+    cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_STEPS))
+    cos_decay_min: float = _option(0.1, Bound(float, 0, 1))
+    cos_decay_restart: float = _option(1.1, Bound(float, 1, MAX_RESTART_GROWTH))
+    restarts: bool = _option(False, Bound(bool))
+    flash_attn: bool = _option(False, Bound(bool))
+    checkpointing: bool = _option(False, Bound(bool))  # gradient checkpointing
+    seed: int = _option(0, Bound(int, 0, MAX_SEED))
+
+    def __post_init__(self):
+        for name, bound in self.bounds().items():
+            why = bound.problem(getattr(self, name))
+            if why:
+                raise ValueError(f"option {name} {why}")
+
+    @classmethod
+    def bounds(cls) -> dict[str, Bound]:
+        return {f.name: f.metadata["bound"] for f in fields(cls)}
 
 
 def schedule(step: int, o: TrainOptions) -> float:
     """Learning-rate multiplier of `step` (0-based): linear warmup, then cosine decay to
     cos_decay_min, optionally restarting with periods growing by cos_decay_restart (as a
-    float: the reference truncates it to an int)."""
+    float: the reference truncates it to an int). Closed form, no loop over restarts: any
+    step of any options takes the same few operations."""
     if step < o.warmup:
         return (step + 1) / o.warmup
-    t, period = step - o.warmup, float(o.cos_decay_steps)
-    if o.restarts:
-        while t >= period:
-            t -= period
-            period *= o.cos_decay_restart
-    elif t >= period:
+    t, period = float(step - o.warmup), float(o.cos_decay_steps)
+    if not (period >= 1 and math.isfinite(t)):
+        raise ValueError(f"no schedule for step {step} with cos_decay_steps {period}")
+    if t >= period and not o.restarts:
         return o.cos_decay_min
+    if t >= period:
+        t, period = _within_restart(t, period, float(o.cos_decay_restart))
     return o.cos_decay_min + (1 - o.cos_decay_min) * 0.5 * (1 + math.cos(math.pi * t / period))
+
+
+def _within_restart(t: float, period: float, growth: float) -> tuple[float, float]:
+    """(position in its period, that period) of step t after the warmup, the periods being
+    period, period * growth, period * growth^2, ..."""
+    if not 1 <= growth <= MAX_RESTART_GROWTH:
+        raise ValueError(f"cos_decay_restart {growth} is not in [1, {MAX_RESTART_GROWTH:g}]")
+    if growth == 1:
+        return math.fmod(t, period), period
+    # k restarts lie before t when the first k periods, period * (g^k - 1) / (g - 1), end
+    # at or before it; rounding can put k one off, which the two checks below correct
+    k = math.floor(math.log1p(t * (growth - 1) / period) / math.log(growth))
+    for _ in range(2):
+        start = period * math.expm1(k * math.log(growth)) / (growth - 1)
+        if t < start:
+            k -= 1
+        elif t >= start + period * growth ** k:
+            k += 1
+        else:
+            break
+    start = period * math.expm1(k * math.log(growth)) / (growth - 1)
+    length = period * growth ** k
+    return min(max(t - start, 0.0), length), length
 
 
 def clip_scale(grads, max_norm: float):
@@ -264,3 +355,65 @@ def token_digest(tokens: np.ndarray) -> str:
     """Identifies the training tokens, so a resumed run can check it sees the same data."""
     import hashlib
     return hashlib.sha256(np.ascontiguousarray(tokens, np.int32).tobytes()).hexdigest()[:16]
+
+
+# -- the training state a checkpoint carries --------------------------------------------------
+
+COUNT = Bound(int, 0, MAX_INT)
+# The sample order of data.Samples and chat.ExampleBatches (EpochOrder plus the data's size);
+# whether it fits the data at hand is their load_state's to say.
+DATA_STATE = {"version": Bound(int, 1, MAX_INT), "seed": COUNT, "epoch": COUNT,
+              "position": COUNT, "n_samples": Bound(int, 1, MAX_INT),
+              "n_ctx": Bound(int, 1, MAX_INT)}
+# Keys beside step, options and data: those Trainer.state() and the commands add. Other keys
+# are kept as they are (nothing reads them).
+STATE_EXTRAS = {"samples": COUNT, "tokens": COUNT, "epoch": COUNT,
+                "samples_after_nl": Bound(bool), "n_ctx": Bound(int, 2, MAX_INT),
+                "mode": Bound(str, choices=("lora", "full"))}
+STATE_STRINGS = ("tokens_digest", "base")
+FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has all or none
+
+
+def check_state(state) -> dict:
+    """A checkpoint's training state (Trainer.state() and what the commands add), checked
+    against one schema: every key's type and range, the options as TrainOptions bounds them.
+    Returns it unchanged; a ValueError names the key (e.g. "options.lr") and the problem."""
+    def require(mapping, key, where):
+        if key not in mapping:
+            raise ValueError(f"{where}{key} is missing")
+        return mapping[key]
+
+    def check(value, bound, name):
+        why = bound.problem(value)
+        if why:
+            raise ValueError(f"{name} {why}")
+
+    if not isinstance(state, dict):
+        raise ValueError("the training state must be a JSON object")
+    check(require(state, "step", ""), COUNT, "step")
+    options = require(state, "options", "")
+    if not isinstance(options, dict):
+        raise ValueError("options must be a JSON object")
+    bounds = TrainOptions.bounds()
+    for key in options:
+        if key not in bounds:
+            raise ValueError(f"options.{key} is not a training option")
+    for key, bound in bounds.items():
+        check(require(options, key, "options."), bound, f"options.{key}")
+    data = require(state, "data", "")
+    if not isinstance(data, dict):
+        raise ValueError("data must be a JSON object")
+    for key, bound in DATA_STATE.items():
+        check(require(data, key, "data."), bound, f"data.{key}")
+    for key, bound in STATE_EXTRAS.items():
+        if key in state:
+            check(state[key], bound, key)
+    for key in STATE_STRINGS:
+        if key in state and not isinstance(state[key], str):
+            raise ValueError(f"{key} must be a string, got {state[key]!r}")
+    present = [key for key in FINETUNE_KEYS if key in state]
+    if present and len(present) < len(FINETUNE_KEYS):
+        missing = next(key for key in FINETUNE_KEYS if key not in state)
+        raise ValueError(f"{missing} is missing (a finetune's state has "
+                         f"{', '.join(FINETUNE_KEYS)})")
+    return state

@@ -79,3 +79,14 @@ except ModuleNotFoundError:
         "ggwgpu_cli", _cli_init, submodule_search_locations=[str(_cli_init.parent)])
     sys.modules["ggwgpu_cli"] = importlib.util.module_from_spec(_spec)
     _spec.loader.exec_module(sys.modules["ggwgpu_cli"])
+
+
+def train_state(step=0, **extra) -> dict:
+    """A minimal training state that ggwgpu.train.check_state accepts (checkpoint tests
+    that are about other things store it): default options, a sample order at its start."""
+    import dataclasses
+
+    from ggwgpu.train import TrainOptions
+    return {"step": step, "options": dataclasses.asdict(TrainOptions()),
+            "data": {"version": 1, "seed": 0, "epoch": 0, "position": 0, "n_samples": 1,
+                     "n_ctx": 4}, **extra}

@@ -1,11 +1,12 @@
 """What the backends do beyond the op matrix: the wgpu encode loop and readback, device
-timing, the NumPy backend's fast kernels, the planner's memory report."""
+timing, the NumPy backend's fast kernels against the references, the planner's memory
+report."""
 import numpy as np
 import pytest
 
 import ggwgpu as gg
+from ggwgpu import testing
 from ggwgpu.backends import NumpyBackend
-from ggwgpu.backends.numpy_backend import FAST
 from ggwgpu.ops import OPS
 
 
@@ -131,18 +132,50 @@ def test_device_seconds_times_a_run_where_timestamps_exist(wgpu):
     np.testing.assert_allclose(plan.read(y), NumpyBackend().compute([y], feeds)[0], rtol=1e-5)
 
 
-@pytest.mark.parametrize("op,a_shape,b_shape", [
-    ("mul_mat", (7, 5), (3, 4, 5)),          # a weight times a batch of rows: one BLAS call
-    ("mul_mat", (1, 1, 7, 5), (6, 5)),
-    ("mul_mat", (2, 7, 5), (2, 3, 5)),       # batched a: the reference
-    ("out_prod", (5, 7), (5, 3)),
-    ("out_prod", (2, 5, 7), (4, 5, 3))])
-def test_numpy_fast_kernels_equal_the_references(op, a_shape, b_shape):
-    rng = np.random.default_rng(1)
-    a, b = rng.standard_normal(a_shape), rng.standard_normal(b_shape)
-    node = getattr(gg, op)(gg.input_tensor(a_shape), gg.input_tensor(b_shape))
-    fast = FAST[op](a, b).reshape(node.shape)
-    np.testing.assert_allclose(fast, OPS[op].reference(a, b), rtol=1e-12, atol=1e-12)
+FAST = [(name, case) for name in sorted(OPS) if OPS[name].fast
+        for case in testing.cases_of(name)]
+
+
+@pytest.mark.parametrize("name,case", FAST,
+                         ids=[f"{n}[{testing.describe(c)}]" for n, c in FAST])
+def test_numpy_fast_kernels_equal_the_references(name, case):
+    """Every fast kernel against its op's reference on each of the op's cases: float64 to
+    rounding, float32 within the op's bound; the result and every leaf (an update's moments)
+    alike, and nothing written outside them."""
+    opdef = OPS[name]
+    leaves, values, node = testing.build_case(opdef, case, np.random.default_rng(0))
+    for dtype in (np.float64, np.float32):
+        feeds = values if dtype == np.float64 else testing.as_f32(values)
+        results = []
+        for fast in (False, True):
+            plan = NumpyBackend(dtype, fast=fast).plan([node], sentinel=testing.SENTINEL)
+            plan.run(feeds)
+            assert not plan.stray_writes()
+            results.append([plan.read(t) for t in (node, *leaves) if not t.is_quantized])
+        for ref, got in zip(*results, strict=True):
+            if dtype == np.float64:
+                scale = float(np.max(np.abs(ref[np.isfinite(ref)]), initial=1.0))
+                np.testing.assert_allclose(got, ref, rtol=1e-12, atol=1e-13 * scale)
+            else:
+                ok, detail = testing.compare(got, ref, case.nmse or opdef.nmse)
+                assert ok, detail
+
+
+def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():
+    rng = np.random.default_rng(3)
+    w, grad, m, v = (gg.param(rng.uniform(0.1, 1, (4, 6)).astype(np.float32)) for _ in range(4))
+    hp = gg.input_tensor((8,), name="hparams")
+    step = gg.opt_step_adamw(w, grad, m, v, hp, True)
+    g = rng.normal(size=(4, 6))
+    g.flat[[1, 9]] = [np.nan, np.inf]
+    results = []
+    for fast in (False, True):
+        plan = NumpyBackend(np.float64, fast=fast).plan([step])
+        plan.run({grad: g, hp: [1e-2, 0.9, 0.999, 1e-8, 0.1, 10, 1000, 1]})
+        results.append([plan.read(t) for t in (w, m, v)])
+    for ref, got in zip(*results, strict=True):
+        np.testing.assert_array_equal(got, ref)
+        assert np.isfinite(got).all()
 
 
 def test_memory_report_sorts_the_planned_bytes_by_role():
@@ -276,3 +309,88 @@ def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill()
         params_layout(source.replace("    off3: vec4u,\n", ""))
     with pytest.raises(ValueError, match="Params.f has type mat4x4f"):
         params_layout(source.replace("    f: vec4f,", "    f: mat4x4f,"))
+
+
+# -- constants shared between the plans of a backend -----------------------------------------
+
+def storage_of(plan, t):
+    """The backend object that holds t's storage in `plan`: a NumPy block or a wgpu buffer."""
+    return (plan.storage if isinstance(plan, gg.backends.numpy_backend.NumpyPlan)
+            else plan.buffers)[id(t.storage)]
+
+
+def sharing_graph(w_value, p_value):
+    """A constant weight w, a param p, an input x and a constant `cache` a node writes (cpy):
+    y = w x + p x, and cache <- y."""
+    w, p = gg.constant(w_value, name="w"), gg.param(p_value, name="p")
+    x = gg.input_tensor((3, 4), name="x")
+    cache = gg.constant(np.zeros((3, 5), np.float32), name="cache")
+    y = gg.add(gg.mul_mat(w, x), gg.mul_mat(p, x))
+    return w, p, x, cache, gg.cpy(y, cache)
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_plans_share_the_constants_they_never_write_and_nothing_else(backend_name, request):
+    import gc
+    import weakref
+    from ggwgpu.backends.base import planned_bytes
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    rng = np.random.default_rng(5)
+    w_value, p_value = (rng.uniform(-1, 1, (5, 4)).astype(np.float32) for _ in range(2))
+    x_value = rng.uniform(-1, 1, (3, 4)).astype(np.float32)
+    graphs = [sharing_graph(w_value, p_value) for _ in range(2)]   # twice from the same arrays
+    plans = [backend.plan([g[-1]]) for g in graphs]
+    (w1, p1, x1, c1, _), (w2, p2, x2, c2, _) = graphs
+    # the weight is held once; the param, the input and the written constant are each plan's
+    assert storage_of(plans[0], w1) is storage_of(plans[1], w2)
+    for a, b in ((p1, p2), (x1, x2), (c1, c2)):
+        assert storage_of(plans[0], a) is not storage_of(plans[1], b)
+    assert [id(t) for t in (w1, p1, x1, c1) if id(t) in plans[0].constant_keys] == [id(w1)]
+    shared = weakref.ref(plans[0].constants[id(w1)])
+    # memory: the weight counts in each plan's planned bytes and once in the sum of both
+    m = [plan.memory() for plan in plans]
+    assert m[0]["shared"] == m[1]["shared"] == w_value.nbytes
+    assert planned_bytes(plans) == m[0]["planned"] + m[1]["planned"] - w_value.nbytes
+    expected = x_value @ (w_value + p_value).T
+    for plan, g in zip(plans, graphs):
+        plan.run({g[2]: x_value})
+        np.testing.assert_allclose(plan.read(g[-1]), expected, rtol=1e-5)
+    # a write gives the writer its own copy; the other plan keeps the shared value
+    plans[0].write(w1, 2 * w_value)
+    assert storage_of(plans[0], w1) is not storage_of(plans[1], w2)
+    assert plans[0].memory()["shared"] == 0 and plans[1].memory()["shared"] == w_value.nbytes
+    for plan, g, w in zip(plans, graphs, (2 * w_value, w_value)):
+        plan.run({g[2]: x_value})
+        np.testing.assert_allclose(plan.read(g[-1]), x_value @ (w + p_value).T, rtol=1e-5)
+    # the shared storage lives as long as a plan uses it
+    third = backend.plan([graphs[0][-1]])
+    assert storage_of(third, w1) is storage_of(plans[1], w2)
+    del plans[1], plan
+    gc.collect()
+    third.run({x1: x_value})
+    np.testing.assert_allclose(third.read(graphs[0][-1]), expected, rtol=1e-5)
+    assert shared() is not None
+    del third
+    gc.collect()
+    assert shared() is None
+    if backend_name == "numpy":
+        assert len(backend.constants) == 0
+
+
+def test_sentinels_turn_constant_sharing_off():
+    backend = NumpyBackend()
+    w_value = np.ones((5, 4), np.float32)
+    plans = [backend.plan([sharing_graph(w_value, w_value)[-1]], sentinel=4) for _ in range(2)]
+    assert not plans[0].constant_keys and len(backend.constants) == 0
+    assert plans[0].memory()["shared"] == 0
+
+
+def test_numpy_plans_share_a_frozen_weight_s_dequantized_values():
+    from ggwgpu.quant import quantize
+    backend = NumpyBackend()
+    value = quantize(np.random.default_rng(3).uniform(-1, 1, (6, 32)), "q8_0")
+    x = gg.input_tensor((2, 32), name="x")
+    graphs = [gg.mul_mat(gg.constant(value, name="w"), x) for _ in range(2)]
+    plans = [backend.plan([y]) for y in graphs]
+    dense = [plan.dense[id(y.srcs[0].storage)] for plan, y in zip(plans, graphs)]
+    assert dense[0] is dense[1] and len(backend.constants) == 1

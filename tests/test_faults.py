@@ -3,6 +3,7 @@ to go on; SIGKILL at random moments always leaves a checkpoint that loads and re
 same trajectory; a step with a non-finite loss or gradient changes nothing and stops the run
 (or is skipped); a failing device, or a tensor over its limits, is a clear error that keeps
 the last checkpoint."""
+import errno
 import json
 import os
 import shlex
@@ -195,11 +196,9 @@ def test_sigkill_at_random_moments_keeps_a_checkpoint_that_resumes_exactly(tmp_p
         kills += 1
         logged = records(log)[-1]["step"]
         assert checkpoint_step(ckpt) in (logged - 1, logged)
-        leftovers = list(tmp_path.glob(f".{ckpt.name}.*.tmp"))   # a write the kill cut short
-        mid_write += len(leftovers)
-        for path in leftovers:
-            path.unlink()
+        mid_write += len(list(tmp_path.glob(f".{ckpt.name}.*.tmp")))   # a write cut short
     assert kills == KILL_POINTS
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".*.tmp"))
     print(f"SIGKILL: {kills} kill points tried, {mid_write} during a checkpoint write; "
           f"every checkpoint loaded and resumed bit-exact")
     logged = records(log)
@@ -381,3 +380,266 @@ def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, 
     assert "the device failed in step 3" in e.value.message
     assert f"{ckpt} holds the checkpoint of step 2" in e.value.message
     assert checkpoint_step(ckpt) == 2
+
+
+# -- nothing the user has is destroyed ------------------------------------------------------
+
+def base_model(path):
+    """A tiny byte-vocabulary llama GGUF (a finetune's BASE)."""
+    tok = ByteTokenizer()
+    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    gguf_io.save_model(path, cfg, init_parameters(cfg, seed=1), tok)
+    return path
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def command_line(message: str) -> list[str]:
+    """The command a message prints on the line after 'with:'."""
+    return shlex.split(message.split("with:\n", 1)[1].strip().splitlines()[0])
+
+
+OVERWRITES = {   # a command whose output is one of its inputs -> words of the refusal
+    "train --out TEXT": (["train", "{t}", "--out", "{t}"], "--out {t} is the input TEXTS {t}"),
+    "finetune --out BASE": (["finetune", "{b}", "{t}", "--out", "{b}"],
+                            "--out {b} is the input BASE {b}"),
+    "finetune --checkpoint-out BASE": (["finetune", "{b}", "{t}", "--checkpoint-out", "{b}"],
+                                       "--checkpoint-out {b} is the input BASE {b}"),
+    "finetune --data D --out D": (["finetune", "{b}", "--data", "{d}", "--out", "{d}"],
+                                  "--out {d} is the input --data {d}"),
+    "finetune --out X --checkpoint-out X": (
+        ["finetune", "{b}", "{t}", "--out", "{x}", "--checkpoint-out", "{x}"], "are one file"),
+    "train --log MODEL": (["train", "{t}", "--out", "{x}", "--log", "{b}"],
+                          "--log {b} is a GGUF file, not a JSONL log"),
+    "train --log TEXT": (["train", "{t}", "--out", "{x}", "--log", "{t}"], "--log {t}"),
+    "merge --out (a hard link of BASE)": (["merge", "{b}", "{t}", "--out", "{h}"],
+                                          "--out {h} is the input BASE {b}"),
+    "quantize TARGET (a symlink to SOURCE)": (["quantize", "{b}", "{s}"],
+                                              "TARGET {s} is the input SOURCE {b}"),
+    "plot --out LOG": (["plot", "{l}", "--out", "{l}"], "--out {l} is the input LOG {l}"),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERWRITES))
+def test_no_command_writes_over_its_input(tmp_path, case):
+    """An output that is an input of the same command (by device and inode: a hard link or a
+    symlink is caught too), or another output, or a --log that is no log, is refused before
+    any work, and every file stays as it was."""
+    files = dict(t=tmp_path / "text.txt", b=tmp_path / "base.gguf", x=tmp_path / "x.gguf",
+                 d=tmp_path / "d.jsonl", h=tmp_path / "hard.gguf", s=tmp_path / "soft.gguf",
+                 l=tmp_path / "log.jsonl")
+    files["t"].write_text(TEXT)
+    base_model(files["b"])
+    files["d"].write_text('{"text": "To be, or not to be"}\n' * 8)
+    files["l"].write_text('{"step": 1, "loss": 5.0}\n')
+    os.link(files["b"], files["h"])
+    files["s"].symlink_to(files["b"].name)
+    before = snapshot(tmp_path)
+    args, words = OVERWRITES[case]
+    args = [a.format(**files) for a in args]
+    if args[0] in ("train", "finetune"):     # should the check fail, a short run follows
+        args += ["--steps", "1", "--batch", "2"] + (TINY_ARGS if args[0] == "train" else [])
+    r = run_cli(["--backend", "numpy", *args])
+    assert r.exit_code == 2, r.output
+    assert words.format(**files) in r.output and "Traceback" not in r.output
+    assert " on numpy" not in r.output            # refused before any work
+    assert snapshot(tmp_path) == before
+
+
+def test_an_output_directory_that_cannot_be_written_fails_before_training(tmp_path,
+                                                                          monkeypatch):
+    """(As root a chmod does not stop writing: the probe itself is made to fail.)"""
+    from ggwgpu_cli import outputs
+
+    def refuse(**kwargs):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)
+    r = run_cli(train_args(tmp_path, "--steps", "2", "--out", str(tmp_path / "m.gguf")))
+    assert r.exit_code == 2
+    assert f"--out {tmp_path / 'm.gguf'}: cannot write in {tmp_path} (Permission denied)" \
+        in r.output
+    assert "train on" not in r.output
+
+
+def test_a_signal_during_the_final_write_waits_for_it(tmp_path, monkeypatch):
+    """Two SIGINTs while the model is written: the handlers are still there, so the write
+    completes and the run ends well (before, the first one killed it: the run was lost)."""
+    real = gguf_io.save_model
+
+    def save_model(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        real(*args, **kwargs)
+    monkeypatch.setattr(gguf_io, "save_model", save_model)
+    out = tmp_path / "m.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "3", "--out", str(out)))
+    assert r.exit_code == 0, r.output
+    assert f"model written to {out}" in r.output
+    gguf_io.load_model(out)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+
+
+def test_a_final_write_on_a_full_disk_keeps_the_weights_in_a_checkpoint(tmp_path,
+                                                                         monkeypatch):
+    """The model's write fails with ENOSPC: the run says the disk is full, saves the
+    checkpoint next to it and prints the command that writes the model from it, which
+    does (the same weights)."""
+    from gguf import GGUFWriter
+    real = GGUFWriter.write_tensors_to_file
+
+    def full_disk(self, *args, **kwargs):
+        if self.path.name.startswith(".m.gguf."):      # the model's temporary file only
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", full_disk)
+    out = tmp_path / "m.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "3", "--out", str(out)))
+    assert r.exit_code == 1
+    assert f"{out} was not written" in r.output
+    assert f"the disk holding {tmp_path} is full (no space left on device)" in r.output
+    ckpt = tmp_path / "m.checkpoint.gguf"
+    assert checkpoint_step(ckpt) == 3 and not out.exists()
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", real)
+    command = command_line(r.output)
+    assert command[command.index("--steps") + 1] == "0"
+    r = run_cli(command[1:])
+    assert r.exit_code == 0, r.output
+    _, want, _, _, _ = gguf_io.load_checkpoint(ckpt)
+    _, got, _ = gguf_io.load_model(out)
+    for name, value in want.items():
+        assert np.array_equal(got[name], value), name
+
+
+def test_the_command_after_a_stop_on_the_last_step_is_valid(tmp_path, monkeypatch):
+    """A non-finite last step stops the run with 0 steps left: the printed command (once
+    --steps 0, which was refused) writes the model from the checkpoint."""
+    poison_targets(monkeypatch, {2})       # step 3 of 3
+    out = tmp_path / "m.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "3", "--out", str(out)))
+    assert r.exit_code == 1 and "step 3: loss inf" in r.output
+    command = command_line(r.output)
+    assert command[command.index("--steps") + 1] == "0"
+    monkeypatch.undo()
+    r = run_cli(command[1:])
+    assert r.exit_code == 0, r.output
+    assert f"model of step 3 written to {out}" in r.output
+    gguf_io.load_model(out)
+
+
+def test_two_runs_cannot_write_one_checkpoint(tmp_path):
+    ckpt, log = tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    first = spawn(train_args(tmp_path, "--steps", "5000", "--checkpoint-out", str(ckpt),
+                             "--log", str(log), "--out", str(tmp_path / "a.gguf")))
+    try:
+        wait_for_step(first, log, 0, 1)
+        r = run_cli(train_args(tmp_path, "--steps", "2", "--checkpoint-out", str(ckpt),
+                               "--out", str(tmp_path / "b.gguf")))
+        assert r.exit_code == 2
+        assert f"another run (process {first.pid}) is writing --checkpoint-out {ckpt}" \
+            in r.output
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.communicate(timeout=WAIT_S)
+    assert first.returncode == 128 + signal.SIGTERM
+    assert not Path(f"{ckpt}.lock").exists()           # released (and removed) at the end
+    r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-in", str(ckpt),
+                           "--checkpoint-out", str(ckpt), "--out", str(tmp_path / "b.gguf")))
+    assert r.exit_code == 0, r.output
+
+
+def test_a_resumed_run_refuses_contradicting_options_and_says_what_it_changes(tmp_path):
+    ckpt, out = tmp_path / "ckpt.gguf", tmp_path / "m.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "2", "--checkpoint-out", str(ckpt),
+                           "--out", str(out)))
+    assert r.exit_code == 0, r.output
+    resume = ["--backend", "numpy", "train", str(tmp_path / "text.txt"), "--checkpoint-in",
+              str(ckpt), "--checkpoint-out", str(ckpt), "--out", str(out), "--steps", "1"]
+    for given, fixed in ((["--batch", "2"], "--batch 4 (given: 2)"),
+                         (["--n-layer", "3"], "--n-layer 2 (given: 3)"),
+                         (["--warmup", "9", "--optimizer", "sgd"],
+                          "--optimizer adamw (given: sgd), --warmup 5 (given: 9)")):
+        r = run_cli(resume + given)
+        assert r.exit_code == 2 and f"{ckpt} fixes the model" in r.output
+        assert f"contradict it: {fixed}" in r.output
+    r = run_cli(resume + TINY_ARGS + ["--batch", "4", "--lr", "1e-3"])   # the same: fine
+    assert r.exit_code == 0, r.output
+    assert "resuming with --lr 0.001 instead of the checkpoint's 0.003" in r.output
+    assert gguf_io.load_checkpoint(ckpt)[4]["options"]["lr"] == 1e-3
+
+
+def test_temp_files_of_killed_writes_are_removed_by_the_next_write_of_that_file(tmp_path):
+    """Only .NAME.ggwgpu-PID-HEX.tmp of this target and of a process that is gone."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    names = {f".ckpt.gguf.ggwgpu-{gone.pid}-0123abcd.tmp": False,     # removed
+             f".ckpt.gguf.ggwgpu-{os.getpid()}-0123abcd.tmp": True,    # a live writer's
+             f".other.gguf.ggwgpu-{gone.pid}-0123abcd.tmp": True,     # another target's
+             f".ckpt.gguf.ggwgpu-{gone.pid}-notours.tmp": True,
+             f".ckpt.gguf.{gone.pid}.0123abcd.tmp": True, "ckpt.gguf.tmp": True}
+    for name in names:
+        (tmp_path / name).write_bytes(b"partial")
+    tok = ByteTokenizer()
+    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    gguf_io.save_model(tmp_path / "ckpt.gguf", cfg, init_parameters(cfg), tok)
+    for name, kept in names.items():
+        assert (tmp_path / name).exists() == kept, name
+
+
+@pytest.mark.parametrize("change, code, words", [
+    (lambda s: s["options"].update(restarts=True, cos_decay_steps=0), 1,
+     "key training.state_json: options.cos_decay_steps must be in [1, 1e+09], got 0"),
+    (lambda s: s["options"].update(grad_accum=10 ** 9), 1, "options.grad_accum"),
+    (lambda s: s["options"].update(optimizer="lion"), 1, "options.optimizer must be one of"),
+    (lambda s: s.pop("options"), 1, "options is missing"),
+    (lambda s: s["data"].update(position=10 ** 9), 2, "sample-order state out of range"),
+])
+def test_resuming_from_a_forged_state_is_a_clear_error(tmp_path, change, code, words):
+    """What an adversarial tester put into training.state_json: a hang, a traceback or a
+    silent acceptance before; an error naming the checkpoint and the key now."""
+    ckpt = tmp_path / "ckpt.gguf"
+    r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-out", str(ckpt),
+                           "--out", str(tmp_path / "m.gguf")))
+    assert r.exit_code == 0, r.output
+    cfg, values, tok, opt_state, state = gguf_io.load_checkpoint(ckpt)
+    change(state)
+    gguf_io.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
+    r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-in", str(ckpt),
+                           "--out", str(tmp_path / "m.gguf")))
+    assert r.exit_code == code and isinstance(r.exception, SystemExit)   # no traceback
+    assert str(ckpt) in r.output and words in r.output, r.output
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
+def test_a_log_on_a_full_disk_stops_the_run_saying_so_and_keeps_a_checkpoint(tmp_path):
+    """Every write to /dev/full fails with ENOSPC."""
+    trainer = tiny_trainer(NumpyBackend(), TrainOptions(batch=4, lr=3e-3, warmup=2))
+    ckpt = tmp_path / "ckpt.gguf"
+
+    def save_checkpoint():
+        gguf_io.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
+                                trainer.optimizer_state(), trainer.state())
+    with pytest.raises(cli_main.click.ClickException) as e:
+        cli_main.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
+    assert ("step 1: the log /dev/full cannot be written: the disk holding /dev/full is "
+            "full (no space left on device)") in e.value.message
+    assert f"checkpoint of step 1 saved to {ckpt}" in e.value.message
+    assert checkpoint_step(ckpt) == 1
+
+
+def test_a_resumed_finetune_refuses_another_adapter_shape(tmp_path):
+    base, ckpt, out = base_model(tmp_path / "base.gguf"), tmp_path / "c.gguf", tmp_path / "a.gguf"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    args = ["--backend", "numpy", "finetune", str(base), str(text), "--batch", "2",
+            "--checkpoint-out", str(ckpt), "--out", str(out), "--steps", "1"]
+    r = run_cli(args + ["--lora-r", "2", "--lora-alpha", "3"])
+    assert r.exit_code == 0, r.output
+    resume = args + ["--checkpoint-in", str(ckpt)]
+    r = run_cli(resume + ["--lora-r", "4", "--lora-alpha", "5"])
+    assert r.exit_code == 2
+    assert "contradict it: --lora-r, --lora-alpha 3.0 (given: 5.0)" in r.output
+    r = run_cli(resume + ["--lora-alpha", "3", "--flash-attn"])     # the same alpha: fine
+    assert r.exit_code == 0, r.output
+    assert "resuming with --flash-attn True instead of the checkpoint's False" in r.output

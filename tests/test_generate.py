@@ -135,6 +135,48 @@ def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu, cfg):
     assert np.abs(got - dev_ref[2:]).max() <= 1e-5 * scale
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
+    """The prefill and step plans share every weight's storage (q8_0 ones and, on NumPy,
+    their dequantized values included) but not their caches; the logits are the training
+    forward's, also after the step plan alone is left; memory counts the weights once."""
+    import gc
+    from ggwgpu.quant import Quantized, dequantize, quantize
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    cfg = dataclasses.replace(TINY, n_embd=32, n_ff=32)
+    values = {k: quantize(v, "q8_0") if k.endswith("attn_q.weight") else v
+              for k, v in tiny_values(cfg).items()}
+    d = Decoder(backend, cfg, values)
+    plans, graphs = (d.prefill_plan, d.step_plan), (d.prefill_graph, d.step_graph)
+    storage = [plan.storage if backend_name == "numpy" else plan.buffers for plan in plans]
+    for name in values:
+        weights = [g.params[name].storage for g in graphs]
+        assert storage[0][id(weights[0])] is storage[1][id(weights[1])], name
+        assert {id(w) for w in weights} <= plans[0].constant_keys | plans[1].constant_keys
+    assert storage[0][id(graphs[0].kv)] is not storage[1][id(graphs[1].kv)]
+    assert {id(s) for s in plans[0].constants.values()} == \
+        {id(s) for s in plans[1].constants.values()}
+    assert len(plans[0].constants) == len(values)
+    if backend_name == "numpy":
+        assert len(backend.constants) == len(values)
+        q = [id(g.params["blk.0.attn_q.weight"]) for g in graphs]
+        assert plans[0].dense[q[0]] is plans[1].dense[q[1]]
+    weight_bytes = sum(plans[0].nbytes(g) for g in graphs[0].params.values())
+    m = [plan.memory() for plan in plans]
+    assert m[0]["shared"] == m[1]["shared"] == weight_bytes
+    assert d.memory() == m[0]["planned"] + m[1]["planned"] - weight_bytes
+    tokens = [1, 4, 7, 2, 5]
+    dense = {k: dequantize(v) if isinstance(v, Quantized) else v for k, v in values.items()}
+    ref = TrainingForward(NumpyBackend(np.float64), cfg, dense)(tokens)
+    got = [d.prefill(tokens[:3])] + [d.step(t) for t in tokens[3:]]
+    scale = np.abs(ref).max()
+    assert np.abs(np.array(got) - ref[2:]).max() <= 1e-5 * scale
+    del d.prefill_plan, plans, storage     # the step plan alone keeps the weights
+    gc.collect()
+    d.tokens = d.tokens[:3]
+    assert np.abs(d.step(tokens[3]) - ref[3]).max() <= 1e-5 * scale
+
+
 # -- sampling on hand-made logits ----------------------------------------------------------
 
 def test_repeat_penalty_divides_positive_and_multiplies_negative_logits():

@@ -25,6 +25,7 @@ from ggwgpu.models.llama import LORA_A, LORA_B, LlamaConfig, init_parameters, pa
 from ggwgpu.quant import dequantize, quantize, quantize_model
 from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, SentencePieceVocab, VocabError,
                               load_vocab)
+from conftest import train_state
 
 # Files per base; GGWGPU_FUZZ_EXAMPLES=20000 runs a longer search.
 EXAMPLES = int(os.environ.get("GGWGPU_FUZZ_EXAMPLES", 500))
@@ -118,7 +119,7 @@ def bases(tmp_path_factory):
     moments = {n: (np.full(s, 0.5, np.float32), np.full(s, 0.25, np.float32))
                for n, s in parameter_shapes(CFG).items()}
     save_model(folder / "model", CFG, params, VOCAB)
-    save_checkpoint(folder / "checkpoint", CFG, params, VOCAB, moments, {"step": 3})
+    save_checkpoint(folder / "checkpoint", CFG, params, VOCAB, moments, train_state(3))
     vocab_file(folder / "vocab")
     quantized_model_file(folder / "quantized")
     save_adapter(folder / "adapter", init_adapter(CFG, lora_ranks(CFG, r=2), alpha=4.0), CFG)

@@ -2,6 +2,7 @@
 with their optimizer and training state, writes are atomic, and every malformed file is a
 GGUFError naming the file and the key or tensor."""
 import dataclasses
+import json
 import os
 
 import numpy as np
@@ -12,6 +13,7 @@ from ggwgpu import gguf_io
 from ggwgpu.gguf_io import GGUFError, load_checkpoint, load_model, save_checkpoint, save_model
 from ggwgpu.models.llama import LlamaConfig, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
+from conftest import train_state
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
 T = GGUFValueType
@@ -212,10 +214,9 @@ def test_published_model_shapes_round_trip(tmp_path):
 
 def test_checkpoint_round_trip(tmp_path):
     path, params, opt = tmp_path / "c.gguf", model(), moments()
-    state = {"step": 17, "samples": 34, "tokens": 170, "epoch": 0, "lr_schedule": [17, 0.5],
-             "sampler": {"order_seed": 3, "next": 5},
-             "rng": {"bit_generator": "PCG64", "state": {"state": 2 ** 127 + 12345}},
-             "hparams": {"lr": 1e-3, "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}}
+    state = train_state(17, samples=34, tokens=170, epoch=0, lr_schedule=[17, 0.5],
+                        sampler={"order_seed": 3, "next": 5},
+                        rng={"bit_generator": "PCG64", "state": {"state": 2 ** 127 + 12345}})
     save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
 
     cfg2, params2, tok2, opt2, state2 = load_checkpoint(path)
@@ -245,9 +246,9 @@ def test_checkpoint_round_trip(tmp_path):
 
 
 def test_checkpoint_without_moments(tmp_path):
-    save_checkpoint(tmp_path / "c.gguf", TINY, model(), TinyVocab(), {}, {"step": 0})
+    save_checkpoint(tmp_path / "c.gguf", TINY, model(), TinyVocab(), {}, train_state(0))
     *_, opt, state = load_checkpoint(tmp_path / "c.gguf")
-    assert opt == {} and state == {"step": 0}
+    assert opt == {} and state == train_state(0)
     assert fields(tmp_path / "c.gguf")[0]["optimizer.type"][0] == "none"
 
 
@@ -263,14 +264,14 @@ def test_a_model_is_not_a_checkpoint(tmp_path):
 
 def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
 
     def refuse(src, dst):
         raise OSError(28, "No space left on device")
     monkeypatch.setattr(gguf_io.os, "replace", refuse)
     with pytest.raises(GGUFError, match="previous file is unchanged"):
-        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
     assert path.read_bytes() == before
     assert only_file(tmp_path) == ["c.gguf"]
 
@@ -278,7 +279,7 @@ def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
 @pytest.mark.parametrize("error", [RuntimeError("disk gone"), KeyboardInterrupt()])
 def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeypatch, error):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
     real = GGUFWriter.write_tensors_to_file
 
@@ -288,12 +289,12 @@ def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeyp
         raise error
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", half_then_fail)
     with pytest.raises(type(error)):
-        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
+        save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
     assert path.read_bytes() == before
     assert only_file(tmp_path) == ["c.gguf"]
     monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", real)
-    save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), {"step": 2})
-    assert load_checkpoint(path)[4] == {"step": 2}
+    save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
+    assert load_checkpoint(path)[4] == train_state(2)
 
 
 @pytest.mark.parametrize("change, match", [
@@ -313,9 +314,9 @@ def test_write_failing_midway_leaves_previous_file_and_no_temp(tmp_path, monkeyp
 ])
 def test_bad_state_is_refused_before_writing(tmp_path, change, match):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(0), TinyVocab(), moments(), train_state(1))
     before = path.read_bytes()
-    params, opt, state = model(1), moments(1), {"step": 2}
+    params, opt, state = model(1), moments(1), train_state(2)
     change(params, opt, state)
     with pytest.raises(GGUFError, match=match) as e:
         save_checkpoint(path, TINY, params, TinyVocab(), opt, state)
@@ -338,7 +339,7 @@ def raises_naming(path, *words, loader=load_model):
 
 def test_truncated_files(tmp_path):
     path = tmp_path / "m.gguf"
-    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), train_state(1))
     data = path.read_bytes()
     cut_path = tmp_path / "cut.gguf"
     for cut in [0, 3, 7, 20, 40, 300, 1000, len(data) // 2, len(data) - 1]:
@@ -456,7 +457,7 @@ def test_vocabulary_size_mismatch(tmp_path):
 
 def test_checkpoint_specific_errors(tmp_path):
     path = tmp_path / "c.gguf"
-    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), {"step": 1})
+    save_checkpoint(path, TINY, model(), TinyVocab(), moments(), train_state(1))
     meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
     meta["ggwgpu.checkpoint.version"] = (2, T.UINT32)
     meta["training.state_json"] = ("{}", T.STRING)
@@ -479,6 +480,68 @@ def test_checkpoint_specific_errors(tmp_path):
     gguf_io._write_gguf(path, meta, model())
     raises_naming(path, "training.state_json", "missing", loader=load_checkpoint)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
+
+
+def checkpoint_with_state(path, state_json: str, opt=None):
+    """A checkpoint whose training.state_json is `state_json`, as written (forged)."""
+    meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
+    meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
+    meta["training.state_json"] = (state_json, T.STRING)
+    gguf_io._write_gguf(path, meta, {**model(), **(opt or {})})
+    return path
+
+
+def forged(change) -> str:
+    state = train_state(5, tokens_digest="ab")
+    change(state)
+    return json.dumps(state)
+
+
+@pytest.mark.parametrize("state_json, words", [
+    (forged(lambda s: s["options"].update(restarts=True, cos_decay_steps=0)),
+     ["options.cos_decay_steps must be in [1, 1e+09]", "got 0"]),
+    (forged(lambda s: s["options"].update(grad_accum=10 ** 9)), ["options.grad_accum", "65536"]),
+    (forged(lambda s: s["options"].pop("lr")), ["options.lr is missing"]),
+    (forged(lambda s: s["options"].update(batch="8")), ["options.batch must be an integer"]),
+    (forged(lambda s: s["options"].update(optimizer="adam")),
+     ["options.optimizer must be one of adamw, sgd", "'adam'"]),
+    (forged(lambda s: s["options"].update(lion=True)), ["options.lion is not a training option"]),
+    (forged(lambda s: s["options"].update(restarts=1)), ["options.restarts must be true or false"]),
+    (forged(lambda s: s.update(step=-1)), ["step must be in [0, ", "got -1"]),
+    (forged(lambda s: s.pop("step")), ["step is missing"]),
+    (forged(lambda s: s.update(step=2.5)), ["step must be an integer"]),
+    (forged(lambda s: s.pop("data")), ["data is missing"]),
+    (forged(lambda s: s["data"].update(position=None)), ["data.position must be an integer"]),
+    (forged(lambda s: s.update(options=[])), ["options must be a JSON object"]),
+    (forged(lambda s: s.update(tokens_digest=7)), ["tokens_digest must be a string"]),
+    (forged(lambda s: s.update(mode="lora", base="cd")), ["samples_after_nl is missing"]),
+    (forged(lambda s: s.update(n_ctx=1, mode="full", base="cd", samples_after_nl=False)),
+     ["n_ctx must be in [2, "]),
+    (forged(lambda s: s["options"].update(lr="NaN")).replace('"NaN"', "NaN"),
+     ["options.lr must be a finite number"]),
+    (forged(lambda s: s["options"].update(eps=1)).replace('"eps": 1', '"eps": 1e999'),
+     ["options.eps must be a finite number"]),
+    ("[1, 2]", ["must be a JSON object"]),
+])
+def test_a_checkpoint_state_is_checked_against_the_schema(tmp_path, state_json, words):
+    """Each defect a tester forged into training.state_json (an endless schedule, a step of
+    10^9 micro-batches, missing or mistyped keys, an unknown optimizer, a negative step) is
+    a GGUFError naming the file, the key and the problem, not a hang or a traceback."""
+    path = checkpoint_with_state(tmp_path / "c.gguf", state_json)
+    raises_naming(path, "training.state_json", *words, loader=load_checkpoint)
+
+
+@pytest.mark.parametrize("kind, value, words", [
+    ("m", np.inf, ["optimizer.adamw.m.output_norm.weight", "non-finite"]),
+    ("v", np.nan, ["optimizer.adamw.v.output_norm.weight", "non-finite"]),
+    ("v", -1.0, ["optimizer.adamw.v.output_norm.weight", "negative"]),
+])
+def test_a_checkpoint_moment_must_be_finite_and_v_not_negative(tmp_path, kind, value, words):
+    opt = {f"optimizer.adamw.{k}.{name}": np.zeros(shape, np.float32)
+           for name, shape in parameter_shapes(TINY).items() for k in "mv"}
+    opt[f"optimizer.adamw.{kind}.output_norm.weight"][3] = value
+    path = checkpoint_with_state(tmp_path / "c.gguf", json.dumps(train_state(1)), opt)
+    raises_naming(path, *words, loader=load_checkpoint)
 
 
 # -- hostile layouts, byte by byte ------------------------------------------------------------

@@ -15,6 +15,7 @@ from ggwgpu.lora import (Adapter, init_adapter, load_adapter, load_adapter_check
 from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
 from ggwgpu.quant import quantize_model
 from ggwgpu.tokenizer import ByteTokenizer
+from conftest import train_state
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, n_rot=4)
 BATCH = 2
@@ -157,15 +158,35 @@ def test_a_checkpoint_holds_adapter_moments_and_state(tmp_path):
     adapter = trained_adapter()
     moments = {n: (v + 1, v * v + 2) for n, v in adapter.tensors.items()}
     path = tmp_path / "ckpt.gguf"
-    save_adapter_checkpoint(path, adapter, TINY, moments, {"step": 3, "base": "ab"})
+    saved = train_state(3, base="ab", mode="lora", samples_after_nl=False)
+    save_adapter_checkpoint(path, adapter, TINY, moments, saved)
     back, opt_state, state = load_adapter_checkpoint(path, TINY)
-    assert state == {"step": 3, "base": "ab"} and back.alpha == adapter.alpha
+    assert state == saved and back.alpha == adapter.alpha
     for name, (m, v) in moments.items():
         np.testing.assert_array_equal(back.tensors[name], adapter.tensors[name])
         np.testing.assert_array_equal(opt_state[name][0], m)
         np.testing.assert_array_equal(opt_state[name][1], v)
     with pytest.raises(GGUFError, match="is a finetune checkpoint, not an adapter"):
         load_adapter(path, TINY)
+
+
+@pytest.mark.parametrize("change, words", [
+    (lambda s: s["options"].update(cos_decay_steps=0, restarts=True),
+     ["options.cos_decay_steps"]),
+    (lambda s: s.pop("samples_after_nl"), ["samples_after_nl is missing"]),
+    (lambda s: s.update(mode="half"), ["mode must be one of lora, full"]),
+])
+def test_an_adapter_checkpoint_state_is_checked_as_a_model_checkpoint_state(tmp_path, change,
+                                                                             words):
+    adapter = trained_adapter()
+    state = train_state(3, base="ab", mode="lora", samples_after_nl=False)
+    change(state)
+    path = tmp_path / "ckpt.gguf"
+    save_adapter_checkpoint(path, adapter, TINY, {}, state)
+    with pytest.raises(GGUFError) as e:
+        load_adapter_checkpoint(path, TINY)
+    for word in [str(path), "training.state_json", *words]:
+        assert word in str(e.value)
 
 
 def test_merging_gives_the_logits_of_base_plus_adapter():

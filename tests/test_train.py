@@ -1,6 +1,9 @@
 """Training: the schedule, the loss falling on both backends, the backends agreeing, exact
 resume from a checkpoint, and the `ggwgpu train` command."""
 import json
+import math
+import threading
+import types
 
 import numpy as np
 import pytest
@@ -41,6 +44,88 @@ def test_schedule_warms_up_decays_and_restarts():
     assert schedule(100, r) == pytest.approx(1.0)          # first restart
     assert schedule(175, r) == pytest.approx(0.5)          # middle of the 150-step period
     assert schedule(250, r) == pytest.approx(1.0)          # second restart, not truncated
+
+
+def looped_schedule(step, o):
+    """The schedule as a loop over restarts (what schedule() was): the reference."""
+    t, period = step - o.warmup, float(o.cos_decay_steps)
+    if t < 0:
+        return (step + 1) / o.warmup
+    while o.restarts and t >= period:
+        t, period = t - period, period * o.cos_decay_restart
+    if t >= period:
+        return o.cos_decay_min
+    return o.cos_decay_min + (1 - o.cos_decay_min) * 0.5 * (1 + math.cos(math.pi * t / period))
+
+
+@pytest.mark.parametrize("growth", [1.0, 1.01, 1.5, 2.0, 3.7])
+@pytest.mark.parametrize("period", [1, 3, 100])
+def test_the_closed_form_schedule_equals_the_loop_over_restarts(growth, period):
+    o = TrainOptions(warmup=4, cos_decay_steps=period, cos_decay_min=0.05, restarts=True,
+                     cos_decay_restart=growth)
+    for step in range(0, 3000, 7):
+        # the loop's sums drift at a period's end, where both are at 1 or at the minimum
+        assert schedule(step, o) == pytest.approx(looped_schedule(step, o), abs=1e-6), step
+
+
+def test_no_schedule_input_loops():
+    """A forged checkpoint's {restarts: true, cos_decay_steps: 0} looped forever (Ctrl-C did
+    not stop it): no options are accepted that way now, and schedule() has no loop anyway,
+    whatever its input (checked in a thread: a loop would outlive the join)."""
+    with pytest.raises(ValueError, match="option cos_decay_steps must be in"):
+        TrainOptions(restarts=True, cos_decay_steps=0)
+    results = []
+
+    def work():
+        for growth in (1.0, 1 + 2 ** -52, 1.0001, 2.0, 1000.0):
+            o = TrainOptions(warmup=0, cos_decay_steps=1, restarts=True,
+                             cos_decay_restart=growth)
+            results.extend(schedule(step, o) for step in (0, 10 ** 6, 2 ** 62, 2 ** 63 - 1))
+        forged = types.SimpleNamespace(warmup=0, cos_decay_steps=0, restarts=True,
+                                       cos_decay_restart=1.0, cos_decay_min=0.1)
+        for bad in ({}, {"cos_decay_steps": float("nan")}, {"cos_decay_restart": 1e300},
+                    {"cos_decay_restart": float("nan"), "cos_decay_steps": 5}):
+            with pytest.raises(ValueError):
+                schedule(10 ** 9, types.SimpleNamespace(**{**vars(forged), **bad}))
+        results.append("done")
+    thread = threading.Thread(target=work, daemon=True)
+    thread.start()
+    thread.join(30)
+    assert not thread.is_alive() and results[-1] == "done"
+    assert all(0.1 <= r <= 1.0 for r in results[:-1])
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("grad_accum", 10 ** 9, "option grad_accum must be in [1, 65536]"),
+    ("batch", 0, "option batch must be in [1, 65536]"),
+    ("optimizer", "adam", "option optimizer must be one of adamw, sgd"),
+    ("lr", float("inf"), "option lr must be a finite number"),
+    ("lr", "1e-3", "option lr must be a number"),
+    ("beta2", 1.0, "option beta2 must be in [0, 1)"),
+    ("restarts", 1, "option restarts must be true or false"),
+    ("seed", -1, "option seed must be in [0, 4.29497e+09]"),
+    ("warmup", True, "option warmup must be an integer"),
+])
+def test_train_options_refuse_what_their_bounds_do_not_hold(field, value, message):
+    with pytest.raises(ValueError) as e:
+        TrainOptions(**{field: value})
+    assert message in str(e.value)
+
+
+def test_the_cli_takes_its_training_option_ranges_from_the_same_bounds():
+    """One declaration: each TrainOptions bound is the range of the train command's option."""
+    command = cli.commands["train"]
+    params = {p.name: p for p in command.params}
+    for name, bound in TrainOptions.bounds().items():
+        param = params[{"eps": "adam_eps"}.get(name, name)]
+        if bound.kind is bool:
+            continue
+        if bound.kind is str:
+            assert tuple(param.type.choices) == bound.choices
+            continue
+        assert (param.type.min, param.type.max) == (bound.low, bound.high), name
+        assert (param.type.min_open, param.type.max_open) == (bound.low_open,
+                                                              bound.high_open), name
 
 
 def test_loss_falls_on_numpy():

@@ -1,6 +1,8 @@
 """What both backends share: planning a graph's storage, feeding and checking values."""
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
 
 from ..alloc import Block, Layout, pack
@@ -22,6 +24,47 @@ def guarded_block(n: int, sentinel: int, dtype) -> np.ndarray:
     return block
 
 
+class SharedConstant:
+    """The storage of one constant leaf's value, in its backend's form (a NumPy block, a
+    wgpu buffer), held by the plans of that backend that use the value: it lives as long as
+    one of them does (SharedConstants holds it weakly)."""
+
+    def __init__(self, value, storage, nbytes: int):
+        self.value = value      # held, so that no other object takes its id (the key)
+        self.storage = storage
+        self.nbytes = nbytes
+        self.dense = None       # NumPy: a block-type value dequantized, once for all plans
+
+
+class SharedConstants:
+    """A backend's constant storage, one per constant value, shared by its plans.
+
+    A constant leaf that a plan never writes (Plan.constant_keys) is uploaded once per
+    backend: plans whose leaves have the same value object (the weights of the graphs that
+    one `values` dict builds, which constant() keeps as they are) share its storage. The key
+    is that object's identity, not its content: constants are fixed, so an array changed in
+    place after a plan was made from it reaches no plan of the backend (hashing the content
+    would cost a pass over every weight per plan). An entry goes when its last plan does."""
+
+    def __init__(self):
+        self._live = weakref.WeakValueDictionary()
+
+    def get(self, root: Tensor, nbytes: int, upload) -> SharedConstant:
+        """The shared storage of constant `root`; `upload(root)` makes it the first time."""
+        key = (id(root.value), root.dtype, root.shape)
+        shared = self._live.get(key)
+        if shared is None:
+            shared = self._live[key] = SharedConstant(root.value, upload(root), nbytes)
+        return shared
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def nbytes(self) -> int:
+        """The bytes of the constant storage the backend holds now."""
+        return sum(s.nbytes for s in list(self._live.values()))
+
+
 class Plan:
     """A graph planned once for a backend, then run any number of times.
 
@@ -29,7 +72,9 @@ class Plan:
     with disjoint lifetimes sharing a buffer (storage_layout), and `sentinel` guard elements
     on both sides of each (tests fill them and check nothing wrote there; sentinels turn
     sharing off). Leaves with a value (params, constants) are uploaded once; inputs come
-    with each run.
+    with each run. Constants the plan never writes take their storage from the backend's
+    SharedConstants (`constants`), shared with its other plans; a write() to one first
+    gives the plan a copy of its own (params and inputs are never shared).
     """
 
     def __init__(self, outputs, sentinel: int = 0):
@@ -46,13 +91,26 @@ class Plan:
                 self.roots.append(root)
         self.nodes = [t for t in self.order if t.op is not None and not OPS[t.op].is_view]
         self._known = {id(t) for t in self.order}
+        written = set()
+        for node in self.nodes:
+            written.add(id(node.storage))
+            if OPS[node.op].updates:    # an optimizer step writes its sources in place
+                written.update(id(s.storage) for s in node.srcs)
+        # the leaves whose storage may be shared with the backend's other plans: constants
+        # that no node writes (not params, which the optimizer updates, nor inputs); none
+        # with sentinels, whose guards a test checks plan by plan
+        self.constant_keys = set() if self.sentinel else {
+            id(r) for r in self.roots
+            if r.op is None and r.value is not None and not r.is_param and id(r) not in written}
+        self.constants = {}     # id(root) -> SharedConstant, for those the plan shares now
         self._shared = set()    # storage keys that share a buffer with another block
         self._staged = set()    # indexes of the nodes that stage() gave out
 
     def storage_layout(self, private=()) -> Layout:
         """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
         shared buffers by liveness. Leaves and outputs live throughout: they hold values
-        between runs. With sentinels nothing is shared, so every guard stays checkable."""
+        between runs. With sentinels nothing is shared, so every guard stays checkable.
+        The constants of `constant_keys` are not in it: their storage is the backend's."""
         forever = len(self.nodes) + 1
         first, last = {}, {}
         for step, node in enumerate(self.nodes):
@@ -66,7 +124,7 @@ class Plan:
         for t in self.outputs:
             last[id(t.storage)] = forever
         blocks = [Block(id(r), self.nbytes(r), first.get(id(r), -1), last.get(id(r), forever))
-                  for r in self.roots]
+                  for r in self.roots if id(r) not in self.constant_keys]
         blocks += [Block(id(t), self.nbytes(t), step, forever if self.sentinel else step)
                    for t, step in private]
         return pack(blocks)
@@ -75,8 +133,11 @@ class Plan:
         """The planned storage in bytes, by role: weights (params), gradients (the blocks the
         optimizer updates read), state (other leaves with a value: optimizer moments,
         constants), inputs, activations (every other block live at the peak, `scratch`
-        tensors included), the peak of live bytes and `planned`, the bytes of the buffers
-        `layout` (default: storage_layout()) allocates."""
+        tensors included), the peak of live bytes, `planned`, the bytes of the buffers
+        `layout` (default: storage_layout()) allocates and of the constants, and `shared`,
+        the part of `planned` in constant storage the backend holds for all its plans
+        (SharedConstants: other plans of the same values use it too); planned_bytes() adds
+        several plans up counting each shared constant once."""
         layout = layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
@@ -91,7 +152,10 @@ class Plan:
             else:
                 continue
             out[role] += self.nbytes(t)
-        out.update(peak=layout.peak_bytes, planned=layout.total_bytes)
+        constants = sum(self.nbytes(r) for r in self.roots if id(r) in self.constant_keys)
+        shared = sum(self.nbytes(r) for r in self.roots if id(r) in self.constants)
+        out.update(peak=layout.peak_bytes + constants, planned=layout.total_bytes + constants,
+                   shared=shared)
         return out
 
     def nbytes(self, root: Tensor) -> int:
@@ -195,8 +259,18 @@ class Plan:
         return stray
 
 
+def planned_bytes(plans) -> int:
+    """The storage several plans of one backend take together: each plan's own, and each
+    constant they share once."""
+    own = sum(m["planned"] - m["shared"] for m in (p.memory() for p in plans))
+    shared = {id(s): s.nbytes for p in plans for s in p.constants.values()}
+    return own + sum(shared.values())
+
+
 class Backend:
+    """Makes plans; holds the constant storage its plans share (`constants`)."""
     name = "?"
+    constants: SharedConstants
 
     def plan(self, outputs, sentinel: int = 0) -> Plan:
         raise NotImplementedError

@@ -1,7 +1,11 @@
-"""The reference backend: every op runs its registry's NumPy function, in float32 or float64.
+"""The reference backend: every op runs its registry's NumPy function, in float32 or float64:
+the op's fast kernel where it has one (the reference's result written into the node's
+storage without its temporaries; NumpyBackend(fast=False) runs the references alone).
+
 Frozen block-type weights stay raw blocks in the plan's storage; the ops that read them get
-their values dequantized once per plan (and again after a write), not at every run: the
-references would dequantize every weight at every step, many times the cost of the products."""
+their values dequantized once (and again after a write), not at every run: the references
+would dequantize every weight at every step, many times the cost of the products. Constants
+that plans share (base.SharedConstants) share their dequantized values too."""
 from __future__ import annotations
 
 import time
@@ -11,58 +15,69 @@ import numpy as np
 from ..ops import OPS
 from ..quant import dequantize
 from ..tensor import Tensor
-from .base import Backend, Plan, guarded_block
+from .base import Backend, Plan, SharedConstants, guarded_block
 
 
-def unbatched(a: np.ndarray) -> bool:
-    return all(n == 1 for n in a.shape[:-2])
-
-
-def mul_mat_rows(a, b):
-    """mul_mat of a weight (no batch dims) and rows: one BLAS call over all of b's rows (the
-    reference repeats a per batch entry). Shaped by the caller."""
-    if not unbatched(a):
-        return OPS["mul_mat"].reference(a, b)
-    return b.reshape(-1, b.shape[-1]) @ a.reshape(a.shape[-2:]).T
-
-
-def out_prod_rows(a, b):
-    """out_prod of two matrices (the weight gradients) as one BLAS call."""
-    if not (unbatched(a) and unbatched(b)):
-        return OPS["out_prod"].reference(a, b)
-    return b.reshape(b.shape[-2:]).T @ a.reshape(a.shape[-2:])
-
-
-# Faster kernels than the references for the hot ops of a training step, with the same
-# results up to float rounding (tests/test_backends.py). The frozen-weight products see their
-# weight dequantized (NumpyPlan.dense).
-FAST = {"mul_mat": mul_mat_rows, "out_prod": out_prod_rows, "mul_mat_q": mul_mat_rows,
-        "mul_mat_q_back": lambda w, g: mul_mat_rows(np.swapaxes(w, -1, -2), g)}
+def reference_kernel(reference):
+    """An op's reference as a kernel writing into the node's storage."""
+    def kernel(out, *srcs, **params):
+        np.copyto(out, reference(*srcs, **params).reshape(out.shape), casting="unsafe")
+    return kernel
 
 
 class NumpyPlan(Plan):
     def __init__(self, backend, outputs, sentinel=0):
         super().__init__(outputs, sentinel)
         self.float_dtype = backend.float_dtype
+        self.fast = backend.fast
         self.storage = {}
         self.dense = {}     # id(block-type storage) -> its values, as float arrays
         for root in self.roots:
-            dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
-            self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
-            if root.value is not None:
-                self.write(root, root.value)
-        # storage never moves: every node's views are made once, as its kernel
-        self.steps = [(FAST.get(node.op, OPS[node.op].reference),
-                       [self.dense_array(s) if s.is_quantized else self.array(s)
-                        for s in node.srcs], self.array(node), node.params)
-                      for node in self.nodes]
+            if id(root) in self.constant_keys:
+                shared = backend.constants.get(root, self.nbytes(root), self._upload)
+                self.constants[id(root)] = shared
+                self.storage[id(root)] = shared.storage
+            else:
+                self._upload(root)
+        self.steps = self._kernels()
+
+    def _upload(self, root: Tensor) -> np.ndarray:
+        """A new storage block for `root`, holding its value if it has one."""
+        dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
+        block = self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
+        if root.value is not None:
+            self.write(root, root.value)
+        return block
+
+    def _kernels(self) -> list:
+        """Per node: its kernel, its sources' arrays, its own array and its params. Storage
+        stays where it is (but for a shared constant that a write() copies): every node's
+        views are made once."""
+        return [(self.kernel(node.op),
+                 [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs],
+                 self.array(node), node.params)
+                for node in self.nodes]
+
+    def kernel(self, op: str):
+        """(out, *srcs, **params) -> None for op: its fast kernel, else its reference.
+        The fast kernels of the frozen-weight ops see their weight dequantized (dense)."""
+        opdef = OPS[op]
+        if self.fast and opdef.fast is not None:
+            return opdef.fast
+        return reference_kernel(opdef.reference)
 
     def dense_array(self, t: Tensor) -> np.ndarray:
         """The values of block-type tensor t, dequantized once into an array that `write`
         keeps up to date (the ops' references take a float array as well as blocks)."""
         key = id(t.storage)
         if key not in self.dense:
-            self.dense[key] = dequantize(self.array(t)).astype(self.float_dtype)
+            shared = self.constants.get(key)
+            dense = shared.dense if shared else None
+            if dense is None:
+                dense = dequantize(self.array(t)).astype(self.float_dtype)
+                if shared:
+                    shared.dense = dense
+            self.dense[key] = dense
         return self.dense[key].reshape(t.shape)
 
     def array(self, t: Tensor):
@@ -81,17 +96,18 @@ class NumpyPlan(Plan):
         # inf and NaN propagate as on the device (the trainer checks them), silently
         with np.errstate(all="ignore"):
             for kernel, srcs, dst, params in steps:
-                np.copyto(dst, kernel(*srcs, **params).reshape(dst.shape), casting="unsafe")
+                kernel(dst, *srcs, **params)
 
     def profile(self, feeds=None) -> list[tuple[str, float]]:
         """Run the graph once, timing each node: (op, seconds) per node."""
         for t, value in (feeds or {}).items():
             self.write(t, value)
         times = []
-        for node, (kernel, srcs, dst, params) in zip(self.nodes, self.steps):
-            start = time.perf_counter()
-            np.copyto(dst, kernel(*srcs, **params).reshape(dst.shape), casting="unsafe")
-            times.append((node.op, time.perf_counter() - start))
+        with np.errstate(all="ignore"):
+            for node, (kernel, srcs, dst, params) in zip(self.nodes, self.steps):
+                start = time.perf_counter()
+                kernel(dst, *srcs, **params)
+                times.append((node.op, time.perf_counter() - start))
         return times
 
     def read(self, t):
@@ -101,6 +117,13 @@ class NumpyPlan(Plan):
 
     def write(self, t, value):
         value = self._check_value(t, value)
+        key = id(t.storage)
+        if key in self.constants:   # other plans keep the shared value: copy it first
+            del self.constants[key]
+            self.storage[key] = self.storage[key].copy()
+            if key in self.dense:
+                self.dense[key] = self.dense[key].copy()
+            self.steps = self._kernels()
         if t.is_quantized:
             self.array(t).data[...] = value.data
             dense = self.dense.get(id(t.storage))
@@ -114,11 +137,14 @@ class NumpyPlan(Plan):
 
 
 class NumpyBackend(Backend):
-    """Runs graphs with the NumPy references; float64 for gradient checks."""
+    """Runs graphs with the NumPy references (and the ops' fast kernels, unless fast=False);
+    float64 for gradient checks."""
 
-    def __init__(self, float_dtype=np.float32):
+    def __init__(self, float_dtype=np.float32, fast: bool = True):
         self.float_dtype = np.dtype(float_dtype)
+        self.fast = fast
         self.name = "numpy" if self.float_dtype == np.float32 else f"numpy-{self.float_dtype}"
+        self.constants = SharedConstants()
 
     def plan(self, outputs, sentinel=0):
         return NumpyPlan(self, outputs, sentinel)

@@ -23,7 +23,7 @@ from ..ops import OPS
 from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
 from . import wgpu_direct
-from .base import Backend, Plan, guarded_block
+from .base import Backend, Plan, SharedConstants, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 MAX_SRCS = 4
@@ -33,6 +33,7 @@ MAX_SRCS = 4
 SRC0_PARTS = 4
 PART_BINDINGS = tuple(range(2 + MAX_SRCS, 1 + MAX_SRCS + SRC0_PARTS))
 MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
+STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
 
 
 class NoAdapterError(RuntimeError):
@@ -208,6 +209,7 @@ class WgpuBackend(Backend):
         self.fence = self.device.create_buffer(
             size=16, usage=wgpu.BufferUsage.MAP_READ | wgpu.BufferUsage.COPY_DST)
         self._modules, self._pipelines, self._src0_in_parts = {}, {}, {}
+        self.constants = SharedConstants()
 
     @property
     def info(self) -> dict:
@@ -247,7 +249,6 @@ class WgpuPlan(Plan):
         super().__init__(outputs, sentinel)
         self.backend = backend
         device = backend.device
-        usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.dispatches, self.dispatch_ops, private = [], [], {}
         self.node_dispatches = []    # per node: the range of its dispatches
         for step, node in enumerate(self.nodes):
@@ -275,7 +276,7 @@ class WgpuPlan(Plan):
         self.in_parts = {id(t) for t in self.roots + self.scratch
                          if binding and self.nbytes(t) > binding}
         self.layout = self.storage_layout(private)
-        slot_buffers = [device.create_buffer(size=max(16, n), usage=usage)
+        slot_buffers = [device.create_buffer(size=max(16, n), usage=STORAGE_USAGE)
                         for n in self.layout.slot_bytes]
         self.buffers = {key: slot_buffers[slot] for key, slot in self.layout.slot_of.items()}
         users = {}
@@ -283,6 +284,11 @@ class WgpuPlan(Plan):
             users.setdefault(slot, []).append(key)
         self._shared = {k for keys in users.values() if len(keys) > 1 for k in keys}
         for root in self.roots:
+            if id(root) in self.constant_keys:
+                shared = backend.constants.get(root, self.nbytes(root), self._upload)
+                self.constants[id(root)] = shared
+                self.buffers[id(root)] = shared.storage
+                continue
             if self.sentinel:
                 device.queue.write_buffer(self.buffers[id(root)], 0, guarded_block(
                     root.storage_len, self.sentinel, root.storage_dtype))
@@ -292,35 +298,60 @@ class WgpuPlan(Plan):
         for i, (_, d) in enumerate(self.dispatches):
             arena[i, :UNIFORM_SIZE // 4] = self._uniforms(d)
         self.arena = device.create_buffer_with_data(data=arena, usage=wgpu.BufferUsage.UNIFORM)
-        self.recorded = []
-        for i, (stem, d) in enumerate(self.dispatches):
-            entries = [{"binding": 0, "resource": {"buffer": self.arena,
-                                                   "offset": i * UNIFORM_SLOT,
-                                                   "size": UNIFORM_SIZE}}]
-            tensors = (d.dst,) + tuple(d.srcs)
-            ranges = [(backend.dummy, 0, backend.dummy.size)] * (MAX_SRCS + SRC0_PARTS)
-            for b, t in enumerate(tensors):
-                buf = self.buffers[id(t.storage)]
-                ranges[b] = (buf, 0, buf.size)
-            split = len(tensors) > 1 and id(tensors[1].storage) in self.in_parts
-            if split:  # source 0 in its binding and bindings 6 ..: ranges of part_bytes
-                size = self.nbytes(tensors[1].storage)
-                parts = [(ranges[1][0], at, min(self.part_bytes, size - at))
-                         for at in range(0, size, self.part_bytes)]
-                ranges[1] = parts[0]
-                ranges[1 + MAX_SRCS:len(parts) + MAX_SRCS] = parts[1:]
-            for b, (buf, offset, size) in enumerate(ranges):
-                entries.append({"binding": 1 + b, "resource": {"buffer": buf, "offset": offset,
-                                                               "size": size}})
-            group = device.create_bind_group(layout=backend.bind_group_layout, entries=entries)
-            pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
-            self.recorded.append((pipeline, group, grid_2d(d.grid())))
+        self.recorded = [self._record(i) for i in range(len(self.dispatches))]
         # The encode loop's work, prepared once: the whole graph's, and a stage's when asked
         self._commands, self._handles = self._commands_of(range(len(self.recorded)))
         self.direct_calls = self._handles is not None
         self._stage_commands = {}     # stage -> _commands_of its dispatches
         self._staging = None
         self._timer = None
+
+    def _record(self, i: int) -> tuple:
+        """(pipeline, bind group, grid) of dispatch i, on the buffers of self.buffers."""
+        backend, (stem, d) = self.backend, self.dispatches[i]
+        entries = [{"binding": 0, "resource": {"buffer": self.arena,
+                                               "offset": i * UNIFORM_SLOT,
+                                               "size": UNIFORM_SIZE}}]
+        tensors = (d.dst,) + tuple(d.srcs)
+        ranges = [(backend.dummy, 0, backend.dummy.size)] * (MAX_SRCS + SRC0_PARTS)
+        for b, t in enumerate(tensors):
+            buf = self.buffers[id(t.storage)]
+            ranges[b] = (buf, 0, buf.size)
+        split = len(tensors) > 1 and id(tensors[1].storage) in self.in_parts
+        if split:  # source 0 in its binding and bindings 6 ..: ranges of part_bytes
+            size = self.nbytes(tensors[1].storage)
+            parts = [(ranges[1][0], at, min(self.part_bytes, size - at))
+                     for at in range(0, size, self.part_bytes)]
+            ranges[1] = parts[0]
+            ranges[1 + MAX_SRCS:len(parts) + MAX_SRCS] = parts[1:]
+        for b, (buf, offset, size) in enumerate(ranges):
+            entries.append({"binding": 1 + b, "resource": {"buffer": buf, "offset": offset,
+                                                           "size": size}})
+        group = backend.device.create_bind_group(layout=backend.bind_group_layout,
+                                                 entries=entries)
+        pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
+        return pipeline, group, grid_2d(d.grid())
+
+    def _upload(self, root: Tensor):
+        """A new buffer holding constant `root`'s value, to share (SharedConstants)."""
+        buf = self.buffers[id(root)] = self.backend.device.create_buffer(
+            size=max(16, self.nbytes(root)), usage=STORAGE_USAGE)
+        self.write(root, root.value)
+        return buf
+
+    def _unshare(self, key: int):
+        """Give this plan its own copy of a shared constant's buffer (before a write), and
+        bind the copy where the shared one was bound."""
+        device, shared = self.backend.device, self.constants.pop(key).storage
+        own = self.buffers[key] = device.create_buffer(size=shared.size, usage=STORAGE_USAGE)
+        encoder = device.create_command_encoder()
+        encoder.copy_buffer_to_buffer(shared, 0, own, 0, shared.size)
+        device.queue.submit([encoder.finish()])
+        for i, (_, d) in enumerate(self.dispatches):
+            if any(id(t.storage) == key for t in (d.dst, *d.srcs)):
+                self.recorded[i] = self._record(i)
+        self._commands, self._handles = self._commands_of(range(len(self.recorded)))
+        self._stage_commands = {}
 
     def _commands_of(self, dispatches):
         """(commands, native handles or None) of these dispatches for the encode loop: the
@@ -421,6 +452,8 @@ class WgpuPlan(Plan):
     def write(self, t, value):
         value = self._check_value(t, value)
         root = t.storage
+        if id(root) in self.constants:  # other plans keep the shared value
+            self._unshare(id(root))
         if t.is_quantized:  # raw blocks, padded to whole u32 words
             words = np.zeros(root.storage_len, root.storage_dtype)
             words.view(np.uint8)[:value.nbytes] = value.data

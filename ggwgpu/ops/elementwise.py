@@ -64,13 +64,16 @@ def tiled(b, shape):
     return tile(b, shape)
 
 
-def binary(name, ref, backward, doc, lo=-1.0, hi=1.0):
+def binary(name, ufunc, backward, doc, lo=-1.0, hi=1.0):
     return register(name, n_srcs=2, shape=broadcast_shape, shader="elementwise",
-                    reference=lambda a, b: ref(a, tiled(b, a.shape)), backward=backward,
+                    reference=lambda a, b: ufunc(a, tiled(b, a.shape)), backward=backward,
+                    fast=lambda out, a, b: ufunc(a, tiled(b, a.shape), out=out),
                     cases=lambda: binary_cases(lo, hi), doc=doc)
 
 
 def unary(name, ref, backward, doc, lo=-1.0, hi=1.0, **kw):
+    if isinstance(ref, np.ufunc):  # its fast kernel: the same ufunc, into the node
+        kw.setdefault("fast", lambda out, a: ref(a, out=out))
     return register(name, n_srcs=1, shape=unary_shape, shader="elementwise", reference=ref,
                     backward=backward, cases=lambda: unary_cases(lo, hi), doc=doc, **kw)
 
@@ -99,6 +102,7 @@ def add1_shape(srcs, **_):
 add1 = register(
     "add1", n_srcs=2, shape=add1_shape, shader="elementwise",
     reference=lambda a, b: a + b.reshape(-1)[0],
+    fast=lambda out, a, b: np.add(a, b.reshape(-1)[0], out=out),
     backward=lambda n, g: (g, O.reshape(O.sum(g), n.srcs[1].shape)),
     cases=lambda: [Case((Input((1,)), Input((1,)))), Case((Input((5, 7)), Input((1, 1)))),
                    Case((Input((3, 4, 5), layout="permuted"), Input((1,)))),
@@ -108,6 +112,7 @@ add1 = register(
 scale = register(
     "scale", n_srcs=1, params=("s",), shape=unary_shape, shader="elementwise",
     reference=lambda a, s: a * a.dtype.type(s),
+    fast=lambda out, a, s: np.multiply(a, a.dtype.type(s), out=out),
     backward=lambda n, g: (O.scale(g, n.params["s"]),),
     uniforms=lambda n: {"f": (float(n.params["s"]),)},
     cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],
@@ -192,6 +197,34 @@ def swiglu_back_ref(a, b, dy):
     return silu_back_ref(a, dy * b)
 
 
+def sigmoid_into(out, a):
+    """sigmoid_ref(a) into out, one operation at a time."""
+    np.negative(a, out=out)
+    np.exp(out, out=out)
+    out += 1
+    np.reciprocal(out, out=out)
+
+
+def swiglu_into(out, a, b):
+    """swiglu's reference (a * sigmoid(a) * b) without temporaries, same operations."""
+    sigmoid_into(out, a)
+    out *= a
+    out *= b
+
+
+def swiglu_back_into(out, a, b, dy):
+    """swiglu_back's reference (dy * b * s * (1 + a * (1 - s)), s = sigmoid(a)), same
+    operations, with one temporary."""
+    s = np.empty_like(out)
+    sigmoid_into(s, a)
+    np.multiply(dy, b, out=out)
+    out *= s
+    np.subtract(1, s, out=s)
+    s *= a
+    s += 1
+    out *= s
+
+
 def gate_shape(srcs, **_):
     need_f32(*srcs)
     if any(s.shape != srcs[0].shape for s in srcs):
@@ -211,7 +244,7 @@ def gate_cases(n_srcs):
 
 swiglu = register(
     "swiglu", n_srcs=2, shape=gate_shape, shader="elementwise",
-    reference=lambda a, b: silu_ref(a) * b,
+    reference=lambda a, b: silu_ref(a) * b, fast=swiglu_into,
     # db = silu(a) * dy is this op again
     backward=lambda n, g: (O.swiglu_back(*n.srcs, g), O.swiglu(n.srcs[0], g)),
     cases=lambda: gate_cases(2),
@@ -221,7 +254,7 @@ swiglu = register(
 # and symmetric in them.
 swiglu_back = register(
     "swiglu_back", n_srcs=3, shape=gate_shape, shader="elementwise",
-    reference=swiglu_back_ref, no_grad=(0,),
+    reference=swiglu_back_ref, fast=swiglu_back_into, no_grad=(0,),
     backward=lambda n, g: (None, O.swiglu_back(n.srcs[0], n.srcs[2], g),
                            O.swiglu_back(n.srcs[0], n.srcs[1], g)),
     cases=lambda: gate_cases(3),

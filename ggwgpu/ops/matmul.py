@@ -51,6 +51,42 @@ def out_prod_ref(a, b):
     return np.matmul(np.swapaxes(b4, -1, -2), expand_batch(a4, b4)).reshape(shape)
 
 
+def batch_split(a, b):
+    """a and b of a product as 6-D views (A0, r0, A1, r1, rows, cols) whose broadcasting is
+    the kernels' j // ratio one: b's batch dims split into (a's, ratio), a's get size-1
+    ratio dims. Splitting a dim is always a view: no copies (expand_batch repeats a)."""
+    a4, b4 = a.reshape(pad4(a.shape)), b.reshape(pad4(b.shape))
+    (a0, a1), (b0, b1) = a4.shape[:2], b4.shape[:2]
+    return (a4.reshape(a0, 1, a1, 1, *a4.shape[2:]),
+            b4.reshape(a0, b0 // a0, a1, b1 // a1, *b4.shape[2:]))
+
+
+def unbatched(a: np.ndarray) -> bool:
+    return all(n == 1 for n in a.shape[:-2])
+
+
+def mul_mat_into(out, a, b):
+    """mul_mat into out. A weight (no batch dims) times rows is one BLAS call over all of
+    b's rows; a batched a broadcasts over b's batch through views, not repeated copies."""
+    if unbatched(a):
+        np.matmul(b.reshape(-1, b.shape[-1]), a.reshape(a.shape[-2:]).T,
+                  out=out.reshape(-1, out.shape[-1]))
+        return
+    a6, b6 = batch_split(a, b)
+    np.matmul(b6, np.swapaxes(a6, -1, -2), out=out.reshape(b6.shape[:-1] + a6.shape[-2:-1]))
+
+
+def out_prod_into(out, a, b):
+    """out_prod into out: two matrices (the weight gradients) as one BLAS call, batches
+    through views as mul_mat_into."""
+    if unbatched(a) and unbatched(b):
+        np.matmul(b.reshape(b.shape[-2:]).T, a.reshape(a.shape[-2:]),
+                  out=out.reshape(out.shape[-2:]))
+        return
+    a6, b6 = batch_split(a, b)
+    np.matmul(np.swapaxes(b6, -1, -2), a6, out=out.reshape(b6.shape[:-2] + out.shape[-2:]))
+
+
 def sum_batch_to(x, shape):
     """Sum contiguous `x` over the batch entries that broadcasting mapped to one entry of
     `shape` (the adjoint of the j // ratio broadcast), then give it `shape`."""
@@ -150,13 +186,13 @@ mul_mat = register(
     dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs, variant),
     variants=tuple(MATMUL_KERNELS),
     backward=lambda n, g: (mul_mat_grad_a(*n.srcs, g), O.mul_mat(O.transpose(n.srcs[0]), g)),
-    cases=mm_cases, frozen_variant="mul_mat_q",
+    cases=mm_cases, frozen_variant="mul_mat_q", fast=mul_mat_into,
     doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
         "b's batch dims.")
 
 out_prod = register(
     "out_prod", n_srcs=2, shape=out_prod_shape, shader="matmul", entry="mul_mat",
-    reference=out_prod_ref,
+    reference=out_prod_ref, fast=out_prod_into,
     dispatches=lambda n, variant="tiled": kernel_dispatch(
         n, transposed(n.srcs[0]), transposed(n.srcs[1]), variant),
     variants=tuple(MATMUL_KERNELS),

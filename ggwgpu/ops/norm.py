@@ -19,7 +19,7 @@ import numpy as np
 from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError
-from .elementwise import reduce_to
+from .elementwise import reduce_to, tiled
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 
 
@@ -67,6 +67,30 @@ def rms_norm_mul_ref(x, w, eps):
 
 def rms_norm_mul_back_ref(x, w, dy, eps):
     return rms_norm_back_ref(x, dy * tile(w, x.shape), eps)
+
+
+def rms_scale(out, x, eps):
+    """1 / sqrt(mean(x^2) + eps) per row, as the references compute it (out: scratch)."""
+    np.multiply(x, x, out=out)
+    return 1 / np.sqrt(np.mean(out, axis=-1, keepdims=True) + eps)
+
+
+def rms_norm_mul_into(out, x, w, eps):
+    """rms_norm_mul's reference (x / sqrt(mean(x^2) + eps) * w), no temporaries."""
+    np.multiply(x, x, out=out)
+    np.divide(x, np.sqrt(np.mean(out, axis=-1, keepdims=True) + eps), out=out)
+    out *= tiled(w, x.shape)
+
+
+def rms_norm_mul_back_into(out, x, w, dy, eps):
+    """rms_norm_mul_back's reference: r * (dy w - y * mean(dy w * y)), y = x * r."""
+    dyw = np.multiply(dy, tiled(w, x.shape))
+    r = rms_scale(out, x, eps)
+    np.multiply(x, r, out=out)                                   # y
+    mean = np.mean(np.multiply(dyw, out), axis=-1, keepdims=True)
+    out *= mean
+    np.subtract(dyw, out, out=out)
+    out *= r
 
 
 def norm_ref(x, eps):
@@ -158,13 +182,15 @@ def rms_norm_mul_back_grads(n, g):
 
 rms_norm_mul = register(
     "rms_norm_mul", n_srcs=2, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_ref, dispatches=row_dispatch, variants=ROW_VARIANTS,
+    reference=rms_norm_mul_ref, fast=rms_norm_mul_into, dispatches=row_dispatch,
+    variants=ROW_VARIANTS,
     backward=rms_norm_mul_grads, cases=weighted_cases,
     doc="rms_norm(x, eps) * w in one pass, w tiled to x's shape (llama's weighted norm).")
 
 rms_norm_mul_back = register(
     "rms_norm_mul_back", n_srcs=3, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_back_ref, dispatches=row_dispatch, variants=ROW_VARIANTS,
+    reference=rms_norm_mul_back_ref, fast=rms_norm_mul_back_into, dispatches=row_dispatch,
+    variants=ROW_VARIANTS,
     no_grad=(0,), backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
     doc="dx of rms_norm_mul: rms_norm_back(x, dy * w). Inputs x, w, dy.")
 

@@ -93,6 +93,31 @@ def adamw_ref(param, grad, m, v, hp, decay):
     return np.where(ok, param * keep - alpha * (m * beta1h) / (np.sqrt(v * beta2h) + eps), param)
 
 
+def adamw_into(out, param, grad, m, v, hp, decay):
+    """adamw_ref in place (out is param's storage), the same operations without np.where,
+    where every gradient element is finite (a sum is non-finite if any element is);
+    otherwise the reference."""
+    alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite = hp
+    if finite == 0:                        # the whole step is skipped: param stays as it is
+        return
+    if not np.isfinite(np.sum(grad)):
+        np.copyto(out, adamw_ref(param, grad, m, v, hp, decay))
+        return
+    keep = 1 - alpha * (wd if decay else 0)
+    m *= beta1
+    m += grad * (1 - beta1)
+    v *= beta2
+    v += grad * grad * (1 - beta2)
+    step = m * beta1h
+    step *= alpha
+    denom = v * beta2h
+    np.sqrt(denom, out=denom)
+    denom += eps
+    step /= denom
+    np.multiply(param, keep, out=out)
+    out -= step
+
+
 def adamw_cases():
     def state(shape, layout="contiguous"):
         return (Input(shape), Input(shape, layout=layout), Input(shape), Input(shape, 0.0, 1.0),
@@ -107,7 +132,7 @@ def adamw_cases():
 
 opt_step_adamw = register(
     "opt_step_adamw", n_srcs=5, params=("decay",), shape=adamw_shape, shader="optim",
-    reference=adamw_ref, backward=None, updates=True, cases=adamw_cases,
+    reference=adamw_ref, fast=adamw_into, backward=None, updates=True, cases=adamw_cases,
     # dst is the parameter itself (the node is a view of it), so bind only the other four
     dispatches=lambda n: [Dispatch("opt_step_adamw", n, n.srcs[1:], n=n.nelements,
                                    u=(int(bool(n.params["decay"])),))],

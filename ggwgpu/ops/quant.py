@@ -27,7 +27,7 @@ from .. import ops as O
 from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
-from .matmul import mul_mat_ref, product_shape, vec4_ready
+from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
 from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
@@ -106,6 +106,7 @@ def frozen_cases(shapes, grad_limit=400):
 mul_mat_q = register(
     "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
     reference=lambda w, x: mul_mat_ref(values(w).astype(x.dtype), x),
+    fast=mul_mat_into,   # the NumPy backend passes w dequantized
     dispatches=mul_mat_q_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
     cases=lambda: frozen_cases([
@@ -151,6 +152,7 @@ def mul_mat_q_back_dispatch(node, variant="portable"):
 mul_mat_q_back = register(
     "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
     reference=lambda w, g: mul_mat_ref(np.swapaxes(values(w), -1, -2).astype(g.dtype), g),
+    fast=lambda out, w, g: mul_mat_into(out, np.swapaxes(w, -1, -2), g),   # w dequantized
     dispatches=mul_mat_q_back_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
     cases=lambda: frozen_cases([

@@ -2,6 +2,8 @@
 
     shape rule  -> (srcs, params) -> (shape, dtype), checked when a node is built
     reference   -> NumPy function over the source arrays (float32 or float64)
+    fast        -> optional: the NumPy backend's kernel, writing the reference's result (up
+                   to float rounding) into a given array without its temporaries and copies
     shader      -> WGSL file + entry point k_<name>; `dispatches` derives uniforms and grid
     backward    -> builds the gradient of each source from other registered ops (None only
                    for optimizer updates, which run after the backward and are never
@@ -96,6 +98,11 @@ class OpDef:
     # the backend picks one per adapter (dispatches_on)
     variants: tuple[str, ...] = ()
     defaults: dict = field(default_factory=dict)   # values of trailing params one may omit
+    # (out, *arrays, **params) -> None: the reference's result written into `out` (the
+    # node's own contiguous storage, or the parameter an update writes), for speed; the NumPy
+    # backend runs it instead of the reference, and tests/test_backends.py holds it to the
+    # reference on every case of the op, in float32 and float64
+    fast: Callable | None = None
 
     @property
     def src_names(self) -> tuple[str, ...]:
@@ -148,7 +155,7 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
              nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
-             doc="", frozen_variant=None, variants=()):
+             doc="", frozen_variant=None, variants=(), fast=None):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
     if name in OPS:
@@ -158,7 +165,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
-                  doc, frozen_variant, tuple(variants), dict(defaults or {}))
+                  doc, frozen_variant, tuple(variants), dict(defaults or {}), fast)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:

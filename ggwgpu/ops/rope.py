@@ -56,24 +56,43 @@ def rope_ff_shape(srcs, n_dims, **params):
     return rope_shape(srcs, n_dims, **params)
 
 
-def rope_ref(x, pos, n_dims, mode, freq_base, freq_scale, sign=1.0, factors=None):
-    """The rotation in float64 angles (then x's dtype); sign -1 turns the other way."""
+def rope_tables(dtype, pos, n_dims, mode, freq_base, freq_scale, sign, factors):
+    """cos and sin of every (token, pair) angle, computed in float64, then `dtype`; the index
+    of each pair's first and second dims."""
     half = n_dims // 2
     inv_freq = freq_scale * float(freq_base) ** (-2.0 * np.arange(half) / n_dims)
     if factors is not None:
         inv_freq = inv_freq / np.asarray(factors, np.float64)
     theta = pos.astype(np.float64)[:, None] * inv_freq           # (n_tokens, half)
-    cos = np.cos(theta)[:, None, :].astype(x.dtype)               # broadcast over heads
-    sin = (sign * np.sin(theta))[:, None, :].astype(x.dtype)
-    out = np.array(x, copy=True)
+    cos = np.cos(theta)[:, None, :].astype(dtype)                 # broadcast over heads
+    sin = (sign * np.sin(theta))[:, None, :].astype(dtype)
     if mode == "normal":
-        i0, i1 = np.s_[..., 0:n_dims:2], np.s_[..., 1:n_dims:2]
-    else:
-        i0, i1 = np.s_[..., :half], np.s_[..., half:n_dims]
+        return cos, sin, np.s_[..., 0:n_dims:2], np.s_[..., 1:n_dims:2]
+    return cos, sin, np.s_[..., :half], np.s_[..., half:n_dims]
+
+
+def rope_ref(x, pos, n_dims, mode, freq_base, freq_scale, sign=1.0, factors=None):
+    """The rotation in float64 angles (then x's dtype); sign -1 turns the other way."""
+    cos, sin, i0, i1 = rope_tables(x.dtype, pos, n_dims, mode, freq_base, freq_scale, sign,
+                                   factors)
+    out = np.array(x, copy=True)
     x0, x1 = x[i0], x[i1]
     out[i0] = x0 * cos - x1 * sin
     out[i1] = x0 * sin + x1 * cos
     return out
+
+
+def rope_into(out, x, pos, n_dims, mode, freq_base, freq_scale, sign=1.0, factors=None):
+    """rope_ref into out: no copy of the rotated dims, one temporary per half."""
+    cos, sin, i0, i1 = rope_tables(x.dtype, pos, n_dims, mode, freq_base, freq_scale, sign,
+                                   factors)
+    if n_dims < x.shape[-1]:  # dims that pass through
+        np.copyto(out, x)
+    x0, x1, out0, out1 = x[i0], x[i1], out[i0], out[i1]
+    np.multiply(x0, cos, out=out0)
+    out0 -= x1 * sin
+    np.multiply(x0, sin, out=out1)
+    out1 += x1 * cos
 
 
 def uniforms(node, sign):
@@ -140,7 +159,7 @@ ROPE_DOC = (
 
 rope = register(
     "rope", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope",
-    reference=rope_ref, uniforms=lambda n: uniforms(n, 1.0), no_grad=(1,),
+    reference=rope_ref, fast=rope_into, uniforms=lambda n: uniforms(n, 1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope_back(g, n.srcs[1], **n.params), None),
     cases=rope_cases, defaults=ROPE_DEFAULTS,
     doc="Rotary position embedding as ggml_rope_ext (ext_factor 0, attn_factor 1):\n"
@@ -150,6 +169,7 @@ rope = register(
 rope_back = register(
     "rope_back", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope", entry="rope",
     reference=lambda g, pos, **kw: rope_ref(g, pos, **kw, sign=-1.0),
+    fast=lambda out, g, pos, **kw: rope_into(out, g, pos, **kw, sign=-1.0),
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope(g, n.srcs[1], **n.params), None),
     cases=same_cases(rope_cases), defaults=ROPE_DEFAULTS,
@@ -158,6 +178,7 @@ rope_back = register(
 rope_ff = register(
     "rope_ff", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
     reference=lambda x, pos, ff, **kw: rope_ref(x, pos, **kw, factors=ff),
+    fast=lambda out, x, pos, ff, **kw: rope_into(out, x, pos, **kw, factors=ff),
     uniforms=lambda n: uniforms(n, 1.0), no_grad=(1, 2),
     backward=lambda n, g: (O.rope_ff_back(g, *n.srcs[1:], **n.params), None, None),
     cases=rope_ff_cases, defaults=ROPE_DEFAULTS,
@@ -170,6 +191,7 @@ rope_ff_back = register(
     "rope_ff_back", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
     entry="rope_ff", reference=lambda g, pos, ff, **kw: rope_ref(g, pos, **kw, sign=-1.0,
                                                                   factors=ff),
+    fast=lambda out, g, pos, ff, **kw: rope_into(out, g, pos, **kw, sign=-1.0, factors=ff),
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1, 2),
     backward=lambda n, g: (O.rope_ff(g, *n.srcs[1:], **n.params), None, None),
     cases=same_cases(rope_ff_cases), defaults=ROPE_DEFAULTS,

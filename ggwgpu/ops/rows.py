@@ -93,6 +93,20 @@ def get_rows_back_ref(g, ids, like_rows):
     return out
 
 
+def get_rows_back_into(out, g, ids, like_rows):
+    """get_rows_back_ref by sorting: the rows of g grouped by id (stable: in id order) and
+    each group summed in that order by np.add.reduceat, not one np.add.at per element."""
+    check_range("get_rows_back", ids, like_rows)
+    flat, rows = ids.reshape(-1), g.reshape(-1, g.shape[-1])
+    out[...] = 0
+    if not len(flat):
+        return
+    order = np.argsort(flat, kind="stable")
+    ordered = flat[order]
+    starts = np.flatnonzero(np.concatenate(([True], ordered[1:] != ordered[:-1])))
+    out[ordered[starts]] = np.add.reduceat(rows[order], starts, axis=0)
+
+
 def get_rows_back_dispatch(node):
     g, ids = node.srcs
     n_rows, n_cols = node.shape
@@ -104,7 +118,8 @@ def get_rows_back_dispatch(node):
 
 get_rows_back = register(
     "get_rows_back", n_srcs=2, params=("like_rows",), shape=get_rows_back_shape,
-    shader="rows", reference=get_rows_back_ref, dispatches=get_rows_back_dispatch,
+    shader="rows", reference=get_rows_back_ref, fast=get_rows_back_into,
+    dispatches=get_rows_back_dispatch,
     no_grad=(1,),
     backward=lambda n, g: (O.get_rows(g, n.srcs[1]), None),
     cases=lambda: [

@@ -25,7 +25,7 @@ from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 from .rows import check_range
-from .elementwise import LARGE, reduce_to
+from .elementwise import LARGE, reduce_to, tiled
 from .reduce import sum_into
 
 
@@ -52,6 +52,24 @@ def same_shapes(*srcs):
 def softmax_ref(v):
     e = np.exp(v - np.max(v, axis=-1, keepdims=True))
     return e / np.sum(e, axis=-1, keepdims=True)
+
+
+def softmax_into(out, v):
+    """softmax_ref(v) into out (v may be out): the same operations, no temporaries but the
+    row maxima and sums."""
+    np.subtract(v, np.max(v, axis=-1, keepdims=True), out=out)
+    np.exp(out, out=out)
+    out /= np.sum(out, axis=-1, keepdims=True)
+
+
+def soft_max_into(out, x, scale, mask=None):
+    if scale == 1 and mask is None:   # x * 1 is x: one pass fewer
+        softmax_into(out, x)
+        return
+    np.multiply(x, x.dtype.type(scale), out=out)
+    if mask is not None:
+        out += tiled(mask, x.shape)
+    softmax_into(out, out)
 
 
 def log_softmax_ref(v):
@@ -95,7 +113,7 @@ def soft_max_ext_backward(node, g):
 
 soft_max = register(
     "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
-    reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)),
+    reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)), fast=soft_max_into,
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(0,)),
     variants=ROW_VARIANTS,
@@ -111,6 +129,7 @@ soft_max_ext = register(
     "soft_max_ext", n_srcs=2, params=("scale",), shape=soft_max_ext_shape, shader="softmax",
     entry="soft_max",
     reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
+    fast=lambda out, x, m, scale: soft_max_into(out, x, scale, m),
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(1,)),
     variants=ROW_VARIANTS,
@@ -139,11 +158,17 @@ def soft_max_back_ref(y, dy):
     return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
 
 
+def soft_max_back_into(out, y, dy):
+    np.multiply(y, dy, out=out)
+    np.subtract(dy, np.sum(out, axis=-1, keepdims=True), out=out)
+    out *= y
+
+
 # Second derivatives are not supported: y takes no gradient. The op is linear in dy with
 # the symmetric Jacobian diag(y) - y y^T, so its dy-gradient is the op itself.
 soft_max_back = register(
     "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
-    reference=soft_max_back_ref, no_grad=(0,),
+    reference=soft_max_back_ref, fast=soft_max_back_into, no_grad=(0,),
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
     cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
@@ -162,10 +187,20 @@ def diag_mask_shape(srcs, n_past):
     return srcs[0].shape, "f32", {}
 
 
-def diag_mask_ref(x, n_past, fill):
+def diag_masked(x, n_past):
+    """Where the mask goes: [rows, cols] of x's two innermost dims ([cols] for a row)."""
     rows = x.shape[-2] if x.ndim > 1 else 1
     masked = np.arange(x.shape[-1])[None, :] > n_past + np.arange(rows)[:, None]  # [rows, cols]
-    return np.where(masked if x.ndim > 1 else masked[0], x.dtype.type(fill), x)
+    return masked if x.ndim > 1 else masked[0]
+
+
+def diag_mask_ref(x, n_past, fill):
+    return np.where(diag_masked(x, n_past), x.dtype.type(fill), x)
+
+
+def diag_mask_into(out, x, n_past, fill):
+    np.copyto(out, x)
+    np.copyto(out, x.dtype.type(fill), where=diag_masked(x, n_past))
 
 
 def diag_mask_dispatch(node, fill):
@@ -189,6 +224,7 @@ def diag_mask_cases(large=False):
 diag_mask_inf = register(
     "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
+    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, -np.inf),
     dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=diag_mask_cases, grad_head=lambda n: O.soft_max(n, 1.0),
@@ -198,6 +234,7 @@ diag_mask_inf = register(
 diag_mask_zero = register(
     "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
+    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0),
     dispatches=lambda n: diag_mask_dispatch(n, 0.0),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=lambda: diag_mask_cases(large=True),
@@ -329,6 +366,18 @@ def ce_ids_ref(x, ids, w):
     return np.sum(np.where(counted, -picked * w, 0), dtype=x.dtype).reshape(1)
 
 
+def ce_ids_into(out, x, ids, w):
+    """ce_ids_ref without a one-hot or a log_softmax the size of x: the log-softmax of the
+    picked entries only, each computed as the reference does."""
+    check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
+    top = np.max(x, axis=-1, keepdims=True)
+    e = np.subtract(x, top)
+    np.exp(e, out=e)
+    picked = np.take_along_axis(x, np.maximum(ids, 0)[..., None], axis=-1) - top
+    picked -= np.log(np.sum(e, axis=-1, keepdims=True))
+    out[0] = np.sum(np.where(ids >= 0, -picked[..., 0] * w, 0), dtype=x.dtype)
+
+
 def ce_ids_dispatch(node, variant="workgroup"):
     """Each row's weighted loss into a private scratch, then their sum (reduce's k_sum), as
     cross_entropy_loss does."""
@@ -361,7 +410,8 @@ def ce_ids_cases():
 
 
 cross_entropy_ids = register(
-    "cross_entropy_ids", n_srcs=3, shape=ce_ids_shape, shader="softmax", reference=ce_ids_ref, no_grad=(1, 2),
+    "cross_entropy_ids", n_srcs=3, shape=ce_ids_shape, shader="softmax", reference=ce_ids_ref,
+    fast=ce_ids_into, no_grad=(1, 2),
     dispatches=ce_ids_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (O.cross_entropy_ids_back(*n.srcs, g), None, None),
     cases=ce_ids_cases,
@@ -376,6 +426,15 @@ def ce_ids_back_ref(x, ids, w, d):
     counted, onehot = ce_ids_terms(x, ids)
     k = np.where(counted, w * d.reshape(-1)[0], 0)[..., None]
     return ((softmax_ref(x) - onehot) * k).astype(x.dtype)
+
+
+def ce_ids_back_into(out, x, ids, w, d):
+    """ce_ids_back_ref with the one-hot subtracted at the ids only."""
+    check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
+    softmax_into(out, x)
+    rows = out.reshape(-1, out.shape[-1])
+    rows[np.arange(len(rows)), np.maximum(ids, 0).reshape(-1)] -= 1
+    out *= np.where(ids >= 0, w * d.reshape(-1)[0], 0)[..., None]
 
 
 def ce_ids_back_backward(node, g):
@@ -396,7 +455,8 @@ def ce_ids_back_shape(srcs):
 
 cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
-    reference=ce_ids_back_ref, no_grad=(0, 1, 2), backward=ce_ids_back_backward,
+    reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
+    backward=ce_ids_back_backward,
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],
