@@ -50,9 +50,13 @@ config_option = click.option("--config", "config_name", default="tiny", show_def
 
 def write_json(path, report: dict):
     if path:
-        with open(path, "w") as f:
-            json.dump(report, f, indent=1)
-            f.write("\n")
+        try:
+            with open(path, "w") as f:
+                json.dump(report, f, indent=1)
+                f.write("\n")
+        except OSError as e:        # a missing directory, a full disk: the numbers were shown
+            raise click.ClickException(f"--json {path}: not written ({e.strerror or e})") \
+                from None
 
 
 def median_seconds(fn, repeat: int) -> float:

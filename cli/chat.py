@@ -5,17 +5,22 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 
 import click
 
+from ggwgpu.tokenizer import VocabError
+
 try:
-    from .common import (chat_template, ctx_option, describe_backend, load_model, lora_option,
-                         sampling_of, sampling_options, select_backend, template_option)
+    from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
+                         lora_option, sampling_of, sampling_options, select_backend,
+                         template_option)
 except ImportError:  # run as a script: python cli/main.py
-    from common import (chat_template, ctx_option, describe_backend, load_model, lora_option,
-                        sampling_of, sampling_options, select_backend, template_option)
+    from common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
+                        lora_option, sampling_of, sampling_options, select_backend,
+                        template_option)
 
 
 def stream_reply(session, text: str, n: int) -> int:
@@ -49,7 +54,10 @@ def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sa
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,
                           adapters)
     t1 = time.perf_counter()
-    count = stream_reply(session, prompt, n)
+    try:
+        count = stream_reply(session, prompt, n)
+    except VocabError as e:         # before any token: a lone surrogate, say
+        raise click.UsageError(f"--prompt: {e}") from None
     t2 = time.perf_counter()
     click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
                f"pass included; planning {t1 - t0:.2f} s)", err=True)
@@ -76,6 +84,7 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     (or Ctrl-C at the prompt) ends the session.
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    check_memory(ctx, f"chatting with {model}", cfg, values, decoder=True)
     template = chat_template(tokenizer, kw.pop("chat_template"))
     backend = select_backend(ctx)
     click.echo(f"chat on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, seed "
@@ -86,6 +95,9 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
         import readline  # noqa: F401  (line editing and history for the prompt)
     except ImportError:
         pass
+    with contextlib.suppress(AttributeError, ValueError):
+        # a line that is not UTF-8 reaches the tokenizer, which refuses it: not a crash
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             text = click.prompt("", prompt_suffix="> ")
@@ -96,3 +108,5 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
             stream_reply(session, text, n_predict)
         except KeyboardInterrupt:
             click.echo("(answer stopped)", err=True)
+        except VocabError as e:     # the message cannot be tokenized: say so, talk on
+            click.echo(f"that message was not sent: {e}", err=True)

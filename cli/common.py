@@ -12,17 +12,26 @@ import click
 
 from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend,
                              shared_wgpu_backend)
+from ggwgpu.files import read_limited
+
+
+FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
 
 
 class FiniteFloat(click.FloatRange):
-    """click's FloatRange, refusing NaN and infinities: NaN passes every comparison, so
-    `--lr nan` would train with a rate that changes no weight."""
+    """click's FloatRange, refusing NaN and infinities (NaN passes every comparison, so
+    `--lr nan` would train with a rate that changes no weight) and numbers float32 cannot
+    hold: ggwgpu computes and stores in float32, so 1e308 would be infinity and 1e-50 zero
+    (in a step, or in the GGUF file, which then does not load)."""
     name = "finite float range"
 
     def convert(self, value, param, ctx):
         value = super().convert(value, param, ctx)
         if not math.isfinite(value):
             self.fail(f"{value} is not a finite number", param, ctx)
+        if abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_TINY:
+            self.fail(f"{value} is outside float32's range (magnitudes {FLOAT32_TINY:.3g} .. "
+                      f"{FLOAT32_MAX:.3g}, or 0)", param, ctx)
         return value
 
 def wgpu_or_reason():
@@ -67,6 +76,23 @@ def auto_pick() -> tuple[str, str]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return auto_choice()
+
+
+def check_memory(ctx, what: str, cfg, values=None, **estimate):
+    """Refuse, before it allocates, a run whose memory estimate (ggwgpu.memory: from the
+    config; `values`: loaded weights, counted as stored) exceeds the host's memory, with the
+    numbers: every command that builds a graph asks here first."""
+    from ggwgpu import memory
+    from ggwgpu.quant import Quantized
+    name, _ = backend_choice(ctx)
+    device_is_host = name == "numpy" or (name == "auto" and auto_pick()[0] == "numpy")
+    if values is not None:
+        estimate["weight_bytes"] = sum(v.data.nbytes if isinstance(v, Quantized) else v.nbytes
+                                       for v in values.values())
+    try:
+        memory.check(memory.estimate(cfg, **estimate), what, device_is_host)
+    except memory.MemoryLimitError as e:
+        raise click.UsageError(str(e)) from None
 
 
 def describe_backend(backend) -> str:
@@ -131,7 +157,8 @@ def sampling_options(command):
         click.option("--repeat-last-n", default=Sampling.repeat_last_n, show_default=True,
                      type=click.IntRange(min=0), help="Context tokens the repeat penalty "
                                                       "looks at."),
-        click.option("--seed", default=0, show_default=True, type=int, help="Sampling seed."),
+        click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+                     help="Sampling seed."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -150,7 +177,8 @@ lora_option = click.option(
 
 
 def load_model(path, lora_paths=(), n_ctx=None):
-    """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file."""
+    """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file, for
+    generating: a window of at least 2 tokens (the prompt's and the next)."""
     from ggwgpu import gguf_io
     from ggwgpu.lora import load_adapter
     try:
@@ -158,6 +186,10 @@ def load_model(path, lora_paths=(), n_ctx=None):
         adapters = [load_adapter(p, cfg) for p in lora_paths]
     except gguf_io.GGUFError as e:
         raise click.ClickException(str(e)) from None
+    if n_ctx is None and cfg.n_ctx < 2:      # --n-ctx itself is at least 2
+        raise click.UsageError(f"{path}: its context length ({gguf_io.K_CTX}) is {cfg.n_ctx}, "
+                               f"but generating needs at least 2 tokens: give --n-ctx 2 or "
+                               f"more")
     return with_context(cfg, n_ctx), values, tokenizer, adapters
 
 
@@ -171,9 +203,8 @@ def chat_template(tokenizer, path=None):
     from ggwgpu.chat import ChatTemplate
     try:
         source = None
-        if path:
-            with open(path, encoding="utf-8") as f:
-                source = f.read()
+        if path:            # UnicodeDecodeError is a ValueError too
+            source = read_limited(path, ValueError).decode("utf-8")
         return ChatTemplate.of(tokenizer, source)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

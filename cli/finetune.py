@@ -17,7 +17,7 @@ from ggwgpu import gguf_io
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
 try:
-    from .common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
+    from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
                          select_backend, with_context)
     from .outputs import check_outputs
     from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
@@ -26,7 +26,7 @@ try:
                            read_text, resume_args, resume_data, resumed_options, steps_of,
                            train_options, training_loop, training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
-    from common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
+    from common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
                         select_backend, with_context)
     from outputs import check_outputs
     from training import (Validation, across_ranks, data_options, default_checkpoint_path,
@@ -36,17 +36,24 @@ except ImportError:  # run as a script: python cli/main.py
                           train_options, training_loop, training_options, training_samples)
 
 
+MAX_LAYER = 65535      # no llama comes near; the model's own count is checked later
+
+
 def parse_layers(ctx, param, value):
-    """'0-3,6' -> [0, 1, 2, 3, 6]; None (all layers) when not given."""
+    """'0-3,6' -> [0, 1, 2, 3, 6]; None (all layers) when not given. Indices above
+    MAX_LAYER are refused here, before a range of a billion is spelled out."""
     if value is None:
         return None
-    layers = []
+    layers = set()
     for part in value.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m or (m[2] and int(m[2]) < int(m[1])):
             raise click.BadParameter(f"{part!r} is not a layer or a range like 0-3")
-        layers.extend(range(int(m[1]), int(m[2] or m[1]) + 1))
-    return layers
+        last = int(m[2] or m[1])
+        if last > MAX_LAYER:
+            raise click.BadParameter(f"layer {last} is beyond any llama's (at most {MAX_LAYER})")
+        layers.update(range(int(m[1]), last + 1))
+    return sorted(layers)
 
 
 def rank_options(command):
@@ -160,12 +167,19 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         options = train_options(kw)
         if not full:
             try:
-                adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, lora_r, ranks, lora_layers),
-                                            lora_alpha, kw["seed"])
+                pair_ranks = lora.lora_ranks(cfg, lora_r, ranks, lora_layers)
             except ValueError as e:
                 raise click.UsageError(str(e)) from None
+            check_memory(ctx, f"finetuning {base}", with_context(model_cfg, n_ctx), values,
+                         batch=options.batch, trained=lora.pair_values(cfg, pair_ranks),
+                         flash_attn=options.flash_attn)
+            adapter = lora.init_adapter(cfg, pair_ranks, lora_alpha, kw["seed"])
 
     cfg = with_context(model_cfg, n_ctx)
+    trained = (sum(v.size for v in adapter.tensors.values()) if adapter else
+               sum(math.prod(v.shape) for v in values.values()))
+    check_memory(ctx, f"finetuning {base}", cfg, values, batch=options.batch, trained=trained,
+                 flash_attn=options.flash_attn)
     validation_set = None
     if kw["data_path"]:
         samples, validation_set, digest, data_lines = finetune_examples(

@@ -6,6 +6,8 @@ and as `cli.main` from a source checkout.
 """
 from __future__ import annotations
 
+import math
+import os
 import shlex
 import sys
 import textwrap
@@ -24,10 +26,10 @@ try:
     from .chat import chat_answer, chat_command
     from .outputs import check_outputs
     from .common import chat_template as load_chat_template
-    from .common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
-                         human_bytes, load_model, lora_option, planned_memory, sampling_of,
-                         sampling_options, select_backend, template_option, with_context,
-                         wgpu_or_reason)
+    from .common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
+                         describe_backend, human_bytes, load_model, lora_option,
+                         planned_memory, sampling_of, sampling_options, select_backend,
+                         template_option, with_context, wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
     from .training import (across_ranks, default_checkpoint_path, device_errors,
@@ -38,10 +40,10 @@ except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
     from outputs import check_outputs
     from common import chat_template as load_chat_template
-    from common import (FiniteFloat, auto_pick, backend_choice, ctx_option, describe_backend,
-                        human_bytes, load_model, lora_option, planned_memory, sampling_of,
-                        sampling_options, select_backend, template_option, with_context,
-                        wgpu_or_reason)
+    from common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
+                        describe_backend, human_bytes, load_model, lora_option,
+                        planned_memory, sampling_of, sampling_options, select_backend,
+                        template_option, with_context, wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
     from training import (across_ranks, default_checkpoint_path, device_errors,
@@ -61,7 +63,42 @@ LIMITS = (
 )
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+TRACEBACK_VAR = "GGWGPU_TRACEBACK"
+
+
+class Commands(click.Group):
+    """The ggwgpu group. Errors a command did not turn into a message of its own end it
+    with one line and exit code 1, never a traceback: ggwgpu's errors for bad input
+    (GGUFError, VocabError, DataError: they name the file and the problem), the operating
+    system's (OSError: a full or read-only disk, a vanished file) and MemoryError. Anything
+    else is a bug in ggwgpu: one line saying so, or the traceback with $GGWGPU_TRACEBACK=1
+    (the tests set it, so that such bugs fail them)."""
+
+    def invoke(self, ctx):
+        from ggwgpu.data import DataError
+        from ggwgpu.gguf_io import GGUFError
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except (GGUFError, DataError) as e:
+            raise click.ClickException(str(e)) from None
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            raise click.ClickException(f"{where}{e.strerror or e}") from None
+        except MemoryError:
+            raise click.ClickException("out of memory: the host could not allocate what this "
+                                       "command needs (a smaller model, batch or context "
+                                       "needs less)") from None
+        except Exception as e:
+            if os.environ.get(TRACEBACK_VAR) == "1":
+                raise
+            raise click.ClickException(
+                f"internal error, a bug in ggwgpu: {type(e).__name__}: {e} (set "
+                f"{TRACEBACK_VAR}=1 for the traceback)") from None
+
+
+@click.group(cls=Commands, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(ggwgpu.__version__, prog_name="ggwgpu")
 @click.option("--backend", type=click.Choice(CHOICES, case_sensitive=False), default=None,
               help=f"Where graphs run. Default: ${ENV_VAR}, else auto: wgpu on a hardware GPU, "
@@ -230,7 +267,8 @@ def ops_grad(ctx, names):
               help="Full-batch AdamW steps.")
 @click.option("--lr", default=0.02, show_default=True,
               type=FiniteFloat(min=0, min_open=True), help="AdamW learning rate.")
-@click.option("--seed", default=0, show_default=True, type=int, help="Data and init seed.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Data and init seed.")
 @click.pass_context
 def demo(ctx, steps, lr, seed):
     """Fit a tiny MLP through the autodiff graph; the loss must fall.
@@ -266,22 +304,35 @@ def plot(log, out):
     """
     import json
     from pathlib import Path
+    from ggwgpu.files import read_limited
     out = out or str(Path(log).with_suffix(".png"))
     check_outputs([("LOG", log)], [("--out", out)])
     try:
+        text = read_limited(log, click.ClickException).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{log}: not valid UTF-8 at byte offset {e.start}") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except (ValueError, RecursionError) as e:
+            raise click.ClickException(f"{log}, line {number}: not JSON ({e})") from None
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    if not records or not all(isinstance(r, dict) and number(r.get("step"))
+                              and number(r.get("loss")) for r in records):
+        raise click.ClickException(f"{log} has no training records (step and loss, numbers "
+                                   f"on every line)")
+    records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
+               else {"step": r["step"], "loss": r["loss"]} for r in records]
+    try:          # after the log is checked: a bad log is refused without it
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
-    records = []
-    for number, line in enumerate(Path(log).read_text().splitlines(), 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError as e:
-            raise click.ClickException(f"{log}, line {number}: not JSON ({e})") from None
-    if not records or not all("step" in r and "loss" in r for r in records):
-        raise click.ClickException(f"{log} has no training records (step and loss)")
     out = out or str(Path(log).with_suffix(".png"))
     fig, ax = plt.subplots(figsize=(8, 4.5))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
@@ -299,7 +350,10 @@ def plot(log, out):
         lr_ax.set_ylabel("learning rate")
     ax.set_title(Path(log).name)
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:                    # a missing directory, a full disk
+        raise click.ClickException(f"{out}: not written ({e.strerror or e})") from None
     click.echo(f"wrote {out}")
 
 
@@ -343,7 +397,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import gguf_io, tokenizer as tok
+    from ggwgpu import gguf_io, memory, tokenizer as tok
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, unigram_entropy
@@ -364,6 +418,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                      vocab_model=...)
         options = resumed_options(ctx, state, checkpoint_in, shape)
         step = state["step"]
+        check_memory(ctx, f"{checkpoint_in}", cfg, values, batch=options.batch,
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
     else:
         try:
             tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
@@ -381,6 +437,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             raise click.UsageError(f"--n-rot {cfg.rot} is not the head dim {cfg.head_dim} "
                                    f"(n_embd / n_head): llama.cpp refuses such a llama model")
         options = train_options(kw)
+        check_memory(ctx, "this model", cfg, batch=options.batch,
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
         values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 
     text, source = read_text(kw["texts"], kw["corpus"])
@@ -450,8 +508,11 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
     from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
                                  prompt_tokens)
     t0 = time.perf_counter()
+    try:
+        ids = prompt_tokens(tokenizer, prompt)
+    except ValueError as e:         # VocabError: a lone surrogate, a piece without a token
+        raise click.UsageError(f"--prompt: {e}") from None
     decoder = Decoder(backend, cfg, values, adapters=adapters)
-    ids = prompt_tokens(tokenizer, prompt)
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
     t1, count = time.perf_counter(), 0
@@ -497,6 +558,7 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     prompt is answered as one chat turn (for scripts; `ggwgpu chat` goes on talking).
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    check_memory(ctx, f"generating with {model}", cfg, values, decoder=True)
     if (system or chat_template) and not chat:
         raise click.UsageError("--system and --chat-template go with --chat")
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
@@ -562,14 +624,15 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         try:
             windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
         except ValueError as e:
-            raise click.UsageError(str(e)) from None
+            raise click.UsageError(f"{source}: {e}") from None
         n = min(samples, windows.n_samples)
         batch = min(batch, n)
         n -= n % batch
         starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
-        batches = [windows.windows(windows.starts[starts[i:i + batch]])
-                   for i in range(0, n, batch)]
+        batches = (windows.windows(windows.starts[starts[i:i + batch]])   # one at a time
+                   for i in range(0, n, batch))
         what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
+    check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
     backend = select_backend(ctx)
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
                           max_logits_bytes=logits_bound(backend))

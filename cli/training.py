@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import os
 import signal
 import sys
@@ -19,6 +20,7 @@ import click
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
+from ggwgpu.gguf_io import os_problem
 
 try:
     from .common import FiniteFloat, chat_template, template_option
@@ -172,10 +174,11 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
     - The signal handlers stay until the result is written: a signal then waits for it. A
       result that cannot be written (a full disk) leaves the trained weights in the
       checkpoint, with the command that writes the result from it.
+    - A log that cannot be written (a full disk) is given up with one message (RunLog); the
+      run goes on.
     """
-    import json
     from ggwgpu.distributed import on_every_rank
-    from ggwgpu.gguf_io import GGUFError, os_problem
+    from ggwgpu.gguf_io import GGUFError
     start, stop = trainer.step, None
     first = last = saved = None         # saved: the step of this run's last checkpoint
     t0, shown, signals = time.perf_counter(), {}, StopSignals()
@@ -223,23 +226,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
             hint = e.message
         raise click.ClickException(f"{problem}; {hint}")
 
-    def write_log(record):
-        try:
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-        except OSError as e:
-            problem = f"the log {log_path} cannot be written: {os_problem(e, log_path)}"
-            try:
-                hint = save_and_resume_hint()
-            except click.ClickException as e:
-                hint = e.message
-            raise click.ClickException(f"step {trainer.step}: {problem}; {hint}") from None
-
-    try:
-        log = open(log_path, "a") if log_path and is_root() else None
-    except OSError as e:
-        raise click.ClickException(f"the log {log_path} cannot be opened "
-                                   f"({os_problem(e, log_path)})") from None
+    log = RunLog(log_path if is_root() else None)     # one log, by rank 0
     try:
         with signals, click.progressbar(length=steps, label="training", show_eta=True,
                                         item_show_func=lambda _: shown.get("text")) as bar:
@@ -265,8 +252,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     record["val_loss"] = val["val_loss"]
                     shown["val"] = f" val {val['val_loss']:.3f}"
                 shown["text"] += shown.get("val", "")
-                if log:
-                    write_log(record)
+                log.write(record)
                 if record["skipped"]:
                     what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
@@ -306,10 +292,41 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                    f"was not saved; {kept()}", err=True)
         raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
     finally:
-        if log:
-            with contextlib.suppress(OSError):     # a full disk fails the last flush again
-                log.close()
+        log.close()
     return first, last, time.perf_counter() - t0
+
+
+class RunLog:
+    """--log: one JSON record per step, appended and flushed. A path that cannot be opened
+    for appending (a directory, a read-only disk) is an error before the first step; a write
+    that fails later (a full disk) is reported once and the run goes on without its log: the
+    model and its checkpoints matter more."""
+
+    def __init__(self, path):
+        self.path, self.file = path, None
+        if path:
+            try:
+                self.file = open(path, "a", encoding="utf-8")
+            except OSError as e:
+                raise click.UsageError(f"--log {path}: cannot be opened for appending "
+                                       f"({e.strerror or e})") from None
+
+    def write(self, record: dict):
+        if self.file is None:
+            return
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        except OSError as e:
+            click.echo(f"\n--log {self.path}: writing failed ({os_problem(e, self.path)}); "
+                       f"the run goes on without its log", err=True)
+            self.close()
+
+    def close(self):
+        if self.file is not None:
+            with contextlib.suppress(OSError):      # what a full disk kept from the log
+                self.file.close()
+            self.file = None
 
 
 def training_options(steps: int, warmup: int, seed_help: str):
@@ -488,7 +505,10 @@ def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool,
     when `state` (a checkpoint's) is given — which must be of the same tokens."""
     from ggwgpu import data
     from ggwgpu.train import token_digest
-    tokens = tokenizer.encode(text)
+    try:
+        tokens = tokenizer.encode(text)
+    except ValueError as e:         # VocabError: no token, not even a byte token, for a piece
+        raise click.UsageError(f"the model's vocabulary cannot tokenize the text: {e}") from None
     digest = token_digest(tokens)
     if state is not None and state.get("tokens_digest") != digest:
         raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "

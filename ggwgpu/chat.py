@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from .data import DataError, EpochOrder
+from .files import read_limited
 
 SPLITS = ("train", "valid", "test")
 # name -> directory under ggwgpu/data: usable as --data NAME
@@ -73,9 +74,7 @@ def read_jsonl(path) -> list[dict]:
     example (`check_example`)."""
     path = Path(path)
     try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+        text = read_limited(path, DataError).decode("utf-8")
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start}") from None
     examples = []
@@ -84,7 +83,7 @@ def read_jsonl(path) -> list[dict]:
             continue
         try:
             example = json.loads(line)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:      # RecursionError: nested too deeply
             raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
         try:
             check_example(example)

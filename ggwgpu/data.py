@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .files import read_limited
+
 BUNDLED = {"shakespeare": ("macbeth", "tempest"), "macbeth": ("macbeth",),
            "tempest": ("tempest",)}      # name -> files data/<file>.txt in the package
 STATE_VERSION = 1
@@ -31,16 +33,11 @@ class DataError(ValueError):
 # -- text ------------------------------------------------------------------------------------
 
 def read_text(path) -> str:
-    """One UTF-8 text file, exactly as stored (no newline translation, a BOM is kept)."""
+    """One UTF-8 text file, exactly as stored (no newline translation, a BOM is kept). Only
+    a regular file of at most ggwgpu.files' bound ($GGWGPU_MAX_TEXT_BYTES, 256 MiB unless
+    set) is read: a FIFO, a device or a bigger file is a DataError saying so."""
     path = Path(path)
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
-    if path.is_dir():
-        raise DataError(f"{path}: is a directory, not a text file")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise DataError(f"{path}: cannot be read ({e.strerror or e})") from None
+    data = read_limited(path, DataError)
     if not data:
         raise DataError(f"{path}: is empty")
     try:

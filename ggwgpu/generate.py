@@ -35,6 +35,7 @@ import numpy as np
 
 from .backends.base import planned_bytes
 from .models.llama import LlamaConfig, build_decode_graph
+from .tokenizer import VocabError
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -347,11 +348,16 @@ class ChatSession:
         """Add the user message `text` and yield the answer's tokens as they are sampled: at
         most n (< 0: no limit), ending at an end-of-generation token. The answer joins the
         conversation when the generator ends, also when it is closed early or interrupted
-        (Ctrl-C), as far as it went."""
+        (Ctrl-C), as far as it went. A message that cannot be tokenized (a VocabError)
+        does not join it."""
         self.messages.append({"role": "user", "content": text})
-        answer = []
         try:
             prompt = self.window()
+        except VocabError:
+            self.messages.pop()
+            raise
+        answer = []
+        try:
             tokens = generate_tokens(self.decoder, prompt, n, self.sampling, self.rng,
                                      eog_ids=self.tokenizer.eog_ids,
                                      fit=lambda context: self.window(context[len(prompt):]))

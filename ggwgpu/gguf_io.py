@@ -42,11 +42,14 @@ new one is complete, and a failure leaves it untouched and removes the temporary
 that a killed process left are removed by the next write of the same target. A full disk is
 said as such. Nothing non-finite is written.
 
-Reading checks the file's layout (magic, version, every count, length and offset against the
-file size) before gguf-py parses it, then the keys, tensor types and shapes against the
-hyper-parameters. Every problem is a `GGUFError` naming the file and the key or tensor (the
-tokenizer's `VocabError` is one too), never another exception, a hang or an allocation sized
-by a forged count: tests/test_gguf_fuzz.py holds the loaders to that on mutated files.
+Reading (`_read_layout`, ggwgpu's own: gguf-py's reader does per-item work that a hostile
+file turns into minutes) walks the memory-mapped file once, checking every count, length and
+offset against the file size and the metadata against bounds on array items and string
+bytes before reading it, then the keys, tensor types and shapes against the
+hyper-parameters. Only regular files are read (not FIFOs or devices). Every problem is a
+`GGUFError` naming the file and the key or tensor (the tokenizer's `VocabError` is one too),
+never another exception, a hang or an allocation sized by a forged count:
+tests/test_gguf_fuzz.py holds the loaders to that on mutated files and hostile metadata.
 """
 from __future__ import annotations
 
@@ -64,8 +67,9 @@ from pathlib import Path
 
 import numpy as np
 from gguf import (GGML_QUANT_SIZES, GGUF_DEFAULT_ALIGNMENT, GGUF_MAGIC, GGMLQuantizationType,
-                  GGUFReader, GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
+                  GGUFValueType, GGUFWriter, Keys, LlamaFileType, RopeScalingType)
 
+from .files import regular_file_problem
 from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
 from .quant import TYPES, Quantized, dequantize, is_finite, type_of_ggml
 from .tensor import ShapeError
@@ -115,8 +119,6 @@ MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 MAX_TENSOR_NAME = 63          # ggml's GGML_MAX_NAME (64) less the terminating NUL
 MAX_DIMS = 4                  # ggml's GGML_MAX_DIMS
 _T = GGUFValueType
-_SCALAR_SIZE = {_T.UINT8: 1, _T.INT8: 1, _T.UINT16: 2, _T.INT16: 2, _T.UINT32: 4, _T.INT32: 4,
-                _T.FLOAT32: 4, _T.BOOL: 1, _T.UINT64: 8, _T.INT64: 8, _T.FLOAT64: 8}
 _INT_TYPES = {_T.UINT8, _T.INT8, _T.UINT16, _T.INT16, _T.UINT32, _T.INT32, _T.UINT64, _T.INT64}
 _FLOAT_TYPES = {_T.FLOAT32, _T.FLOAT64}
 
@@ -405,6 +407,9 @@ def _write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
     except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, (OverflowError, struct.error)):     # a float beyond float32, say
+            raise GGUFError(f"{path}: cannot write: a value does not fit its GGUF type "
+                            f"({e})") from None
         if isinstance(e, OSError):
             raise GGUFError(f"{path}: writing failed, the previous file is unchanged: "
                             f"{os_problem(e, directory)}") from e
@@ -683,30 +688,15 @@ def _read_params(f: "_GGUFFile", cfg: LlamaConfig, checkpoint: bool,
 
 
 class _GGUFFile:
-    """A GGUF file, layout-checked and parsed: `meta` (key -> Python value), `tensors`
-    (name -> gguf ReaderTensor, memory-mapped; `tensor_f32` copies one out)."""
+    """A GGUF file, layout-checked and parsed by `_read_layout`: `meta` (key -> Python value),
+    `tensors` (name -> `_Tensor`, memory-mapped; `tensor_value` copies one out)."""
 
     def __init__(self, path):
         self.path = path = Path(path)
-        if not path.exists():
-            raise GGUFError(f"{path}: no such file")
-        if path.is_dir():
-            raise GGUFError(f"{path}: is a directory, not a GGUF file")
-        _check_layout(path)
-        try:
-            reader = _ArrayReader(path)
-        except Exception as e:  # noqa: BLE001 - gguf-py's own checks, after ours
-            raise GGUFError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e})") from None
-        self.meta, self._kinds = {}, {}
-        for name, field in reader.fields.items():
-            if name.startswith("GGUF."):    # gguf-py's pseudo-fields for the header
-                continue
-            try:
-                self.meta[name] = field_value(field)
-            except UnicodeDecodeError:
-                raise GGUFError(f"{path}: key {name} holds a string that is not UTF-8") from None
-            self._kinds[name] = field.types[0] if field.types else None
-        self.tensors = {t.name: t for t in reader.tensors}
+        problem = regular_file_problem(path)
+        if problem:
+            raise GGUFError(f"{path}: {problem}")
+        self.meta, self._kinds, self.tensors = _read_layout(path)
 
     def kind(self, key):
         return self._kinds.get(key)
@@ -735,7 +725,7 @@ class _GGUFFile:
         return float(value)
 
     def numpy_shape(self, name) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self.tensors[name].shape.tolist()))
+        return self.tensors[name].shape
 
     def tensor_f32(self, name, shape) -> np.ndarray:
         """Tensor `name` as a float32 array of `shape` that owns its memory."""
@@ -756,10 +746,10 @@ class _GGUFFile:
             raise GGUFError(f"{self.path}: tensor {name} has shape {got} (NumPy order) but the "
                             f"hyper-parameters need {tuple(shape)}")
         if dtype is None:
-            value = np.array(t.data, dtype=np.float32, copy=True).reshape(shape)
+            value = np.array(t.data).view(np.float32).reshape(shape)
             finite = np.isfinite(value).all()
         else:
-            value = Quantized(dtype, shape, np.array(t.data, copy=True).view(np.uint8).reshape(-1))
+            value = Quantized(dtype, shape, np.array(t.data))
             finite = is_finite(value)
         if not finite:    # it would only surface later, as a NaN loss or sampling error
             raise GGUFError(f"{self.path}: tensor {name} holds non-finite values (NaN or "
@@ -767,36 +757,10 @@ class _GGUFFile:
         return value if keep_quantized or dtype is None else dequantize(value)
 
 
-class _ArrayReader(GGUFReader):
-    """gguf-py's reader, but an array field's items are read in one go: gguf-py makes NumPy
-    views for every item, which takes seconds for a vocabulary of 150k tokens and merges.
-    Its fields have the layout `field_value` reads: a scalar array is one part holding all
-    items; a string array has one part (bytes) per string."""
-
-    def _get_field_parts(self, orig_offs, raw_type):
-        if raw_type != _T.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        count = self._get(orig_offs + 4, np.uint64)
-        itype, n, offs = GGUFValueType(int(raw_itype[0])), int(count[0]), orig_offs + 12
-        scalar = self.gguf_scalar_to_np.get(itype)
-        if scalar is not None:
-            values = self._get(offs, scalar, n)
-            return 12 + int(values.nbytes), [raw_itype, count, values], [2], [_T.ARRAY, itype]
-        if itype != _T.STRING:                # nested arrays: gguf-py's own way
-            return super()._get_field_parts(orig_offs, raw_type)
-        data, items = memoryview(self.data), []
-        for _ in range(n):
-            size = struct.unpack_from("<Q", data, offs)[0]
-            items.append(bytes(data[offs + 8:offs + 8 + size]))
-            offs += 8 + size
-        return offs - orig_offs, [raw_itype, count, *items], list(range(2, 2 + n)), [
-            _T.ARRAY, itype]
-
-
 def field_value(field):
-    """A gguf-py ReaderField as a Python value: `parts` holds the field's raw pieces and
-    `data` the indices of the parts that are its value (one per array element)."""
+    """A gguf-py ReaderField as a Python value (the tests compare what gguf-py reads with
+    what ggwgpu writes): `parts` holds the field's raw pieces and `data` the indices of the
+    parts that are its value (one per array element)."""
     kind = field.types[0] if field.types else None
     if kind == _T.STRING:
         return bytes(field.parts[field.data[0]]).decode("utf-8")
@@ -814,48 +778,108 @@ def field_value(field):
     return field.parts[field.data[0]].tolist()[0]
 
 
-# -- the layout check -------------------------------------------------------------------------
+# -- reading the layout -----------------------------------------------------------------------
+#
+# ggwgpu reads a GGUF's header itself rather than through gguf-py's GGUFReader: that one makes
+# NumPy views for every array item and tensor info, so a 4 MB file holding a nested array of
+# 300k items took 26 s and 760 MB, and a 300k-token vocabulary seconds. Here every key is read
+# once, scalar arrays in one go, and the work and memory are bounded before a value is read:
+# array items of all keys together at most MAX_METADATA_ITEMS (a 300k-token vocabulary with
+# scores, types and merges holds about 1.2 million), string bytes at most MAX_METADATA_BYTES,
+# tensors at most MAX_TENSORS. A file beyond a bound is refused, naming the key and the bound.
+
+MAX_METADATA_ITEMS = 1 << 21          # 2,097,152 array items, all keys together
+MAX_METADATA_BYTES = 1 << 28          # 256 MiB of strings (a chat template is a few KiB)
+MAX_TENSORS = 1 << 16                 # published llama files have at most a few thousand
+_SCALAR_DTYPE = {_T.UINT8: "<u1", _T.INT8: "<i1", _T.UINT16: "<u2", _T.INT16: "<i2",
+                 _T.UINT32: "<u4", _T.INT32: "<i4", _T.FLOAT32: "<f4", _T.BOOL: "?",
+                 _T.UINT64: "<u8", _T.INT64: "<i8", _T.FLOAT64: "<f8"}
+_SCALAR_FORMAT = {_T.UINT8: struct.Struct("<B"), _T.INT8: struct.Struct("<b"),
+                  _T.UINT16: struct.Struct("<H"), _T.INT16: struct.Struct("<h"),
+                  _T.UINT32: struct.Struct("<I"), _T.INT32: struct.Struct("<i"),
+                  _T.FLOAT32: struct.Struct("<f"), _T.BOOL: struct.Struct("<?"),
+                  _T.UINT64: struct.Struct("<Q"), _T.INT64: struct.Struct("<q"),
+                  _T.FLOAT64: struct.Struct("<d")}
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One tensor of a file: its GGML type, its shape in NumPy order and its bytes (a view of
+    the memory-mapped file)."""
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: np.ndarray
+
 
 class _Cursor:
-    """Bounded little-endian reads of a file's header: every length is checked against the
-    bytes that remain before it is read or skipped, so a forged count or size ends in a
-    GGUFError, never a huge allocation or a long loop."""
+    """Bounded little-endian reads of a memory-mapped file: every length is checked against
+    the bytes that remain, and every array and string against the budgets above, before it
+    is read, so a forged count or size ends in a GGUFError, never a huge allocation or a
+    long loop."""
 
-    def __init__(self, f, size, path):
-        self.f, self.size, self.path, self.pos = f, size, path, 0
+    def __init__(self, data: np.ndarray, path):
+        self.buf, self.size, self.path, self.pos = memoryview(data), len(data), path, 0
+        self.items_left, self.bytes_left = MAX_METADATA_ITEMS, MAX_METADATA_BYTES
 
     def need(self, n, what):
         if n > self.size - self.pos:
             raise GGUFError(f"{self.path}: truncated or corrupt: reading {what} at offset "
                             f"{self.pos} takes {n} bytes, but the file ends at {self.size}")
 
-    def read(self, n, what) -> bytes:
-        self.need(n, what)
-        data = self.f.read(n)
-        self.pos += n
-        return data
-
-    def skip(self, n, what):
-        self.need(n, what)
-        self.f.seek(n, os.SEEK_CUR)
-        self.pos += n
+    def unpack(self, fmt: struct.Struct, what):
+        self.need(fmt.size, what)
+        self.pos += fmt.size
+        return fmt.unpack_from(self.buf, self.pos - fmt.size)[0]
 
     def u32(self, what) -> int:
-        return struct.unpack("<I", self.read(4, what))[0]
+        return self.unpack(_U32, what)
 
     def u64(self, what) -> int:
-        return struct.unpack("<Q", self.read(8, what))[0]
-
-    def string(self, what) -> bytes:
-        return self.read(self.u64(f"length of {what}"), what)
+        return self.unpack(_U64, what)
 
     def text(self, what) -> str:
-        data = self.string(what)
+        n = self.u64(f"length of {what}")
+        self.need(n, what)
+        if n > self.bytes_left:
+            raise GGUFError(f"{self.path}: {what} is {n} bytes long; ggwgpu reads at most "
+                            f"{MAX_METADATA_BYTES} bytes of metadata strings")
+        self.bytes_left -= n
+        self.pos += n
         try:
-            return data.decode("utf-8")
+            return str(self.buf[self.pos - n:self.pos], "utf-8")
         except UnicodeDecodeError:
-            raise GGUFError(f"{self.path}: {what} at offset {self.pos - len(data)} is not "
+            raise GGUFError(f"{self.path}: {what} at offset {self.pos - n} is not "
                             f"UTF-8") from None
+
+    def texts(self, count, key) -> list[str]:
+        """`count` strings, as `text` reads them but in a loop without per-item formatting
+        (a 300k-token vocabulary); an item that fails a check goes through `text`, which
+        says what is wrong with it."""
+        buf, size, unpack = self.buf, self.size, _U64.unpack_from
+        pos, bytes_left, items = self.pos, self.bytes_left, []
+        for i in range(count):
+            n = unpack(buf, pos)[0] if pos + 8 <= size else size
+            end = pos + 8 + n
+            try:
+                if n > bytes_left or end > size:
+                    raise ValueError
+                items.append(str(buf[pos + 8:end], "utf-8"))
+            except ValueError:          # UnicodeDecodeError too
+                self.pos, self.bytes_left = pos, bytes_left
+                return items + [self.text(f"item {i} of key {key}")] + self.texts(
+                    count - i - 1, key)
+            pos, bytes_left = end, bytes_left - n
+        self.pos, self.bytes_left = pos, bytes_left
+        return items
+
+    def take_items(self, count, min_size, key):
+        """Account for `count` array items of at least `min_size` bytes each."""
+        self.need(count * min_size, f"{count} array items of key {key}")
+        if count > self.items_left:
+            raise GGUFError(f"{self.path}: key {key} has an array of {count} items; ggwgpu reads "
+                            f"at most {MAX_METADATA_ITEMS} array items of metadata in all")
+        self.items_left -= count
 
 
 def _value_type(cur: _Cursor, raw: int, what: str) -> GGUFValueType:
@@ -865,96 +889,108 @@ def _value_type(cur: _Cursor, raw: int, what: str) -> GGUFValueType:
         raise GGUFError(f"{cur.path}: {what} has unknown value type {raw}") from None
 
 
-def _skip_value(cur: _Cursor, vtype: GGUFValueType, key: str, depth: int = 0):
+def _read_value(cur: _Cursor, vtype: GGUFValueType, key: str):
+    """The value of `key` as a Python value, an array as a list. Arrays of arrays are
+    refused, as ggml's reader refuses them."""
     what = f"value of key {key}"
-    if vtype in _SCALAR_SIZE:
-        cur.skip(_SCALAR_SIZE[vtype], what)
-    elif vtype == _T.STRING:
-        cur.skip(cur.u64(f"length of {what}"), what)
-    elif vtype == _T.ARRAY:
-        if depth > 1:
-            raise GGUFError(f"{cur.path}: key {key} nests arrays too deeply")
-        itype = _value_type(cur, cur.u32(f"array type of key {key}"), f"array of key {key}")
-        count = cur.u64(f"array length of key {key}")
-        if itype in _SCALAR_SIZE:
-            cur.skip(count * _SCALAR_SIZE[itype], f"{count} array items of key {key}")
-        else:
-            # each string item has at least its 8-byte length, each array its 12-byte header
-            cur.need(count * (8 if itype == _T.STRING else 12), f"{count} array items of key {key}")
-            for _ in range(count):
-                _skip_value(cur, itype, key, depth + 1)
-    else:
+    if vtype in _SCALAR_FORMAT:
+        return cur.unpack(_SCALAR_FORMAT[vtype], what)
+    if vtype == _T.STRING:
+        return cur.text(what)
+    if vtype != _T.ARRAY:
         raise GGUFError(f"{cur.path}: key {key} has unsupported value type {vtype.name}")
+    itype = _value_type(cur, cur.u32(f"array type of key {key}"), f"array of key {key}")
+    count = cur.u64(f"array length of key {key}")
+    if itype in _SCALAR_DTYPE:
+        size = _SCALAR_FORMAT[itype].size
+        cur.take_items(count, size, key)
+        values = np.frombuffer(cur.buf, _SCALAR_DTYPE[itype], count, cur.pos)
+        cur.pos += count * size
+        return values.tolist()
+    if itype != _T.STRING:
+        raise GGUFError(f"{cur.path}: key {key} is an array of {itype.name}s; GGUF readers "
+                        f"(ggml's too) read arrays of numbers, bools and strings only")
+    cur.take_items(count, 8, key)                  # each string has its 8-byte length
+    return cur.texts(count, key)
 
 
-def _check_layout(path: Path):
-    """Walk the header, metadata and tensor infos with bounded reads; check every tensor's
-    type and that its data lies inside the file. Raises GGUFError naming what is wrong."""
+def _read_layout(path: Path):
+    """(meta, value types, tensors) of the GGUF file at `path`, read with the bounds above;
+    every tensor's type is known and its data lies inside the file. Raises GGUFError naming
+    what is wrong."""
     size = path.stat().st_size
-    with open(path, "rb") as fh:
-        cur = _Cursor(fh, size, path)
-        if size < 4 or struct.unpack("<I", cur.read(4, "magic"))[0] != GGUF_MAGIC:
-            raise GGUFError(f"{path}: not a GGUF file (wrong magic; expected 'GGUF')")
-        version = cur.u32("version")
-        if version & 0xFFFF == 0 and version:
-            raise GGUFError(f"{path}: big-endian GGUF files are not supported")
-        if version not in (2, 3):
-            raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
-        n_tensors = cur.u64("tensor count")
-        n_kv = cur.u64("metadata count")
-        cur.need(n_kv * 13, f"{n_kv} metadata entries")       # >= 8 + 4 + 1 bytes each
-        keys = set()
-        alignment = GGUF_DEFAULT_ALIGNMENT
-        for i in range(n_kv):
-            key = cur.text(f"name of metadata entry {i}")
-            if key in keys:
-                raise GGUFError(f"{path}: key {key} occurs twice")
-            keys.add(key)
-            vtype = _value_type(cur, cur.u32(f"type of key {key}"), f"key {key}")
-            if key == K_ALIGNMENT:
-                if vtype != _T.UINT32:
-                    raise GGUFError(f"{path}: key {key} must be a uint32")
-                alignment = cur.u32(f"value of key {key}")
-                if alignment == 0 or alignment & (alignment - 1):
-                    raise GGUFError(f"{path}: key {key} = {alignment} is not a power of two")
-            else:
-                _skip_value(cur, vtype, key)
-        cur.need(n_tensors * 24, f"{n_tensors} tensor infos")   # >= 8 + 4 + 4 + 8 bytes each
-        infos, names = [], set()
-        for i in range(n_tensors):
-            name = cur.text(f"name of tensor {i}")
-            if len(name.encode("utf-8")) > MAX_TENSOR_NAME:     # as ggml refuses them too
-                raise GGUFError(f"{path}: the name of tensor {i} ({name[:20]!r}...) is longer "
-                                f"than ggml's {MAX_TENSOR_NAME} bytes")
-            if name in names:
-                raise GGUFError(f"{path}: tensor {name} occurs twice")
-            names.add(name)
-            n_dims = cur.u32(f"dimension count of tensor {name}")
-            if not 1 <= n_dims <= MAX_DIMS:
-                raise GGUFError(f"{path}: tensor {name} has {n_dims} dimensions (1 to "
-                                f"{MAX_DIMS} allowed)")
-            dims = [cur.u64(f"dimensions of tensor {name}") for _ in range(n_dims)]
-            raw_type = cur.u32(f"type of tensor {name}")
-            offset = cur.u64(f"data offset of tensor {name}")
-            try:
-                ttype = GGMLQuantizationType(raw_type)
-            except ValueError:
-                raise GGUFError(f"{path}: tensor {name} has unknown type {raw_type}") from None
-            if ttype not in GGML_QUANT_SIZES:
-                raise GGUFError(f"{path}: tensor {name} has type {ttype.name}, which has no "
-                                f"known block size")
-            infos.append((name, dims, ttype, offset))
-        data_start = -(-cur.pos // alignment) * alignment
-        for name, dims, ttype, offset in infos:
-            block, type_size = GGML_QUANT_SIZES[ttype]
-            if dims[0] % block:
-                raise GGUFError(f"{path}: tensor {name} of type {ttype.name} has a first "
-                                f"dimension {dims[0]} that is not a multiple of {block}")
-            if offset % alignment:
-                raise GGUFError(f"{path}: tensor {name} has data offset {offset}, not a "
-                                f"multiple of the alignment {alignment}")
-            nbytes = math.prod(dims) // block * type_size
-            end = data_start + offset + nbytes
-            if end > size:
-                raise GGUFError(f"{path}: truncated or corrupt: the data of tensor {name} ends "
-                                f"at byte {end}, but the file ends at {size}")
+    if size < 4:
+        raise GGUFError(f"{path}: not a GGUF file ({size} bytes: too short for the magic)")
+    try:
+        data = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as e:
+        raise GGUFError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    cur = _Cursor(data, path)
+    if cur.u32("magic") != GGUF_MAGIC:
+        raise GGUFError(f"{path}: not a GGUF file (wrong magic; expected 'GGUF')")
+    version = cur.u32("version")
+    if version & 0xFFFF == 0 and version:
+        raise GGUFError(f"{path}: big-endian GGUF files are not supported")
+    if version not in (2, 3):
+        raise GGUFError(f"{path}: GGUF version {version} is not supported (2 and 3 are)")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    cur.need(n_kv * 13, f"{n_kv} metadata entries")       # >= 8 + 4 + 1 bytes each
+    meta, kinds = {}, {}
+    for i in range(n_kv):
+        key = cur.text(f"name of metadata entry {i}")
+        if key in meta:
+            raise GGUFError(f"{path}: key {key} occurs twice")
+        kinds[key] = _value_type(cur, cur.u32(f"type of key {key}"), f"key {key}")
+        meta[key] = _read_value(cur, kinds[key], key)
+    alignment = meta.get(K_ALIGNMENT, GGUF_DEFAULT_ALIGNMENT)
+    if K_ALIGNMENT in meta:
+        if kinds[K_ALIGNMENT] != _T.UINT32:
+            raise GGUFError(f"{path}: key {K_ALIGNMENT} must be a uint32")
+        if alignment == 0 or alignment & (alignment - 1):
+            raise GGUFError(f"{path}: key {K_ALIGNMENT} = {alignment} is not a power of two")
+
+    cur.need(n_tensors * 24, f"{n_tensors} tensor infos")   # >= 8 + 4 + 4 + 8 bytes each
+    if n_tensors > MAX_TENSORS:
+        raise GGUFError(f"{path}: the header counts {n_tensors} tensors; ggwgpu reads at most "
+                        f"{MAX_TENSORS}")
+    infos = []
+    for i in range(n_tensors):
+        name = cur.text(f"name of tensor {i}")
+        if len(name.encode("utf-8")) > MAX_TENSOR_NAME:     # as ggml refuses them too
+            raise GGUFError(f"{path}: the name of tensor {i} ({name[:20]!r}...) is longer "
+                            f"than ggml's {MAX_TENSOR_NAME} bytes")
+        n_dims = cur.u32(f"dimension count of tensor {name}")
+        if not 1 <= n_dims <= MAX_DIMS:
+            raise GGUFError(f"{path}: tensor {name} has {n_dims} dimensions (1 to "
+                            f"{MAX_DIMS} allowed)")
+        dims = [cur.u64(f"dimensions of tensor {name}") for _ in range(n_dims)]
+        raw_type = cur.u32(f"type of tensor {name}")
+        offset = cur.u64(f"data offset of tensor {name}")
+        try:
+            ttype = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise GGUFError(f"{path}: tensor {name} has unknown type {raw_type}") from None
+        if ttype not in GGML_QUANT_SIZES:
+            raise GGUFError(f"{path}: tensor {name} has type {ttype.name}, which has no "
+                            f"known block size")
+        infos.append((name, dims, ttype, offset))
+    data_start = -(-cur.pos // alignment) * alignment
+    tensors = {}
+    for name, dims, ttype, offset in infos:
+        if name in tensors:
+            raise GGUFError(f"{path}: tensor {name} occurs twice")
+        block, type_size = GGML_QUANT_SIZES[ttype]
+        if dims[0] % block:
+            raise GGUFError(f"{path}: tensor {name} of type {ttype.name} has a first "
+                            f"dimension {dims[0]} that is not a multiple of {block}")
+        if offset % alignment:
+            raise GGUFError(f"{path}: tensor {name} has data offset {offset}, not a "
+                            f"multiple of the alignment {alignment}")
+        start = data_start + offset
+        end = start + math.prod(dims) // block * type_size
+        if end > size:
+            raise GGUFError(f"{path}: truncated or corrupt: the data of tensor {name} ends "
+                            f"at byte {end}, but the file ends at {size}")
+        tensors[name] = _Tensor(ttype, tuple(reversed(dims)), data[start:end])
+    return meta, kinds, tensors

@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -106,10 +107,21 @@ def lora_ranks(cfg: LlamaConfig, r: int = 4, ranks: dict | None = None,
             continue
         names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
             [f"blk.{i}.{TARGETS[kind]}" for i in layers]
+        if names:       # a rank above the matrix's smaller side adds nothing but memory
+            n_out, n_in = matrix_shapes(cfg)[names[0]]
+            if rank > min(n_out, n_in):
+                raise ValueError(f"rank {rank} of {kind} is more than {names[0]} "
+                                 f"({n_out} x {n_in}) can use: at most {min(n_out, n_in)}")
         out.update({name: rank for name in names})
     if not out:
         raise ValueError("no weight gets a LoRA pair: every rank is 0 or no layer is chosen")
     return out
+
+
+def pair_values(cfg: LlamaConfig, ranks: dict[str, int]) -> int:
+    """Values of the LoRA pairs `ranks` asks for (A and B together), before making them."""
+    return sum(math.prod(a) + math.prod(b) for a, b in
+               (pair_shapes(cfg, weight, rank) for weight, rank in ranks.items()))
 
 
 def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,

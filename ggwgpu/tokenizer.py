@@ -84,7 +84,16 @@ def _split_special(text: str, specials, parse_special: bool) -> list:
     """`text` as a list of text pieces (str) and special token ids (int), as llama.cpp's
     tokenizer_st_partition: `specials` are (id, text, attr), longest first; control and
     unknown tokens only count with parse_special; lstrip/rstrip tokens eat the whitespace
-    next to them."""
+    next to them. Text that is not Unicode (a lone surrogate, as Python decodes bytes that
+    are not UTF-8 in a command line) is a VocabError: it has no UTF-8 bytes to tokenize."""
+    if not isinstance(text, str):
+        raise VocabError(f"cannot encode a {type(text).__name__}: text must be a str")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise VocabError(f"cannot encode the text: character {e.start} is a lone surrogate "
+                         f"U+{ord(text[e.start]):04X}, not Unicode (bytes that were not UTF-8?)"
+                         ) from None
     fragments: list = [text] if text else []
     for tid, piece, attr in specials:
         if not parse_special and attr & (ATTR_CONTROL | ATTR_UNKNOWN):
@@ -776,7 +785,7 @@ def tokenizer_from_metadata(meta: dict, model_name: str | None = None):
 
 def read_metadata(path) -> dict[str, object]:
     """The tokenizer.ggml.* keys of a GGUF file, as Python values. The file goes through
-    gguf_io's layout check; its errors come back as VocabErrors naming the file."""
+    gguf_io's reader (`_read_layout`); its errors come back as VocabErrors naming the file."""
     return {k: v for k, v in _read_all(path).items() if k.startswith(KEY)}
 
 

@@ -120,6 +120,7 @@ def write(path, lines):
     ('{"messages": [{"role": "robot", "content": "x"}]}', "message 0 must be"),
     ('{"messages": [{"role": "user", "content": 5}]}', "message 0 must be"),
     ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
+    ("[" * 100_000, "not valid JSON"),                # nested past the recursion limit
 ])
 def test_a_bad_line_is_an_error_naming_file_and_line(tmp_path, line, message):
     path = write(tmp_path / "d.jsonl", ['{"text": "fine"}', "", line])
@@ -284,3 +285,14 @@ def test_the_bundled_chat_demo_loads_by_name_renders_and_holds_out_a_valid_split
     assert not seen & {json.dumps(e, sort_keys=True) for e in sets["valid"]}
     train_questions = {m["content"] for e in sets["train"] for m in e["messages"]}
     assert not train_questions & {e["messages"][0]["content"] for e in sets["valid"]}
+
+
+def test_jsonl_from_a_fifo_or_a_device_or_not_utf8_is_refused(tmp_path):
+    import os
+    os.mkfifo(tmp_path / "fifo.jsonl")
+    for path in (tmp_path / "fifo.jsonl", "/dev/zero"):
+        with pytest.raises(DataError, match="is not a regular file"):
+            read_jsonl(path)
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(DataError, match="not valid UTF-8 at byte offset 13"):
+        read_jsonl(tmp_path / "latin1.jsonl")

@@ -661,3 +661,174 @@ def click_command(path):
     for part in path.split():
         command = command.commands[part]
     return command
+
+
+# -- hostile inputs: a message and exit code 1 or 2, never a traceback ------------------------
+
+def no_traceback(result, code=None):
+    """The result of a refused command: a message, no Python exception escaped."""
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        repr(result.exception)
+    assert "Traceback" not in result.output
+    assert result.exit_code in ((1, 2) if code is None else (code,)), result.output
+    return result.output
+
+
+def test_a_prompt_that_is_not_unicode_is_a_usage_error(tmp_path):
+    """A lone surrogate: what Python makes of command-line bytes that are not UTF-8."""
+    base = tiny_base(tmp_path / "base.gguf")
+    for chat in ((), ("--chat",)):
+        out = no_traceback(invoke("--backend", "numpy", "generate", str(base), "-n", "2",
+                                  "-p", "a\udced", *chat), 2)
+        assert "--prompt: cannot encode the text" in out and "lone surrogate U+DCED" in out
+
+
+def test_a_chat_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(tmp_path):
+    """In a process of its own: CliRunner echoes input lines, which a terminal does not."""
+    import subprocess
+    base = tiny_base(tmp_path / "base.gguf")
+    run = subprocess.run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "numpy",
+                          "chat", str(base), "-n", "2"], input=b"a\xed\xb2\x80\nhello\n",
+                         capture_output=True, env={**os.environ, "PYTHONIOENCODING": "utf-8"},
+                         timeout=120)
+    out = (run.stdout + run.stderr).decode("utf-8", "replace")
+    assert run.returncode == 0 and "Traceback" not in out, out
+    assert "that message was not sent" in out and out.count("> ") == 3, out
+
+
+def test_a_vocabulary_without_byte_tokens_cannot_train_on_text_it_lacks(tmp_path):
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tokenizer import CONTROL, NORMAL, UNKNOWN, SentencePieceVocab
+    vocab = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b"], [0.0] * 6,
+                               [UNKNOWN, CONTROL, CONTROL, NORMAL, NORMAL, NORMAL])
+    cfg = LlamaConfig(n_vocab=6, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=16)
+    gguf_io.save_model(tmp_path / "v.gguf", cfg, init_parameters(cfg, 0), vocab)
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be\n" * 20)
+    for args in (("train", str(text), "--vocab-model", str(tmp_path / "v.gguf"), "--steps",
+                  "1", "--out", str(tmp_path / "o.gguf")),
+                 ("finetune", str(tmp_path / "v.gguf"), str(text), "--steps", "1",
+                  "--out", str(tmp_path / "o.gguf"))):
+        out = no_traceback(invoke("--backend", "numpy", *args), 2)
+        assert "vocabulary cannot tokenize the text" in out and "no byte token <0x54>" in out
+
+
+def test_resuming_with_another_samples_after_nl_is_a_usage_error(tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    args = ("--backend", "numpy", "train", str(text), "--steps", "2", "--n-embd", "8",
+            "--n-layer", "1", "--n-ff", "8", "--n-ctx", "8", "--batch", "2",
+            "--out", str(tmp_path / "o.gguf"))
+    assert invoke(*args, "--checkpoint-out", str(tmp_path / "c.gguf")).exit_code == 0
+    out = no_traceback(invoke(*args, "--checkpoint-in", str(tmp_path / "c.gguf"),
+                              "--samples-after-nl"), 2)
+    assert "c.gguf" in out and "resume with the same text, vocabulary, n_ctx and newline option" in out
+
+
+@pytest.mark.parametrize("log, message", [
+    ("/dev/full", "is not a JSONL log"),
+    ("/proc/version", "cannot write in /proc"),
+    ("read-only", "cannot write in"),
+])
+def test_a_log_that_cannot_be_written(tmp_path, log, message):
+    """--log where it cannot be written (a read-only place, a device) is refused before the
+    first step; a disk that fills up later: tests/test_faults.py."""
+    if log == "read-only":
+        (tmp_path / "ro").mkdir()
+        os.chmod(tmp_path / "ro", 0o500)
+        log = str(tmp_path / "ro" / "log.jsonl")
+        if os.access(tmp_path / "ro", os.W_OK):      # root writes anyway: a file in /proc
+            log = "/proc/self/no-such-log"
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    result = invoke("--backend", "numpy", "train", str(text), "--steps", "2", "--n-embd", "8",
+                    "--n-layer", "1", "--n-ff", "8", "--n-ctx", "8", "--batch", "2",
+                    "--out", str(tmp_path / "o.gguf"), "--log", log)
+    assert message in result.output and "Traceback" not in result.output, result.output
+    no_traceback(result, 2)
+    assert not (tmp_path / "o.gguf").exists()
+
+
+def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("oops")
+    monkeypatch.setattr(cli_main, "wgpu_or_reason", broken)
+    monkeypatch.delenv(cli_main.TRACEBACK_VAR, raising=False)
+    out = no_traceback(invoke("info"), 1)
+    assert "internal error, a bug in ggwgpu: KeyError: 'oops'" in out
+    result = invoke("info", env={cli_main.TRACEBACK_VAR: "1"})
+    assert isinstance(result.exception, KeyError)
+
+
+@pytest.mark.parametrize("args, words", [
+    (("train", "--n-embd", "16384", "--n-ff", "65536"), ["this model", "weights 64 GiB"]),
+    (("train", "--n-ff", "1000000000"), ["this model", "gradients and optimizer moments"]),
+    (("train", "--n-layer", "1000000000"), ["this model"]),
+    (("train", "--n-ctx", "100000"), ["this model", "activations"]),
+    (("finetune", "BASE", "--n-ctx", "100000"), ["finetuning", "activations"]),
+    (("finetune", "BASE", "--batch", "65536", "--n-ctx", "4096"), ["finetuning", "activations"]),
+    (("finetune", "BASE", "--full", "--n-ctx", "100000"), ["finetuning"]),
+    (("eval", "BASE", "--n-ctx", "60000", "--batch", "4"), ["evaluating", "activations"]),
+    (("generate", "BASE", "--n-ctx", "2000000000"), ["generating with", "KV cache"]),
+    (("chat", "BASE", "--n-ctx", "2000000000"), ["chatting with", "KV cache"]),
+])
+def test_sizes_are_refused_with_the_numbers_before_allocation(tmp_path, args, words):
+    """Under a host limit of 1 GiB, each configuration is refused before it allocates
+    (tracemalloc's peak stays small) with what it needs and the limit."""
+    import tracemalloc
+    base = str(tiny_base(tmp_path / "base.gguf"))
+    text = tmp_path / "t.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 4000)
+    args = [base if a == "BASE" else a for a in args]
+    if args[0] in ("train", "finetune", "eval"):
+        args.insert(2 if args[0] != "train" else 1, str(text))
+    if args[0] in ("train", "finetune"):
+        args += ["--steps", "1", "--out", str(tmp_path / "o.gguf")]
+    tracemalloc.start()
+    try:
+        result = invoke("--backend", "numpy", *args, env={"GGWGPU_MAX_HOST_BYTES": str(2 ** 30)})
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    out = no_traceback(result, 2)
+    assert "of host memory" in out and "the limit is 1 GiB ($GGWGPU_MAX_HOST_BYTES)" in out, out
+    for word in words:
+        assert word in out, out
+    assert peak < 256 * 2 ** 20, peak
+
+
+@pytest.mark.parametrize("option, message", [
+    (("--lora-r", "1000000"), "rank 1000000 of tok_embd is more than token_embd.weight "
+                              "(259 x 16) can use: at most 16"),
+    (("--lora-layers", "0-999999999"), "layer 999999999 is beyond any llama's"),
+    (("--lora-layers", "0-9"), "layer 2 does not exist"),
+])
+def test_lora_options_beyond_the_model_are_refused_before_allocation(tmp_path, option, message):
+    base = tiny_base(tmp_path / "base.gguf")
+    out = no_traceback(finetune(tmp_path, base, *option, "--steps", "1",
+                                "--out", str(tmp_path / "o.gguf")), 2)
+    assert message in out, out
+
+
+@pytest.mark.parametrize("value", ["1e39", "-1e308", "1e-39"])
+def test_no_float_option_takes_a_value_float32_cannot_hold(value):
+    """ggwgpu computes and stores in float32: 1e308 would be infinity, 1e-39 lose its
+    precision or be 0 (a norm eps of 0 in the written file, which then does not load)."""
+    for command, option in float_options():
+        p = next(p for p in click_command(command).params if option in p.opts)
+        with pytest.raises(click.BadParameter, match="outside float32's range|not in the range"):
+            p.type.convert(value, p, None)
+
+
+def test_generating_from_a_model_with_a_one_token_context_is_a_usage_error(tmp_path):
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tokenizer import ByteTokenizer
+    cfg = LlamaConfig(n_vocab=259, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=1)
+    gguf_io.save_model(tmp_path / "m.gguf", cfg, init_parameters(cfg, 0), ByteTokenizer())
+    for command in ("generate", "chat"):
+        out = no_traceback(invoke("--backend", "numpy", command, str(tmp_path / "m.gguf"),
+                                  "-n", "3"), 2)
+        assert "context length (llama.context_length) is 1" in out and "--n-ctx 2" in out
+    result = invoke("--backend", "numpy", "generate", str(tmp_path / "m.gguf"), "-n", "3",
+                    "--n-ctx", "2", "-p", "ab")
+    assert result.exit_code == 0, result.output

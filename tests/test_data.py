@@ -120,3 +120,28 @@ def test_bundled_corpus():
     assert "PROSPERO" not in bundled_corpus("macbeth")
     with pytest.raises(DataError, match="no bundled text 'hamlet'"):
         bundled_corpus("hamlet")
+
+
+def test_fifos_devices_and_oversized_texts_are_refused_unread(tmp_path, monkeypatch):
+    """A FIFO would block, /dev/zero never ends, a big file takes twice its size: each is
+    refused from its stat, before a byte is read."""
+    import os
+
+    from ggwgpu import files
+    os.mkfifo(tmp_path / "fifo")
+    with pytest.raises(DataError, match="fifo: is not a regular file"):
+        read_texts([tmp_path / "fifo"])
+    with pytest.raises(DataError, match="/dev/zero: is not a regular file"):
+        read_texts(["/dev/zero"])
+    (tmp_path / "big.txt").write_bytes(b"x" * 1001)
+    monkeypatch.setenv(files.TEXT_LIMIT_VAR, "1000")
+    with pytest.raises(DataError, match=r"big.txt: is 1001 bytes.*over the 1000 bytes.*"
+                                        r"GGWGPU_MAX_TEXT_BYTES"):
+        read_texts([tmp_path / "big.txt"])
+    monkeypatch.setenv(files.TEXT_LIMIT_VAR, "1001")
+    assert len(read_texts([tmp_path / "big.txt"])) == 1001
+    monkeypatch.setenv(files.TEXT_LIMIT_VAR, "lots")
+    with pytest.raises(DataError, match="GGWGPU_MAX_TEXT_BYTES must be a positive number"):
+        read_texts([tmp_path / "big.txt"])
+    monkeypatch.delenv(files.TEXT_LIMIT_VAR)
+    assert files.max_text_bytes() == files.MAX_TEXT_BYTES

@@ -612,20 +612,19 @@ def test_resuming_from_a_forged_state_is_a_clear_error(tmp_path, change, code, w
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs Linux's /dev/full")
-def test_a_log_on_a_full_disk_stops_the_run_saying_so_and_keeps_a_checkpoint(tmp_path):
-    """Every write to /dev/full fails with ENOSPC."""
+def test_a_log_on_a_full_disk_is_reported_once_and_the_run_goes_on(tmp_path, capsys):
+    """Every write to /dev/full fails with ENOSPC: the log is what is given up, not the run."""
     trainer = tiny_trainer(NumpyBackend(), TrainOptions(batch=4, lr=3e-3, warmup=2))
     ckpt = tmp_path / "ckpt.gguf"
 
     def save_checkpoint():
         gguf_io.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
                                 trainer.optimizer_state(), trainer.state())
-    with pytest.raises(cli_main.click.ClickException) as e:
-        cli_main.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
-    assert ("step 1: the log /dev/full cannot be written: the disk holding /dev/full is "
-            "full (no space left on device)") in e.value.message
-    assert f"checkpoint of step 1 saved to {ckpt}" in e.value.message
-    assert checkpoint_step(ckpt) == 1
+    cli_main.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
+    assert trainer.step == 5
+    err = capsys.readouterr().err
+    assert err.count("--log /dev/full: writing failed (the disk holding /dev/full is full "
+                     "(no space left on device)); the run goes on without its log") == 1, err
 
 
 def test_a_resumed_finetune_refuses_another_adapter_shape(tmp_path):

@@ -49,15 +49,17 @@ _SCALAR_SIZE = {_T.UINT8: 1, _T.INT8: 1, _T.UINT16: 2, _T.INT16: 2, _T.UINT32: 4
 @dataclasses.dataclass
 class Base:
     """A valid file and where its structure lies: every integer or float field of the
-    header, metadata and tensor infos as (offset, size), and each tensor info's byte span."""
+    header, metadata and tensor infos as (offset, size), each tensor info's byte span, and
+    each metadata entry as (start, offset of its value type, end)."""
     data: bytes
     fields: list
     infos: list
     header_end: int
+    kvs: list
 
 
 def layout(data: bytes) -> Base:
-    pos, fields = 4, []
+    pos, fields, kvs = 4, [], []
 
     def field(size):
         nonlocal pos
@@ -83,8 +85,11 @@ def layout(data: bytes) -> Base:
     field(4)                                    # version
     n_tensors, n_kv = field(8), field(8)
     for _ in range(n_kv):
+        start = pos
         string()                                # the key
+        type_at = pos
         value(field(4))
+        kvs.append((start, type_at, pos))
     infos = []
     for _ in range(n_tensors):
         start = pos
@@ -93,7 +98,7 @@ def layout(data: bytes) -> Base:
             field(8)                            # dimensions
         field(4), field(8)                      # type, data offset
         infos.append((start, pos))
-    return Base(data, fields, infos, pos)
+    return Base(data, fields, infos, pos, kvs)
 
 
 def vocab_file(path):
@@ -222,10 +227,12 @@ class _Summary:
     """Prints the tally in pytest's closing summary, for the record."""
 
     def pytest_terminal_summary(self, terminalreporter):
-        if TALLY["files"]:
-            terminalreporter.write_line(
-                f"gguf fuzz: {TALLY['files']} mutated files: {TALLY['loaded']} loaded, "
-                f"{TALLY['refused']} refused with GGUFError, {TALLY['crashed']} crashed")
+        for what, tally in (("mutated files", TALLY),
+                            ("files with hostile metadata values", STRUCTURE_TALLY)):
+            if tally["files"]:
+                terminalreporter.write_line(
+                    f"gguf fuzz: {tally['files']} {what}: {tally['loaded']} loaded, "
+                    f"{tally['refused']} refused with GGUFError, {tally['crashed']} crashed")
 
 
 @pytest.fixture(scope="module")
@@ -234,29 +241,132 @@ def summary(request):
         request.config.pluginmanager.register(_Summary(), "gguf-fuzz-summary")
 
 
+def load_or_refuse(kind, path, data, tally):
+    """The loader of `kind` on `data`: a well-formed result or a GGUFError naming the file;
+    anything else is counted as a crash and fails."""
+    load, check = LOADERS[kind]
+    path.write_bytes(data)
+    tally["files"] += 1
+    try:
+        result = load(path)
+    except GGUFError as e:
+        assert str(path) in str(e), str(e)
+        tally["refused"] += 1
+    except BaseException:
+        tally["crashed"] += 1
+        raise
+    else:
+        check(result)
+        tally["loaded"] += 1
+
+
 @pytest.mark.parametrize("kind", LOADERS)
 # a forged f16 scale of inf times a 0 quant: NumPy warns, the weight is NaN, as in the file
 @pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
 def test_mutated_files_load_or_raise_gguf_error(kind, bases, summary, tmp_path):
     base, path = bases[kind], tmp_path / f"mutated-{kind}"
-    load, check = LOADERS[kind]
 
     @FUZZ
     @given(mutations(base))
     def run(steps):
-        path.write_bytes(mutate(base.data, steps))
-        TALLY["files"] += 1
-        try:
-            result = load(path)
-        except GGUFError as e:
-            assert str(path) in str(e), str(e)
-            TALLY["refused"] += 1
-        except BaseException:
-            TALLY["crashed"] += 1
-            raise
+        load_or_refuse(kind, path, mutate(base.data, steps), TALLY)
+
+    run()
+
+
+# -- structure-aware mutations ------------------------------------------------------------
+# Whole metadata values rewritten, framed as GGUF frames them but hostile inside: a key of
+# another type than its meaning (llama.context_length as a string, the token list as
+# floats), array counts and string lengths that lie, huge counts, arrays of arrays, unknown
+# value types, duplicated and added keys. The header is rebuilt and the tensor data put at
+# the aligned offset after it, so only the metadata is wrong.
+
+ALIGNMENT = 32          # what save_model writes (no general.alignment key)
+STRUCTURE_EXAMPLES = max(EXAMPLES // 10, 20)      # 50 a loader: a few seconds
+STRUCTURE_FUZZ = settings(FUZZ, max_examples=STRUCTURE_EXAMPLES)
+STRUCTURE_TALLY = collections.Counter()
+
+
+def u32(n):
+    return (n % 2 ** 32).to_bytes(4, "little")
+
+
+def u64(n):
+    return (n % 2 ** 64).to_bytes(8, "little")
+
+
+def array(itype, items, count=None):
+    return int(_T.ARRAY), u32(itype) + u64(len(items) if count is None else count) + \
+        b"".join(items)
+
+
+def raw_values():
+    """(value type code, value bytes) of one metadata value."""
+    text = st.binary(max_size=12) | st.text(max_size=12).map(str.encode)
+    lie = st.integers(-3, 3).filter(bool) | st.sampled_from(BOUNDARY)
+    scalar_type = st.sampled_from(sorted(_SCALAR_SIZE))
+    scalar = scalar_type.flatmap(lambda t: st.binary(min_size=_SCALAR_SIZE[t],
+                                                     max_size=_SCALAR_SIZE[t]).map(
+        lambda b: (int(t), b)))
+    string = text.map(lambda b: (int(_T.STRING), u64(len(b)) + b))
+    lying_string = st.tuples(text, lie).map(
+        lambda a: (int(_T.STRING), u64(len(a[0]) + a[1]) + a[0]))
+    scalar_items = scalar_type.flatmap(lambda t: st.tuples(st.just(int(t)), st.lists(
+        st.binary(min_size=_SCALAR_SIZE[t], max_size=_SCALAR_SIZE[t]), max_size=6)))
+    string_items = st.tuples(st.just(int(_T.STRING)), st.lists(
+        text.map(lambda b: u64(len(b)) + b), max_size=6))
+    items = scalar_items | string_items
+    plain_array = items.map(lambda a: array(*a))
+    lying_array = st.tuples(items, lie).map(lambda a: array(*a[0], count=len(a[0][1]) + a[1]))
+    huge_count = st.sampled_from([gguf_io.MAX_METADATA_ITEMS + 1, 2 ** 32, 2 ** 63]).map(
+        lambda n: array(int(_T.BOOL), [b"\1"] * 16, count=n))
+    nested = st.lists(plain_array.map(lambda v: v[1]), max_size=4).map(
+        lambda xs: array(int(_T.ARRAY), xs))
+    # 1.2 MB of 100k empty arrays: gguf-py's reader took seconds over them (the deadline)
+    many_nested = st.just(array(int(_T.ARRAY), [u32(int(_T.UINT8)) + u64(0)] * 100_000))
+    unknown_type = st.sampled_from([13, 255, 2 ** 32 - 1]).map(lambda t: (t, b"\0" * 8))
+    return st.one_of(scalar, string, lying_string, plain_array, lying_array, huge_count,
+                     nested, many_nested, unknown_type)
+
+
+def structure_mutations(base: Base):
+    entry = st.integers(0, len(base.kvs) - 1)
+    name = st.sampled_from(["dup", "new"])
+    return st.lists(st.one_of(st.tuples(st.just("retype"), entry, raw_values()),
+                              st.tuples(st.just("insert"), entry, name, raw_values())),
+                    min_size=1, max_size=2)
+
+
+def restructure(base: Base, steps) -> bytes:
+    """`base` with its metadata entries edited by `steps`, its tensor infos and data
+    unchanged (the data at the aligned offset after the new header)."""
+    data = base.data
+    entries = [[data[start:type_at], data[type_at:end]] for start, type_at, end in base.kvs]
+    for kind, at, *args in steps:
+        if kind == "retype":
+            vtype, payload = args[0]
+            entries[at][1] = u32(vtype) + payload
         else:
-            check(result)
-            TALLY["loaded"] += 1
+            how, (vtype, payload) = args
+            key = entries[at][0] if how == "dup" else u64(9) + b"evil.key0"
+            entries.insert(at, [key, u32(vtype) + payload])
+    kv_end = base.kvs[-1][2]
+    header = data[:16] + u64(len(entries)) + b"".join(k + v for k, v in entries) + \
+        data[kv_end:base.header_end]
+    data_start = -(-base.header_end // ALIGNMENT) * ALIGNMENT
+    return header + bytes(-len(header) % ALIGNMENT) + data[data_start:]
+
+
+@pytest.mark.parametrize("kind", LOADERS)
+@pytest.mark.filterwarnings("ignore:invalid value encountered in multiply:RuntimeWarning")
+def test_hostile_metadata_values_load_or_raise_gguf_error(kind, bases, summary, tmp_path):
+    base, path = bases[kind], tmp_path / f"restructured-{kind}"
+    assert restructure(base, []) == base.data       # the rebuild itself changes nothing
+
+    @STRUCTURE_FUZZ
+    @given(structure_mutations(base))
+    def run(steps):
+        load_or_refuse(kind, path, restructure(base, steps), STRUCTURE_TALLY)
 
     run()
 

@@ -719,3 +719,103 @@ def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtyp
     for keep in (False, True):
         with pytest.raises(GGUFError, match=f"tensor {name} holds non-finite values"):
             load_model(path, keep_quantized=keep)
+
+
+# -- bounded work on hostile metadata ---------------------------------------------------------
+
+def with_raw_key(data, key, vtype, payload, alignment=32):
+    """`data` (a GGUF) with one more key, raw `payload` bytes after its type, put first; the
+    key name is padded so that the tensor data stays aligned."""
+    def entry(name):
+        return len(name).to_bytes(8, "little") + name + int(vtype).to_bytes(4, "little") + payload
+    name = key.encode()
+    name += b"_" * (-len(entry(name)) % alignment)
+    n_kv = int.from_bytes(data[16:24], "little")
+    return data[:16] + (n_kv + 1).to_bytes(8, "little") + entry(name) + data[24:]
+
+
+def array(itype, count, items=b""):
+    return int(itype).to_bytes(4, "little") + count.to_bytes(8, "little") + items
+
+
+def test_a_huge_unknown_array_is_refused_before_it_is_read(tmp_path, model_bytes):
+    """A 4 MB file with 4 million bools: refused from its count, before its items are read
+    (gguf-py's reader took minutes and gigabytes), in a few MB of memory."""
+    import tracemalloc
+    path = tmp_path / "m.gguf"
+    n = 4_000_000
+    path.write_bytes(with_raw_key(model_bytes, "evil.bools", T.ARRAY, array(T.BOOL, n, b"\1" * n)))
+    tracemalloc.start()
+    try:
+        raises_naming(path, "evil.bools", f"{n} items", str(gguf_io.MAX_METADATA_ITEMS))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2 ** 20, peak
+
+
+def test_arrays_of_arrays_are_refused_as_ggml_does(tmp_path, model_bytes):
+    path = tmp_path / "m.gguf"
+    nested = array(T.ARRAY, 300_000, array(T.UINT8, 0) * 300_000)
+    path.write_bytes(with_raw_key(model_bytes, "evil.nested", T.ARRAY, nested))
+    raises_naming(path, "evil.nested", "array of ARRAYs")
+
+
+def test_metadata_bounds_on_items_and_string_bytes(tmp_path, model_bytes, monkeypatch):
+    """The bounds are counted over all keys: the tiny model's 11 tokens, scores and types
+    are 33 array items; its strings some 500 bytes."""
+    path = tmp_path / "m.gguf"
+    path.write_bytes(model_bytes)
+    monkeypatch.setattr(gguf_io, "MAX_METADATA_ITEMS", 32)
+    raises_naming(path, "tokenizer.ggml.token_type", "at most 32 array items")
+    monkeypatch.setattr(gguf_io, "MAX_METADATA_ITEMS", 33)
+    load_model(path)
+    monkeypatch.setattr(gguf_io, "MAX_METADATA_BYTES", 100)
+    raises_naming(path, "at most 100 bytes of metadata strings")
+
+
+def test_string_arrays_are_read_in_one_loop_not_item_by_item(tmp_path, model_bytes):
+    """Work, counted as Python function calls: reading 100k strings makes no call per
+    string (the layout check and gguf-py's reader made several each), and reads back
+    equal."""
+    import sys
+    path = tmp_path / "m.gguf"
+    words = [f"w{i}".encode() for i in range(100_000)]
+    items = b"".join(len(w).to_bytes(8, "little") + w for w in words)
+    path.write_bytes(with_raw_key(model_bytes, "x.words", T.ARRAY, array(T.STRING, len(words),
+                                                                          items)))
+    calls = 0
+
+    def count(frame, event, arg):
+        nonlocal calls
+        calls += event == "call"
+    sys.setprofile(count)
+    try:
+        meta = gguf_io.read_metadata(path)
+    finally:
+        sys.setprofile(None)
+    assert calls < 2000, calls
+    key = next(k for k in meta if k.startswith("x.words"))
+    assert meta[key] == [w.decode() for w in words]
+    # a lying item (its length runs past the end) is still named
+    bad = array(T.STRING, 2, (3).to_bytes(8, "little") + b"abc" + (2 ** 40).to_bytes(8, "little"))
+    path.write_bytes(with_raw_key(model_bytes, "x.lying", T.ARRAY, bad))
+    raises_naming(path, "item 1 of key x.lying", "truncated")
+
+
+def test_fifos_and_devices_are_refused_without_reading(tmp_path):
+    fifo = tmp_path / "fifo.gguf"
+    os.mkfifo(fifo)              # opening it would block until a writer came
+    raises_naming(fifo, "not a regular file")
+    if os.path.exists("/dev/zero"):
+        with pytest.raises(GGUFError, match="not a regular file"):
+            load_model("/dev/zero")
+    raises_naming(tmp_path, "is a directory")
+
+
+def test_a_float_beyond_float32_is_a_gguf_error_and_nothing_is_written(tmp_path):
+    cfg = dataclasses.replace(TINY, rope_freq_base=1e308)
+    with pytest.raises(GGUFError, match="does not fit its GGUF type") as e:
+        save_model(tmp_path / "m.gguf", cfg, model(), TinyVocab())
+    assert str(tmp_path / "m.gguf") in str(e.value)
+    assert only_file(tmp_path) == []

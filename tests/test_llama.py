@@ -1,12 +1,15 @@
 """The composed llama: the gradient of a 1-layer model's loss w.r.t. every parameter, on the
 device against the NumPy backward and against finite differences, with and without flash
 attention and gradient checkpointing."""
+import dataclasses
+import math
+
 import numpy as np
 import pytest
 
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, parameter_shapes
 from ggwgpu.testing import llama_reference_logits, spot_check_gradients
 
 TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
@@ -196,3 +199,17 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
     for row, tokens in enumerate(feeds[g.tokens]):
         want = llama_reference_logits(cfg, model_values(cfg), tokens)
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("changes", [{}, {"tied_embeddings": True}, {"n_head_kv": 1},
+                                     {"rope_freqs": True}, {"n_layer": 0}, {"n_embd_head": 6}])
+def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(changes):
+    from ggwgpu import memory
+    cfg = LlamaConfig(**{**dict(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5),
+                         **changes})
+    assert memory.parameter_count(cfg) == sum(math.prod(s) for s in parameter_shapes(cfg).values())
+    huge = dataclasses.replace(cfg, n_layer=10 ** 9)        # counted, not listed
+    per_layer = memory.parameter_count(dataclasses.replace(cfg, n_layer=1)) - \
+        memory.parameter_count(dataclasses.replace(cfg, n_layer=0))
+    assert memory.parameter_count(huge) == memory.parameter_count(
+        dataclasses.replace(cfg, n_layer=0)) + 10 ** 9 * per_layer

@@ -1,0 +1,109 @@
+"""The memory a command will need, estimated from its configuration before anything is
+allocated, so that `--n-ff 1000000000` is refused with the numbers rather than after the
+host has handed out gigabytes (or killed the process).
+
+The estimate is a floor, not the plan (`Plan.memory()` reports that, after planning): f32
+weights, what training keeps per trained value (gradients and AdamW's two moments), the
+activations of one window batch (each layer's input, one layer's feed-forward and, without
+flash attention, its attention scores), and the KV cache of a decoder. It is compared with
+the host's available memory (/proc/meminfo's MemAvailable, or $GGWGPU_MAX_HOST_BYTES when
+set) — on the NumPy backend everything lives there; on a GPU the weights are still
+initialised or loaded on the host first. WebGPU does not say how much memory a device has:
+the device's own limits are checked by the planner per buffer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from .models.llama import LlamaConfig, parameter_shapes
+
+HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
+F32 = 4
+
+
+class MemoryLimitError(ValueError):
+    """A configuration that needs more memory than there is; the message has the numbers."""
+
+
+def parameter_count(cfg: LlamaConfig) -> int:
+    """Values of the model's parameters, without listing every layer (n_layer may be a
+    forged or mistyped billion): the shapes of a 0- and a 1-layer model."""
+    def count(n_layer):
+        shapes = parameter_shapes(dataclasses.replace(cfg, n_layer=n_layer))
+        return sum(math.prod(s) for s in shapes.values())
+    base = count(0)
+    return base + cfg.n_layer * (count(1) - base)
+
+
+def host_available() -> int | None:
+    """Bytes the host can still hand out: $GGWGPU_MAX_HOST_BYTES, else MemAvailable, else
+    None (unknown: no check)."""
+    raw = os.environ.get(HOST_LIMIT_VAR)
+    if raw is not None:
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise MemoryLimitError(f"${HOST_LIMIT_VAR} must be a positive number of bytes, "
+                                   f"got {raw!r}")
+        return value
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    if hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            pass
+    return None
+
+
+def estimate(cfg: LlamaConfig, *, batch: int = 0, trained: int = 0, weight_bytes=None,
+             flash_attn: bool = False, decoder: bool = False) -> dict[str, int]:
+    """Bytes by role. `batch`: windows of cfg.n_ctx tokens per step (0: no training or
+    evaluation graph); `trained`: values the optimizer updates (gradients and two moments
+    each); `weight_bytes`: the loaded weights' bytes (default: f32 parameters);
+    `decoder`: a KV cache of cfg.n_ctx positions."""
+    need = {"weights": F32 * parameter_count(cfg) if weight_bytes is None else weight_bytes}
+    if trained:
+        need["gradients and optimizer moments"] = 3 * F32 * trained
+    if batch:
+        tokens = batch * cfg.n_ctx
+        acts = tokens * (cfg.n_embd * (cfg.n_layer + 4) + 3 * cfg.n_ff)
+        if not flash_attn:
+            acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx
+        need["activations"] = F32 * acts
+    if decoder:
+        need["KV cache"] = 2 * F32 * cfg.n_layer * cfg.n_ctx * cfg.kv_dim
+    return need
+
+
+HOST_ROLES = ("weights", "gradients and optimizer moments")   # on the host with any device
+
+
+def check(need: dict[str, int], what: str, device_is_host: bool = True) -> None:
+    """Raise MemoryLimitError with the numbers when the host part of `need` (all of it when
+    the device is the host, as NumPy's is; else the weights and what checkpoints read back)
+    is more than `host_available()`."""
+    available = host_available()
+    host = {r: n for r, n in need.items() if n and (device_is_host or r in HOST_ROLES)}
+    total = sum(host.values())
+    if available is None or total <= available:
+        return
+    parts = ", ".join(f"{role} {_gib(n)}" for role, n in host.items())
+    limit = (f"the limit is {_gib(available)} (${HOST_LIMIT_VAR})"
+             if os.environ.get(HOST_LIMIT_VAR) is not None else
+             f"{_gib(available)} is available (${HOST_LIMIT_VAR} sets another limit)")
+    raise MemoryLimitError(f"{what} needs at least {_gib(total)} of host memory ({parts}), "
+                           f"but {limit}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2 ** 30:.3g} GiB" if n >= 2 ** 26 else f"{n / 2 ** 20:.3g} MiB"
