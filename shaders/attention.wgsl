@@ -12,9 +12,9 @@
 // p.u.z = 1: add the mask to the scores, and hide the keys where it is -inf.
 // A query row that sees no key gives 0 (ggml's flash_attn_ext) and takes no gradient.
 // Any strides for q, k, v, mask, dout (views); rows are read through nb.
+// #include common
 
 const MAX_D: u32 = 256u;  // head dim bound (checked by the shape rule)
-const LOWEST: f32 = -3.4e38;
 
 // Per-invocation rows of d floats.
 var<private> row_a: array<f32, MAX_D>;

@@ -1,4 +1,5 @@
 // Copies between layouts.
+// #include common
 
 // cpy / cont: element i of dst (in its own shape) gets element i of src0 (in src0's shape);
 // both walk their elements in row-major order, so the shapes may differ.

@@ -1,10 +1,11 @@
 // mul_mat (ggml semantics): src0 a [.., M, K], src1 b [.., N, K] -> dst [.., N, M],
 // dst[n, m] = sum_k a[m, k] * b[n, k]. In ggml order: ne_0 = (K, M, a2, a3),
 // ne_1 = (K, N, b2, b3), ne_d = (M, N, b2, b3); a is broadcast over b's batch entries
-// (product_bases in common.wgsl). Out-of-range rows are clamped on load, skipped on store.
+// (product_bases in product.wgsl). Out-of-range rows are clamped on load, skipped on store.
 // Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
 // k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
 // arranges, and are chosen per adapter.
+// #include product
 
 // k_mul_mat: any strides (out_prod's transposed views, K % 4 != 0). Each invocation
 // computes a 4x4 tile of dst in registers.
@@ -14,11 +15,10 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 3u) / 4u;
-    let bn = (N + 3u) / 4u;
-    let m0 = (t % bm) * 4u;
-    let n0 = ((t / bm) % bn) * 4u;
-    let base = product_bases(t / (bm * bn));
+    let tile = product_tile(t, 4u, 4u);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     var a_row: vec4u;
     var b_row: vec4u;
     for (var r = 0u; r < 4u; r++) {
@@ -36,10 +36,7 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
         acc[3] += av * src1[b_row.w + kb];
     }
     for (var j = 0u; j < 4u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[base.x + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
-        }
+        if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
     }
 }
 
@@ -60,11 +57,10 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K4 = p.ne_0.x / 4u;
-    let bm = (M + TILE - 1u) / TILE;
-    let bn = (N + TILE - 1u) / TILE;
-    let m0 = (g % bm) * TILE;
-    let n0 = ((g / bm) % bn) * TILE;
-    let base = product_bases(g / (bm * bn));
+    let tile = product_tile(g, TILE, TILE);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     // staging: this invocation loads row `row` of the tile, vec4 number `kq` of the step
     let row = lid / TILE_K4;
     let kq = lid % TILE_K4;

@@ -12,6 +12,7 @@
 // unrolled broadcasts (their lane must be a constant) keep everything in registers.
 // Needs subgroups of at least 8 invocations (lavapipe: the SIMD width, 8 or 16); the
 // backend picks this kernel only there. Operands as for k_mul_mat_tiled.
+// #include product
 
 fn times4(a: array<vec4f, 4>, b: vec4f) -> vec4f {
     return vec4f(dot(a[0], b), dot(a[1], b), dot(a[2], b), dot(a[3], b));
@@ -24,11 +25,10 @@ fn k_mul_mat_subgroup(@builtin(subgroup_invocation_id) lane: u32,
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K4 = p.ne_0.x / 4u;
-    let bm = (M + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let m0 = (g % bm) * 32u + lane * 4u;
-    let n0 = ((g / bm) % bn) * 16u;
-    let base = product_bases(g / (bm * bn));
+    let tile = product_tile(g, 32u, 16u);
+    let m0 = tile.x + lane * 4u;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     let a_base = base.y / 4u;
     let a_stride = p.nb_0.y / 4u;
     let a_row = vec4u(a_base + min(m0, M - 1u) * a_stride, a_base + min(m0 + 1u, M - 1u) * a_stride,
@@ -88,11 +88,10 @@ fn k_mul_mat_subgroup_t(@builtin(subgroup_invocation_id) lane: u32,
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let m0 = (g % bm) * 32u + lane * 4u;
-    let n0 = ((g / bm) % bn) * 16u;
-    let base = product_bases(g / (bm * bn));
+    let tile = product_tile(g, 32u, 16u);
+    let m0 = tile.x + lane * 4u;
+    let n0 = tile.y;
+    let base = product_bases(tile.z);
     // columns past M or N are clamped on load, never stored
     let a_col = (base.y + min(m0, (M - 1u) & ~3u)) / 4u;
     let b_col = (base.z + min(n0 + (lane % 4u) * 4u, (N - 1u) & ~3u)) / 4u;

@@ -1,7 +1,8 @@
 // Row normalisations: one workgroup per row, p.n rows; p.f.x = eps.
 // src0 x [.., n], src1 dy [.., n] (the *_back ops), dst [.., n]: one shape, any strides
-// (row_start and workgroup_sum4 in common.wgsl). rms_norm_mul(_back) add a weight w that
+// (row_start and workgroup_sum4 in row_kernels.wgsl). rms_norm_mul(_back) add a weight w that
 // tiles x (ggml broadcasting).
+// #include row_kernels
 
 // 1 / sqrt(mean(x^2) + eps) of the row of src0 that starts at r.
 fn rms_scale(lid: u32, r: vec4u) -> f32 {
@@ -148,7 +149,7 @@ fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) 
     }
 }
 
-// -- the 'rowwise' variant (CPU adapters): one invocation per row (common.wgsl row_bases).
+// -- the 'rowwise' variant (CPU adapters): one invocation per row (row_kernels.wgsl row_bases).
 // A CPU device runs neighbouring invocations in its SIMD lanes, so rows go side by side;
 // the workgroup kernels' barriers cost more there than a whole row of work.
 

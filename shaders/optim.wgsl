@@ -1,6 +1,7 @@
 // Optimizer steps change nothing where their finite flag (the last hyper-parameter, set by
 // append_finite_flag from the loss and the gradients' sum of squares) is 0, and leave a
 // parameter element and its moments as they are where its own gradient is not finite.
+// #include common
 
 // Finite from the exponent bits: WGSL lets compilers assume no NaN or infinity, so a float
 // test such as g - g == 0.0 (or NaN arithmetic such as 0 * x) may be folded away.

@@ -1,7 +1,8 @@
 // Frozen weights in ggml block types (ggwgpu/quant.py), dequantized inside the kernels by
 // quad() of quant_blocks.wgsl. ne_0 and nb_0 count values. p.u.x is the type (TYPE_CODE in
 // ggwgpu/ops/quant.py): one kernel branches on it for every type.
-//#include quant_blocks.wgsl
+// #include product
+// #include quant_blocks
 
 // The int32 view of src1 (src1_v4 is common.wgsl's): an entry point uses either the alias or
 // the f32 name of a binding, never both.
@@ -19,16 +20,12 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 3u) / 4u;
-    let bn = (N + 7u) / 8u;
-    let m0 = (t % bm) * 4u;
-    let rest = t / bm;
-    let n0 = (rest % bn) * 8u;
-    let batch = rest / bn;
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let x_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let tile = product_tile(t, 4u, 8u);
+    let m0 = tile.x;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
+    let w_base = offsets.y;
+    let x_base = p.off.z + offsets.z;
     var w_row: vec4u;
     for (var r = 0u; r < 4u; r++) { w_row[r] = w_base + min(m0 + r, M - 1u) * K; }
     var x_row: array<u32, 8>;      // in vec4s
@@ -44,12 +41,8 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
             acc[j] += vec4f(dot(w0, xv), dot(w1, xv), dot(w2, xv), dot(w3, xv));
         }
     }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 8u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, m0, acc[j]); }
     }
 }
 
@@ -64,17 +57,12 @@ fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     let K = p.ne_d.x;
     let N = p.ne_d.y;
     let M = p.ne_0.y;
-    let bk = K / 4u;
-    let bn = (N + 7u) / 8u;
-    let k0 = (t % bk) * 4u;
-    let rest = t / bk;
-    let n0 = (rest % bn) * 8u;
-    let batch = rest / bn;
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w
-                 + k0;
-    let g_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let tile = product_tile(t, 4u, 8u);                // dst is [.., N, K]: k along x
+    let k0 = tile.x;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
+    let w_base = offsets.y + k0;
+    let g_base = p.off.z + offsets.z;
     var g_row: array<u32, 8>;
     for (var j = 0u; j < 8u; j++) { g_row[j] = g_base + min(n0 + j, N - 1u) * p.nb_1.y; }
     var acc: array<vec4f, 8>;  // acc[n][k0 ..]
@@ -83,12 +71,8 @@ fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
         let gm = m * p.nb_1.x;
         for (var j = 0u; j < 8u; j++) { acc[j] += src1[g_row[j] + gm] * wv; }
     }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 8u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            dst[d_base + (n0 + j) * p.nb_d.y + (k0 + r) * p.nb_d.x] = acc[j][r];
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
     }
 }
 

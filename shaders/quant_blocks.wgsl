@@ -3,6 +3,7 @@
 // bound as u32 words: p.off.y is where they start, in words. Blocks of 18, 22, 34, 110 and
 // 210 bytes are only 2-byte aligned, so bytes come out of words by shifts, and f16 scales
 // through unpack2x16float: no shader-f16 feature needed.
+// #include common
 
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
 
@@ -26,19 +27,8 @@ fn src0_word(i: u32) -> u32 {
     }
 }
 
-// Type codes: the order of TYPES (tests/test_quant.py checks them).
-const F16: u32 = 0u;
-const BF16: u32 = 1u;
-const Q4_0: u32 = 2u;
-const Q4_1: u32 = 3u;
-const Q5_0: u32 = 4u;
-const Q5_1: u32 = 5u;
-const Q8_0: u32 = 6u;
-const Q2_K: u32 = 7u;
-const Q3_K: u32 = 8u;
-const Q4_K: u32 = 9u;
-const Q5_K: u32 = 10u;
-const Q6_K: u32 = 11u;
+// Type codes (const F16: u32 = 0u; ...): generated from ggwgpu/kernels.py's TYPE_CODE.
+// #include quant_type_codes
 
 // The 4 bytes of src0 from byte b on (b even), little-endian.
 fn word_at(b: u32) -> u32 {

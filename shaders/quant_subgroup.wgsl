@@ -8,8 +8,9 @@
 // That streaming is written out for the types of the models at hand (f16, bf16, q8_0, q4_0,
 // q4_1); the others read their 4 rows through coef() and codes() (quant_blocks.wgsl), each
 // row's scale once per 16 values, still sharing x.
+// #include product
 
-//#include quant_blocks.wgsl
+// #include quant_blocks
 
 // The 4 bytes from byte 2 of the pair of words (w, next) on, or `next` itself when the
 // block starts at byte 2 of w (s = 16): q8_0 and q4_0 blocks are only 2-byte aligned, and
@@ -72,93 +73,21 @@ fn mac16(acc: ptr<function, array<vec4f, 16>>, w: array<vec4f, 4>, x0: vec4f, x1
 // n0 + lane and n0 + 8 + lane. Per block of 32 values a lane reads 4 x 9 (q8_0) or 4 x 5
 // (q4_0, q4_1) words of weight and 2 x 32 floats of x, for 2048 multiply-adds.
 // One entry point per type, so that the type is a constant the compiler folds away
-// (measured on lavapipe: a quarter faster than branching on p.u.x).
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
-                            @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(F16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(BF16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q8_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q2_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q3_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q4_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q5_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
-                             @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_subgroup(Q6_K, lane, flat_group(wid, nwg));
-}
+// (measured on lavapipe: a quarter faster than branching on p.u.x); ops/quant.py generates
+// them from the type codes, here and for k_mul_mat_q_back_subgroup_<type>.
+// #include mul_mat_q_subgroup_entries
 
 fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
     if (g >= p.n) { return; }  // the whole workgroup
     let M = p.ne_d.x;
     let N = p.ne_d.y;
     let K = p.ne_0.x;
-    let bm = (M + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let m0 = (g % bm) * 32u + lane * 4u;
-    let n0 = ((g / bm) % bn) * 16u;
-    let batch = g / (bm * bn);
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let x_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let tile = product_tile(g, 32u, 16u);
+    let m0 = tile.x + lane * 4u;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
+    let w_base = offsets.y;
+    let x_base = p.off.z + offsets.z;
     // rows in values; x rows in vec4s
     let row = vec4u(w_base + min(m0, M - 1u) * K, w_base + min(m0 + 1u, M - 1u) * K,
                     w_base + min(m0 + 2u, M - 1u) * K, w_base + min(m0 + 3u, M - 1u) * K);
@@ -237,12 +166,8 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
             }
         }
     }
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            if (m0 + r < M) { dst[d_base + (n0 + j) * p.nb_d.y + (m0 + r) * p.nb_d.x] = acc[j][r]; }
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, m0, acc[j]); }
     }
 }
 
@@ -251,77 +176,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
 // lane `lane` owns k0 .. k0 + 3 and loads g of tokens n0 + lane and n0 + 8 + lane. Per weight
 // row m a lane reads 2 words of the block (its 4 values; q4_0 and q8_0 take d from lane 0's
 // first word); per 4 rows 2 vec4s of g, for 256 multiply-adds.
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_f16(@builtin(subgroup_invocation_id) lane: u32,
-                                 @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(F16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_bf16(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(BF16, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_1(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_1(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_1, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q8_0(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q8_0, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q2_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q2_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q3_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q3_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q4_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q4_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q5_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q5_K, lane, flat_group(wid, nwg));
-}
-
-@compute @workgroup_size(8)
-fn k_mul_mat_q_back_subgroup_q6_k(@builtin(subgroup_invocation_id) lane: u32,
-                                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_q_back_subgroup(Q6_K, lane, flat_group(wid, nwg));
-}
+// #include mul_mat_q_back_subgroup_entries
 
 // The 4 values k0 .. k0 + 3 of the weight row starting at value e, block kb .. kb + 31 of
 // it (each lane of the subgroup asks for its 4 values of the same block).
@@ -376,16 +231,13 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     let K = p.ne_d.x;
     let N = p.ne_d.y;
     let M = p.ne_0.y;
-    let bk = (K + 31u) / 32u;
-    let bn = (N + 15u) / 16u;
-    let kb = (g % bk) * 32u;                              // the block's first k
+    let tile = product_tile(g, 32u, 16u);                 // dst is [.., N, K]: k along x
+    let kb = tile.x;                                      // the block's first k
     let k0 = min(kb + lane * 4u, K - 4u);                 // f16 rows may end mid-block
-    let n0 = ((g / bk) % bn) * 16u;
-    let batch = g / (bk * bn);
-    let i2 = batch % p.ne_d.z;
-    let i3 = batch / p.ne_d.z;
-    let w_base = (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w;
-    let g_base = p.off.z + i2 * p.nb_1.z + i3 * p.nb_1.w;
+    let n0 = tile.y;
+    let offsets = batch_offsets(tile.z);
+    let w_base = offsets.y;
+    let g_base = p.off.z + offsets.z;
     let g0 = g_base + min(n0 + lane, N - 1u) * p.nb_1.y;
     let g1 = g_base + min(n0 + 8u + lane, N - 1u) * p.nb_1.y;
     var acc: array<vec4f, 16>;  // acc[j]: dst[n0 + j, k0 .. k0 + 3]
@@ -411,11 +263,7 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
                 vec4f(src1_v4[ib / 4u][ib % 4u], 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
-    let d_base = p.off.x + i2 * p.nb_d.z + i3 * p.nb_d.w;
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j >= N) { break; }
-        for (var r = 0u; r < 4u; r++) {
-            dst[d_base + (n0 + j) * p.nb_d.y + (k0 + r) * p.nb_d.x] = acc[j][r];
-        }
+        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
     }
 }

@@ -1,8 +1,9 @@
 // Reductions and tiling.
+// #include row_kernels
 
 // sum: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g]
 // (dst contiguous). Sums longer than one span run twice: partial sums, then their sum
-// (a workgroup's work is bounded, see common.wgsl).
+// (a workgroup's work is bounded, see row_kernels.wgsl).
 @compute @workgroup_size(WG)
 fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
          @builtin(num_workgroups) nwg: vec3u) {

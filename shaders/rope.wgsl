@@ -1,5 +1,6 @@
 // Rotary position embedding, forward and backward, with or without per-pair frequency
 // factors (ggml_rope_ext with ext_factor 0, attn_factor 1).
+// #include common
 
 // positions are i32: read through an int32 view of binding 3 (this file never uses src1).
 @group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;

@@ -1,4 +1,5 @@
 // Row gather (get_rows) and its deterministic scatter-add backward (get_rows_back).
+// #include common
 
 // int32 views of the bindings: an entry point uses either the alias or the f32 name of a
 // binding, never both (Naga accepts such aliases).

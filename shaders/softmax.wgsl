@@ -1,7 +1,6 @@
-// Softmax family. Row kernels (common.wgsl): one workgroup per row of src0, p.n rows; every
+// Softmax family. Row kernels (row_kernels.wgsl): one workgroup per row of src0, p.n rows; every
 // tensor of a row kernel has src0's shape (a mask tiles it), any strides.
-
-const LOWEST: f32 = -3.40282347e+38;  // the max of an empty set (WGSL has no -inf literal)
+// #include row_kernels
 
 // Online softmax statistics: x = running max m, y = sum of exp(v - m); z, w plain sums.
 // Adding v rescales the sum whenever the max grows, so one pass over the row suffices.
@@ -15,7 +14,7 @@ fn ms_merge(a: vec4f, b: vec4f) -> vec4f {
     return vec4f(m, a.y * exp(a.x - m) + b.y * exp(b.x - m), a.z + b.z, a.w + b.w);
 }
 
-// ms_merge over the workgroup: a tree in common.wgsl's partial4, as workgroup_sum4 adds;
+// ms_merge over the workgroup: a tree in row_kernels.wgsl's partial4, as workgroup_sum4 adds;
 // uniform control flow.
 fn workgroup_ms(lid: u32, v: vec4f) -> vec4f {
     partial4[lid] = v;
@@ -131,7 +130,7 @@ fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
     }
 }
 
-// -- the 'rowwise' variant (CPU adapters): one invocation per row (common.wgsl row_bases).
+// -- the 'rowwise' variant (CPU adapters): one invocation per row (row_kernels.wgsl row_bases).
 // A CPU device runs neighbouring invocations in its SIMD lanes, so rows go side by side;
 // the workgroup kernels' barriers cost more there than a whole row of work.
 

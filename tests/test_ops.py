@@ -8,10 +8,10 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu import testing
-from ggwgpu.backends.wgpu_backend import (MATMUL_ENV, kernel_name, matmul_variant, row_variant,
-                                          shader_dir)
+from ggwgpu.backends.wgpu_backend import kernel_name, shader_source
+from ggwgpu.kernels import (MATMUL_ENV, ROW_VARIANTS, ROWWISE_MAX, matmul_variant,
+                            row_variant)
 from ggwgpu.ops import OPS
-from ggwgpu.ops.norm import ROW_VARIANTS, ROWWISE_MAX
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
@@ -65,7 +65,7 @@ def test_registry_entry_is_complete(name):
     kernels = {(opdef.shader, opdef.entry)} | {(d.shader or opdef.shader, d.entry)
                                                for c in cases for d in dispatches_of(opdef, c)}
     for stem, entry in kernels:
-        source = (shader_dir() / f"{stem}.wgsl").read_text()
+        source = shader_source(stem)    # includes resolved, generated kernels in place
         assert re.search(rf"\bfn {kernel_name(entry)}\(", source), \
             f"{name}: no entry point {kernel_name(entry)} in shaders/{stem}.wgsl"
 

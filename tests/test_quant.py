@@ -16,7 +16,7 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.gguf_io import GGUFError, load_model, save_model
 from ggwgpu.models.llama import (ROPE_FREQS, LlamaConfig, attention, feed_forward,
                                  init_parameters, output, project_qkv, weighted_rms_norm)
-from ggwgpu.backends.wgpu_backend import shader_dir
+from ggwgpu.backends.wgpu_backend import shader_source
 from ggwgpu.quant import (QUANT_TYPES, QUANTIZABLE, TYPES, Quantized, dequantize, quantize,
                           quantize_model, random_blocks)
 from ggwgpu.tokenizer import ByteTokenizer
@@ -64,7 +64,8 @@ def test_quantize_round_trips_within_half_a_step(dtype):
 def test_the_type_table_matches_gguf_py_and_the_shaders():
     """Sizes are gguf-py's; the kernels' type codes are the table's order; k-quants come
     from files only, and `random_blocks` makes valid ones (finite, about [-1, 1])."""
-    source = (shader_dir() / "quant_blocks.wgsl").read_text()
+    # the constants the kernels see, common.wgsl's WG left out
+    source = shader_source("quant_blocks").replace(shader_source("common"), "")
     codes = {name.lower(): int(code)
              for name, code in re.findall(r"const (\w+): u32 = (\d+)u;", source)}
     assert codes == {name: code for code, name in enumerate(TYPES)}

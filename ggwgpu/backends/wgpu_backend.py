@@ -18,7 +18,9 @@ from pathlib import Path
 import numpy as np
 import wgpu
 
+from ..kernels import choose_variants
 from ..ops import OPS
+from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
 from . import wgpu_direct
 from .base import Backend, Plan, SharedConstants, guarded_block
@@ -74,13 +76,43 @@ def shader_dir() -> Path:
     raise FileNotFoundError(f"WGSL shaders not found next to {here}")
 
 
-def shader_source(stem: str) -> str:
-    """The common header followed by the op family's file, in which a line
-    `//#include NAME.wgsl` stands for that file's text (code two files share)."""
-    d = shader_dir()
-    text = re.sub(r"^//#include (\w+\.wgsl)$", lambda m: (d / m[1]).read_text(),
-                  (d / f"{stem}.wgsl").read_text(), flags=re.M)
-    return (d / "common.wgsl").read_text() + "\n" + text
+class ShaderError(ValueError):
+    """A shader that cannot be put together: a missing include or an include cycle."""
+
+
+INCLUDE = re.compile(r"//\s*#include\s+(\S+)\s*")
+
+
+def shader_source(stem: str, folder: Path | None = None) -> str:
+    """The WGSL of <stem>.wgsl (in `folder`, else shader_dir()) with its includes resolved:
+    a line `// #include NAME` stands for NAME.wgsl, itself resolved the same way, or for
+    the code ops/registry.py's GENERATED_WGSL[NAME] makes from a Python table. Each part
+    comes in once, where it is first included, so families share code without copies.
+    A missing part or an include cycle raises ShaderError naming the file and line."""
+    return _compose(stem, folder or shader_dir(), (), set())
+
+
+def _compose(name: str, folder: Path, stack: tuple, done: set) -> str:
+    stack = (*stack, name)
+    done.add(name)
+    text = GENERATED_WGSL[name]() if name in GENERATED_WGSL else \
+        (folder / f"{name}.wgsl").read_text()
+    out = []
+    for number, line in enumerate(text.splitlines(keepends=True), 1):
+        found = INCLUDE.fullmatch(line.rstrip("\n"))
+        if not found:
+            out.append(line)
+            continue
+        part, where = found[1], f"shader {name}.wgsl line {number}"
+        if part in stack:
+            raise ShaderError(f"{where}: include cycle {' -> '.join((*stack, part))}")
+        if part in done:
+            continue
+        if part not in GENERATED_WGSL and not (folder / f"{part}.wgsl").is_file():
+            raise ShaderError(f"{where}: includes {part!r}, but there is no {part}.wgsl "
+                              f"in {folder}")
+        out.append(_compose(part, folder, stack, done))
+    return "".join(out)
 
 
 # Words of the WGSL types a Params field may have, and their alignment in words (WGSL's
@@ -143,32 +175,6 @@ def request_adapter():
 PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
-MATMUL_ENV = "GGWGPU_MATMUL"
-
-
-def matmul_variant(adapter, device) -> str:
-    """The vec4 matmul kernel for this adapter (ops/matmul.py VEC4_KERNELS), or the one
-    $GGWGPU_MATMUL names. 'subgroup' where it was measured fastest: lavapipe, whose
-    subgroups are its SIMD lanes (8 or 16, as the kernel needs); 'tiled' everywhere else."""
-    forced = os.environ.get(MATMUL_ENV)
-    if forced:
-        if forced not in OPS["mul_mat"].variants:
-            raise ValueError(f"${MATMUL_ENV}={forced!r}: choose one of "
-                             f"{', '.join(OPS['mul_mat'].variants)}")
-        return forced
-    info = adapter.info
-    lanes = (info.get("adapter_type") == "CPU" and info.get("vendor") == "llvmpipe"
-             and "subgroup" in device.features)
-    return "subgroup" if lanes else "tiled"
-
-
-def row_variant(adapter) -> str:
-    """The kernels of the row ops (ops/norm.py ROW_VARIANTS): 'rowwise', one invocation per
-    row, on CPU adapters, where workgroup barriers cost more than a row of work (lavapipe,
-    `bench ops` tiny: soft_max 15x, rms_norm_mul 5x faster); 'workgroup' everywhere else."""
-    return "rowwise" if adapter.info.get("adapter_type") == "CPU" else "workgroup"
-
-
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -187,12 +193,7 @@ class WgpuBackend(Backend):
         self.device = self.adapter.request_device_sync(
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
-        matmul = matmul_variant(self.adapter, self.device)
-        rows = row_variant(self.adapter)
-        # the quantized products follow matmul: their subgroup kernels want the same adapters
-        self.kernel_variants = {"matmul": matmul,
-                                "quant": "subgroup" if matmul == "subgroup" else "portable",
-                                "norm": rows, "softmax": rows}
+        self.kernel_variants = choose_variants(self.adapter, self.device)
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,

@@ -1,6 +1,7 @@
 """Elementwise ops: binary with ggml broadcasting of the second operand, and unary maps.
 
-Shader: shaders/elementwise.wgsl, one entry point per op, one invocation per result element.
+Shader: shaders/elementwise.wgsl, one entry point per op, one invocation per result element,
+generated from the WGSL table below.
 """
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import (WORKGROUP, Case, Input, can_repeat, need_f32, pad4, register,
-                       same_shape, tile)
+from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_f32, pad4,
+                       register, same_shape, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
 LARGE = WORKGROUP * 65535 + 77
@@ -262,3 +263,41 @@ swiglu_back = register(
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
            "sqr", "sqrt", "log", "exp", "silu", "gelu", "silu_back", "gelu_back", "swiglu",
            "swiglu_back"]
+
+
+# Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
+# there (b and c tiled to dst's shape, ggml broadcasting) and the uniforms p. The functions
+# called are shaders/elementwise.wgsl's.
+WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
+        "add1": "a + b",                         # b has one element
+        "scale": "a * p.f.x", "neg": "-a", "abs": "abs(a)", "sgn": "sign(a)",
+        "step": "select(0.0, 1.0, a > 0.0)", "relu": "max(a, 0.0)", "sqr": "a * a",
+        "sqrt": "sqrt(a)", "log": "log(a)", "exp": "exp(a)", "silu": "silu(a)",
+        "gelu": "gelu(a)",
+        "silu_back": "silu_grad(a, b)",          # a = x, b = dy
+        "gelu_back": "b * gelu_grad(a)",
+        "swiglu": "silu(a) * b",
+        "swiglu_back": "silu_grad(a, c * b)"}    # a, b, c = dy
+
+# One template serves every entry point: the bounds check, the element's 4-D index, one
+# load per source.
+KERNEL = """
+@compute @workgroup_size(WG)
+fn k_{name}(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
+    let i = flat_id(gid, nwg); if (i >= p.n) {{ return; }}
+    let idx = unravel(i, p.ne_d);
+{loads}    dst[at_d(idx)] = {value};
+}}
+"""
+LOADS = ("    let a = src0[at_0(idx)];\n", "    let b = src1[at_1(idx % p.ne_1)];\n",
+         "    let c = src2[at_2(idx % p.ne_2)];\n")
+
+
+def kernels_wgsl() -> str:
+    """The elementwise entry points, one per WGSL entry."""
+    return "".join(KERNEL.format(name=OPS[name].entry, value=value,
+                                 loads="".join(LOADS[:OPS[name].n_srcs]))
+                   for name, value in WGSL.items())
+
+
+GENERATED_WGSL["elementwise_kernels"] = kernels_wgsl

@@ -11,18 +11,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
+from ..kernels import MATMUL_KERNELS
 from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_f32, pad4, register
 
 BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
-# The kernels that read vec4s, by variant: (entry, shader file, tile of the result one
-# workgroup computes as (M, N), entry for an `a` stored K-outermost or None). The backend
-# picks the variant per adapter (WgpuBackend.kernel_variants): 'tiled' stages tiles in
-# workgroup memory, as GPUs want; 'subgroup' shares loads through subgroup broadcasts, as
-# CPU adapters (lavapipe) want, and reads a K-outermost `a` (out_prod) as it lies.
-VEC4_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64), None),
-                "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16),
-                             "mul_mat_subgroup_t")}
 
 
 def product_shape(a_shape, b_shape, inner_a, inner_b, name):
@@ -147,7 +140,7 @@ def kernel_dispatch(node, a, b, variant="tiled"):
     elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
-    entry, shader, (tile_m, tile_n), entry_t = VEC4_KERNELS[variant]
+    entry, shader, (tile_m, tile_n), entry_t = MATMUL_KERNELS[variant]
     tiles = -(-m // tile_m) * -(-n // tile_n) * batches
     if (entry_t and not (vec4_ready(a) and vec4_ready(b))
             and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
@@ -191,7 +184,7 @@ def mm_cases():
 mul_mat = register(
     "mul_mat", n_srcs=2, shape=mul_mat_shape, shader="matmul", reference=mul_mat_ref,
     dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs, variant),
-    variants=tuple(VEC4_KERNELS),
+    variants=tuple(MATMUL_KERNELS),
     backward=lambda n, g: (mul_mat_grad_a(*n.srcs, g), O.mul_mat(O.transpose(n.srcs[0]), g)),
     cases=mm_cases, frozen_variant="mul_mat_q", fast=mul_mat_into,
     doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
@@ -202,7 +195,7 @@ out_prod = register(
     reference=out_prod_ref, fast=out_prod_into,
     dispatches=lambda n, variant="tiled": kernel_dispatch(
         n, transposed(n.srcs[0]), transposed(n.srcs[1]), variant),
-    variants=tuple(VEC4_KERNELS),
+    variants=tuple(MATMUL_KERNELS),
     backward=lambda n, g: (sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1]), n.srcs[0].shape),
                            O.transpose(O.mul_mat(n.srcs[0], g))),
     cases=lambda: [Case((Input((c.inputs[0].shape[:-2] + c.inputs[0].shape[:-3:-1]),

@@ -1,7 +1,7 @@
 """Row normalisations over the innermost dim: rms_norm and norm (ggml_norm), each with its
 *_back op, and rms_norm_mul, llama's weighted rms_norm fused into one pass. Shader:
 shaders/norm.wgsl, one workgroup per row; rms_norm_mul(_back) also have a 'rowwise'
-variant, one invocation per row, that the backend picks on CPU adapters (ROW_VARIANTS).
+variant, one invocation per row, that the backend picks on CPU adapters (ggwgpu/kernels.py).
 
     rms_norm(x, eps):        y = x * r,         r = 1 / sqrt(mean(x^2) + eps)
                              dx = r * (dy - y * mean(dy * y))
@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
+from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError
 from .elementwise import reduce_to, tiled
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
@@ -38,23 +39,6 @@ def weighted_shape(srcs, eps):
     if not can_repeat(w.shape, x.shape):
         raise ShapeError(f"weight {w.shape} does not tile x {x.shape}")
     return norm_shape((x,) + tuple(srcs[2:]), eps)
-
-
-# Kernel variants of the row ops here and in ops/softmax.py, picked per adapter
-# (WgpuBackend.kernel_variants): 'workgroup' reduces each row with a workgroup and a tree of
-# barriers, as GPUs want; 'rowwise' (k_<op>_rowwise) runs one invocation per row with no
-# barriers, as CPU adapters (lavapipe) want: there a barrier costs more than a row of work.
-ROW_VARIANTS = ("workgroup", "rowwise")
-# lavapipe stops an invocation's loops after about 65534 iterations in all (measured: a
-# rowwise kernel with two passes over a row of 32768 leaves the last 3 elements unwritten,
-# one over 28672 is right). Longer rows take the workgroup kernel: each of its invocations
-# loops over a 64th of the row.
-ROWWISE_MAX = 16384
-
-
-def row_kernel(variant: str, row_len: int) -> str:
-    """The kernel variant a row of row_len elements runs: 'rowwise' only up to ROWWISE_MAX."""
-    return "workgroup" if row_len > ROWWISE_MAX else variant
 
 
 def row_dispatch(node, variant="workgroup"):

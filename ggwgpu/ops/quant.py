@@ -19,23 +19,18 @@ whole, contiguous tensors (a constant or a reshape of one).
 """
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from .. import ops as O
+from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
-from .registry import Case, Dispatch, Input, need_f32, register
+from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_f32, register
 from .rows import check_ids, get_rows_ref
 
-# p.u.x of the portable kernels: the table's order (the constants of shaders/quant_blocks.wgsl)
-TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
-# The kernels of mul_mat_q and mul_mat_q_back by variant, chosen per adapter as matmul's are
-# (WgpuBackend.kernel_variants): 'portable' (quant.wgsl) runs anywhere; 'subgroup'
-# (quant_subgroup.wgsl) shares loads through subgroup broadcasts, as CPU adapters want.
-# Per variant: (shader file, tile of the forward (M, N), tile of the backward (K, N)).
-KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
-           "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
 
 
 def check_frozen(w):
@@ -73,7 +68,7 @@ def mul_mat_q_dispatch(node, variant="portable"):
     """The kernel reads x as vec4s (K is a multiple of 4): an x not laid out for that is
     first copied into dispatch-private contiguous storage, as mul_mat does."""
     w, x = node.srcs
-    shader, (tile_m, tile_n), _ = KERNELS[variant]
+    shader, (tile_m, tile_n), _ = QUANT_KERNELS[variant]
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
     copy = []
@@ -112,7 +107,7 @@ mul_mat_q = register(
     "mul_mat_q", n_srcs=2, shape=mul_mat_q_shape, shader="quant",
     reference=lambda w, x: mul_mat_ref(values(w).astype(x.dtype), x),
     fast=mul_mat_into,   # the NumPy backend passes w dequantized
-    dispatches=mul_mat_q_dispatch, variants=tuple(KERNELS), no_grad=(0,),
+    dispatches=mul_mat_q_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q_back(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 32))),
@@ -145,7 +140,7 @@ def mul_mat_q_back_dispatch(node, variant="portable"):
     w, g = node.srcs
     k, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (k * n)
-    shader, _, (tile_k, tile_n) = KERNELS[variant]
+    shader, _, (tile_k, tile_n) = QUANT_KERNELS[variant]
     groups = tiles(k, tile_k) * tiles(n, tile_n) * batches
     if variant == "portable":  # one invocation per tile
         return [Dispatch("mul_mat_q_back", node, (w, g), n=groups, u=(TYPE_CODE[w.dtype],))]
@@ -158,7 +153,7 @@ mul_mat_q_back = register(
     "mul_mat_q_back", n_srcs=2, shape=mul_mat_q_back_shape, shader="quant",
     reference=lambda w, g: mul_mat_ref(np.swapaxes(values(w), -1, -2).astype(g.dtype), g),
     fast=lambda out, w, g: mul_mat_into(out, np.swapaxes(w, -1, -2), g),   # w dequantized
-    dispatches=mul_mat_q_back_dispatch, variants=tuple(KERNELS), no_grad=(0,),
+    dispatches=mul_mat_q_back_dispatch, variants=tuple(QUANT_KERNELS), no_grad=(0,),
     backward=lambda n, g: (None, O.mul_mat_q(n.srcs[0], g)),
     cases=lambda: frozen_cases([
         ((5, 32), Input((3, 5))),
@@ -205,5 +200,25 @@ get_rows_q = register(
     doc="get_rows from a frozen table: table [n_rows, n_cols] in a block type, int32 "
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
+
+# quant_subgroup.wgsl's entry points, one per kernel and type: the type a constant the
+# compiler folds away.
+SUBGROUP_ENTRY = """
+@compute @workgroup_size(8)
+fn k_{kernel}_{dtype}(@builtin(subgroup_invocation_id) lane: u32,
+        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
+    {kernel}({const}, lane, flat_group(wid, nwg));
+}}
+"""
+
+
+def subgroup_entries(kernel: str) -> str:
+    return "".join(SUBGROUP_ENTRY.format(kernel=kernel, dtype=name, const=name.upper())
+                   for name in TYPE_CODE)
+
+
+GENERATED_WGSL["quant_type_codes"] = type_codes_wgsl
+for _kernel in ("mul_mat_q_subgroup", "mul_mat_q_back_subgroup"):
+    GENERATED_WGSL[f"{_kernel}_entries"] = partial(subgroup_entries, _kernel)
 
 __all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]

@@ -141,6 +141,10 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
+# Shader parts generated from Python tables (name -> function returning WGSL): a shader
+# includes one by name (`// #include NAME`) as it includes a file (wgpu_backend.shader_source).
+GENERATED_WGSL: dict[str, Callable[[], str]] = {}
+
 
 def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
     """The default: one invocation per element of the result, entry named like the op."""

@@ -5,7 +5,7 @@ what training feeds) with cross_entropy_ids_back.
 
 Shader: shaders/softmax.wgsl; the row ops run one workgroup per row and subtract the row
 max before exp (f32 exp overflows past 88). The row ops also have a 'rowwise' variant, one
-invocation per row, for CPU adapters (ops/norm.py ROW_VARIANTS).
+invocation per row, for CPU adapters (ggwgpu/kernels.py).
 
     soft_max(x, s)             y = softmax(x * s)
     soft_max_ext(x, m, s)      y = softmax(x * s + m), m tiled over x (ggml broadcasting;
@@ -21,11 +21,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
+from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 from .rows import check_range
 from .elementwise import LARGE, reduce_to, tiled
-from .norm import ROW_VARIANTS, row_kernel
 from .reduce import sum_into
 
 

@@ -1,0 +1,90 @@
+"""Kernel variants: which WGSL kernels each op family runs on which adapter, in one place.
+
+Some families have two kernels for one op, one fast on GPUs and one fast on CPU devices
+such as Mesa's lavapipe (WGPU_NOTES: workgroup barriers and shared memory cost more there
+than the work they save). The backend picks one variant per family for its adapter
+(`choose_variants`, WgpuBackend.kernel_variants, keyed by the family's shader file); the
+ops' dispatch functions look the variant's kernels up here; lavapipe's tests force each
+variant in turn, so every one stays tested.
+
+    matmul        'tiled' (workgroup-memory tiles, GPUs) | 'subgroup' (subgroup broadcasts,
+                  lavapipe); $GGWGPU_MATMUL overrides
+    quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
+                  same adapters)
+    norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
+                  'rowwise' (one invocation per row, no barriers, CPU adapters)
+
+Also here: the block types' codes the quantized kernels branch on (p.u.x).
+"""
+from __future__ import annotations
+
+import os
+
+from .quant import TYPES
+
+MATMUL_ENV = "GGWGPU_MATMUL"
+
+# mul_mat's kernels that read vec4s, by variant: (entry, shader file, tile of the result one
+# workgroup computes as (M, N), entry for an `a` stored K-outermost or None). 'subgroup'
+# reads a K-outermost `a` (out_prod) as it lies.
+MATMUL_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64), None),
+                  "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16),
+                               "mul_mat_subgroup_t")}
+
+# mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
+# (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere.
+QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
+                 "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
+
+# The row ops' variants (ops/norm.py, ops/softmax.py): 'rowwise' entries are k_<op>_rowwise.
+ROW_VARIANTS = ("workgroup", "rowwise")
+# lavapipe stops an invocation's loops after about 65534 iterations in all (measured: a
+# rowwise kernel with two passes over a row of 32768 leaves the last 3 elements unwritten,
+# one over 28672 is right). Longer rows take the workgroup kernel: each of its invocations
+# loops over a 64th of the row.
+ROWWISE_MAX = 16384
+
+# p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES.
+TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
+
+
+def type_codes_wgsl() -> str:
+    """TYPE_CODE as WGSL constants (F16 = 0u, ...), which the quantized kernels branch on;
+    shaders include them as `quant_type_codes` (ops/quant.py registers it)."""
+    return "".join(f"const {name.upper()}: u32 = {code}u;\n" for name, code in TYPE_CODE.items())
+
+
+def row_kernel(variant: str, row_len: int) -> str:
+    """The kernel variant a row of row_len elements runs: 'rowwise' only up to ROWWISE_MAX."""
+    return "workgroup" if row_len > ROWWISE_MAX else variant
+
+
+def matmul_variant(adapter, device) -> str:
+    """The vec4 matmul kernel for this adapter, or the one $GGWGPU_MATMUL names. 'subgroup'
+    where it was measured fastest: lavapipe, whose subgroups are its SIMD lanes (8 or 16, as
+    the kernel needs); 'tiled' everywhere else."""
+    forced = os.environ.get(MATMUL_ENV)
+    if forced:
+        if forced not in MATMUL_KERNELS:
+            raise ValueError(f"${MATMUL_ENV}={forced!r}: choose one of "
+                             f"{', '.join(MATMUL_KERNELS)}")
+        return forced
+    info = adapter.info
+    lanes = (info.get("adapter_type") == "CPU" and info.get("vendor") == "llvmpipe"
+             and "subgroup" in device.features)
+    return "subgroup" if lanes else "tiled"
+
+
+def row_variant(adapter) -> str:
+    """The kernels of the row ops: 'rowwise' on CPU adapters, where workgroup barriers cost
+    more than a row of work (lavapipe, `bench ops` tiny: soft_max 15x, rms_norm_mul 5x
+    faster); 'workgroup' everywhere else."""
+    return "rowwise" if adapter.info.get("adapter_type") == "CPU" else "workgroup"
+
+
+def choose_variants(adapter, device) -> dict[str, str]:
+    """{shader family: variant} for this adapter and device."""
+    matmul = matmul_variant(adapter, device)
+    rows = row_variant(adapter)
+    return {"matmul": matmul, "quant": "subgroup" if matmul == "subgroup" else "portable",
+            "norm": rows, "softmax": rows}

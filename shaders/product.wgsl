@@ -1,0 +1,40 @@
+// Matrix products (matmul, matmul_subgroup, quant, quant_subgroup): dst [.., N, M] from
+// src0 [.., M, K] broadcast over src1's batch entries, in ggml order ne_d = (M, N, b2, b3).
+// #include common
+
+// Element offsets of batch entry `batch` of dst, src0 (a, broadcast over b as ggml does:
+// b's entry j reads a's j / ratio) and src1 (b), from the start of each tensor.
+fn batch_offsets(batch: u32) -> vec3u {
+    let i2 = batch % p.ne_d.z;
+    let i3 = batch / p.ne_d.z;
+    return vec3u(i2 * p.nb_d.z + i3 * p.nb_d.w,
+                 (i2 / (p.ne_d.z / p.ne_0.z)) * p.nb_0.z + (i3 / (p.ne_d.w / p.ne_0.w)) * p.nb_0.w,
+                 i2 * p.nb_1.z + i3 * p.nb_1.w);
+}
+
+// The same offsets in the buffers (the tensors' offsets added).
+fn product_bases(batch: u32) -> vec3u { return p.off.xyz + batch_offsets(batch); }
+
+// Tile t of dst cut in tiles of tm columns (m) x tn rows (n), numbered along m first, then n,
+// then the batch entries: (first m, first n, batch entry).
+fn product_tile(t: u32, tm: u32, tn: u32) -> vec3u {
+    let bm = (p.ne_d.x + tm - 1u) / tm;
+    let bn = (p.ne_d.y + tn - 1u) / tn;
+    return vec3u((t % bm) * tm, ((t / bm) % bn) * tn, t / (bm * bn));
+}
+
+// Writes dst[n, m .. m + 3] of a product (dst base offset d) through dst_v4: one vec4 store
+// where dst rows allow it, else element by element; columns >= M are skipped.
+fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {
+    let M = p.ne_d.x;
+    if (p.nb_d.x == 1u && p.nb_d.y % 4u == 0u && d % 4u == 0u && m + 4u <= M) {
+        dst_v4[(d + n * p.nb_d.y + m) / 4u] = v;
+        return;
+    }
+    for (var r = 0u; r < 4u; r++) {
+        if (m + r < M) {
+            let i = d + n * p.nb_d.y + (m + r) * p.nb_d.x;
+            dst_v4[i / 4u][i % 4u] = v[r];
+        }
+    }
+}
