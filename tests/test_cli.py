@@ -728,7 +728,7 @@ def test_resuming_with_another_samples_after_nl_is_a_usage_error(tmp_path):
 
 
 @pytest.mark.parametrize("log, message", [
-    ("/dev/full", "is not a JSONL log"),
+    ("/dev/full", "exists and is not a regular file"),
     ("/proc/version", "cannot write in /proc"),
     ("read-only", "cannot write in"),
 ])
