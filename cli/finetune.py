@@ -165,7 +165,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     backend = select_backend(ctx)
     try:
         graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter,
-                                  max_logits_bytes=logits_bound(backend))
+                                  max_logits_bytes=logits_bound(backend),
+                                  packed=getattr(samples, "packed", False))
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
@@ -262,14 +263,21 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     if state is not None and state.get("tokens_digest") != digest:
         raise click.UsageError(f"{checkpoint_in} was trained on other examples: pass the same "
                                f"--data (and template options) to resume")
-    batches = example_batches(train, cfg, options.batch, kw, options.seed)
+    pack = None
+    if options.flash_attn and not kw["no_pack"]:
+        click.echo("note: flash attention takes no attention mask yet, so examples are not "
+                   "packed: one per row, padded", err=True)
+        pack = False
+    batches = example_batches(train, cfg, options.batch, kw, options.seed, pack)
     if state is not None:
-        batches.load_state(state["data"])
-    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)
-             + f"; one example per row of {cfg.n_ctx}, padded"]
+        try:
+            batches.load_state(state["data"])
+        except ValueError as e:
+            raise click.UsageError(f"{checkpoint_in}: {e}") from None
+    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)]
     held = None
     if valid is not None:
-        held = example_batches(valid, cfg, options.batch, kw, options.seed)
+        held = example_batches(valid, cfg, options.batch, kw, options.seed, batches.packed)
         lines.append("      " + describe_examples("validation", held))
     return batches, held, digest, lines
 

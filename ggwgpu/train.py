@@ -133,7 +133,8 @@ class Trainer:
             updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
         # topo_order runs each in-place update after every reader of the old parameter
         self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *updates])
-        self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        if not g.packed:    # else positions come with each batch
+            self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
         for name, (m, v) in (opt_state or {}).items():
             self.plan.write(self.moments[name][0], m)
             self.plan.write(self.moments[name][1], v)
@@ -180,8 +181,7 @@ class Trainer:
         hp, lr = self.step_hparams()
         g, n, loss = self.graph, self.options.grad_accum, 0.0
         for i in range(n):
-            inputs, targets = self.batches.next_batch()
-            feeds = {**g.feeds(inputs, targets),
+            feeds = {**g.feeds(*self.batches.next_batch()),
                      self.hparams: hp if i == n - 1 else self.noop_hparams()}
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)
@@ -201,17 +201,18 @@ class Trainer:
                 "tokens": self.step * self.step_tokens, "skipped": skipped}
 
     def evaluate(self, batches) -> float:
-        """The mean loss per counted target over `batches` ((inputs, targets) pairs), with
+        """The mean loss per counted target over `batches` (TrainGraph.feeds's arguments:
+        (inputs, targets), or for a packed graph (inputs, targets, segments)), with
         the parameters left as they are: each batch runs the planned step under no-op
         hyper-parameters (lr 0, betas 1), so no second plan (and no copy of the weights) is
         needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
         g, total, count = self.graph, 0.0, 0
-        for inputs, targets in batches:
-            feeds = {**g.feeds(inputs, targets), self.hparams: self.noop_hparams()}
+        for batch in batches:
+            feeds = {**g.feeds(*batch), self.hparams: self.noop_hparams()}
             if self.options.grad_accum > 1:
                 feeds[self.keep] = np.zeros(1, np.float32)
             self.plan.run(feeds)
-            n = int((np.asarray(targets) >= 0).sum())
+            n = int((np.asarray(batch[1]) >= 0).sum())
             total += float(self.plan.read(g.loss)[0]) * n
             count += n
         return total / max(count, 1)
