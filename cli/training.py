@@ -420,9 +420,10 @@ def describe_examples(name: str, batches) -> str:
     """One line on a split's examples: counts, rows, what was cut or left out."""
     line = f"{name}: {batches.n_examples} examples, {batches.trained_tokens} trained tokens; "
     if batches.packed:
-        line += (f"packed, {batches.n_examples / batches.n_samples:.1f} examples per row "
-                 f"of {batches.n_ctx}, {batches.fill:.0%} of positions used (padding would "
-                 f"use {batches.padded_fill:.0%})")
+        line += (f"packed into {batches.n_samples} rows of {batches.n_ctx} "
+                 f"({batches.n_examples / batches.n_samples:.1f} examples each), "
+                 f"{batches.fill:.0%} of positions used (padding would use "
+                 f"{batches.padded_fill:.0%})")
     else:
         line += f"one per row of {batches.n_ctx}, padded, {batches.fill:.0%} of positions used"
     if batches.truncated:

@@ -615,8 +615,8 @@ def test_finetune_on_chat_data_resumes_exactly(tmp_path, packing):
     r = finetune_on(base, *args, "--steps", "4", "--out", str(tmp_path / "w.gguf"),
                     "--log", str(whole))
     assert r.exit_code == 0, r.output
-    assert ("train: 24 examples, 48 trained tokens; packed, 2.0 examples per row of 24, 92% "
-            "of positions used (padding would use 46%)" if packing == "packed" else
+    assert ("train: 24 examples, 48 trained tokens; packed into 12 rows of 24 (2.0 examples "
+            "each), 92% of positions used (padding would use 46%)" if packing == "packed" else
             "train: 24 examples, 48 trained tokens; one per row of 24, padded, 46% of "
             "positions used") in r.output, r.output
     ckpt = tmp_path / "ckpt.gguf"
@@ -647,7 +647,7 @@ def test_eval_on_chat_data_gives_the_same_loss_packed_and_padded(tmp_path):
         r = invoke(*args, *extra)
         assert r.exit_code == 0, r.output
         losses[bool(extra)] = float(re.search(r"loss (\S+) nats", r.output)[1])
-        assert ("one per row of 40, padded" if extra else "3.0 examples per row") in r.output
+        assert ("one per row of 40, padded" if extra else "(3.0 examples each)") in r.output
     assert losses[True] == pytest.approx(losses[False], abs=1e-4)
 
 
