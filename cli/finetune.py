@@ -263,12 +263,7 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     if state is not None and state.get("tokens_digest") != digest:
         raise click.UsageError(f"{checkpoint_in} was trained on other examples: pass the same "
                                f"--data (and template options) to resume")
-    pack = None
-    if options.flash_attn and not kw["no_pack"]:
-        click.echo("note: flash attention takes no attention mask yet, so examples are not "
-                   "packed: one per row, padded", err=True)
-        pack = False
-    batches = example_batches(train, cfg, options.batch, kw, options.seed, pack)
+    batches = example_batches(train, cfg, options.batch, kw, options.seed)
     if state is not None:
         try:
             batches.load_state(state["data"])

@@ -37,9 +37,45 @@ def describe(case: Case) -> str:
     parts = []
     for i in case.inputs:
         s = "x".join(map(str, i.shape)) + (f":{i.dtype}" if i.dtype in QUANT_TYPES else "")
+        s += f":{i.dist}" if i.dist in MASKS else ""
         parts.append(s if i.layout == "contiguous" else f"{s}({i.layout})")
     params = ",".join(f"{k}={v}" for k, v in case.params.items())
     return " ".join(parts) + (f" {params}" if params else "")
+
+
+MASKS = ("causal", "documents", "hidden_rows")
+
+
+def attention_mask(shape, dist, rng) -> np.ndarray:
+    """An additive attention mask of `shape` (.., n_q, n_kv): values in [-1, 1) where a query
+    sees a key, -inf where not. Query i sits at key position i + n_kv - n_q. 'causal': it
+    sees the keys up to its position; 'documents': only those of its own document (random
+    cuts per matrix, as packed training rows); 'hidden_rows': documents, and every third
+    query row sees nothing."""
+    n_q, n_kv = shape[-2:]
+    at = np.arange(n_q) + n_kv - n_q
+    seen = np.empty(shape, bool)
+    for m in np.ndindex(shape[:-2]):
+        s = np.arange(n_kv)[None, :] <= at[:, None]
+        if dist != "causal":
+            doc = np.cumsum(rng.random(n_kv) < 0.3)
+            s &= doc[None, :] == doc[at][:, None]
+        if dist == "hidden_rows":
+            s[1::3] = False
+        seen[m] = s
+    return np.where(seen, rng.uniform(-1, 1, shape), -np.inf)
+
+
+def as_laid_out(values: np.ndarray, layout: str) -> np.ndarray:
+    """The leaf values that give `values` through build_case's view of `layout`; padding
+    is NaN, so a kernel that reads it fails."""
+    if layout == "permuted":
+        return values.T
+    if layout == "strided":
+        leaf = np.full(values.shape[:-1] + (values.shape[-1] + 3,), np.nan)
+        leaf[..., 1:1 + values.shape[-1]] = values
+        return leaf
+    return values
 
 
 def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
@@ -70,6 +106,8 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
         elif spec.dist == "probs":
             v = rng.uniform(0.01, 1.0, leaf.shape)
             values[leaf] = v / v.sum(axis=-1, keepdims=True)
+        elif spec.dist in MASKS:
+            values[leaf] = as_laid_out(attention_mask(shape, spec.dist, rng), spec.layout)
         else:
             values[leaf] = rng.uniform(spec.lo, spec.hi, leaf.shape)
         srcs.append(src)

@@ -1,9 +1,17 @@
-// Fused attention (flash_attn) and its backward (flash_attn_back), one invocation per query
-// row (or key row), an online softmax over the keys, no score matrix in memory.
-// ggml order: q src0 ne_0 = (d, n_q, n_head, batch); k src1, v src2 ne = (d, n_kv, n_head_kv,
-// batch_kv); query head h reads kv head h / (n_head / n_head_kv), batch likewise.
-// p.f.x = scale, p.u.x = causal: query i sees key j only if j <= i + n_kv - n_q.
-// Any strides for q, k, v, dout (views); rows are read through nb.
+// Fused attention (flash_attn, flash_attn_ext) and their backward (flash_attn_back,
+// flash_attn_ext_back), one invocation per query row (or key row), an online softmax over
+// the keys, no score matrix in memory. One body for both: flash_attn is flash_attn_ext with
+// the causal rule instead of a mask.
+// Bindings of every entry point (ggml order, x = innermost):
+//   src0 mask (n_kv', n_q', n_head', batch'), tiled: element (j, i, h, b) reads
+//        (j % n_kv', i % n_q', ..); unread without a mask (p.u.z = 0; k is bound there)
+//   src1 k, src2 v (d, n_kv, n_head_kv, batch_kv)
+//   src3 q (d, n_q, n_head, batch), or the backward's scratch whose rows start with q
+// query head h reads kv head h / (n_head / n_head_kv), batch likewise.
+// p.f.x = scale; p.u.x = causal: query i sees key j only if j <= i + n_kv - n_q;
+// p.u.z = 1: add the mask to the scores, and hide the keys where it is -inf.
+// A query row that sees no key gives 0 (ggml's flash_attn_ext) and takes no gradient.
+// Any strides for q, k, v, mask, dout (views); rows are read through nb.
 
 const MAX_D: u32 = 256u;  // head dim bound (checked by the shape rule)
 const LOWEST: f32 = -3.4e38;
@@ -14,44 +22,58 @@ var<private> row_b: array<f32, MAX_D>;
 var<private> acc_a: array<f32, MAX_D>;
 var<private> acc_b: array<f32, MAX_D>;
 
+fn head_dim() -> u32 { return p.ne_1.x; }
+
 // A query row r (flat over n_q, n_head, batch) and the kv head / batch it reads.
 struct QRow { i: u32, h: u32, b: u32, hk: u32, bk: u32 }
 
 fn query_row(r: u32) -> QRow {
-    let i = r % p.ne_0.y;
-    let h = (r / p.ne_0.y) % p.ne_0.z;
-    let b = r / (p.ne_0.y * p.ne_0.z);
-    return QRow(i, h, b, h / (p.ne_0.z / p.ne_1.z), b / (p.ne_0.w / p.ne_1.w));
+    let i = r % p.ne_3.y;
+    let h = (r / p.ne_3.y) % p.ne_3.z;
+    let b = r / (p.ne_3.y * p.ne_3.z);
+    return QRow(i, h, b, h / (p.ne_3.z / p.ne_1.z), b / (p.ne_3.w / p.ne_1.w));
 }
 
-// Keys query i sees: [0, kv_end(i)).
+// Keys query i may see: [0, kv_end(i)) (the causal rule; a mask hides more).
 fn kv_end(i: u32) -> u32 {
-    if (p.u.x != 0u) { return min(p.ne_1.y, i + 1u + p.ne_1.y - p.ne_0.y); }
+    if (p.u.x != 0u) { return min(p.ne_1.y, i + 1u + p.ne_1.y - p.ne_3.y); }
     return p.ne_1.y;
 }
 
+// The additive mask of query (i, h, b) and key j; 0 without one.
+fn mask_at(i: u32, j: u32, h: u32, b: u32) -> f32 {
+    if (p.u.z == 0u) { return 0.0; }
+    return src0[at_0(vec4u(j % p.ne_0.x, i % p.ne_0.y, h % p.ne_0.z, b % p.ne_0.w))];
+}
+
+fn hidden(m: f32) -> bool { return m < LOWEST; }  // -inf
+
+// q row (i, h, b), element c: from q itself or from the scratch rows that start with it.
+fn q_at(i: u32, h: u32, b: u32, c: u32) -> f32 { return src3[at_3(vec4u(c, i, h, b))]; }
+
 fn dot_k(a: ptr<private, array<f32, MAX_D>>, kb: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < p.ne_0.x; c++) { s += (*a)[c] * src1[kb + c * p.nb_1.x]; }
+    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * src1[kb + c * p.nb_1.x]; }
     return s;
 }
 
 fn dot_v(a: ptr<private, array<f32, MAX_D>>, vb: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < p.ne_0.x; c++) { s += (*a)[c] * src2[vb + c * p.nb_2.x]; }
+    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * src2[vb + c * p.nb_2.x]; }
     return s;
 }
 
 // Online softmax of query row q over its visible keys: acc_a = sum_j exp(s_j - m) v_j,
-// returns (m, l = sum_j exp(s_j - m)); row_a holds the query row.
+// returns (m, l = sum_j exp(s_j - m)); l = 0 when no key is visible. row_a holds the query.
 fn attend(q: QRow) -> vec2f {
-    let d = p.ne_0.x;
-    let qb = at_0(vec4u(0u, q.i, q.h, q.b));
-    for (var c = 0u; c < d; c++) { row_a[c] = src0[qb + c * p.nb_0.x]; acc_a[c] = 0.0; }
+    let d = head_dim();
+    for (var c = 0u; c < d; c++) { row_a[c] = q_at(q.i, q.h, q.b, c); acc_a[c] = 0.0; }
     var m = LOWEST;
     var l = 0.0;
     for (var j = 0u; j < kv_end(q.i); j++) {
-        let s = p.f.x * dot_k(&row_a, at_1(vec4u(0u, j, q.hk, q.bk)));
+        let mv = mask_at(q.i, j, q.h, q.b);
+        if (hidden(mv)) { continue; }
+        let s = p.f.x * dot_k(&row_a, at_1(vec4u(0u, j, q.hk, q.bk))) + mv;
         if (s > m) {  // new max: rescale what was summed so far
             let r = exp(m - s);
             l *= r;
@@ -66,58 +88,63 @@ fn attend(q: QRow) -> vec2f {
     return vec2f(m, l);
 }
 
-// flash_attn: dst (d, n_q, n_head, batch); p.n query rows.
+// 1 / l, or 0 for a row that sees no key.
+fn inv_sum(l: f32) -> f32 { return select(1.0 / l, 0.0, l == 0.0); }
+
+// flash_attn, flash_attn_ext: dst (d, n_q, n_head, batch); p.n query rows.
 @compute @workgroup_size(WG)
 fn k_flash_attn(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let r = flat_id(gid, nwg); if (r >= p.n) { return; }
     let q = query_row(r);
-    let ml = attend(q);
-    for (var c = 0u; c < p.ne_0.x; c++) {
-        dst[at_d(vec4u(c, q.i, q.h, q.b))] = acc_a[c] / ml.y;
+    let inv = inv_sum(attend(q).y);
+    for (var c = 0u; c < head_dim(); c++) {
+        dst[at_d(vec4u(c, q.i, q.h, q.b))] = acc_a[c] * inv;
     }
 }
 
-// flash_attn_back, pass 1: dst is the scratch (d + 2, n_q, n_head, batch), src3 dout.
-// Row = [dout (d) | lse = m + log(l) | D = dout . out].
+// The backward keeps, per query row, a scratch row [q (d) | dout (d) | lse | D]
+// (dst here, src3 in the later passes); dout is copied in before this pass (a dispatch
+// binds at most four sources).
+// Pass 1: copy q in, lse = m + log(l) and D = dout . out; both 0 for a row that sees no key.
 @compute @workgroup_size(WG)
 fn k_flash_attn_back_stats(@builtin(global_invocation_id) gid: vec3u,
                            @builtin(num_workgroups) nwg: vec3u) {
     let r = flat_id(gid, nwg); if (r >= p.n) { return; }
     let q = query_row(r);
     let ml = attend(q);
-    let d = p.ne_0.x;
-    let ob = at_3(vec4u(0u, q.i, q.h, q.b));
+    let d = head_dim();
     let sb = at_d(vec4u(0u, q.i, q.h, q.b));
     var delta = 0.0;
     for (var c = 0u; c < d; c++) {
-        let g = src3[ob + c * p.nb_3.x];
-        delta += g * acc_a[c];
-        dst[sb + c * p.nb_d.x] = g;
+        dst[sb + c * p.nb_d.x] = row_a[c];
+        delta += dst[sb + (d + c) * p.nb_d.x] * acc_a[c];
     }
-    dst[sb + d * p.nb_d.x] = ml.x + log(ml.y);
-    dst[sb + (d + 1u) * p.nb_d.x] = delta / ml.y;
+    let seen = ml.y > 0.0;
+    dst[sb + 2u * d * p.nb_d.x] = select(0.0, ml.x + log(ml.y), seen);
+    dst[sb + (2u * d + 1u) * p.nb_d.x] = delta * inv_sum(ml.y);
 }
 
-// flash_attn_back, pass 2: dQ_i = scale * sum_j P_ij (dout_i . v_j - D_i) k_j.
-// dst: dQ (d, n_q, n_head, batch); src3: the scratch of pass 1.
+// Pass 2: dQ_i = scale * sum_j P_ij (dout_i . v_j - D_i) k_j.
+// dst: dQ (d, n_q, n_head, batch); src3: the scratch.
 @compute @workgroup_size(WG)
 fn k_flash_attn_back_q(@builtin(global_invocation_id) gid: vec3u,
                        @builtin(num_workgroups) nwg: vec3u) {
     let r = flat_id(gid, nwg); if (r >= p.n) { return; }
     let q = query_row(r);
-    let d = p.ne_0.x;
-    let qb = at_0(vec4u(0u, q.i, q.h, q.b));
+    let d = head_dim();
     let sb = at_3(vec4u(0u, q.i, q.h, q.b));
     for (var c = 0u; c < d; c++) {
-        row_a[c] = src0[qb + c * p.nb_0.x];
-        row_b[c] = src3[sb + c * p.nb_3.x];
+        row_a[c] = src3[sb + c * p.nb_3.x];
+        row_b[c] = src3[sb + (d + c) * p.nb_3.x];
         acc_a[c] = 0.0;
     }
-    let lse = src3[sb + d * p.nb_3.x];
-    let delta = src3[sb + (d + 1u) * p.nb_3.x];
+    let lse = src3[sb + 2u * d * p.nb_3.x];
+    let delta = src3[sb + (2u * d + 1u) * p.nb_3.x];
     for (var j = 0u; j < kv_end(q.i); j++) {
+        let mv = mask_at(q.i, j, q.h, q.b);
+        if (hidden(mv)) { continue; }
         let kb = at_1(vec4u(0u, j, q.hk, q.bk));
-        let pr = exp(p.f.x * dot_k(&row_a, kb) - lse);
+        let pr = exp(p.f.x * dot_k(&row_a, kb) + mv - lse);
         let ds = pr * (dot_v(&row_b, at_2(vec4u(0u, j, q.hk, q.bk))) - delta);
         for (var c = 0u; c < d; c++) { acc_a[c] += ds * src1[kb + c * p.nb_1.x]; }
     }
@@ -126,16 +153,16 @@ fn k_flash_attn_back_q(@builtin(global_invocation_id) gid: vec3u,
     }
 }
 
-// flash_attn_back, pass 3: per key row j of kv head hk, over the queries of every head (and
-// batch) that reads it:  dK_j = scale * sum_i P_ij (dout_i . v_j - D_i) q_i,
-// dV_j = sum_i P_ij dout_i.  dst: dK (d, n_kv, n_head_kv, batch_kv); dV at dK + p.u.y.
-// src3: the scratch of pass 1; p.n key rows.
+// Pass 3: per key row j of kv head hk, over the queries of every head (and batch) that
+// reads it:  dK_j = scale * sum_i P_ij (dout_i . v_j - D_i) q_i,  dV_j = sum_i P_ij dout_i.
+// dst: dK (d, n_kv, n_head_kv, batch_kv); dV at dK + p.u.y. src3: the scratch (its shape
+// gives n_q, n_head, batch); p.n key rows.
 @compute @workgroup_size(WG)
 fn k_flash_attn_back_kv(@builtin(global_invocation_id) gid: vec3u,
                         @builtin(num_workgroups) nwg: vec3u) {
     let r = flat_id(gid, nwg); if (r >= p.n) { return; }
-    let d = p.ne_0.x;
-    let n_q = p.ne_0.y;
+    let d = head_dim();
+    let n_q = p.ne_3.y;
     let j = r % p.ne_1.y;
     let hk = (r / p.ne_1.y) % p.ne_1.z;
     let bk = r / (p.ne_1.y * p.ne_1.z);
@@ -153,24 +180,25 @@ fn k_flash_attn_back_kv(@builtin(global_invocation_id) gid: vec3u,
         let n_past = p.ne_1.y - n_q;
         if (j > n_past) { i0 = j - n_past; }
     }
-    let rh = p.ne_0.z / p.ne_1.z;
-    let rb = p.ne_0.w / p.ne_1.w;
+    let rh = p.ne_3.z / p.ne_1.z;
+    let rb = p.ne_3.w / p.ne_1.w;
     for (var b = bk * rb; b < (bk + 1u) * rb; b++) {
         for (var h = hk * rh; h < (hk + 1u) * rh; h++) {
             for (var i = i0; i < n_q; i++) {
-                let qb = at_0(vec4u(0u, i, h, b));
+                let mv = mask_at(i, j, h, b);
+                if (hidden(mv)) { continue; }
                 let sb = at_3(vec4u(0u, i, h, b));
                 var s = 0.0;
                 var dp = 0.0;
                 for (var c = 0u; c < d; c++) {
-                    s += src0[qb + c * p.nb_0.x] * row_a[c];
-                    dp += src3[sb + c * p.nb_3.x] * row_b[c];
+                    s += src3[sb + c * p.nb_3.x] * row_a[c];
+                    dp += src3[sb + (d + c) * p.nb_3.x] * row_b[c];
                 }
-                let pr = exp(p.f.x * s - src3[sb + d * p.nb_3.x]);
-                let ds = pr * (dp - src3[sb + (d + 1u) * p.nb_3.x]);
+                let pr = exp(p.f.x * s + mv - src3[sb + 2u * d * p.nb_3.x]);
+                let ds = pr * (dp - src3[sb + (2u * d + 1u) * p.nb_3.x]);
                 for (var c = 0u; c < d; c++) {
-                    acc_a[c] += ds * src0[qb + c * p.nb_0.x];
-                    acc_b[c] += pr * src3[sb + c * p.nb_3.x];
+                    acc_a[c] += ds * src3[sb + c * p.nb_3.x];
+                    acc_b[c] += pr * src3[sb + (d + c) * p.nb_3.x];
                 }
             }
         }

@@ -1,11 +1,13 @@
 """Fused attention: flash_attn against the unfused ggml composition (mul_mat, scale,
 diag_mask_inf, soft_max, mul_mat) on both backends, forward and gradients, and against the
-NumPy reference on the device."""
+NumPy reference on the device; flash_attn_ext (additive mask) against flash_attn with a
+causal mask and against mul_mat, soft_max_ext, mul_mat with a document mask."""
 import numpy as np
 import pytest
 
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.testing import attention_mask
 
 # (q shape, kv shape, causal): GQA, n_q < n_kv, batch broadcast, d not a multiple of 4
 CONFIGS = [((1, 2, 3, 4), (1, 2, 5, 4), True),
@@ -111,3 +113,149 @@ def test_shape_rules():
     with pytest.raises(gg.ShapeError, match="dout"):
         gg.flash_attn_back(t((1, 2, 3, 4)), t((1, 2, 5, 4)), t((1, 2, 5, 4)), t((1, 2, 3, 5)),
                            0.5, False)
+
+
+# -- flash_attn_ext --------------------------------------------------------------------------
+
+def with_gradients(out, leaves, rng):
+    """out and the gradients of sum(out * R) w.r.t. `leaves`."""
+    weights = gg.constant(rng.uniform(-1, 1, out.shape), name="R")
+    grads = gg.build_backward(gg.sum(gg.mul(out, weights)), leaves)
+    return [out, *grads.values()]
+
+
+def qkv(q_shape, kv_shape, permuted, rng):
+    """Leaves, the q, k, v built from them (permuted: views with head and row dims swapped)
+    and random feeds."""
+    shapes = (q_shape, kv_shape, kv_shape)
+    if permuted:
+        leaves = [gg.input_tensor(s[:-3] + (s[-2], s[-3], s[-1])) for s in shapes]
+        srcs = [gg.permute(t, (0, 2, 1, 3)) for t in leaves]
+    else:
+        leaves = srcs = [gg.input_tensor(s) for s in shapes]
+    return leaves, srcs, {t: rng.uniform(-1, 1, t.shape) for t in leaves}
+
+
+def backend_named(request, name):
+    return request.getfixturevalue("wgpu") if name == "wgpu" else NumpyBackend()
+
+
+@pytest.mark.parametrize("q_shape,kv_shape", [((1, 2, 3, 4), (1, 2, 5, 4)),
+                                              ((2, 4, 7, 5), (2, 2, 7, 5)),
+                                              ((2, 4, 6, 3), (1, 2, 9, 3))])
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_causal_mask_matches_flash_attn_causal(request, backend, q_shape, kv_shape):
+    """A [n_q, n_kv] mask of 0 and -inf above the diagonal (shifted by n_kv - n_q) is
+    flash_attn's causal rule: same output, same gradients."""
+    be = backend_named(request, backend)
+    rng = np.random.default_rng(3)
+    leaves, (q, k, v), feeds = qkv(q_shape, kv_shape, backend == "wgpu", rng)
+    mask = gg.input_tensor(q_shape[-2:-1] + kv_shape[-2:-1])
+    feeds[mask] = np.where(np.isinf(attention_mask(mask.shape, "causal", rng)), -np.inf, 0.0)
+    scale = 1 / np.sqrt(q_shape[-1])
+    ext = with_gradients(gg.flash_attn_ext(q, k, v, mask, scale), leaves, np.random.default_rng(4))
+    causal = with_gradients(gg.flash_attn(q, k, v, scale, True), leaves, np.random.default_rng(4))
+    without_mask = {t: x for t, x in feeds.items() if t is not mask}
+    for what, a, b in zip(("out", "dq", "dk", "dv"), run(be, ext, feeds),
+                          run(be, causal, without_mask)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+@pytest.mark.parametrize("q_shape,kv_shape,mask_shape", [
+    ((1, 2, 9, 4), (1, 2, 9, 4), (9, 9)),
+    ((2, 4, 10, 5), (2, 2, 10, 5), (2, 1, 10, 10)),       # GQA, one mask per batch row
+    ((2, 4, 6, 3), (1, 2, 9, 3), (2, 1, 6, 9))])          # n_q < n_kv, kv batch broadcast
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_document_mask_matches_soft_max_ext_path(request, backend, q_shape, kv_shape,
+                                                 mask_shape):
+    """Packed rows (block-diagonal causal document masks): flash_attn_ext against
+    mul_mat, soft_max_ext, mul_mat, forward and gradients of q, k, v."""
+    be = backend_named(request, backend)
+    rng = np.random.default_rng(5)
+    leaves, (q, k, v), feeds = qkv(q_shape, kv_shape, backend == "wgpu", rng)
+    mask = gg.input_tensor(mask_shape)
+    feeds[mask] = attention_mask(mask_shape, "documents", rng)
+    assert np.isinf(feeds[mask]).sum() > np.prod(mask_shape) // 2   # real blocks hidden
+    scale = 1 / np.sqrt(q_shape[-1])
+    probs = gg.soft_max_ext(gg.mul_mat(k, q), mask, scale)            # [.., n_q, n_kv]
+    unfused = gg.mul_mat(gg.transpose(v), probs)
+    fused = gg.flash_attn_ext(q, k, v, mask, scale)
+    a = run(be, with_gradients(fused, leaves, np.random.default_rng(6)), feeds)
+    b = run(be, with_gradients(unfused, leaves, np.random.default_rng(6)), feeds)
+    for what, x, y in zip(("out", "dq", "dk", "dv"), a, b):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-5, err_msg=what)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_query_that_sees_no_key_gives_zero_and_takes_no_gradient(request, backend):
+    """ggml's flash_attn_ext writes 0 for a row whose mask is -inf everywhere; its dq is 0
+    and its output gradient reaches no dk, dv."""
+    be = backend_named(request, backend)
+    rng = np.random.default_rng(7)
+    leaves, (q, k, v), feeds = qkv((1, 2, 6, 4), (1, 1, 6, 4), False, rng)
+    mask = gg.input_tensor((6, 6))
+    feeds[mask] = attention_mask((6, 6), "hidden_rows", rng)
+    hidden = np.isinf(feeds[mask]).all(axis=-1)
+    assert hidden.tolist() == [False, True, False, False, True, False]
+    out = gg.flash_attn_ext(q, k, v, mask, 0.5)
+    weights = gg.input_tensor(out.shape)
+    grads = gg.build_backward(gg.sum(gg.mul(out, weights)), leaves)
+    plan = be.plan([out, *grads.values()])
+    results = []
+    for seed in (8, 9):  # the weights of the hidden rows differ between the two runs
+        w = rng.uniform(-1, 1, out.shape)
+        w[..., ~hidden, :] = np.random.default_rng(10).uniform(-1, 1, w[..., ~hidden, :].shape)
+        plan.run({**{t: x.astype(np.float32) for t, x in feeds.items()},
+                  weights: w.astype(np.float32)})
+        results.append([plan.read(t) for t in plan.outputs])
+    (o, dq, dk, dv), again = results
+    assert np.all(o[..., hidden, :] == 0) and np.all(dq[..., hidden, :] == 0)
+    assert np.all(o[..., ~hidden, :] != 0) and np.all(np.isfinite(dq))
+    for a, b in zip((dq, dk, dv), again[1:]):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_flash_attn_ext_shape_rules_and_mask_without_gradient():
+    t = gg.input_tensor
+    q, kv = t((2, 4, 5, 3)), t((2, 2, 7, 3))
+    for shape in ((5, 7), (1, 7), (2, 1, 5, 7), (2, 4, 5, 7), (1, 4, 1, 7)):
+        assert gg.flash_attn_ext(q, kv, kv, t(shape), 0.5).shape == q.shape
+    for shape in ((7, 5), (3, 1, 5, 7), (5, 6), (4, 2, 5, 7)):
+        with pytest.raises(gg.ShapeError, match=r"flash_attn_ext\(.*mask .* does not tile "
+                                                r"the scores \(2, 4, 5, 7\)"):
+            gg.flash_attn_ext(q, kv, kv, t(shape), 0.5)
+    with pytest.raises(gg.ShapeError, match="needs f32"):
+        gg.flash_attn_ext(q, kv, kv, t((5, 7), "i32"), 0.5)
+    with pytest.raises(gg.ShapeError, match="do not divide"):
+        gg.flash_attn_ext(t((1, 3, 5, 3)), kv, kv, t((5, 7)), 0.5)
+    with pytest.raises(gg.ShapeError, match="dout"):
+        gg.flash_attn_ext_back(q, kv, kv, t((5, 7)), t((2, 4, 5, 4)), 0.5)
+    mask = gg.param(np.zeros((5, 7)), name="mask")
+    loss = gg.sum(gg.flash_attn_ext(q, kv, kv, mask, 0.5))
+    with pytest.raises(gg.ShapeError, match="flash_attn_ext: input 3 .* takes no gradient"):
+        gg.build_backward(loss, [mask])
+
+
+def test_llama_attention_takes_a_mask_on_both_paths():
+    """models.llama.attention(mask=...): flash_attn_ext on the flash path, soft_max_ext
+    otherwise; a causal mask gives the unmasked causal result, a document mask the same on
+    both paths."""
+    from types import SimpleNamespace
+    from ggwgpu.models.llama import attention
+    rng = np.random.default_rng(11)
+    cfg = SimpleNamespace(head_dim=4)
+    q, k, v = (gg.input_tensor(s) for s in ((2, 6, 4, 4), (2, 6, 2, 4), (2, 6, 2, 4)))
+    causal, docs = gg.input_tensor((6, 6)), gg.input_tensor((2, 1, 6, 6))
+    feeds = {t: rng.uniform(-1, 1, t.shape) for t in (q, k, v)}
+    feeds[causal] = np.where(np.isinf(attention_mask((6, 6), "causal", rng)), -np.inf, 0.0)
+    feeds[docs] = np.where(np.isinf(attention_mask((2, 1, 6, 6), "documents", rng)), -np.inf, 0.)
+    outs = [attention(cfg, q, k, v, flash, mask) for flash in (True, False)
+            for mask in (None, causal, docs)]
+    assert [o.srcs[0].op for o in outs] == ["flash_attn", "flash_attn_ext", "flash_attn_ext",
+                                            "mul_mat", "mul_mat", "mul_mat"]
+    flash, flash_causal, flash_docs, plain, plain_causal, plain_docs = \
+        NumpyBackend(np.float64).compute(outs, feeds)
+    for a in (flash_causal, plain, plain_causal):
+        np.testing.assert_allclose(a, flash, atol=1e-12)
+    np.testing.assert_allclose(flash_docs, plain_docs, atol=1e-12)
+    assert np.abs(flash_docs - flash).max() > 1e-3   # the documents do hide keys

@@ -266,18 +266,18 @@ def packed_inputs(segments) -> tuple[np.ndarray, np.ndarray]:
 def attention(cfg, q, k, v, flash: bool, mask=None):
     """Causal self-attention of q (batch, n_ctx, n_head, head_dim) over k, v (batch, n_ctx,
     n_head_kv, head_dim): query head h reads K/V head h // (n_head / n_head_kv), which is how
-    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention). With a
-    `mask` (batch, 1, n_ctx, n_ctx), added to the scores, instead of the causal one."""
+    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention). A
+    `mask` (f32, 0 or -inf; (n_ctx, n_ctx) or (batch, 1, n_ctx, n_ctx)) replaces the
+    causal rule and is added to the scores (document masks of packed rows)."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim)
     if flash:
-        out = O.flash_attn(q, k, v, scale, True)
+        out = (O.flash_attn(q, k, v, scale, True) if mask is None
+               else O.flash_attn_ext(q, k, v, mask, scale))
     else:
         kq = O.mul_mat(k, q)                                      # (batch, head, q, k)
-        if mask is None:
-            probs = O.soft_max(O.diag_mask_inf(O.scale(kq, scale), 0), 1.0)
-        else:
-            probs = O.soft_max_ext(kq, mask, scale)
+        probs = (O.soft_max(O.diag_mask_inf(O.scale(kq, scale), 0), 1.0) if mask is None
+                 else O.soft_max_ext(kq, mask, scale))
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
 
@@ -305,10 +305,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     positions from 0 and attending to itself only: positions become an input per row
     (batch, n_ctx), roped as one run of batch * n_ctx tokens (as llama.cpp ropes a batch of
     several sequences), and an additive mask input (TrainGraph.mask) replaces the causal
-    one. Flash attention takes no mask yet, so a packed graph is unfused."""
-    if packed and flash:
-        raise ShapeError("a packed training graph needs an attention mask, which flash "
-                         "attention does not take yet: use padded rows or unfused attention")
+    one (soft_max_ext, or with flash flash_attn_ext)."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora")
     else:

@@ -55,7 +55,8 @@ class Input:
     hi: float = 1.0
     layout: str = "contiguous"
     dtype: str = "f32"
-    dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets)
+    dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets),
+                            # or an attention mask of testing.MASKS (-inf where hidden)
 
 
 @dataclass(frozen=True)
