@@ -19,17 +19,19 @@ from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 try:
     from .common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
                          select_backend, with_context)
-    from .training import (Validation, data_options, default_checkpoint_path,
+    from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                            describe_examples, device_errors, example_batches, example_sets,
-                           existing_directory, read_text, resume_args, steps_of, train_options,
-                           training_loop, training_options, training_samples)
+                           existing_directory, is_root, local_batch, mpi_world, read_text,
+                           resume_args, steps_of, train_options, training_loop,
+                           training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from common import (FiniteFloat, ctx_option, describe_backend, planned_memory,
                         select_backend, with_context)
-    from training import (Validation, data_options, default_checkpoint_path,
+    from training import (Validation, across_ranks, data_options, default_checkpoint_path,
                           describe_examples, device_errors, example_batches, example_sets,
-                          existing_directory, read_text, resume_args, steps_of, train_options,
-                          training_loop, training_options, training_samples)
+                          existing_directory, is_root, local_batch, mpi_world, read_text,
+                          resume_args, steps_of, train_options, training_loop,
+                          training_options, training_samples)
 
 
 def parse_layers(ctx, param, value):
@@ -85,6 +87,7 @@ def rank_options(command):
               help="Stop after this many evaluations without a lower validation loss.")
 @training_options(steps=100, warmup=10, seed_help="Seed of the LoRA init and the sample order.")
 @click.pass_context
+@across_ranks
 def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):
     """Finetune BASE, a llama GGUF (f32, f16, bf16, q4_0 .. q8_0 or q2_k .. q6_k), on text
     files (default: the bundled Shakespeare corpus), with BASE's vocabulary.
@@ -164,16 +167,19 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     backend = select_backend(ctx)
     try:
-        graph = build_train_graph(cfg, values, options.batch, options.flash_attn, lora=adapter,
-                                  max_logits_bytes=logits_bound(backend),
+        graph = build_train_graph(cfg, values, local_batch(options), options.flash_attn,
+                                  lora=adapter, max_logits_bytes=logits_bound(backend),
                                   packed=getattr(samples, "packed", False))
-        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph)
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, graph=graph,
+                          world=mpi_world())
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None
     n_base = sum(math.prod(v.shape) for v in values.values())
     n_trained = sum(p.nelements for p in graph.params.values())
-    click.echo(f"finetune on {describe_backend(backend)}")
+    world = mpi_world()
+    click.echo(f"finetune on {describe_backend(backend)}" +
+               (f" in each of {world.size} processes (MPI)" if world else ""))
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
     for line in data_lines:
@@ -196,6 +202,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     checkpoint_path = checkpoint_out or default_checkpoint_path(out)
 
     def save_checkpoint():
+        if not is_root():
+            return
         state = {**trainer.state(), "tokens_digest": digest, "base": base_digest, "mode": mode,
                  "samples_after_nl": samples_after_nl, "n_ctx": cfg.n_ctx}
         if full:
@@ -214,6 +222,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         best = best_path(out)
 
         def save_best():
+            if not is_root():
+                return
             if full:
                 gguf_io.save_model(best, model_cfg, trainer.parameters(), tokenizer)
             else:
@@ -226,6 +236,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                                          kw["save_every"] if checkpoint_out else 0,
                                          save_checkpoint, checkpoint_path, resume_command,
                                          kw["on_nan"], validation)
+    if not is_root():
+        return
     try:
         if full:
             gguf_io.save_model(out, model_cfg, trainer.parameters(), tokenizer)

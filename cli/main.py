@@ -29,9 +29,10 @@ try:
                          wgpu_or_reason)
     from .training import (SPLITS, data_options, describe_examples, example_batches,
                            example_sets)
-    from .training import (default_checkpoint_path, device_errors, existing_directory,
-                           positive, read_text, resume_args, steps_of, train_options,
-                           training_loop, training_options, training_samples)
+    from .training import (across_ranks, default_checkpoint_path, device_errors,
+                           existing_directory, is_root, local_batch, mpi_world, positive, read_text,
+                           resume_args, steps_of, train_options, training_loop,
+                           training_options, training_samples)
 except ImportError:  # run as a script: python cli/main.py
     from chat import chat_answer, chat_command
     from common import chat_template as load_chat_template
@@ -41,9 +42,10 @@ except ImportError:  # run as a script: python cli/main.py
                         wgpu_or_reason)
     from training import (SPLITS, data_options, describe_examples, example_batches,
                           example_sets)
-    from training import (default_checkpoint_path, device_errors, existing_directory,
-                          positive, read_text, resume_args, steps_of, train_options,
-                          training_loop, training_options, training_samples)
+    from training import (across_ranks, default_checkpoint_path, device_errors,
+                          existing_directory, is_root, local_batch, mpi_world, positive, read_text,
+                          resume_args, steps_of, train_options, training_loop,
+                          training_options, training_samples)
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -325,6 +327,7 @@ def plot(log, out):
               help="At the end, sample this many tokens from the trained model (prompt: the "
                    "text's first line; generate's default sampling, --seed).")
 @click.pass_context
+@across_ranks
 def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_layer, n_ff, n_ctx,
           n_rot, rope_freq_base, rope_freq_scale, norm_eps, predict, **kw):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
@@ -372,16 +375,20 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     tokens, digest, samples = training_samples(text, tokenizer, cfg, options,
                                                kw["samples_after_nl"], state, checkpoint_in)
     steps = steps_of(kw, samples, options)
+    local_batch(options)    # under mpirun: the batch must split over the processes
     backend = select_backend(ctx)
     try:
-        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step)
+        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
+                          world=mpi_world())
     except ShapeError as e:  # a tensor over the device's limits, among others
         raise click.ClickException(str(e)) from None
     except device_errors() as e:
         raise click.ClickException(f"the device failed while planning the train step "
                                    f"({type(e).__name__}: {e})") from None
     entropy = unigram_entropy(tokens)
-    click.echo(f"train on {describe_backend(backend)}")
+    world = mpi_world()
+    click.echo(f"train on {describe_backend(backend)}" +
+               (f" in each of {world.size} processes (MPI)" if world else ""))
     click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
                f"{cfg.n_ctx}; unigram entropy {entropy:.3f} nats/token")
     n_params = sum(v.size for v in values.values())
@@ -394,6 +401,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     checkpoint_path = checkpoint_out or default_checkpoint_path(out)
 
     def save_checkpoint():
+        if not is_root():
+            return
         state = {**trainer.state(), "tokens_digest": digest}
         gguf_io.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
                                 trainer.optimizer_state(), state)
@@ -408,6 +417,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                                          kw["save_every"] if checkpoint_out else 0,
                                          save_checkpoint, checkpoint_path, resume_command,
                                          kw["on_nan"])
+    if not is_root():
+        return
     try:
         gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer)
     except (gguf_io.GGUFError, *device_errors()) as e:
@@ -570,13 +581,16 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
 
 try:
     from .bench import bench
+    from .bench_ranks import bench_ranks
     from .finetune import finetune_command, merge_command
     from .quantize import quantize_command
 except ImportError:  # run as a script: python cli/main.py
     from bench import bench
+    from bench_ranks import bench_ranks
     from finetune import finetune_command, merge_command
     from quantize import quantize_command
 
+bench.add_command(bench_ranks)
 cli.add_command(bench)
 cli.add_command(quantize_command)
 cli.add_command(finetune_command)

@@ -7,8 +7,10 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
+import sys
 import threading
 import time
 
@@ -86,6 +88,54 @@ class StopSignals:
             self._saving = False
 
 
+def mpi_world():
+    """The MPI world when this command runs under mpirun with several processes (None
+    else); a clear error when mpi4py is missing."""
+    from ggwgpu import distributed
+    try:
+        return distributed.world()
+    except distributed.DistributedError as e:
+        raise click.ClickException(str(e)) from None
+
+
+def is_root() -> bool:
+    """Whether this process writes logs, checkpoints and models: always, but under mpirun
+    only rank 0."""
+    world = mpi_world()
+    return world is None or world.is_root
+
+
+def local_batch(options) -> int:
+    """The rows of each global batch this process trains on: all of them, but under mpirun
+    its share (a resumed checkpoint's batch must split evenly over the processes)."""
+    from ggwgpu.distributed import DistributedError
+    world = mpi_world()
+    try:
+        return world.local_batch(options.batch) if world else options.batch
+    except DistributedError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def across_ranks(command):
+    """Run a training command as one rank of an MPI job when started by mpirun: ranks other
+    than 0 print nothing, and an error on one rank ends the job (MPI_Abort) with its message,
+    unless every rank meets it at the same point (an agreed stop, a non-finite step)."""
+    from ggwgpu.distributed import RankGuard
+
+    def describe(e):
+        return e.format_message() if isinstance(e, click.ClickException) else \
+            f"{type(e).__name__}: {e}"
+
+    @functools.wraps(command)
+    def run(*args, **kw):
+        world = mpi_world()
+        if world is not None and not world.is_root:
+            sys.stdout = sys.stderr = open(os.devnull, "w")
+        with RankGuard(world, describe):
+            return command(*args, **kw)
+    return run
+
+
 def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
                   checkpoint_path=None, resume_command=None, on_nan: str = "stop",
                   validation=None):
@@ -109,8 +159,9 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       previous one stays.
     """
     import json
+    from ggwgpu.distributed import on_every_rank
     from ggwgpu.gguf_io import GGUFError
-    start = trainer.step
+    start, stop = trainer.step, None
     first = last = saved = None         # saved: the step of this run's last checkpoint
     t0, shown, signals = time.perf_counter(), {}, StopSignals()
 
@@ -140,17 +191,20 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
             hint += f"; continue with:\n  {resume_command(steps - (trainer.step - start))}"
         return hint
 
-    log = open(log_path, "a") if log_path else None
+    log = open(log_path, "a") if log_path and is_root() else None
     try:
         with signals, click.progressbar(length=steps, label="training", show_eta=True,
                                         item_show_func=lambda _: shown.get("text")) as bar:
             for _ in range(steps):
                 try:
-                    record = trainer.train_step()
+                    # under MPI the ranks agree on a stop through the step's allreduce
+                    record = (trainer.train_step(stop=signals.signum or 0)
+                              if getattr(trainer, "world", None) else trainer.train_step())
                 except device_errors() as e:
                     raise click.ClickException(
                         f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
                         f"{e}); nothing of that step was saved; {kept()}") from None
+                agreed = record.pop("stop", None)
                 elapsed = time.perf_counter() - t0
                 record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
                 first = record["loss"] if first is None else first
@@ -175,10 +229,10 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                             hint = save_and_resume_hint()
                         except click.ClickException as e:
                             hint = e.message
-                        raise click.ClickException(
+                        raise on_every_rank(click.ClickException(
                             f"{what} and training stops (--on-nan stop; --on-nan skip goes "
                             f"on without such steps). A learning rate that is too high is "
-                            f"the usual cause. {hint}")
+                            f"the usual cause. {hint}"))
                     click.echo(f"\n{what} (--on-nan skip)", err=True)
                 if save_every and record["step"] % save_every == 0:
                     save()
@@ -188,13 +242,14 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                                f"evaluations without a lower validation loss (best "
                                f"{validation.best:.4f})", err=True)
                     break
-                if signals.signum:
+                stop = signals.signum if agreed is None else agreed
+                if stop:
                     break
-            if signals.signum and trainer.step - start < steps:
-                name = signal.Signals(signals.signum).name
+            if stop and trainer.step - start < steps:
+                name = signal.Signals(stop).name
                 click.echo(f"\n{name}: stopped after step {trainer.step}; "
                            f"{save_and_resume_hint()}", err=True)
-                raise SystemExit(128 + signals.signum)
+                raise on_every_rank(SystemExit(128 + stop))
             if save_every:
                 save()
     except KeyboardInterrupt:
@@ -217,7 +272,7 @@ def training_options(steps: int, warmup: int, seed_help: str):
                      help="The bundled text to train on when no TEXTS are given: both plays, "
                           "or one of them."),
         click.option("--batch", default=8, show_default=True, type=positive(),
-                     help="Samples per micro-batch."),
+                     help="Samples per micro-batch (of each process under mpirun)."),
         click.option("--grad-accum", default=1, show_default=True, type=positive(),
                      help="Micro-batches whose gradients add up to one optimizer step."),
         click.option("--samples-after-nl", is_flag=True,
@@ -283,10 +338,13 @@ def training_options(steps: int, warmup: int, seed_help: str):
 
 
 def train_options(kw: dict):
-    """The TrainOptions of `training_options`' values."""
+    """The TrainOptions of `training_options`' values; under mpirun --batch is each
+    process's, and the options hold the global batch."""
     from ggwgpu.train import TrainOptions
+    world = mpi_world()
     return TrainOptions(
-        optimizer=kw["optimizer"], batch=kw["batch"], grad_accum=kw["grad_accum"],
+        optimizer=kw["optimizer"], batch=kw["batch"] * (world.size if world else 1),
+        grad_accum=kw["grad_accum"],
         lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["adam_eps"],
         weight_decay=kw["weight_decay"], grad_clip=kw["grad_clip"], warmup=kw["warmup"],
         cos_decay_steps=kw["cos_decay_steps"], cos_decay_min=kw["cos_decay_min"],
@@ -341,7 +399,9 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
     """The command line (`command`: its name and leading arguments) that continues a run
     from `checkpoint_path` with the options it repeats: backend, text, saving, logging; the
     command adds its own."""
-    args = ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
+    world = mpi_world()
+    args = ["mpirun", "-n", str(world.size)] if world else []
+    args += ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
     args += [*command, *kw["texts"], "--checkpoint-in", checkpoint_path,
              "--steps", str(steps_left)]
     if kw.get("data_path"):

@@ -60,8 +60,8 @@ def fit_demo(backend, steps: int = 300, lr: float = 0.02, seed: int = 0,
     history = []
     for step in range(steps):
         t = step + 1
-        plan.run({hparams: [lr, BETA1, BETA2, EPS, WEIGHT_DECAY,
-                            1 / (1 - BETA1 ** t), 1 / (1 - BETA2 ** t)]})
+        finite = 1.0  # the trainer sets this flag on the device (append_finite_flag)
+        plan.run({hparams: [*O.adamw_hparams(lr, BETA1, BETA2, EPS, WEIGHT_DECAY, t), finite]})
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             history.append(float(plan.read(loss)[0]))
             log(f"step {step:4d}  loss {history[-1]:.6f}")

@@ -37,7 +37,7 @@ def describe(case: Case) -> str:
     parts = []
     for i in case.inputs:
         s = "x".join(map(str, i.shape)) + (f":{i.dtype}" if i.dtype in QUANT_TYPES else "")
-        s += f":{i.dist}" if i.dist in MASKS else ""
+        s += f":{i.dist}" if i.dist in (*MASKS, "nonfinite") else ""
         parts.append(s if i.layout == "contiguous" else f"{s}({i.layout})")
     params = ",".join(f"{k}={v}" for k, v in case.params.items())
     return " ".join(parts) + (f" {params}" if params else "")
@@ -110,6 +110,9 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
             values[leaf] = as_laid_out(attention_mask(shape, spec.dist, rng), spec.layout)
         else:
             values[leaf] = rng.uniform(spec.lo, spec.hi, leaf.shape)
+            if spec.dist == "nonfinite":  # one NaN, +inf or -inf somewhere
+                values[leaf].flat[rng.integers(values[leaf].size)] = rng.choice(
+                    [np.nan, np.inf, -np.inf])
         srcs.append(src)
     node = getattr(O, opdef.name)(*srcs, **case.params)
     return leaves, values, node

@@ -5,9 +5,9 @@ backward, gradient clipping by global norm and an in-place AdamW (or SGD) update
 the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
 host, as in ggml) and reads back the loss and the gradient norm.
 
-A step whose loss or gradients are not finite changes nothing: every gradient is multiplied
-by finite_gate (NaN then) and the optimizer kernels leave an element alone where its gradient
-is not finite. The step still counts (its batch is used up, the schedule moves on); its record
+A step whose loss or gradients are not finite changes nothing: append_finite_flag tests the
+loss and the gradients' sum of squares on the device (exponent bits, no NaN arithmetic) and
+the optimizer kernels do nothing where that flag is 0. The step still counts (its batch is used up, the schedule moves on); its record
 says "skipped", and what to do next (stop or go on) is the caller's choice.
 """
 from __future__ import annotations
@@ -77,16 +77,6 @@ def clip_scale(grads, max_norm: float):
     return sumsq, O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
 
 
-def finite_gate(*scalars):
-    """A graph scalar: 1 when all `scalars` (one-element tensors) are finite, else NaN, as
-    0 * x + 1 (0 * inf is NaN). Clipping alone is not enough: its factor 0 turns only the
-    infinite entries into NaN and would let the finite ones take a partial step."""
-    total = scalars[0]
-    for s in scalars[1:]:
-        total = O.add(total, s)
-    return O.add(O.scale(total, 0.0), constant(np.ones(1, np.float32), name="one"))
-
-
 def logits_bound(backend) -> int:
     """The most bytes of logits a training graph on `backend` holds at once
     (build_train_graph's max_logits_bytes): the device's largest storage binding, else
@@ -99,11 +89,17 @@ class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
     def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
-                 batch_source, opt_state: dict | None = None, step: int = 0, graph=None):
+                 batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
+                 world=None):
         """`graph` (a TrainGraph) replaces the default one built from `values`: finetuning
-        passes one whose params are the trainable tensors only."""
+        passes one whose params are the trainable tensors only. With `world` (a
+        distributed.World) this is one rank of a data-parallel run: options.batch is the
+        global batch, the graph takes world.local_batch(options.batch) rows of it, and the
+        gradients are summed over the ranks before the optimizer (distributed.py)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
-        g = graph or build_train_graph(cfg, values, options.batch, flash=options.flash_attn,
+        self.world = world
+        batch = world.local_batch(options.batch) if world else options.batch
+        g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
                                        max_logits_bytes=logits_bound(backend))
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
@@ -112,27 +108,36 @@ class Trainer:
         accumulated = []
         if options.grad_accum > 1:
             grads, accumulated = self.accumulate(grads, options.grad_accum)
+        self.exchange, loss, sent = None, g.loss, []
+        if world is not None:   # the optimizer reads the gradients summed over the ranks
+            from .distributed import GradientExchange
+            self.exchange = GradientExchange(grads)
+            grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
         self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
-        gate = finite_gate(self.sumsq, g.loss)
-        factor = gate if factor is None else O.mul(factor, gate)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw or sgd")
         adamw = options.optimizer == "adamw"
-        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS)
+        # the host writes every hyper-parameter but the last, the finite flag
+        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - 1
         self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
+        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss)
         self.moments, updates = {}, []
         for p, grad in grads.items():
-            grad = O.mul(grad, factor)
+            if factor is not None:
+                grad = O.mul(grad, factor)
             decay = p.ndim >= 2
             if not adamw:
-                updates.append(O.opt_step_sgd(p, grad, self.hparams, decay))
+                updates.append(O.opt_step_sgd(p, grad, flagged, decay))
                 continue
             m, v = (constant(np.zeros(p.shape, np.float32), name=f"{p.name}.{k}")
                     for k in ("m", "v"))
             self.moments[p.name] = (m, v)
-            updates.append(O.opt_step_adamw(p, grad, m, v, self.hparams, decay))
+            updates.append(O.opt_step_adamw(p, grad, m, v, flagged, decay))
         # topo_order runs each in-place update after every reader of the old parameter
-        self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *updates])
+        self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *sent, *updates])
+        # with a world: the backward and the optimizer run apart, the allreduce between
+        self.stages = ((self.plan.stage([g.loss, *accumulated, *sent]),
+                        self.plan.stage([self.sumsq, *updates])) if world else (None, None))
         if not g.packed:    # else positions come with each batch
             self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
         for name, (m, v) in (opt_state or {}).items():
@@ -172,25 +177,45 @@ class Trainer:
         lr = o.lr * schedule(self.step, o)
         if o.optimizer == "sgd":
             return np.array([lr, o.weight_decay], np.float32), lr
-        return np.array([lr, o.beta1, o.beta2, o.eps, o.weight_decay,
-                         1 / (1 - o.beta1 ** t), 1 / (1 - o.beta2 ** t)], np.float32), lr
+        return O.adamw_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), lr
 
-    def train_step(self) -> dict:
+    def feeds(self, inputs, targets, segments=None) -> dict:
+        """The graph's inputs for one batch from the batch source (with `segments` when its
+        rows are packed): with a world, this rank's rows of it, weighted by the whole
+        batch's count of targets."""
+        if self.world is None:
+            return self.graph.feeds(inputs, targets, segments)
+        inputs_, targets_, counted = self.world.rows(inputs, targets)
+        if segments is not None:    # the same rows of the segments
+            segments = self.world.rows(segments, targets)[0]
+        return self.graph.feeds(inputs_, targets_, segments, counted)
+
+    def train_step(self, stop: int = 0) -> dict:
         """One optimizer step on the next batch (grad_accum micro-batches); returns what a
-        log line needs."""
+        log line needs. With a world, `stop` (a signal number, 0: none) is this rank's wish
+        to stop after this step, and the record's "stop" is the ranks' agreed one."""
         hp, lr = self.step_hparams()
         g, n, loss = self.graph, self.options.grad_accum, 0.0
+        backward, optimize = self.stages
         for i in range(n):
-            feeds = {**g.feeds(*self.batches.next_batch()),
+            feeds = {**self.feeds(*self.batches.next_batch()),
                      self.hparams: hp if i == n - 1 else self.noop_hparams()}
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)
-            self.plan.run(feeds)
+            self.plan.run(feeds, stage=backward)
             if i < n - 1:
                 loss += float(self.plan.read(g.loss)[0]) / n
-        # the last loss and the gradient norm come back together: one wait for the device
-        last, sumsq = self.plan.read_many([g.loss, self.sumsq])
-        loss += float(last[0]) / n
+        record = {}
+        if self.exchange is not None:   # one readback, one allreduce, one upload
+            sent, last = self.plan.read_many([self.exchange.sent, g.loss])
+            loss, record["stop"] = self.exchange.exchange(
+                self.world, self.plan, sent, loss + float(last[0]) / n, stop)
+            self.plan.run({self.hparams: hp}, stage=optimize)
+            sumsq = self.plan.read(self.sumsq)
+        else:
+            # the last loss and the gradient norm come back together: one wait for the device
+            last, sumsq = self.plan.read_many([g.loss, self.sumsq])
+            loss += float(last[0]) / n
         grad_norm = math.sqrt(float(sumsq[0]))
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped and n > 1:  # the NaN in the gradient sums must not reach later steps
@@ -198,7 +223,7 @@ class Trainer:
                 self.plan.write(total, np.zeros(total.shape, np.float32))
         self.step += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens": self.step * self.step_tokens, "skipped": skipped}
+                "tokens": self.step * self.step_tokens, "skipped": skipped, **record}
 
     def evaluate(self, batches) -> float:
         """The mean loss per counted target over `batches` (TrainGraph.feeds's arguments:
@@ -208,13 +233,15 @@ class Trainer:
         needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
         g, total, count = self.graph, 0.0, 0
         for batch in batches:
-            feeds = {**g.feeds(*batch), self.hparams: self.noop_hparams()}
+            feeds = {**self.feeds(*batch), self.hparams: self.noop_hparams()}
             if self.options.grad_accum > 1:
                 feeds[self.keep] = np.zeros(1, np.float32)
-            self.plan.run(feeds)
+            self.plan.run(feeds, stage=self.stages[0])
             n = int((np.asarray(batch[1]) >= 0).sum())
             total += float(self.plan.read(g.loss)[0]) * n
             count += n
+        if self.world is not None:   # each rank's loss is its share of each batch's mean
+            total = float(self.world.allreduce(np.array([total]))[0])
         return total / max(count, 1)
 
     def parameters(self) -> dict[str, np.ndarray]:

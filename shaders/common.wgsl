@@ -1,6 +1,8 @@
 // Prepended to every shader file: the parameter block, the bindings, index helpers.
 // Sizes (ne) and strides (nb) are in ggml order (x = innermost dim) and counted in elements;
 // off holds the element offsets of dst, src0, src1, src2 in their buffers, off3.x src3's.
+// This struct is the layout's one description: the backend reads it (wgpu_backend.py,
+// params_layout) to place each value, so fields may move but keep their names and types.
 struct Params {
     n: u32, _pad0: u32, _pad1: u32, _pad2: u32,   // invocations (or rows) that do work
     off: vec4u,

@@ -1,19 +1,40 @@
-// Optimizer steps leave a parameter element and its moments as they are where its gradient
-// is not finite (the trainer makes every gradient of a non-finite step NaN, so the whole
-// update is skipped).
+// Optimizer steps change nothing where their finite flag (the last hyper-parameter, set by
+// append_finite_flag from the loss and the gradients' sum of squares) is 0, and leave a
+// parameter element and its moments as they are where its own gradient is not finite.
 
 // Finite from the exponent bits: WGSL lets compilers assume no NaN or infinity, so a float
-// test such as g - g == 0.0 may be folded away.
+// test such as g - g == 0.0 (or NaN arithmetic such as 0 * x) may be folded away.
 fn is_finite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
+
+// append_finite_flag, one invocation per element of dst (contiguous, 1-D): dst = src0 (the
+// hyper-parameters, 1-D) followed by 1 when every element of src1 and src2 is finite, else 0.
+// The last invocation scans both alone: they are the loss and a sum of squares, one element
+// each, in training.
+@compute @workgroup_size(WG)
+fn k_append_finite_flag(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    if (i + 1u < p.n) {
+        dst[p.off.x + i * p.nb_d.x] = src0[p.off.y + i * p.nb_0.x];
+        return;
+    }
+    var finite = true;
+    let n1 = p.ne_1.x * p.ne_1.y * p.ne_1.z * p.ne_1.w;
+    for (var j = 0u; j < n1; j++) { finite = finite && is_finite(src1[at_1(unravel(j, p.ne_1))]); }
+    let n2 = p.ne_2.x * p.ne_2.y * p.ne_2.z * p.ne_2.w;
+    for (var j = 0u; j < n2; j++) { finite = finite && is_finite(src2[at_2(unravel(j, p.ne_2))]); }
+    dst[p.off.x + i * p.nb_d.x] = select(0.0, 1.0, finite);
+}
 
 // opt_step_adamw, one invocation per parameter element, in place:
 // dst = param (contiguous), src0 = grad (any strides), src1 = m, src2 = v (contiguous, same
-// shape), src3 = hparams [alpha, beta1, beta2, eps, wd, beta1h, beta2h]; p.u.x: decay or not.
+// shape), src3 = hparams [alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite]; p.u.x: decay
+// or not.
 @compute @workgroup_size(WG)
 fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
     let idx = unravel(i, p.ne_d);
     let h = p.off3.x;
+    if (src3[h + 7u] == 0.0) { return; }
     let alpha = src3[h];
     let beta1 = src3[h + 1u];
     let beta2 = src3[h + 2u];
@@ -31,11 +52,12 @@ fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     dst[d] = dst[d] * (1.0 - alpha * wd) - alpha * (m * src3[h + 5u]) / (sqrt(v * src3[h + 6u]) + eps);
 }
 
-// opt_step_sgd, in place: dst = param (contiguous), src0 = grad, src1 = hparams [lr, wd];
+// opt_step_sgd, in place: dst = param (contiguous), src0 = grad, src1 = hparams [lr, wd, finite];
 // p.u.x: decay or not.
 @compute @workgroup_size(WG)
 fn k_opt_step_sgd(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    if (src1[p.off.z + 2u] == 0.0) { return; }
     let idx = unravel(i, p.ne_d);
     let lr = src1[p.off.z];
     let wd = select(0.0, src1[p.off.z + 1u], p.u.x != 0u);

@@ -36,6 +36,77 @@ def test_direct_calls_and_the_wgpu_py_api_record_the_same_step(wgpu):
     np.testing.assert_allclose(results[0][1], ref[1], rtol=1e-5, atol=1e-6)
 
 
+def test_the_direct_calls_are_the_path_in_use_here(wgpu, monkeypatch):
+    """With this wgpu-py (the pinned range) the encode loop records through wgpu-native's C
+    functions: each dispatch goes through them, none through the public calls."""
+    from ggwgpu.backends import wgpu_direct
+    assert wgpu_direct.CALLS is not None, wgpu_direct.WHY_NOT
+    x, w, y, z = small_graph()
+    plan = wgpu.plan([y, z])
+    assert plan.direct_calls and len(plan._handles) == len(plan.dispatches)
+    set_pipeline, set_group, dispatch, null = wgpu_direct.CALLS
+    counted = []
+
+    def counting(*args):
+        counted.append(args[1:])
+        dispatch(*args)
+    monkeypatch.setattr(wgpu_direct, "CALLS", (set_pipeline, set_group, counting, null))
+    cls = type(wgpu.device.create_command_encoder().begin_compute_pass())
+    monkeypatch.setattr(cls, "dispatch_workgroups", lambda *a: pytest.fail("public call"))
+    plan.run()
+    assert counted == [(gx, gy, 1) for _, _, gx, gy in plan._commands]
+
+
+def test_without_the_private_api_the_public_calls_take_over_and_say_so_once(monkeypatch):
+    """A wgpu-py whose _api lacks the functions: the capability check says why, plans
+    record through the public calls, and the warning comes once."""
+    import sys
+    import types
+    from ggwgpu.backends import wgpu_direct
+    monkeypatch.setitem(sys.modules, "wgpu.backends.wgpu_native._api",
+                        types.ModuleType("renamed"))
+    calls, why = wgpu_direct.capability()
+    assert calls is None and "ImportError" in why
+    monkeypatch.setattr(wgpu_direct, "CALLS", None)
+    monkeypatch.setattr(wgpu_direct, "_warned", False)
+    with pytest.warns(RuntimeWarning, match="public API") as seen:
+        wgpu_direct.fall_back(why)
+        wgpu_direct.fall_back(why)
+    assert len(seen) == 1
+    assert wgpu_direct.native_handles([(None, object(), 1, 1)]) is None
+
+
+def test_the_fallback_path_gives_the_same_results(wgpu, monkeypatch):
+    from ggwgpu.backends import wgpu_direct
+    x, w, y, z = small_graph()
+    rng = np.random.default_rng(4)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+             for t in gg.graph.topo_order([z]) if t.op is None}
+    direct = wgpu.plan([y, z])
+    direct.run(feeds)
+    monkeypatch.setattr(wgpu_direct, "CALLS", None)
+    public = wgpu.plan([y, z])
+    assert direct.direct_calls and not public.direct_calls
+    public.run(feeds)
+    for a, b in zip(direct.read_many([y, z]), public.read_many([y, z])):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_an_invalid_dispatch_raises_on_either_path(wgpu, direct):
+    """A grid past the 65535-workgroup limit is a Python error (wgpu's validation error)
+    on the direct calls as on the public ones, not a silent no-op."""
+    import wgpu as wgpu_py
+    x = gg.input_tensor((100,))
+    plan = wgpu.plan([gg.exp(x)])
+    plan.direct_calls = direct and plan.direct_calls
+    assert plan.direct_calls == direct
+    plan._commands = [(p, g, 70000, 1) for p, g, _, _ in plan._commands]
+    plan._handles = [(p, g, 70000, 1) for p, g, _, _ in plan._handles]
+    with pytest.raises(wgpu_py.GPUValidationError, match="65535"):
+        plan.run({x: np.ones(100, np.float32)})
+
+
 def test_read_many_reads_each_span_of_shared_storage(wgpu):
     x = gg.input_tensor((4, 6))
     v = np.arange(24, dtype=np.float32).reshape(4, 6)
@@ -80,12 +151,12 @@ def test_memory_report_sorts_the_planned_bytes_by_role():
     loss = gg.sum(gg.sqr(gg.mul_mat(p, x)))
     grad = gg.graph.build_backward(loss, [p])[p]
     m, v = (gg.constant(np.zeros((4, 8), np.float32)) for _ in range(2))
-    hp = gg.input_tensor((7,), name="hparams")
+    hp = gg.input_tensor((8,), name="hparams")
     plan = NumpyBackend().plan([loss, gg.opt_step_adamw(p, grad, m, v, hp, True)])
     memory = plan.memory()
     assert memory["weights"] == memory["gradients"] == 4 * 32
     assert memory["state"] >= 2 * 4 * 32
-    assert memory["inputs"] == 4 * (24 + 7)
+    assert memory["inputs"] == 4 * (24 + 8)
     assert 0 < memory["peak"] <= memory["planned"]
 
 
@@ -105,3 +176,103 @@ def test_numpy_dequantizes_a_frozen_weight_once_and_again_after_a_write():
         dense = dequantize(value)
         np.testing.assert_allclose(plan.read(y), feeds[x] @ dense.T, rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(plan.read(rows), dense[[5, 0]])
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_stages_run_apart_and_give_what_one_run_gives(backend_name, request):
+    """Plan.stage: the data-parallel step runs its backward, then (after the allreduce) its
+    optimizer; values cross from one stage to the other only through outputs and leaves."""
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    x, w, y, z = small_graph()
+    later = gg.input_tensor((6, 8), name="later")
+    u = gg.mul(gg.exp(gg.neg(later)), y)            # reads y, the first stage's output
+    rng = np.random.default_rng(1)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+             for t in gg.graph.topo_order([z, u]) if t.op is None}
+    whole = backend.plan([y, z, u])
+    whole.run(feeds)
+    plan = backend.plan([y, z, u])
+    first, second = plan.stage([y, z]), plan.stage([u])
+    assert first and second and not set(first) & set(second)
+    assert set(first) | set(second) == set(range(len(plan.nodes)))
+    plan.run({t: v for t, v in feeds.items() if t is not later}, stage=first)
+    plan.run({later: feeds[later]}, stage=second)
+    for t in (y, z, u):
+        np.testing.assert_array_equal(plan.read(t), whole.read(t))
+    other = backend.plan([z, u])                      # y is no output there
+    other.stage([z])
+    with pytest.raises(ValueError, match="not a plan output"):
+        other.stage([u])
+
+
+# -- the Params uniform block: one layout, common.wgsl's struct --------------------------------
+
+def echo_params(wgpu, uniforms: np.ndarray, n_words: int) -> np.ndarray:
+    """Run a kernel that writes every Params field, by name, into dst (u32 fields as
+    f32(x)): what the shader reads where the backend wrote `uniforms`."""
+    import wgpu as wgpu_py
+    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, shader_dir
+    fields = (["p.n", *(f"p.off[{i}]" for i in range(4)), "p.off3.x"]
+              + [f"p.{k}_{t}[{i}]" for t in "d0123" for k in ("ne", "nb") for i in range(4)]
+              + [f"p.u[{i}]" for i in range(4)])
+    body = "\n".join(f"    dst[{j}] = f32({x});" for j, x in enumerate(fields))
+    body += "\n" + "\n".join(f"    dst[{len(fields) + i}] = p.f[{i}];" for i in range(4))
+    code = ((shader_dir() / "common.wgsl").read_text()
+            + f"\n@compute @workgroup_size(1)\nfn k_echo() {{\n{body}\n}}\n")
+    device = wgpu.device
+    pipeline = device.create_compute_pipeline(
+        layout=wgpu.pipeline_layout,
+        compute={"module": device.create_shader_module(code=code), "entry_point": "k_echo"})
+    uniform = device.create_buffer_with_data(data=uniforms, usage=wgpu_py.BufferUsage.UNIFORM)
+    out = device.create_buffer(size=4 * n_words, usage=wgpu_py.BufferUsage.STORAGE
+                               | wgpu_py.BufferUsage.COPY_SRC)
+    entries = [{"binding": 0, "resource": {"buffer": uniform, "offset": 0,
+                                           "size": uniforms.nbytes}},
+               {"binding": 1, "resource": {"buffer": out, "offset": 0, "size": out.size}}]
+    entries += [{"binding": b, "resource": {"buffer": wgpu.dummy, "offset": 0, "size": 16}}
+                for b in range(2, 2 + MAX_SRCS + SRC0_PARTS - 1)]
+    group = device.create_bind_group(layout=wgpu.bind_group_layout, entries=entries)
+    encoder = device.create_command_encoder()
+    cpass = encoder.begin_compute_pass()
+    cpass.set_pipeline(pipeline)
+    cpass.set_bind_group(0, group)
+    cpass.dispatch_workgroups(1, 1, 1)
+    cpass.end()
+    device.queue.submit([encoder.finish()])
+    assert len(fields) + 4 == n_words
+    return np.frombuffer(device.queue.read_buffer(out), np.float32)
+
+
+def test_the_params_block_is_where_the_shader_reads_it(wgpu):
+    """The backend writes each dispatch's values at the words common.wgsl's struct Params
+    gives its fields: a kernel that reads every field by name sees them all."""
+    from ggwgpu.ops.registry import Dispatch
+    base = gg.input_tensor((10, 10))
+    tensors = [gg.input_tensor((2, 3, 4, 5)),
+               gg.permute(gg.input_tensor((5, 4, 3, 2)), (3, 2, 1, 0)),
+               gg.view(base, (3, 4), (10, 1), 7), gg.input_tensor((9,)),
+               gg.view(gg.input_tensor((6, 7, 8)), (2, 7, 8), (56, 8, 1), 56)]
+    d = Dispatch("echo", tensors[0], tuple(tensors[1:]), n=1234, f=(0.5, -2.0, 3.25, 1e-5),
+                 u=(7, 8, 9, 10))
+    plan = wgpu.plan([gg.exp(tensors[3])], sentinel=3)
+    uniforms = plan._uniforms(d)
+    seen = echo_params(wgpu, uniforms, 1 + 5 + 5 * 8 + 4 + 4)
+    want = ([1234] + [plan.sentinel + t.offset for t in tensors]
+            + [x for t in tensors for x in (*t.ne, *t.nb)] + [7, 8, 9, 10])
+    np.testing.assert_array_equal(seen[:len(want)], np.float32(want))
+    np.testing.assert_array_equal(seen[len(want):], np.float32(d.f))
+
+
+def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill():
+    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE, params_layout, shader_dir
+    source = (shader_dir() / "common.wgsl").read_text()
+    assert params_layout(source) == (PARAMS, UNIFORM_SIZE) and UNIFORM_SIZE == 240
+    # reorder two fields: the words move with them
+    swapped = source.replace("    f: vec4f,", "    TMP").replace("    u: vec4u,", "    f: vec4f,") \
+        .replace("    TMP", "    u: vec4u,")
+    words, size = params_layout(swapped)
+    assert (words["u"], words["f"], size) == (PARAMS["f"], PARAMS["u"], UNIFORM_SIZE)
+    with pytest.raises(ValueError, match="Params needs field off3: vec4u"):
+        params_layout(source.replace("    off3: vec4u,\n", ""))
+    with pytest.raises(ValueError, match="Params.f has type mat4x4f"):
+        params_layout(source.replace("    f: vec4f,", "    f: mat4x4f,"))

@@ -247,6 +247,45 @@ def test_a_non_finite_step_is_skipped_without_a_trace(backend_name, accum, clip,
         assert np.array_equal(hit.parameters()[name], value), name
 
 
+@pytest.mark.parametrize("backend_name,optimizer", [("numpy", "adamw"), ("wgpu", "adamw"),
+                                                    ("wgpu", "sgd")])
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "+inf", "-inf"])
+def test_a_non_finite_gradient_skips_the_whole_step(backend_name, optimizer, bad, monkeypatch,
+                                                    request):
+    """The loss is finite but one gradient element is NaN, +inf or -inf: the step counts as
+    skipped and no weight or moment changes, not even where the gradients are finite. No
+    clipping, so only the finite flag (append_finite_flag) can make those skip."""
+    import ggwgpu as gg
+    from ggwgpu import train
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    poison, real = gg.input_tensor((1,), name="poison"), train.build_backward
+
+    def poisoned(*args, **kwargs):  # the first gradient gets `poison` added to every element
+        grads = real(*args, **kwargs)
+        first = next(iter(grads))
+        grads[first] = gg.add(grads[first], poison)
+        return grads
+    monkeypatch.setattr(train, "build_backward", poisoned)
+    t = tiny_trainer(backend, TrainOptions(optimizer=optimizer, batch=4, lr=3e-3, warmup=2,
+                                           grad_clip=0.0))
+    t.plan.write(poison, [0.0])
+    assert not t.train_step()["skipped"]
+    before = t.parameters(), t.optimizer_state()
+    t.plan.write(poison, [bad])
+    record = t.train_step()
+    assert record["skipped"] and np.isfinite(record["loss"]) and t.step == 2
+    assert not np.isfinite(record["grad_norm"])
+    for name, value in before[0].items():
+        assert np.array_equal(t.parameters()[name], value), name
+    for name, (m, v) in before[1].items():
+        assert np.array_equal(t.optimizer_state()[name][0], m), name
+        assert np.array_equal(t.optimizer_state()[name][1], v), name
+    assert (optimizer == "sgd") == (before[1] == {})
+    t.plan.write(poison, [0.0])            # and the next clean step updates every weight
+    assert not t.train_step()["skipped"]
+    assert all(not np.array_equal(t.parameters()[n], v) for n, v in before[0].items())
+
+
 def test_a_non_finite_step_stops_the_run_and_saves_the_state_before_it(tmp_path, monkeypatch):
     before = tmp_path / "two.gguf"
     assert run_cli(train_args(tmp_path, "--steps", "2", "--out", str(before))).exit_code == 0

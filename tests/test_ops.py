@@ -251,3 +251,28 @@ def test_the_package_exports_every_op_and_no_family_module():
     import ggwgpu.ops as ops
     assert set(OPS) <= set(ops.__all__) and all(callable(getattr(ggwgpu, n)) for n in OPS)
     assert ggwgpu.quant.__name__ == "ggwgpu.quant" and hasattr(ggwgpu.quant, "quantize")
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_op_signature_is_its_declaration(name):
+    """help() and editors see each op's sources and params, not (*args, **kwargs): sources
+    positional only (named as its reference names them), then the declared params with
+    their defaults, and a call bound by that signature builds the node."""
+    import inspect
+    opdef, P = OPS[name], inspect.Parameter
+    params = list(inspect.signature(getattr(gg, name)).parameters.values())
+    assert [p.kind for p in params] == ([P.POSITIONAL_ONLY] * opdef.n_srcs
+                                        + [P.POSITIONAL_OR_KEYWORD] * len(opdef.param_names))
+    assert tuple(p.name for p in params[opdef.n_srcs:]) == opdef.param_names
+    assert tuple(p.name for p in params[:opdef.n_srcs]) == opdef.src_names
+    assert not any(re.fullmatch(r"src\d+", n) for n in opdef.src_names), f"{name}: unnamed"
+    for p in params[opdef.n_srcs:]:
+        want = opdef.defaults.get(p.name, P.empty)
+        assert p.default == want or p.default is want, (name, p.name)
+
+
+def test_op_signature_shows_defaults():
+    import inspect
+    sig = inspect.signature(gg.rope)
+    assert str(sig).startswith("(x: ggwgpu.tensor.Tensor, pos: ggwgpu.tensor.Tensor, /, n_dims,")
+    assert sig.parameters["mode"].default == gg.OPS["rope"].defaults["mode"]

@@ -32,12 +32,27 @@ def describe_adapter(info: dict) -> str:
     return f"{info.get('device')}, {info.get('adapter_type')}, {info.get('backend_type')}"
 
 
+def adapter_for_rank(adapters, local_rank: int):
+    """The adapter of the `local_rank`-th process on a machine (data-parallel training under
+    mpirun): its local_rank-th hardware adapter, modulo their number; None where the machine
+    has fewer than two (then every process takes the default one)."""
+    hardware = [a for a in adapters if not is_software_adapter(dict(a.info))]
+    return hardware[local_rank % len(hardware)] if len(hardware) > 1 else None
+
+
 @functools.cache
 def shared_adapter():
     """The process-wide WebGPU adapter (raises NoAdapterError without one). wgpu asked for
     high performance prefers discrete, integrated, other, virtual, then CPU adapters, so a
-    software adapter here means there is no hardware one."""
+    software adapter here means there is no hardware one. Under an MPI launcher, processes
+    on a machine with several GPUs take one each (adapter_for_rank)."""
+    from ..distributed import launched_size, local_rank
     from .wgpu_backend import request_adapter
+    if launched_size() > 1:
+        import wgpu
+        picked = adapter_for_rank(wgpu.gpu.enumerate_adapters_sync(), local_rank())
+        if picked is not None:
+            return picked
     return request_adapter()
 
 

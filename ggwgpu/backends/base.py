@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..alloc import Block, Layout, pack
-from ..graph import topo_order
+from ..graph import sources, topo_order
 from ..ops import OPS
 from ..quant import Quantized, storage_bytes
 from ..tensor import ShapeError, Tensor
@@ -47,6 +47,7 @@ class Plan:
         self.nodes = [t for t in self.order if t.op is not None and not OPS[t.op].is_view]
         self._known = {id(t) for t in self.order}
         self._shared = set()    # storage keys that share a buffer with another block
+        self._staged = set()    # indexes of the nodes that stage() gave out
 
     def storage_layout(self, private=()) -> Layout:
         """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
@@ -125,8 +126,42 @@ class Plan:
             raise ShapeError(f"value for {t}: integer data expected, got {value.dtype}")
         return value
 
-    def run(self, feeds=None):
-        """Write `feeds` ({input tensor: array}) and compute the whole graph."""
+    def stage(self, outputs) -> tuple[int, ...]:
+        """A part of the plan that runs alone (run(stage=...)): the indexes, in plan order, of
+        the nodes that `outputs` need and that no earlier stage of this plan took. The host
+        can act between stages (data-parallel training averages the gradients between the
+        backward and the optimizer). A stage reads what another computed only from leaves and
+        plan outputs, the blocks that keep their values between runs: any other block may
+        share its buffer with one the other stage writes."""
+        index = {id(n): i for i, n in enumerate(self.nodes)}
+        taken = self._staged
+        mine, stack, seen = set(), list(outputs), set()
+        while stack:
+            t = stack.pop()
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if id(t) not in self._known:
+                raise KeyError(f"{t} is not part of this plan")
+            if t.op is None or index.get(id(t)) in taken:
+                continue
+            if id(t) in index:    # views are no nodes: their sources are
+                mine.add(index[id(t)])
+            stack.extend(sources(t))
+        kept = {id(o.storage) for o in self.outputs}
+        for i in mine:
+            for s in sources(self.nodes[i]):
+                root = s.storage
+                if (root.op is not None and index.get(id(root)) not in mine
+                        and id(root) not in kept):
+                    raise ValueError(f"stage: {self.nodes[i]} reads {root}, which another "
+                                     f"stage computes and which is not a plan output")
+        self._staged = taken | mine
+        return tuple(sorted(mine))
+
+    def run(self, feeds=None, stage=None):
+        """Write `feeds` ({input tensor: array}) and compute the whole graph, or only the
+        nodes of `stage` (from stage())."""
         raise NotImplementedError
 
     def read(self, t: Tensor) -> np.ndarray:

@@ -74,12 +74,13 @@ class NumpyPlan(Plan):
         return np.lib.stride_tricks.as_strided(
             block[self.sentinel + t.offset:], t.shape, [s * block.itemsize for s in t.strides])
 
-    def run(self, feeds=None):
+    def run(self, feeds=None, stage=None):
         for t, value in (feeds or {}).items():
             self.write(t, value)
+        steps = self.steps if stage is None else [self.steps[i] for i in stage]
         # inf and NaN propagate as on the device (the trainer checks them), silently
         with np.errstate(all="ignore"):
-            for kernel, srcs, dst, params in self.steps:
+            for kernel, srcs, dst, params in steps:
                 np.copyto(dst, kernel(*srcs, **params).reshape(dst.shape), casting="unsafe")
 
     def profile(self, feeds=None) -> list[tuple[str, float]]:

@@ -20,10 +20,10 @@ import wgpu
 
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
+from . import wgpu_direct
 from .base import Backend, Plan, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
-UNIFORM_SIZE = 240          # sizeof(Params) in shaders/common.wgsl
 MAX_SRCS = 4
 # A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
 # of a kernel that reads it through quant_blocks.wgsl's src0_word: its own binding and
@@ -82,6 +82,42 @@ def shader_source(stem: str) -> str:
     return (d / "common.wgsl").read_text() + "\n" + text
 
 
+# Words of the WGSL types a Params field may have, and their alignment in words (WGSL's
+# uniform layout rules).
+PARAM_TYPES = {"u32": (1, 1), "i32": (1, 1), "f32": (1, 1),
+               "vec4u": (4, 4), "vec4i": (4, 4), "vec4f": (4, 4)}
+TENSOR_TAGS = ("d", "0", "1", "2", "3")   # dst, then the sources: ne_<tag>, nb_<tag>
+
+
+def params_layout(source: str) -> tuple[dict[str, int], int]:
+    """The uniform block's layout, read from the `struct Params` of `source` (common.wgsl):
+    ({field: first 32-bit word}, size in bytes). The one description of the block is the
+    WGSL struct; _uniforms writes each value at its field's word. Raises ValueError naming
+    what does not fit what _uniforms writes."""
+    found = re.search(r"struct\s+Params\s*\{(.*?)\}", source, re.S)
+    if not found:
+        raise ValueError("common.wgsl: no `struct Params { ... }`")
+    body = re.sub(r"//[^\n]*", "", found[1])
+    words, at, align_max = {}, 0, 1
+    for name, kind in re.findall(r"(\w+)\s*:\s*([\w<>]+)", body):
+        if kind not in PARAM_TYPES:
+            raise ValueError(f"common.wgsl: Params.{name} has type {kind}, not one of "
+                             f"{', '.join(PARAM_TYPES)}")
+        size, align = PARAM_TYPES[kind]
+        at = -(-at // align) * align
+        words[name] = at
+        at += size
+        align_max = max(align_max, align)
+    want = {"n": "u32", "off": "vec4u", "off3": "vec4u", "f": "vec4f", "u": "vec4u",
+            **{f"{k}_{t}": "vec4u" for t in TENSOR_TAGS for k in ("ne", "nb")}}
+    kinds = dict(re.findall(r"(\w+)\s*:\s*([\w<>]+)", body))
+    for name, kind in want.items():
+        if kinds.get(name) != kind:
+            raise ValueError(f"common.wgsl: Params needs field {name}: {kind} "
+                             f"(found {kinds.get(name)})")
+    return words, -(-at // align_max) * align_max * 4
+
+
 def kernel_name(entry: str) -> str:
     # The k_ prefix keeps kernels such as exp or abs from shadowing WGSL's builtins.
     return f"k_{entry}"
@@ -103,23 +139,7 @@ def request_adapter():
     return adapter
 
 
-def direct_pass_calls():
-    """wgpu-native's C functions for the three commands of the encode loop (set pipeline,
-    set bind group, dispatch), or None where this wgpu-py does not expose them.
-
-    wgpu-py wraps each call in Python error capture and builds a cffi array of dynamic offsets
-    per set_bind_group: about 2.5 µs of a step's ~4 µs of host time per dispatch on lavapipe.
-    Calling the functions directly skips that; errors still surface, because wgpu-native
-    validates a compute pass when it ends and reports through the (wrapped) end/finish."""
-    try:
-        from wgpu.backends.wgpu_native._api import ffi, lib
-        return (lib.wgpuComputePassEncoderSetPipeline, lib.wgpuComputePassEncoderSetBindGroup,
-                lib.wgpuComputePassEncoderDispatchWorkgroups, ffi.NULL)
-    except (ImportError, AttributeError):
-        return None
-
-
-DIRECT_CALLS = direct_pass_calls()
+PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
 MATMUL_ENV = "GGWGPU_MATMUL"
@@ -228,12 +248,15 @@ class WgpuPlan(Plan):
         device = backend.device
         usage = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
         self.dispatches, self.dispatch_ops, private = [], [], {}
+        self.node_dispatches = []    # per node: the range of its dispatches
         for step, node in enumerate(self.nodes):
+            first = len(self.dispatches)
             for d in OPS[node.op].dispatches_on(node, backend.kernel_variants):
                 self.dispatches.append((d.shader or OPS[node.op].shader, d))
                 self.dispatch_ops.append(node.op)
                 private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
                                 if id(t.storage) not in self._known})
+            self.node_dispatches.append(range(first, len(self.dispatches)))
         private = list(private.values())
         self.scratch = [t for t, _ in private]
         limits = backend.storage_limits
@@ -291,61 +314,64 @@ class WgpuPlan(Plan):
             group = device.create_bind_group(layout=backend.bind_group_layout, entries=entries)
             pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
             self.recorded.append((pipeline, group, grid_2d(d.grid())))
-        # The encode loop's work, prepared once: the pipeline only where it changes (None
-        # else), and the native handles when the direct calls are there.
-        self.direct_calls = DIRECT_CALLS is not None
-        self._commands, last = [], None
-        for pipeline, group, (x, y) in self.recorded:
-            self._commands.append((None if pipeline is last else pipeline, group, x, y))
-            last = pipeline
-        self._handles = [(p and p._internal, g._internal, x, y)
-                         for p, g, x, y in self._commands] if self.direct_calls else None
+        # The encode loop's work, prepared once: the whole graph's, and a stage's when asked
+        self._commands, self._handles = self._commands_of(range(len(self.recorded)))
+        self.direct_calls = self._handles is not None
+        self._stage_commands = {}     # stage -> _commands_of its dispatches
         self._staging = None
         self._timer = None
+
+    def _commands_of(self, dispatches):
+        """(commands, native handles or None) of these dispatches for the encode loop: the
+        pipeline only where it changes (None else); the handles when the direct calls are
+        there (wgpu_direct.py)."""
+        commands, last = [], None
+        for pipeline, group, (x, y) in (self.recorded[i] for i in dispatches):
+            commands.append((None if pipeline is last else pipeline, group, x, y))
+            last = pipeline
+        return commands, wgpu_direct.native_handles(commands)
 
     def memory(self) -> dict:
         """Plan.memory of this plan's buffers, scratch included."""
         return super().memory(self.layout, self.scratch)
 
     def _uniforms(self, d) -> np.ndarray:
+        """The Params block of dispatch `d`, as 32-bit words at PARAMS' field positions."""
         u = np.zeros(UNIFORM_SIZE // 4, np.uint32)
         tensors = (d.dst,) + tuple(d.srcs)
         if len(tensors) > 1 + MAX_SRCS:
             raise ValueError(f"{d.entry}: at most {MAX_SRCS} sources per dispatch")
-        u[0] = d.n
-        for k, t in enumerate(tensors):
-            u[4 + k] = self.sentinel + t.offset       # off, then off3.x
-            u[12 + 8 * k: 16 + 8 * k] = t.ne
-            u[16 + 8 * k: 20 + 8 * k] = t.nb
-        u[52:52 + len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
-        u[56:56 + len(d.u)] = d.u
+        u[PARAMS["n"]] = d.n
+        # element offsets: off.xyzw of dst and src0..src2, off3.x of src3
+        offset_words = [PARAMS["off"] + k for k in range(4)] + [PARAMS["off3"]]
+        for k, (t, tag) in enumerate(zip(tensors, TENSOR_TAGS)):
+            u[offset_words[k]] = self.sentinel + t.offset
+            u[PARAMS[f"ne_{tag}"]:][:4] = t.ne
+            u[PARAMS[f"nb_{tag}"]:][:4] = t.nb
+        u[PARAMS["f"]:][:len(d.f)] = np.asarray(d.f, np.float32).view(np.uint32)
+        u[PARAMS["u"]:][:len(d.u)] = d.u
         return u
 
-    def run(self, feeds=None):
+    def run(self, feeds=None, stage=None):
         for t, value in (feeds or {}).items():
             self.write(t, value)
         device = self.backend.device
         encoder = device.create_command_encoder()
-        self.encode(encoder)
+        self.encode(encoder, stage=stage)
         device.queue.submit([encoder.finish()])
 
-    def encode(self, encoder, timestamp_writes=None):
-        """Record every dispatch of the graph into one compute pass of `encoder`."""
-        cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
-        if self.direct_calls:
-            set_pipeline, set_group, dispatch, null = DIRECT_CALLS
-            handle = cpass._internal
-            for pipeline, group, x, y in self._handles:
-                if pipeline is not None:
-                    set_pipeline(handle, pipeline)
-                set_group(handle, 0, group, 0, null)
-                dispatch(handle, x, y, 1)
+    def encode(self, encoder, timestamp_writes=None, stage=None):
+        """Record every dispatch of the graph (or of `stage`'s nodes) into one compute pass
+        of `encoder`."""
+        if stage is None:
+            commands, handles = self._commands, self._handles
         else:
-            for pipeline, group, x, y in self._commands:
-                if pipeline is not None:
-                    cpass.set_pipeline(pipeline)
-                cpass.set_bind_group(0, group)
-                cpass.dispatch_workgroups(x, y, 1)
+            if stage not in self._stage_commands:
+                self._stage_commands[stage] = self._commands_of(
+                    [i for node in stage for i in self.node_dispatches[node]])
+            commands, handles = self._stage_commands[stage]
+        cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
+        wgpu_direct.record(cpass, commands, handles if self.direct_calls else None)
         cpass.end()
 
     def device_seconds(self, feeds=None) -> float | None:

@@ -214,9 +214,11 @@ class TrainGraph:
         """Whether a row holds several sequences (positions and mask are per batch)."""
         return self.mask is not None
 
-    def feeds(self, tokens, targets, segments=None) -> dict:
+    def feeds(self, tokens, targets, segments=None, counted: int | None = None) -> dict:
         """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
-        negative target id leaves its position out of the loss and of the mean. A packed
+        negative target id leaves its position out of the loss and of the mean. `counted`
+        is the number of targets the mean divides by, when the batch is a rank's part of a
+        larger one (default: the counted targets of this batch). A packed
         graph also takes `segments` (batch, n_ctx): which sequence of its row each position
         belongs to (`packed_inputs`), from which the positions and the mask are made; an
         unpacked one takes none (its positions are 0 .. n_ctx - 1, written once)."""
@@ -229,8 +231,9 @@ class TrainGraph:
         if (targets >= n_vocab).any():
             raise ValueError(f"target id {int(targets.max())} out of range for a vocabulary "
                              f"of {n_vocab}")
-        counted = targets >= 0
-        weights = np.where(counted, np.float32(1.0 / max(1, int(counted.sum()))), 0)
+        mask = targets >= 0
+        counted = int(mask.sum()) if counted is None else counted
+        weights = np.where(mask, np.float32(1.0 / max(1, counted)), 0)
         feeds = {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
                  self.weights: weights.astype(np.float32)}
         if segments is not None:

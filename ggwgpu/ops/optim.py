@@ -1,23 +1,68 @@
 """Optimizer updates: in-place ops that run after the backward. Shader: shaders/optim.wgsl.
 
 opt_step_adamw(param, grad, m, v, hparams, decay) updates m and v in place and writes the new
-parameter into param's storage; the result is a view of param. hparams is a 7-element f32
-tensor, written before each step, as ggml's opt_step_adamw takes it:
-    [alpha (lr x schedule), beta1, beta2, eps, weight decay, 1/(1-beta1^t), 1/(1-beta2^t)]
+parameter into param's storage; the result is a view of param. hparams is an 8-element f32
+tensor, ggml's opt_step_adamw hyper-parameters followed by a finite flag:
+    [alpha (lr x schedule), beta1, beta2, eps, weight decay, 1/(1-beta1^t), 1/(1-beta2^t),
+     finite]
 `decay` says whether this tensor takes weight decay (the reference: only tensors >= 2-D).
 
-Both steps leave an element (and its moments) unchanged where its gradient is not finite: the
-trainer makes every gradient of a step with a non-finite loss or gradient NaN, and so skips
-that whole update inside the planned graph.
+A step changes nothing where its flag is 0: the trainer writes the rest and
+append_finite_flag sets the flag on the device from the loss and the gradients' sum of
+squares, testing exponent bits (WGSL lets compilers assume floats are finite, so no NaN
+arithmetic may decide a skip). Each step also leaves an element (and its moments) unchanged
+where its own gradient is not finite.
 """
 from __future__ import annotations
 
 import numpy as np
 
+from .. import ops as O
 from ..tensor import ShapeError
 from .registry import Case, Dispatch, Input, need_f32, register
 
-ADAMW_HPARAMS = ("alpha", "beta1", "beta2", "eps", "wd", "beta1h", "beta2h")
+ADAMW_HPARAMS = ("alpha", "beta1", "beta2", "eps", "wd", "beta1h", "beta2h", "finite")
+
+
+def adamw_hparams(lr, beta1, beta2, eps, weight_decay, t) -> np.ndarray:
+    """The hyper-parameters of AdamW step t (1-based) as the host writes them: all but the
+    finite flag. The bias corrections come from the float32 betas the kernel sees (its
+    1 - beta2 is 1 - float32(0.999) = 9.99987e-4); from the exact betas every step would be
+    about 6e-6 (relative) larger than the AdamW the kernel computes."""
+    b1, b2 = (float(np.float32(b)) for b in (beta1, beta2))
+    return np.array([lr, b1, b2, eps, weight_decay, 1 / (1 - b1 ** t), 1 / (1 - b2 ** t)],
+                    np.float32)
+
+
+def append_finite_flag_shape(srcs):
+    hp, a, b = srcs
+    need_f32(*srcs)
+    if hp.ndim != 1:
+        raise ShapeError(f"hparams must be 1-D, got {hp.shape}")
+    return (hp.shape[0] + 1,), "f32", {}
+
+
+def append_finite_flag_ref(hp, a, b):
+    flag = np.isfinite(a).all() and np.isfinite(b).all()
+    return np.concatenate([hp, [1.0 if flag else 0.0]]).astype(hp.dtype)
+
+
+def append_finite_flag_cases():
+    hp = Input((7,), 0.05, 0.95)
+    return [Case((hp, Input((1,)), Input((1,))), grad=True),
+            Case((Input((2,)), Input((1,), dist="nonfinite"), Input((1,))), grad=False),
+            Case((hp, Input((1,)), Input((1,), dist="nonfinite")), grad=False),
+            Case((hp, Input((5, 7), layout="permuted"), Input((70001,))), grad=False),
+            Case((hp, Input((3, 4, 5), layout="strided"), Input((70001,), dist="nonfinite")),
+                 grad=False)]
+
+
+append_finite_flag = register(
+    "append_finite_flag", n_srcs=3, shape=append_finite_flag_shape, shader="optim",
+    reference=append_finite_flag_ref, no_grad=(1, 2), cases=append_finite_flag_cases,
+    backward=lambda n, g: (O.view(g, n.srcs[0].shape, g.strides, 0), None, None),
+    doc="(hparams, a, b) -> hparams followed by 1 when every element of a and b is finite, "
+        "else 0 (from the exponent bits): the optimizer steps' finite flag.")
 
 
 def adamw_shape(srcs, decay):
@@ -37,7 +82,9 @@ def adamw_shape(srcs, decay):
 
 def adamw_ref(param, grad, m, v, hp, decay):
     """The update; m and v are NumPy views of the optimizer state and change in place."""
-    alpha, beta1, beta2, eps, wd, beta1h, beta2h = hp
+    alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite = hp
+    if finite == 0:                        # the whole step is skipped
+        return param.copy()
     keep = 1 - alpha * (wd if decay else 0)
     ok = np.isfinite(grad)
     grad = np.where(ok, grad, 0)           # no NaN arithmetic (or warnings) where skipped
@@ -49,11 +96,13 @@ def adamw_ref(param, grad, m, v, hp, decay):
 def adamw_cases():
     def state(shape, layout="contiguous"):
         return (Input(shape), Input(shape, layout=layout), Input(shape), Input(shape, 0.0, 1.0),
-                Input((7,), 0.05, 0.95))
+                Input((8,), 0.05, 0.95))
     return [Case(state((1,)), {"decay": False}, grad=False),
             Case(state((5, 7)), {"decay": True}, grad=False),
             Case(state((3, 4, 5), "permuted"), {"decay": True}, grad=False),
-            Case(state((70001,)), {"decay": False}, grad=False)]
+            Case(state((70001,)), {"decay": False}, grad=False),
+            Case(state((4, 3))[:4] + (Input((8,), 0.0, 0.0),), {"decay": True},
+                 grad=False)]                                    # flag 0: nothing changes
 
 
 opt_step_adamw = register(
@@ -63,9 +112,10 @@ opt_step_adamw = register(
     dispatches=lambda n: [Dispatch("opt_step_adamw", n, n.srcs[1:], n=n.nelements,
                                    u=(int(bool(n.params["decay"])),))],
     doc="AdamW step in place: (param, grad, m, v, hparams[7], decay) -> param updated "
-        "(a view of param); m and v are updated too.")
+        "(a view of param); m and v are updated too; nothing changes where hparams[7] (the "
+        "finite flag) is 0.")
 
-SGD_HPARAMS = ("lr", "wd")
+SGD_HPARAMS = ("lr", "wd", "finite")
 
 
 def sgd_shape(srcs, decay):
@@ -82,7 +132,9 @@ def sgd_shape(srcs, decay):
 
 
 def sgd_ref(param, grad, hp, decay):
-    lr, wd = hp
+    lr, wd, finite = hp
+    if finite == 0:
+        return param.copy()
     ok = np.isfinite(grad)
     return np.where(ok, param * (1 - lr * (wd if decay else 0)) - lr * np.where(ok, grad, 0),
                     param)
@@ -93,9 +145,11 @@ opt_step_sgd = register(
     reference=sgd_ref, backward=None, updates=True,
     dispatches=lambda n: [Dispatch("opt_step_sgd", n, n.srcs[1:], n=n.nelements,
                                    u=(int(bool(n.params["decay"])),))],
-    cases=lambda: [Case((Input(c.inputs[0].shape), c.inputs[1], Input((2,), 0.05, 0.95)),
+    cases=lambda: [Case((Input(c.inputs[0].shape), c.inputs[1], Input((3,), 0.05, 0.95)),
                         c.params, grad=False) for c in adamw_cases()],
-    doc="SGD step in place: (param, grad, hparams [lr, weight decay], decay) -> param "
-        "updated (a view of param); decoupled weight decay as AdamW's.")
+    doc="SGD step in place: (param, grad, hparams [lr, weight decay, finite], decay) -> "
+        "param updated (a view of param); decoupled weight decay as AdamW's; nothing changes "
+        "where the finite flag is 0.")
 
-__all__ = ["opt_step_adamw", "opt_step_sgd", "ADAMW_HPARAMS", "SGD_HPARAMS"]
+__all__ = ["adamw_hparams", "append_finite_flag", "opt_step_adamw", "opt_step_sgd", "ADAMW_HPARAMS",
+           "SGD_HPARAMS"]

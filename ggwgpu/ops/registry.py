@@ -14,6 +14,7 @@ Adding an op is one `register(...)` call plus one WGSL entry point.
 """
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -56,7 +57,8 @@ class Input:
     layout: str = "contiguous"
     dtype: str = "f32"
     dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets),
-                            # or an attention mask of testing.MASKS (-inf where hidden)
+                            # "nonfinite": uniform with one NaN or infinity, or an
+                            # attention mask of testing.MASKS (-inf where hidden)
 
 
 @dataclass(frozen=True)
@@ -93,6 +95,30 @@ class OpDef:
     # kernel variants of the op's shader family; `dispatches` then takes (node, variant) and
     # the backend picks one per adapter (dispatches_on)
     variants: tuple[str, ...] = ()
+    defaults: dict = field(default_factory=dict)   # values of trailing params one may omit
+
+    @property
+    def src_names(self) -> tuple[str, ...]:
+        """The sources' names: the reference's first positional parameters (src<i> where it
+        names fewer)."""
+        try:
+            named = [p.name for p in inspect.signature(self.reference).parameters.values()
+                     if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:self.n_srcs]
+        except (TypeError, ValueError):  # a reference without an introspectable signature
+            named = []
+        if len(named) < self.n_srcs or set(named) & set(self.param_names):
+            named = [f"src{i}" for i in range(self.n_srcs)]
+        return tuple(named)
+
+    def signature(self) -> inspect.Signature:
+        """The graph constructor's signature: the sources (positional only), then the
+        params (defaults where declared)."""
+        P = inspect.Parameter
+        return inspect.Signature(
+            [P(n, P.POSITIONAL_ONLY, annotation=Tensor) for n in self.src_names]
+            + [P(n, P.POSITIONAL_OR_KEYWORD, default=self.defaults.get(n, P.empty))
+               for n in self.param_names],
+            return_annotation=Tensor)
 
     @property
     def is_view(self) -> bool:
@@ -128,16 +154,17 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
-                  doc, frozen_variant, tuple(variants))
+                  doc, frozen_variant, tuple(variants), dict(defaults or {}))
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
         given = set(opdef.param_names[:max(0, len(args) - n_srcs)]) | set(kwargs)
-        kwargs.update({k: v for k, v in (defaults or {}).items() if k not in given})
+        kwargs.update({k: v for k, v in opdef.defaults.items() if k not in given})
         return make_node(opdef, args, kwargs)
 
     build.__name__ = build.__qualname__ = name
     build.__doc__ = doc
+    build.__signature__ = opdef.signature()   # what help() and editors show, not *args
     return build
 
 
