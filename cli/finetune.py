@@ -315,11 +315,10 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     batches = example_batches(train, cfg, options.batch, kw, options.seed)
     if state is not None:
         resume_data(batches, state, checkpoint_in)
-    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)
-             + f"; one example per row of {cfg.n_ctx}, padded"]
+    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)]
     held = None
     if valid is not None:
-        held = example_batches(valid, cfg, options.batch, kw, options.seed)
+        held = example_batches(valid, cfg, options.batch, kw, options.seed, batches.packed)
         lines.append("      " + describe_examples("validation", held))
     return batches, held, digest, lines
 

@@ -679,8 +679,9 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         split = split or next(s for s in ("test", "valid", "train") if s in sets)
         if split not in sets:
             raise click.UsageError(f"{kw['data_path']} has no {split} split")
-        batch = min(batch, len(sets[split]))
         examples = example_batches(sets[split], cfg, batch, kw, 0)
+        examples.batch = batch = min(batch, examples.n_samples)
+        packed = examples.packed
         batches = list(examples.in_order())
         what = f"{kw['data_path']} ({split}): {describe_examples('examples', examples)}"
     else:
@@ -696,16 +697,18 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         batches = (windows.windows(windows.starts[starts[i:i + batch]])   # one at a time
                    for i in range(0, n, batch))
         what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
+        packed = False
     check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
     backend = select_backend(ctx)
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
-                          max_logits_bytes=logits_bound(backend))
+                          max_logits_bytes=logits_bound(backend), packed=packed)
     plan = backend.plan([g.loss])
-    plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    if not packed:
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     total, counted = 0.0, 0
-    for inputs, targets in batches:         # the mean over every counted target
-        plan.run(g.feeds(inputs, targets))
-        n_targets = int((targets >= 0).sum())
+    for rows in batches:         # the mean over every counted target
+        plan.run(g.feeds(*rows))
+        n_targets = int((rows[1] >= 0).sum())
         total += float(plan.read(g.loss)[0]) * n_targets
         counted += n_targets
     loss = total / max(counted, 1)

@@ -621,7 +621,8 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
         if kw["chat_template"]:
             args += ["--chat-template", kw["chat_template"]]
         args += [flag for flag, on in (("--mask-prompt", kw["mask_prompt"]),
-                                       ("--drop-long", kw["drop_long"])) if on]
+                                       ("--drop-long", kw["drop_long"]),
+                                       ("--no-pack", kw["no_pack"])) if on]
     elif not kw["texts"] and kw["corpus"] != "shakespeare":
         args += ["--corpus", kw["corpus"]]
     if kw["checkpoint_out"]:
@@ -650,6 +651,10 @@ def data_options(command):
                      help="Train on the answers only (assistant turns, completions)."),
         click.option("--drop-long", is_flag=True,
                      help="Leave out examples longer than --n-ctx (default: cut them)."),
+        click.option("--no-pack", is_flag=True,
+                     help="One example per row, padded (default: several whole examples "
+                          "packed into a row, each seeing only itself, when that makes "
+                          "fewer rows)."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -669,20 +674,30 @@ def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
         raise click.UsageError(str(e)) from None
 
 
-def example_batches(examples, cfg, batch: int, kw: dict, seed: int):
-    """ExampleBatches of --data's encoded examples, as --drop-long says."""
+def example_batches(examples, cfg, batch: int, kw: dict, seed: int, pack=None):
+    """ExampleBatches of --data's encoded examples, as --drop-long says: packed when that
+    makes fewer rows, unless --no-pack; `pack` (True or False) decides instead (a validation
+    set follows its training set, whose graph it runs on)."""
     from ggwgpu import chat
+    if pack is None:
+        pack = not kw["no_pack"] and "auto"
     try:
         return chat.ExampleBatches(examples, cfg.n_ctx, batch, seed,
-                                   drop_long=kw["drop_long"])
+                                   drop_long=kw["drop_long"], pack=pack)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
 
 def describe_examples(name: str, batches) -> str:
-    """One line on a split's examples: counts, what was cut or left out, padding."""
-    line = (f"{name}: {batches.n_samples} examples, {batches.trained_tokens} trained tokens, "
-            f"{batches.fill:.0%} of the padded rows used")
+    """One line on a split's examples: counts, rows, what was cut or left out."""
+    line = f"{name}: {batches.n_examples} examples, {batches.trained_tokens} trained tokens; "
+    if batches.packed:
+        line += (f"packed into {batches.n_samples} rows of {batches.n_ctx} "
+                 f"({batches.n_examples / batches.n_samples:.1f} examples each), "
+                 f"{batches.fill:.0%} of positions used (padding would use "
+                 f"{batches.padded_fill:.0%})")
+    else:
+        line += f"one per row of {batches.n_ctx}, padded, {batches.fill:.0%} of positions used"
     if batches.truncated:
         line += f", {batches.truncated} cut to n_ctx"
     if batches.dropped:

@@ -273,22 +273,47 @@ def examples_digest(examples: list[Example]) -> str:
 
 
 IGNORE = -1         # the target of a position that is not trained (padding, masked prompt)
-STATE_VERSION = 1
+STATE_VERSION = 2   # 2: rows may be packed (the state says whether)
+
+
+def pack_rows(lengths, n_ctx: int) -> list[list[int]]:
+    """Items of these lengths (each <= n_ctx) in rows of n_ctx: first-fit decreasing (the
+    longest first, each into the first row with room, ties in index order), so the same
+    lengths always give the same rows. Returns each row's item indices in the order placed."""
+    lengths = np.asarray(lengths, np.int64)
+    rows, room = [], np.empty(len(lengths), np.int64)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fits = np.flatnonzero(room[:len(rows)] >= lengths[i])
+        if len(fits):
+            rows[fits[0]].append(i)
+            room[fits[0]] -= lengths[i]
+        else:
+            room[len(rows)] = n_ctx - lengths[i]
+            rows.append([i])
+    return rows
 
 
 class ExampleBatches:
-    """Shuffled batches of examples, one example per row of n_ctx positions, padded at the
-    end: row r's inputs are ids[:-1] and its targets ids[1:], IGNORE where the token is not
-    trained and on the padding. Causal attention keeps every row's example to itself (padding
-    comes after it), so no attention mask is needed. An example longer than n_ctx + 1 tokens
-    is cut to that (`truncated` counts them), or with `drop_long` left out; one with no
-    trained token in its window is left out too (`dropped` counts both).
+    """Shuffled batches of rows of n_ctx positions holding examples: an example of n tokens
+    fills n - 1 positions with inputs ids[:-1] and targets ids[1:], IGNORE where the token
+    is not trained; the rest of a row is padding (IGNORE too). An example longer than
+    n_ctx + 1 tokens is cut to that (`truncated` counts them), or with `drop_long` left out;
+    one with no trained token in its window is left out too (`dropped` counts both).
 
-    The order is `data.EpochOrder`'s, as for text samples; `state()` and `load_state()`
-    resume exactly."""
+    Padded (pack False): one example per row. Causal attention keeps it to itself (padding
+    comes after it), so no attention mask is needed; a batch is (inputs, targets).
+    Packed (pack True): several whole examples per row (`pack_rows`), built once. A batch is
+    (inputs, targets, segments), segments giving each position's example within its row
+    (the padding a segment of its own), for a packed training graph (TrainGraph.feeds):
+    each example then sits at positions from 0 and attends to itself only. An example's
+    last target is its own last token, never the next example's first. pack "auto" packs
+    when that makes fewer rows than examples (nearly always).
+
+    The order is `data.EpochOrder`'s over the rows, as for text samples; `state()` and
+    `load_state()` resume exactly."""
 
     def __init__(self, examples: list[Example], n_ctx: int, batch: int, seed: int,
-                 pad_id: int = 0, drop_long: bool = False):
+                 pad_id: int = 0, drop_long: bool = False, pack: bool | str = False):
         long = [len(e) > n_ctx + 1 for e in examples]
         kept = [e for e, is_long in zip(examples, long)       # with something to learn
                 if not (drop_long and is_long) and e.trained[1:n_ctx + 1].any()]
@@ -297,19 +322,33 @@ class ExampleBatches:
         if not kept:
             raise DataError(f"no example has a trained token within n_ctx {n_ctx} (of "
                             f"{len(examples)} examples)")
-        self.n_ctx, self.batch = int(n_ctx), int(batch)
-        self.inputs = np.full((len(kept), n_ctx), pad_id, np.int32)
-        self.targets = np.full((len(kept), n_ctx), IGNORE, np.int32)
-        self._used = 0
-        for row, e in enumerate(kept):
-            ids, trained = e.ids[:n_ctx + 1], e.trained[:n_ctx + 1]
-            self._used += len(ids) - 1
-            self.inputs[row, :len(ids) - 1] = ids[:-1]
-            self.targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE)
-        self.order = EpochOrder(len(kept), seed)
+        if pack not in (True, False, "auto"):
+            raise ValueError(f"pack must be True, False or 'auto', got {pack!r}")
+        self.n_ctx, self.batch, self.n_examples = int(n_ctx), int(batch), len(kept)
+        spans = [min(len(e), n_ctx + 1) - 1 for e in kept]   # positions each one fills
+        self._used = sum(spans)
+        rows = pack_rows(spans, n_ctx) if pack else [[i] for i in range(len(kept))]
+        if pack == "auto" and len(rows) == len(kept):
+            rows = [[i] for i in range(len(kept))]
+        self.packed = len(rows) < len(kept) or pack is True
+        self.inputs = np.full((len(rows), n_ctx), pad_id, np.int32)
+        self.targets = np.full((len(rows), n_ctx), IGNORE, np.int32)
+        self.segments = np.zeros((len(rows), n_ctx), np.int32)
+        for row, members in enumerate(rows):
+            at = 0
+            for segment, i in enumerate(members):
+                ids, trained = kept[i].ids[:n_ctx + 1], kept[i].trained[:n_ctx + 1]
+                end = at + len(ids) - 1
+                self.inputs[row, at:end] = ids[:-1]
+                self.targets[row, at:end] = np.where(trained[1:], ids[1:], IGNORE)
+                self.segments[row, at:end] = segment
+                at = end
+            self.segments[row, at:] = len(members)             # the padding sees itself only
+        self.order = EpochOrder(len(rows), seed)
 
     @property
     def n_samples(self) -> int:
+        """Rows (one example each when padded)."""
         return len(self.inputs)
 
     @property
@@ -325,32 +364,48 @@ class ExampleBatches:
         """The share of the rows' positions that hold an example rather than padding."""
         return self._used / self.inputs.size
 
+    @property
+    def padded_fill(self) -> float:
+        """What `fill` is with one example per row."""
+        return self._used / (self.n_examples * self.n_ctx)
+
+    def _rows(self, rows, targets=None):
+        targets = self.targets[rows] if targets is None else targets
+        if self.packed:
+            return self.inputs[rows], targets, self.segments[rows]
+        return self.inputs[rows], targets
+
     def in_order(self, limit: int | None = None):
-        """(inputs, targets) batches of the examples in file order, the same every time (for
-        evaluation): at most `limit` batches; the last one is filled up with rows that have
-        no target."""
+        """Batches of the rows in order, the same every time (for evaluation): at most
+        `limit` batches; the last one is filled up with rows that have no target."""
         n = self.n_samples if limit is None else min(self.n_samples, limit * self.batch)
         for start in range(0, n, self.batch):
             rows = np.arange(start, start + self.batch)
-            inputs, targets = self.inputs[rows % n], self.targets[rows % n].copy()
+            targets = self.targets[rows % n].copy()
             targets[rows >= n] = IGNORE
-            yield inputs, targets
+            yield self._rows(rows % n, targets)
 
-    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
-        rows = self.order.take(self.batch)
-        return self.inputs[rows], self.targets[rows]
+    def next_batch(self) -> tuple[np.ndarray, ...]:
+        """(inputs, targets), or packed (inputs, targets, segments): TrainGraph.feeds's
+        arguments."""
+        return self._rows(self.order.take(self.batch))
 
     def state(self) -> dict:
         return {"version": STATE_VERSION, **self.order.state(), "n_samples": self.n_samples,
-                "n_ctx": self.n_ctx}
+                "n_ctx": self.n_ctx, "packed": self.packed}
 
     def load_state(self, state: dict) -> None:
         try:
-            same = (int(state["version"]), int(state["n_samples"]), int(state["n_ctx"])) == (
-                STATE_VERSION, self.n_samples, self.n_ctx)
+            version = int(state["version"])
+            same = (int(state["n_samples"]), int(state["n_ctx"]), state["packed"]) == (
+                self.n_samples, self.n_ctx, self.packed)
         except (KeyError, TypeError, ValueError):
-            same = False
+            version, same = None, False
+        if version is not None and version != STATE_VERSION:
+            raise DataError(f"the saved example order is of version {version}, this ggwgpu "
+                            f"reads version {STATE_VERSION} (rows may be packed): start the "
+                            f"finetune again ({state!r})")
         if not same:
             raise DataError(f"the saved example order does not fit these examples: resume "
-                            f"with the same data, vocabulary and n_ctx ({state!r})")
+                            f"with the same data, vocabulary, n_ctx and packing ({state!r})")
         self.order.load_state(state)

@@ -214,7 +214,8 @@ class Trainer:
         self.world = world
         batch = world.local_batch(options.batch) if world else options.batch
         g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
-                                       lora=lora, max_logits_bytes=logits_bound(backend))
+                                       lora=lora, max_logits_bytes=logits_bound(backend),
+                                       packed=getattr(batch_source, "packed", False))
         self.graph = g
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None,
@@ -257,7 +258,8 @@ class Trainer:
         # with a world: the backward and the optimizer run apart, the allreduce between
         self.stages = ((self.plan.stage([g.loss, *accumulated, *sent]),
                         self.plan.stage([self.sumsq, *updates])) if world else (None, None))
-        self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        if not g.packed:    # else positions come with each batch
+            self.plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
         for name, (m, v) in (opt_state or {}).items():
             self.plan.write(self.moments[name][0], m)
             self.plan.write(self.moments[name][1], v)
@@ -272,7 +274,8 @@ class Trainer:
         self.moments, self.exchange, self.stages = {}, None, (None, None)
         self.plan = backend.plan([g.loss, *self.lbfgs.outputs])
         self.lbfgs.attach(self.plan)
-        self.plan.write(g.positions, np.arange(self.cfg.n_ctx, dtype=np.int32))
+        if not g.packed:    # else positions come with each batch
+            self.plan.write(g.positions, np.arange(self.cfg.n_ctx, dtype=np.int32))
         if state:
             self.lbfgs.load_state(state)
 
@@ -319,12 +322,16 @@ class Trainer:
             return np.array([lr, o.weight_decay], np.float32), lr
         return O.adamw_hparams(lr, o.beta1, o.beta2, o.eps, o.weight_decay, t), lr
 
-    def feeds(self, inputs, targets) -> dict:
-        """The graph's inputs for one batch from the batch source: with a world, this
-        rank's rows of it, weighted by the whole batch's count of targets."""
+    def feeds(self, inputs, targets, segments=None) -> dict:
+        """The graph's inputs for one batch from the batch source (with `segments` when its
+        rows are packed): with a world, this rank's rows of it, weighted by the whole
+        batch's count of targets."""
         if self.world is None:
-            return self.graph.feeds(inputs, targets)
-        return self.graph.feeds(*self.world.rows(inputs, targets))
+            return self.graph.feeds(inputs, targets, segments)
+        inputs_, targets_, counted = self.world.rows(inputs, targets)
+        if segments is not None:    # the same rows of the segments
+            segments = self.world.rows(segments, targets)[0]
+        return self.graph.feeds(inputs_, targets_, segments, counted)
 
     def train_step(self, stop: int = 0) -> dict:
         """One optimizer step on the next batch (grad_accum micro-batches); returns what a
@@ -366,15 +373,16 @@ class Trainer:
                 "tokens": self.step * self.step_tokens, "skipped": skipped, **record}
 
     def evaluate(self, batches) -> float:
-        """The mean loss per counted target over `batches` ((inputs, targets) pairs), with
+        """The mean loss per counted target over `batches` (TrainGraph.feeds's arguments:
+        (inputs, targets), or for a packed graph (inputs, targets, segments)), with
         the parameters left as they are: each batch runs the planned step under no-op
         hyper-parameters (lr 0, betas 1), so no second plan (and no copy of the weights) is
         needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
         g, total, count = self.graph, 0.0, 0
         if self.lbfgs is not None:   # the eval stage overwrites its gradient
             self.lbfgs.last = None
-        for inputs, targets in batches:
-            feeds = self.feeds(inputs, targets)
+        for batch in batches:
+            feeds = self.feeds(*batch)
             if self.lbfgs is not None:
                 self.plan.run(feeds, stage=self.lbfgs.stages["eval"])
             else:
@@ -382,7 +390,7 @@ class Trainer:
                 if self.options.grad_accum > 1:
                     feeds[self.keep] = np.zeros(1, np.float32)
                 self.plan.run(feeds, stage=self.stages[0])
-            n = int((np.asarray(targets) >= 0).sum())
+            n = int((np.asarray(batch[1]) >= 0).sum())
             total += float(self.plan.read(g.loss)[0]) * n
             count += n
         if self.world is not None:   # each rank's loss is its share of each batch's mean

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from ggwgpu.chat import (CHATML, IGNORE, ChatTemplate, ExampleBatches, encode_example,
-                         load_dataset, read_jsonl)
+                         load_dataset, pack_rows, read_jsonl)
 from ggwgpu.data import DataError
 from ggwgpu.tokenizer import ByteTokenizer
 
@@ -296,3 +296,187 @@ def test_jsonl_from_a_fifo_or_a_device_or_not_utf8_is_refused(tmp_path):
     (tmp_path / "latin1.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
     with pytest.raises(DataError, match="not valid UTF-8 at byte offset 13"):
         read_jsonl(tmp_path / "latin1.jsonl")
+
+
+# -- packed rows ------------------------------------------------------------------------------
+
+def test_first_fit_decreasing_places_the_longest_first_into_the_first_row_with_room():
+    assert pack_rows([5, 4, 3, 3, 1], 8) == [[0, 2], [1, 3, 4]]
+    assert pack_rows([8, 8], 8) == [[0], [1]]
+
+
+COMPACT = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
+           "{% if add_generation_prompt %}a:{% endif %}")
+
+
+def sums(vocab, n=12):
+    """Short prompt/completion examples of different lengths, the answers trained."""
+    return [encode_example({"prompt": f"{i}+{i % 5}=", "completion": str(i + i % 5) * (1 + i % 4)},
+                           vocab, ChatTemplate(COMPACT), mask_prompt=True) for i in range(n)]
+
+
+def test_packed_rows_hold_whole_examples_from_position_0_and_never_predict_the_next():
+    from ggwgpu.models.llama import packed_inputs
+    vocab = Vocab()
+    examples = sums(vocab) + [encode_example({"prompt": "p" * 20, "completion": "c" * 40},
+                                             vocab, ChatTemplate(CHATML), mask_prompt=True)]
+    packed = ExampleBatches(examples, n_ctx=48, batch=2, seed=5, pack=True)
+    padded = ExampleBatches(examples, n_ctx=48, batch=2, seed=5)
+    assert packed.packed and not padded.packed
+    assert packed.n_examples == padded.n_samples == len(examples) > packed.n_samples
+    assert packed.truncated == padded.truncated == 1
+    assert packed.trained_tokens == padded.trained_tokens
+    assert packed.fill > packed.padded_fill == pytest.approx(padded.fill)
+    positions, _ = packed_inputs(packed.segments)
+    found = []
+    for row in range(packed.n_samples):
+        segments = packed.segments[row]
+        for s in np.unique(segments):
+            at = np.flatnonzero(segments == s)
+            assert (np.diff(at) == 1).all()                   # one run, from position 0
+            np.testing.assert_array_equal(positions[row, at], np.arange(len(at)))
+            inputs, targets = packed.inputs[row, at], packed.targets[row, at]
+            # one example's inputs and targets: its own tokens, never the next one's
+            match = [i for i, e in enumerate(examples) if len(at) == min(len(e) - 1, 48)
+                     and np.array_equal(e.ids[:len(at)], inputs)]
+            if not match:                                     # the padding, at the end
+                assert at[-1] == 47 and s == segments.max()
+                assert (inputs == 0).all() and (targets == IGNORE).all()
+                continue
+            e = examples[match[0]]
+            want = np.where(e.trained[1:len(at) + 1], e.ids[1:len(at) + 1], IGNORE)
+            np.testing.assert_array_equal(targets, want)
+            found.append(match[0])
+    assert sorted(found) == list(range(len(examples)))
+
+
+def test_packed_rows_resume_exactly_and_refuse_another_packing_or_an_old_state():
+    vocab = Vocab()
+    examples = sums(vocab)
+    batches = ExampleBatches(examples, n_ctx=48, batch=2, seed=5, pack="auto")
+    assert batches.packed
+    batches.next_batch()
+    state = batches.state()
+    after = [batches.next_batch() for _ in range(4)]
+    again = ExampleBatches(examples, n_ctx=48, batch=2, seed=0, pack="auto")
+    again.load_state(state)
+    for a, b in zip(after, [again.next_batch() for _ in range(4)]):
+        assert len(a) == len(b) == 3
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(DataError, match="same data, vocabulary, n_ctx and packing"):
+        ExampleBatches(examples, n_ctx=48, batch=2, seed=0).load_state(state)
+    with pytest.raises(DataError, match="version 1"):
+        again.load_state({**state, "version": 1})
+    # auto pads when no two examples share a row
+    assert not ExampleBatches(examples, n_ctx=20, batch=2, seed=0, pack="auto").packed
+
+
+# A grouped-query llama over Vocab, and the loss and gradients of one batch on a backend.
+PACK_CFG = dict(n_embd=8, n_head=4, n_head_kv=2, n_layer=2, n_ff=12, n_ctx=48)
+
+
+def pack_model(vocab):
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    cfg = LlamaConfig(n_vocab=len(vocab.tokens), **PACK_CFG)
+    rng = np.random.default_rng(4)
+    values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+              for k, v in init_parameters(cfg, seed=2).items()}
+    return cfg, values
+
+
+def loss_and_gradients(backend, cfg, values, rows, packed, flash=False):
+    import ggwgpu as gg
+    from ggwgpu.models.llama import build_train_graph
+    g = build_train_graph(cfg, values, len(rows[0]), flash=flash, packed=packed)
+    grads = gg.build_backward(g.loss, list(g.params.values()))
+    plan = backend.plan([g.loss, *grads.values()])
+    if not packed:
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    plan.run(g.feeds(*rows))
+    return float(plan.read(g.loss)[0]), {p.name: plan.read(d) for p, d in grads.items()}
+
+
+@pytest.mark.parametrize("flash", [False, True])
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_a_packed_batch_has_the_loss_and_gradients_of_its_examples_one_at_a_time(
+        backend_name, flash, request):
+    """The mean loss per trained token of packed rows, and its gradient w.r.t. every weight,
+    equal the token-weighted combination of each example alone in a padded row (unfused
+    attention, or flash_attn_ext over the mask against flash_attn's causal rule)."""
+    from ggwgpu.backends.numpy_backend import NumpyBackend
+    backend = NumpyBackend(np.float64) if backend_name == "numpy" \
+        else request.getfixturevalue("wgpu")
+    vocab = Vocab()
+    cfg, values = pack_model(vocab)
+    examples = sums(vocab, 10)
+    packed = ExampleBatches(examples, cfg.n_ctx, batch=3, seed=0, pack=True)
+    assert packed.n_samples == 3 and packed.packed
+    loss, grads = loss_and_gradients(backend, cfg, values, next(packed.in_order()), True, flash)
+    alone = ExampleBatches(examples, cfg.n_ctx, batch=1, seed=0)
+    total_loss, total_grads, total = 0.0, {}, 0
+    for rows in alone.in_order():
+        n = int((rows[1] >= 0).sum())
+        l, g = loss_and_gradients(backend, cfg, values, rows, False, flash)
+        total_loss += n * l
+        total_grads = {k: total_grads.get(k, 0) + n * v for k, v in g.items()}
+        total += n
+    tol = 1e-7 if backend_name == "numpy" else 2e-5    # the loss weights 1 / count are f32
+    assert loss == pytest.approx(total_loss / total, rel=tol)
+    for name, g in grads.items():
+        want = total_grads[name] / total
+        assert np.abs(g - want).max() <= tol * 10 * np.abs(want).max(), name
+
+
+@pytest.mark.parametrize("flash", [False, True])
+def test_no_packed_example_sees_another_and_each_has_its_logits_alone(flash):
+    from ggwgpu.backends.numpy_backend import NumpyBackend
+    from ggwgpu.models.llama import build_train_graph
+    backend = NumpyBackend(np.float64)
+    vocab = Vocab()
+    cfg, values = pack_model(vocab)
+    examples = sums(vocab, 5)
+    packed = ExampleBatches(examples, cfg.n_ctx, batch=1, seed=0, pack=True)
+
+    def logits(inputs, segments=None):
+        g = build_train_graph(cfg, values, len(inputs), flash, packed=segments is not None)
+        plan = backend.plan(g.logits)
+        if segments is None:
+            plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        plan.run({t: v for t, v in g.feeds(inputs, np.zeros_like(inputs), segments).items()
+                  if t in (g.tokens, g.positions, g.mask)})
+        return g.read_logits(plan)
+
+    inputs, segments = packed.inputs[:1], packed.segments[:1]
+    assert segments.max() >= 2                                 # at least two examples
+    before = logits(inputs, segments)
+    for s in range(segments.max()):                            # every example but the padding
+        at = np.flatnonzero(segments[0] == s)
+        changed = inputs.copy()
+        changed[0, at] = (changed[0, at] + 7) % 200 + 3         # other bytes
+        after = logits(changed, segments)
+        others = segments[0] != s
+        np.testing.assert_array_equal(after[0, others], before[0, others])
+        assert not np.allclose(after[0, at], before[0, at])
+        # alone in a row of its own, at positions 0 .., it has the same logits
+        row = np.zeros((1, cfg.n_ctx), np.int32)
+        row[0, :len(at)] = inputs[0, at]
+        np.testing.assert_allclose(logits(row)[0, :len(at)], before[0, at], rtol=1e-12,
+                                   atol=1e-12)
+
+
+def test_a_packed_graph_refuses_unpacked_feeds_and_the_unpacked_graph_keeps_its_ops():
+    from ggwgpu.models.llama import build_train_graph
+    vocab = Vocab()
+    cfg, values = pack_model(vocab)
+    tokens = np.zeros((2, cfg.n_ctx), np.int32)
+    with pytest.raises(ValueError, match="needs the segments"):
+        build_train_graph(cfg, values, 2, packed=True).feeds(tokens, tokens)
+    plain = build_train_graph(cfg, values, 2)
+    with pytest.raises(ValueError, match="segments need a packed"):
+        plain.feeds(tokens, tokens, tokens)
+    # the unpacked graph keeps its causal mask op and one row of positions
+    from ggwgpu.graph import topo_order
+    ops = {t.op for t in topo_order([plain.loss])}
+    assert "diag_mask_inf" in ops and "soft_max_ext" not in ops
+    assert plain.positions.shape == (cfg.n_ctx,) and plain.mask is None

@@ -615,15 +615,21 @@ def test_finetune_names_the_bad_line_of_its_data(tmp_path, line, message):
     assert r.exit_code == 2
 
 
-def test_finetune_on_chat_data_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("packing", ["packed", "padded", "packed-flash"])
+def test_finetune_on_chat_data_resumes_exactly(tmp_path, packing):
     base = tiny_base(tmp_path / "base.gguf")
     data, template = chat_data(tmp_path)
     args = ["--data", str(data), "--chat-template", str(template), "--mask-prompt",
-            "--n-ctx", "24"]
+            "--n-ctx", "24"] + {"packed": [], "padded": ["--no-pack"],
+                                "packed-flash": ["--flash-attn"]}[packing]
     whole, part = tmp_path / "whole.jsonl", tmp_path / "part.jsonl"
     r = finetune_on(base, *args, "--steps", "4", "--out", str(tmp_path / "w.gguf"),
                     "--log", str(whole))
     assert r.exit_code == 0, r.output
+    assert ("train: 24 examples, 48 trained tokens; packed into 12 rows of 24 (2.0 examples "
+            "each), 92% of positions used (padding would use 46%)" if packing != "padded" else
+            "train: 24 examples, 48 trained tokens; one per row of 24, padded, 46% of "
+            "positions used") in r.output, r.output
     ckpt = tmp_path / "ckpt.gguf"
     r = finetune_on(base, *args, "--steps", "2", "--out", str(tmp_path / "p.gguf"),
                     "--checkpoint-out", str(ckpt), "--log", str(part))
@@ -635,6 +641,25 @@ def test_finetune_on_chat_data_resumes_exactly(tmp_path):
     r = finetune_on(base, "--data", str(data), "--n-ctx", "24", "--steps", "1",
                     "--out", str(tmp_path / "x.gguf"), "--checkpoint-in", str(ckpt))
     assert r.exit_code == 2 and "trained on other examples" in r.output, r.output
+    # the same examples, packed the other way
+    other = [a for a in args if a != "--no-pack"] + (["--no-pack"] if packing != "padded" else [])
+    r = finetune_on(base, *other, "--steps", "1", "--out", str(tmp_path / "x.gguf"),
+                    "--checkpoint-in", str(ckpt))
+    assert r.exit_code == 2 and "same data, vocabulary, n_ctx and packing" in r.output, r.output
+
+
+def test_eval_on_chat_data_gives_the_same_loss_packed_and_padded(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    data, template = chat_data(tmp_path)
+    args = ["--backend", "numpy", "eval", str(base), "--data", str(data), "--chat-template",
+            str(template), "--n-ctx", "40", "--batch", "3", "--split", "train"]
+    losses = {}
+    for extra in ([], ["--no-pack"]):
+        r = invoke(*args, *extra)
+        assert r.exit_code == 0, r.output
+        losses[bool(extra)] = float(re.search(r"loss (\S+) nats", r.output)[1])
+        assert ("one per row of 40, padded" if extra else "(3.0 examples each)") in r.output
+    assert losses[True] == pytest.approx(losses[False], abs=1e-4)
 
 
 def float_options():

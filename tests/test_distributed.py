@@ -152,17 +152,26 @@ def test_without_mpi4py_the_error_says_what_to_install(monkeypatch):
     assert r.exit_code == 1 and "pip install 'ggwgpu[mpi]'" in r.output, r.output
 
 
-def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_path, mpiexec):
+@pytest.mark.parametrize("packing", ["padded", "packed"])
+def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_path, mpiexec,
+                                                                         packing):
     base = tmp_path / "base.gguf"
     r = CliRunner().invoke(cli, train_args("--batch", "2", "--steps", "1", "--out", str(base)))
     assert r.exit_code == 0, r.output
+    data, n_ctx = "chat-demo", "128"    # bytes: one conversation fills a row
+    if packing == "packed":             # short sums, several to a row
+        data, n_ctx = tmp_path / "sums.jsonl", "256"
+        data.write_text("".join(json.dumps({"prompt": f"{i % 7}+{i % 3}=",
+                                            "completion": str(i % 7 + i % 3) * (1 + i % 3)})
+                                + "\n" for i in range(40)))
     # masked prompts: the ranks' rows count different numbers of targets
-    args = ["--backend", "numpy", "finetune", str(base), "--data", "chat-demo", "--mask-prompt",
-            "--n-ctx", "128", "--steps", "3", "--warmup", "2", "--lr", "1e-2", "--val-split",
+    args = ["--backend", "numpy", "finetune", str(base), "--data", str(data), "--mask-prompt",
+            "--n-ctx", n_ctx, "--steps", "3", "--warmup", "2", "--lr", "1e-2", "--val-split",
             "0.25", "--val-every", "3"]
     r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
                                  "--out", str(tmp_path / "one.gguf")])
     assert r.exit_code == 0, r.output
+    assert ("packed into" in r.output) == (packing == "packed"), r.output
     r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
                 "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
     assert r.returncode == 0, r.stdout + r.stderr

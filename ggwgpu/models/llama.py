@@ -197,7 +197,7 @@ MAX_LOGITS_BYTES = 128 << 20   # WebGPU's default (and lavapipe's) max storage b
 @dataclass
 class TrainGraph:
     tokens: object            # i32 input (batch, n_ctx)
-    positions: object         # i32 input (n_ctx,)
+    positions: object         # i32 input (n_ctx,), or packed (batch, n_ctx)
     targets: object           # i32 input (batch, n_ctx): target ids, negative ones ignored
     weights: object           # f32 input (batch, n_ctx): 1 / counted targets, 0 on ignored
     logits: list              # row chunks of the (batch * n_ctx, n_vocab) logits, in order
@@ -206,12 +206,26 @@ class TrainGraph:
     checkpoints: list         # each block's output, for gradient checkpointing
     recompute: list           # what the backward recomputes (build_backward's recompute): the
                               # logits chunks' nodes, when there is more than one chunk
+    mask: object = None       # packed: f32 input (batch, 1, n_ctx, n_ctx), 0 where a query
+                              # sees a key, -inf elsewhere
 
-    def feeds(self, tokens, targets, counted: int | None = None) -> dict:
+    @property
+    def packed(self) -> bool:
+        """Whether a row holds several sequences (positions and mask are per batch)."""
+        return self.mask is not None
+
+    def feeds(self, tokens, targets, segments=None, counted: int | None = None) -> dict:
         """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
         negative target id leaves its position out of the loss and of the mean. `counted`
         is the number of targets the mean divides by, when the batch is a rank's part of a
-        larger one (default: the counted targets of this batch)."""
+        larger one (default: the counted targets of this batch). A packed
+        graph also takes `segments` (batch, n_ctx): which sequence of its row each position
+        belongs to (`packed_inputs`), from which the positions and the mask are made; an
+        unpacked one takes none (its positions are 0 .. n_ctx - 1, written once)."""
+        if (segments is None) == self.packed:
+            raise ValueError("a packed training graph needs the segments of its rows"
+                             if self.packed else "segments need a packed training graph "
+                             "(build_train_graph(..., packed=True))")
         targets = np.asarray(targets, np.int32).reshape(self.targets.shape)
         n_vocab = self.logits[0].shape[-1]
         if (targets >= n_vocab).any():
@@ -220,14 +234,36 @@ class TrainGraph:
         mask = targets >= 0
         counted = int(mask.sum()) if counted is None else counted
         weights = np.where(mask, np.float32(1.0 / max(1, counted)), 0)
-        return {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
-                self.weights: weights.astype(np.float32)}
+        feeds = {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
+                 self.weights: weights.astype(np.float32)}
+        if segments is not None:
+            positions, mask = packed_inputs(np.reshape(segments, self.targets.shape))
+            feeds.update({self.positions: positions, self.mask: mask})
+        return feeds
 
     def read_logits(self, plan) -> np.ndarray:
         """The logits (batch, n_ctx, n_vocab), from a plan with every chunk among its
         outputs (plan(graph.logits))."""
         rows = np.concatenate([plan.read(t) for t in self.logits])
         return rows.reshape(self.tokens.shape + rows.shape[-1:])
+
+
+def packed_inputs(segments) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (batch, n_ctx) i32 and the additive attention mask (batch, 1, n_ctx,
+    n_ctx) f32 of rows that hold several sequences, one after another: `segments` (batch,
+    n_ctx) gives each position's sequence, a run of equal values. Each run's positions start
+    at 0, and query i sees key j (mask 0, else -inf) when both are in one run and j <= i,
+    so no sequence attends to another (llama.cpp's batch of several sequences)."""
+    segments = np.asarray(segments)
+    n = segments.shape[-1]
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    run = np.cumsum(starts, axis=1)                       # the run of each position
+    at = np.arange(n)
+    first = np.maximum.accumulate(np.where(starts, at, 0), axis=1)
+    seen = (run[:, :, None] == run[:, None, :]) & (at[None, :] <= at[:, None])
+    mask = np.where(seen, np.float32(0), np.float32(-np.inf))[:, None]
+    return (at - first).astype(np.int32), mask
 
 
 def attention(cfg, q, k, v, flash: bool, mask=None):
@@ -251,7 +287,7 @@ def attention(cfg, q, k, v, flash: bool, mask=None):
 
 def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False,
                       lora=None, adapters=(), frozen: bool = False,
-                      max_logits_bytes: int = MAX_LOGITS_BYTES):
+                      max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
     tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
@@ -266,22 +302,39 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     gradient at once only when the chunk has at least n_embd rows (the share then costs
     less than the gradient it frees): so when the bound is at least twice the output weight
     (chunks have at least half the rows the bound allows). Feed a batch with
-    TrainGraph.feeds."""
+    TrainGraph.feeds.
+
+    `packed`: a row holds several sequences (examples packed one after another), each at
+    positions from 0 and attending to itself only: positions become an input per row
+    (batch, n_ctx), roped as one run of batch * n_ctx tokens (as llama.cpp ropes a batch of
+    several sequences), and an additive mask input (TrainGraph.mask) replaces the causal
+    one (soft_max_ext, or with flash flash_attn_ext)."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora")
     else:
         p, params = model_weights(values, adapters, None if frozen else "base")
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
-    positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = input_tensor((batch, cfg.n_ctx), "i32", name="targets")
     weights = input_tensor((batch, cfg.n_ctx), name="target weights")
+    mask = None
+    if packed:
+        positions = input_tensor((batch, cfg.n_ctx), "i32", name="positions")
+        mask = input_tensor((batch, 1, cfg.n_ctx, cfg.n_ctx), name="attention mask")
+        token_positions = O.reshape(positions, (batch * cfg.n_ctx,))
+    else:
+        positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
 
     x = embed(p, tokens)                                          # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
-        q, k, v = project_qkv(cfg, p, b, x, (batch, cfg.n_ctx), positions)
-        att = O.reshape(O.cont(attention(cfg, q, k, v, flash)), (batch, cfg.n_ctx, cfg.q_dim))
+        if packed:  # rope each token at its own position, then back to rows
+            q, k, v = (O.reshape(t, (batch, cfg.n_ctx) + t.shape[1:]) for t in project_qkv(
+                cfg, p, b, x, (batch * cfg.n_ctx,), token_positions))
+        else:
+            q, k, v = project_qkv(cfg, p, b, x, (batch, cfg.n_ctx), positions)
+        att = O.reshape(O.cont(attention(cfg, q, k, v, flash, mask)),
+                        (batch, cfg.n_ctx, cfg.q_dim))
         x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
         checkpoints.append(x)
     rows = batch * cfg.n_ctx
@@ -304,7 +357,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
-                      recompute)
+                      recompute, mask)
 
 
 def nodes_between(x, y) -> list:
