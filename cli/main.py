@@ -714,7 +714,11 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     loss = total / max(counted, 1)
     with_lora = "".join(f" + {path}" for path in lora_paths)
     click.echo(f"eval on {describe_backend(backend)}: {model}{with_lora} on {what}")
-    click.echo(f"loss {loss:.4f} nats/token, perplexity {math.exp(loss):.3f}")
+    if not math.isfinite(loss):     # finite weights whose activations overflow float32
+        raise click.ClickException(f"the loss of {model}{with_lora} is {loss}: its values "
+                                   f"overflow float32 in the forward pass")
+    perplexity = math.exp(loss) if loss < 700 else math.inf     # exp overflows past ~709
+    click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity:.3f}")
 
 
 try:

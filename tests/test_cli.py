@@ -11,6 +11,7 @@ import re
 import sys
 
 import click
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -443,6 +444,23 @@ def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp
     r = invoke("--backend", "numpy", "eval", str(base), "--corpus", "tempest", "--samples", "8",
                "--n-ctx", "6")
     assert "8 windows of 6 tokens" in r.output, r.output
+
+
+def test_eval_of_a_model_that_overflows_float32_is_an_error_not_nan(tmp_path):
+    """Finite weights (the reader refuses others) can still overflow in the forward: eval
+    says so and exits 1, rather than printing perplexity nan (or an OverflowError)."""
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.tokenizer import ByteTokenizer
+    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=2,
+                      n_ff=32, n_ctx=16)
+    values = init_parameters(cfg, 1)
+    values["output.weight"] = np.sign(values["output.weight"]) * np.float32(3e38)
+    gguf_io.save_model(tmp_path / "huge.gguf", cfg, values, ByteTokenizer())
+    (tmp_path / "text.txt").write_text("To be, or not to be, that is the question.\n" * 20)
+    r = invoke("--backend", "numpy", "eval", str(tmp_path / "huge.gguf"),
+               str(tmp_path / "text.txt"), "--samples", "4")
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "overflow float32 in the forward pass" in r.output and "perplexity" not in r.output
 
 
 def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tmp_path):
