@@ -17,37 +17,38 @@ TEXT_LIMIT_VAR = "GGWGPU_MAX_TEXT_BYTES"
 MAX_TEXT_BYTES = 256 * 2 ** 20          # default: 256 MiB, tokenized in minutes, not hours
 
 
-def regular_file_problem(path) -> str | None:
-    """Why `path` cannot be read as an input file (missing, a directory, a FIFO, a device,
-    a socket, not accessible), or None for a regular file."""
+def file_kind(path) -> str:
+    """'missing', 'directory', 'special' (a FIFO, a device or a socket), 'regular', or
+    the reason it cannot be looked at."""
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        return "no such file"
+        return "missing"
     except OSError as e:
         return f"cannot be read ({e.strerror or e})"
     if stat.S_ISDIR(mode):
-        return "is a directory, not a file"
-    if not stat.S_ISREG(mode):
-        return ("is not a regular file (a FIFO, a device or a socket); ggwgpu reads inputs "
-                "from regular files only")
-    return None
+        return "directory"
+    return "regular" if stat.S_ISREG(mode) else "special"
+
+
+def regular_file_problem(path) -> str | None:
+    """Why `path` cannot be read as an input file (missing, a directory, a FIFO, a device,
+    a socket, not accessible), or None for a regular file."""
+    kind = file_kind(path)
+    return {"regular": None, "missing": "no such file",
+            "directory": "is a directory, not a file",
+            "special": "is not a regular file (a FIFO, a device or a socket); ggwgpu reads "
+                       "inputs from regular files only"}.get(kind, kind)
 
 
 def replace_problem(path) -> str | None:
     """Why an output cannot be written to `path` by renaming a new file onto it (as every
     writer here does): it exists and is a directory, a device, a FIFO or a socket (renaming
-    onto /dev/null as root would replace the device), or None."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None         # missing (or unreadable): the write itself says what fails
-    if stat.S_ISDIR(mode):
-        return "is a directory"
-    if not stat.S_ISREG(mode):
-        return ("exists and is not a regular file (a device, a FIFO or a socket); ggwgpu "
-                "writes outputs as new files renamed into place")
-    return None
+    onto /dev/null as root would replace the device), or None; a path that is missing or
+    cannot be looked at is left to the write itself to report."""
+    return {"directory": "is a directory",
+            "special": "exists and is not a regular file (a device, a FIFO or a socket); "
+                       "ggwgpu writes outputs as new files renamed into place"}.get(file_kind(path))
 
 
 def max_text_bytes() -> int:

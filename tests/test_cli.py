@@ -499,7 +499,8 @@ def test_train_writes_a_grouped_query_model_with_tied_embeddings(tmp_path):
     # its LoRA finetune pairs no embedding unless asked, and says llama.cpp cannot apply those
     r = finetune(tmp_path, out, "--steps", "1", "--out", str(tmp_path / "a.gguf"))
     assert r.exit_code == 0 and "note:" not in r.output, r.output
-    r = finetune(tmp_path, out, "--steps", "1", "--rank-out", "2", "--out", str(tmp_path / "b.gguf"))
+    r = finetune(tmp_path, out, "--steps", "1", "--rank-out", "2",
+                 "--out", str(tmp_path / "b.gguf"))
     assert r.exit_code == 0 and "llama.cpp cannot apply a LoRA pair" in r.output, r.output
 
 
@@ -767,7 +768,8 @@ def test_resuming_with_another_samples_after_nl_is_a_usage_error(tmp_path):
     assert invoke(*args, "--checkpoint-out", str(tmp_path / "c.gguf")).exit_code == 0
     out = no_traceback(invoke(*args, "--checkpoint-in", str(tmp_path / "c.gguf"),
                               "--samples-after-nl"), 2)
-    assert "c.gguf" in out and "resume with the same text, vocabulary, n_ctx and newline option" in out
+    assert "c.gguf" in out
+    assert "resume with the same text, vocabulary, n_ctx and newline option" in out
 
 
 @pytest.mark.parametrize("log, message", [
