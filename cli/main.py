@@ -76,12 +76,13 @@ class Commands(click.Group):
 
     def invoke(self, ctx):
         from ggwgpu.data import DataError
+        from ggwgpu.generate import NonFiniteLogits
         from ggwgpu.gguf_io import GGUFError
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except (GGUFError, DataError) as e:
+        except (GGUFError, DataError, NonFiniteLogits) as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""

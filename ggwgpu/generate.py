@@ -106,9 +106,17 @@ def min_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
     return np.where(logits >= np.max(logits) + np.log(p), logits, -np.inf)
 
 
+class NonFiniteLogits(ValueError):
+    """The model's logits hold inf or NaN: finite weights (the readers refuse others) whose
+    activations overflow float32. No token can be sampled from them."""
+
+
 def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generator) -> int:
     """One token id from `logits` (n_vocab,) after the sampler chain (module docstring);
     `recent` are the context's token ids, the last s.repeat_last_n of which are penalised."""
+    if not np.isfinite(logits).all():
+        raise NonFiniteLogits(f"{int((~np.isfinite(logits)).sum())} of the {len(logits)} "
+                              f"logits are not finite: the model's values overflow float32")
     recent = list(recent)[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
     logits = apply_repeat_penalty(logits, recent, s.repeat_penalty)
     if s.temperature <= 0:

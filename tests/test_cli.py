@@ -446,9 +446,10 @@ def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp
     assert "8 windows of 6 tokens" in r.output, r.output
 
 
-def test_eval_of_a_model_that_overflows_float32_is_an_error_not_nan(tmp_path):
+def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(tmp_path):
     """Finite weights (the reader refuses others) can still overflow in the forward: eval
-    says so and exits 1, rather than printing perplexity nan (or an OverflowError)."""
+    and generate say so and exit 1, rather than printing perplexity nan (or an
+    OverflowError) or sampling from NaN."""
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tokenizer import ByteTokenizer
     cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=2,
@@ -461,6 +462,11 @@ def test_eval_of_a_model_that_overflows_float32_is_an_error_not_nan(tmp_path):
                str(tmp_path / "text.txt"), "--samples", "4")
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
     assert "overflow float32 in the forward pass" in r.output and "perplexity" not in r.output
+    for sampling in (("--temp", "0"), ("--temp", "0.8")):      # greedy, and sampled
+        r = invoke("--backend", "numpy", "generate", str(tmp_path / "huge.gguf"), "-p", "Hi",
+                   "-n", "4", *sampling)
+        assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+        assert "logits are not finite: the model's values overflow float32" in r.output
 
 
 def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tmp_path):
