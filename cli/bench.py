@@ -22,12 +22,8 @@ import numpy as np
 
 import ggwgpu
 
-try:
-    from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
-    from .outputs import check_writable
-except ImportError:  # run as a script: python cli/main.py
-    from common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
-    from outputs import check_writable
+from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+from .outputs import check_writable
 
 # (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
 # layer (d_model 256, ffn 768, 512 tokens) and the classic cube.

@@ -15,14 +15,9 @@ import time
 
 import click
 
-try:
-    from .bench import RandomBatches, bench_model, config_option, json_option, write_json
-    from .common import describe_backend, select_backend
-    from .training import mpi_world
-except ImportError:  # run as a script: python cli/main.py
-    from bench import RandomBatches, bench_model, config_option, json_option, write_json
-    from common import describe_backend, select_backend
-    from training import mpi_world
+from .bench import RandomBatches, bench_model, config_option, json_option, write_json
+from .common import describe_backend, select_backend
+from .training import mpi_world
 
 
 def parse_ranks(ctx, param, value) -> list[int]:

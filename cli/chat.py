@@ -13,14 +13,9 @@ import click
 
 from ggwgpu.tokenizer import VocabError
 
-try:
-    from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
-                         lora_option, sampling_of, sampling_options, select_backend,
-                         template_option)
-except ImportError:  # run as a script: python cli/main.py
-    from common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
-                        lora_option, sampling_of, sampling_options, select_backend,
-                        template_option)
+from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
+                     lora_option, sampling_of, sampling_options, select_backend,
+                     template_option)
 
 
 def stream_reply(session, text: str, n: int) -> int:

@@ -16,24 +16,14 @@ import click
 from ggwgpu import gguf_io
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
-try:
-    from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
-                         select_backend, with_context)
-    from .outputs import check_outputs
-    from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
-                           describe_examples, device_errors, example_batches, example_sets,
-                           existing_directory, guard_outputs, is_root, mpi_world,
-                           read_text, resume_args, resume_data, resumed_options, steps_of,
-                           train_options, training_loop, training_options, training_samples)
-except ImportError:  # run as a script: python cli/main.py
-    from common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
-                        select_backend, with_context)
-    from outputs import check_outputs
-    from training import (Validation, across_ranks, data_options, default_checkpoint_path,
-                          describe_examples, device_errors, example_batches, example_sets,
-                          existing_directory, guard_outputs, is_root, mpi_world,
-                          read_text, resume_args, resume_data, resumed_options, steps_of,
-                          train_options, training_loop, training_options, training_samples)
+from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
+                     select_backend, with_context)
+from .outputs import check_outputs
+from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
+                       describe_examples, device_errors, example_batches, example_sets,
+                       existing_directory, guard_outputs, is_root, mpi_world,
+                       read_text, resume_args, resume_data, resumed_options, steps_of,
+                       train_options, training_loop, training_options, training_samples)
 
 
 MAX_LAYER = 65535      # no llama comes near; the model's own count is checked later

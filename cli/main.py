@@ -1,8 +1,8 @@
 """The `ggwgpu` command: adapter info, the op test matrix, a demo fit, training; the
 benchmarks are in bench.py.
 
-Only absolute imports of `ggwgpu` here: this module runs as `ggwgpu_cli.main` when installed
-and as `cli.main` from a source checkout.
+Only absolute imports of `ggwgpu` here: this package is installed as `ggwgpu_cli` (the
+`ggwgpu` command and `python -m ggwgpu` run its `cli`).
 """
 from __future__ import annotations
 
@@ -22,34 +22,19 @@ from ggwgpu.backends import CHOICES, ENV_VAR
 from ggwgpu.data import BUNDLED
 from ggwgpu.generate import Sampling
 
-try:
-    from .chat import chat_answer, chat_command
-    from .outputs import check_outputs
-    from .common import chat_template as load_chat_template
-    from .common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
-                         describe_backend, human_bytes, load_model, lora_option,
-                         planned_memory, sampling_of, sampling_options, select_backend,
-                         template_option, with_context, wgpu_or_reason)
-    from .training import (SPLITS, data_options, describe_examples, example_batches,
-                           example_sets)
-    from .training import (across_ranks, default_checkpoint_path, device_errors,
-                           existing_directory, guard_outputs, is_root, local_batch, mpi_world,
-                           positive, read_text, resume_args, resumed_options, steps_of,
-                           train_options, training_loop, training_options, training_samples)
-except ImportError:  # run as a script: python cli/main.py
-    from chat import chat_answer, chat_command
-    from outputs import check_outputs
-    from common import chat_template as load_chat_template
-    from common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
-                        describe_backend, human_bytes, load_model, lora_option,
-                        planned_memory, sampling_of, sampling_options, select_backend,
-                        template_option, with_context, wgpu_or_reason)
-    from training import (SPLITS, data_options, describe_examples, example_batches,
-                          example_sets)
-    from training import (across_ranks, default_checkpoint_path, device_errors,
-                          existing_directory, guard_outputs, is_root, local_batch, mpi_world,
-                          positive, read_text, resume_args, resumed_options, steps_of,
-                          train_options, training_loop, training_options, training_samples)
+from .chat import chat_answer, chat_command
+from .outputs import check_outputs
+from .common import chat_template as load_chat_template
+from .common import (FiniteFloat, auto_pick, backend_choice, check_memory, ctx_option,
+                     describe_backend, human_bytes, load_model, lora_option,
+                     planned_memory, sampling_of, sampling_options, select_backend,
+                     template_option, with_context, wgpu_or_reason)
+from .training import (SPLITS, data_options, describe_examples, example_batches,
+                       example_sets)
+from .training import (across_ranks, default_checkpoint_path, device_errors,
+                       existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                       positive, read_text, resume_args, resumed_options, steps_of,
+                       train_options, training_loop, training_options, training_samples)
 
 # (adapter limit, label, is a size in bytes)
 LIMITS = (
@@ -722,16 +707,10 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity:.3f}")
 
 
-try:
-    from .bench import bench
-    from .bench_ranks import bench_ranks
-    from .finetune import finetune_command, merge_command
-    from .quantize import quantize_command
-except ImportError:  # run as a script: python cli/main.py
-    from bench import bench
-    from bench_ranks import bench_ranks
-    from finetune import finetune_command, merge_command
-    from quantize import quantize_command
+from .bench import bench
+from .bench_ranks import bench_ranks
+from .finetune import finetune_command, merge_command
+from .quantize import quantize_command
 
 bench.add_command(bench_ranks)
 cli.add_command(bench)

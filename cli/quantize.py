@@ -10,10 +10,7 @@ import click
 from ggwgpu import gguf_io
 from ggwgpu.quant import QUANTIZABLE, Quantized, quantize_model
 
-try:
-    from .outputs import check_outputs
-except ImportError:  # run as a script: python cli/main.py
-    from outputs import check_outputs
+from .outputs import check_outputs
 
 
 @click.command("quantize")

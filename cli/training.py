@@ -22,10 +22,7 @@ from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 from ggwgpu.gguf_io import os_problem
 
-try:
-    from .common import FiniteFloat, chat_template, template_option
-except ImportError:  # run as a script: python cli/main.py
-    from common import FiniteFloat, chat_template, template_option
+from .common import FiniteFloat, chat_template, template_option
 
 
 def positive(kind=int):
@@ -534,10 +531,7 @@ def guard_outputs(ctx, inputs, out: str, checkpoint_path: str, kw: dict, more=()
     none of its `inputs` nor one another (the checkpoint may be --checkpoint-in: a run goes
     on from its own), their directories can be written, an existing --log is a log; then
     OUT and the checkpoint are locked until the command ends."""
-    try:
-        from .outputs import RunLock, check_log, check_outputs
-    except ImportError:  # run as a script: python cli/main.py
-        from outputs import RunLock, check_log, check_outputs
+    from .outputs import RunLock, check_log, check_outputs
     if not is_root():       # under mpirun rank 0 writes every file
         return
     checkpoint = "--checkpoint-out" if kw["checkpoint_out"] else "--checkpoint-out (default)"

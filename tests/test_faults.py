@@ -26,7 +26,6 @@ from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
 TINY_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
 TEXT = data.bundled_corpus()[:20000]
@@ -50,9 +49,9 @@ def run_cli(args):
 
 
 def spawn(args) -> subprocess.Popen:
-    """The CLI in a subprocess of its own, as a user runs it."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.Popen([sys.executable, str(REPO / "cli" / "main.py"), *args], env=env,
+    """The CLI in a subprocess of its own, as a user runs it (`python -m ggwgpu`: the
+    installed package, as the tests import it)."""
+    return subprocess.Popen([sys.executable, "-m", "ggwgpu", *args],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
