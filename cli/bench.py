@@ -22,7 +22,8 @@ import numpy as np
 
 import ggwgpu
 
-from .common import backend_choice, describe_backend, human_bytes, wgpu_or_reason
+from .common import (backend_choice, describe_backend, human_bytes, positive_ints,
+                     wgpu_or_reason)
 from .outputs import check_writable
 
 # (M, N, K) for mul_mat(a [M, K], b [N, K]) -> [N, M]: the projections of a small llama
@@ -775,19 +776,9 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
 
 # -- bench memory ---------------------------------------------------------------------------
 
-def parse_layers(ctx, param, value) -> list[int]:
-    try:
-        layers = [int(v) for v in value.split(",")]
-    except ValueError:
-        layers = []
-    if not layers or min(layers) < 1:
-        raise click.BadParameter(f"{value!r} is not a comma-separated list of positive ints")
-    return layers
-
-
 @bench.command("memory")
 @config_option
-@click.option("--layers", default="4,8,16", show_default=True, callback=parse_layers,
+@click.option("--layers", default="4,8,16", show_default=True, callback=positive_ints("4,8,16"),
               help="n_layer values to plan (other shapes from --config).")
 @json_option
 @click.pass_context

@@ -16,18 +16,8 @@ import time
 import click
 
 from .bench import RandomBatches, bench_model, config_option, json_option, write_json
-from .common import describe_backend, select_backend
+from .common import describe_backend, positive_ints, select_backend
 from .training import mpi_world
-
-
-def parse_ranks(ctx, param, value) -> list[int]:
-    try:
-        ranks = [int(part) for part in value.split(",")]
-    except ValueError:
-        ranks = []
-    if not ranks or min(ranks) < 1:
-        raise click.BadParameter(f"{value!r}: process counts such as 1,2,4")
-    return ranks
 
 
 def measure(ctx, config_name: str, steps: int) -> dict:
@@ -89,7 +79,8 @@ def default_mpiexec() -> str:
 
 @click.command("ranks")
 @config_option
-@click.option("--ranks", "counts", default="1,2", show_default=True, callback=parse_ranks,
+@click.option("--ranks", "counts", default="1,2", show_default=True,
+              callback=positive_ints("1,2,4"),
               help="Process counts to compare, each run in fresh processes.")
 @click.option("--steps", default=5, show_default=True, type=click.IntRange(min=1),
               help="Timed steps per run, after one warm-up step.")

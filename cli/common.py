@@ -116,6 +116,21 @@ def planned_memory(plan) -> str:
 MAX_DEFAULT_CTX = 512   # a published model's context (8k, 128k) is far beyond a step's budget
 
 
+def positive_ints(example: str):
+    """A click callback reading a comma-separated list of positive integers (`example`
+    shows one in the error)."""
+    def parse(ctx, param, value):
+        try:
+            values = [int(part) for part in value.split(",")]
+        except ValueError:
+            values = []
+        if not values or min(values) < 1:
+            raise click.BadParameter(f"{value!r} is not a comma-separated list of positive "
+                                     f"integers such as {example}")
+        return values
+    return parse
+
+
 def ctx_option(what: str):
     """--n-ctx of the commands that run a loaded model: its window, in tokens."""
     return click.option("--n-ctx", "n_ctx", type=click.IntRange(min=2),
