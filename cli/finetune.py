@@ -227,34 +227,25 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         args = resume_args(ctx, ["finetune", base], kw, checkpoint_path, steps_left)
         return shlex.join(args + ["--out", out] + (["--full"] if full else []))
 
-    validation = None
-    if validation_set is not None:
-        best = best_path(out)
-
-        def save_best():
-            if not is_root():
-                return
-            if full:
-                gguf_io.save_model(best, model_cfg, trainer.parameters(), tokenizer)
-            else:
-                lora.save_adapter(best, trained_adapter(), cfg, base_digest)
-
-        validation = Validation(
-            lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
-            kw["val_every"] or steps, kw["early_stop"], save_best)
-
-    def write_result():
+    def write_to(path):
+        """The trained model (--full) or adapter, written to `path` by rank 0."""
         if not is_root():
             return
         if full:
-            gguf_io.save_model(out, model_cfg, trainer.parameters(), tokenizer)
+            gguf_io.save_model(path, model_cfg, trainer.parameters(), tokenizer)
         else:
-            lora.save_adapter(out, trained_adapter(), cfg, base_digest)
+            lora.save_adapter(path, trained_adapter(), cfg, base_digest)
+
+    validation = None
+    if validation_set is not None:
+        validation = Validation(
+            lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
+            kw["val_every"] or steps, kw["early_stop"], lambda: write_to(best_path(out)))
 
     first, last, seconds = training_loop(trainer, steps, kw["log_path"],
                                          kw["save_every"] if checkpoint_out else 0,
                                          save_checkpoint, checkpoint_path, resume_command,
-                                         kw["on_nan"], validation, write_result, out)
+                                         kw["on_nan"], validation, lambda: write_to(out), out)
     if not is_root():
         return
     product = "model" if full else "adapter"
