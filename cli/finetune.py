@@ -21,7 +21,7 @@ from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, pl
 from .outputs import check_outputs
 from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                        describe_examples, device_errors, example_batches, example_sets,
-                       existing_directory, guard_outputs, is_root, mpi_world,
+                       existing_directory, guard_outputs, is_root, local_batch, mpi_world,
                        read_text, resume_args, resume_data, resumed_options, steps_of,
                        train_options, training_loop, training_options, training_samples)
 
@@ -180,6 +180,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         data_lines = [f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
                       f"{cfg.n_ctx}"]
     steps = steps_of(kw, samples, options)
+    local_batch(options)    # under mpirun: the batch must split over the processes
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,

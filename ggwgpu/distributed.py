@@ -38,25 +38,26 @@ class DistributedError(RuntimeError):
     """The MPI world cannot be used as asked; the message says why and what to do."""
 
 
-def launched_size() -> int:
-    """How many processes the MPI launcher started (1 without one)."""
-    for var in SIZE_VARS:
+def launcher_int(names, least: int) -> int:
+    """The first of the launcher's variables `names` that holds an integer, at least `least`;
+    `least` without one."""
+    for var in names:
         try:
-            return max(1, int(os.environ[var]))
+            return max(least, int(os.environ[var]))
         except (KeyError, ValueError):
             continue
-    return 1
+    return least
+
+
+def launched_size() -> int:
+    """How many processes the MPI launcher started (1 without one)."""
+    return launcher_int(SIZE_VARS, 1)
 
 
 def local_rank() -> int:
     """This process's rank among those of the launcher on this machine (0 without one): which
     of the machine's GPUs it takes."""
-    for var in LOCAL_RANK_VARS:
-        try:
-            return max(0, int(os.environ[var]))
-        except (KeyError, ValueError):
-            continue
-    return 0
+    return launcher_int(LOCAL_RANK_VARS, 0)
 
 
 class World:
