@@ -184,7 +184,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
-                          world=mpi_world())
+                          world=mpi_world(), loss_scaler=(state or {}).get("loss_scaler"))
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None

@@ -499,7 +499,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
-                          world=mpi_world())
+                          world=mpi_world(), loss_scaler=(state or {}).get("loss_scaler"))
     except ShapeError as e:  # a tensor over the device's limits, among others
         raise click.ClickException(str(e)) from None
     except device_errors() as e:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -163,7 +164,9 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       continues is printed and the process exits with 128 + the signal number.
     - A step whose loss or gradients are not finite changes nothing (Trainer skips its
       update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
-      goes on.
+      goes on. With dynamic loss scaling a step whose loss is finite but whose scaled
+      gradients overflowed ("overflow" in its record) is the scaler's ordinary skip: the
+      scale halves and the run goes on.
     - The device failing (lost, out of memory) ends the run with an error; nothing of the
       failed step is saved and the last checkpoint stays.
     - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
@@ -243,6 +246,8 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 last = record["loss"]
                 shown["text"] = (f"step {record['step']} loss {last:.3f} "
                                  f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                if "loss_scale" in record:
+                    shown["text"] += f" scale 2^{math.log2(record['loss_scale']):.0f}"
                 val = validation and validation.check(record["step"],
                                                       record["step"] - start == steps)
                 if val:
@@ -250,7 +255,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     shown["val"] = f" val {val['val_loss']:.3f}"
                 shown["text"] += shown.get("val", "")
                 log.write(record)
-                if record["skipped"]:
+                if record["skipped"] and not record.get("overflow"):
                     what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
                             f"skipped")

@@ -56,9 +56,9 @@ def mpiexec():
     return run
 
 
-def run_worker(mpiexec, out, backend, batch, grad_accum, steps, ranks=2):
+def run_worker(mpiexec, out, backend, batch, grad_accum, steps, ranks=2, loss_scale=None):
     r = mpiexec(ranks, sys.executable, HERE / "distributed_worker.py", out, backend, batch,
-                grad_accum, steps)
+                grad_accum, steps, *([loss_scale] if loss_scale else []))
     assert r.returncode == 0, r.stdout + r.stderr
     return [np.load(out / f"rank{k}.npz") for k in range(ranks)]
 
