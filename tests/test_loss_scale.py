@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from ggwgpu import data, gguf_io
+from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
@@ -23,12 +24,14 @@ TEXT = data.bundled_corpus()[:20000]
 CONSTANT_LR = dict(batch=4, lr=3e-3, warmup=0, cos_decay_min=1.0)
 
 
-def make(backend, loss_scaler=None, **options):
+def make(backend, loss_scaler=None, lora=False, **options):
+    """A tiny llama's trainer (with lora: a LoRA finetune of it)."""
     tok = ByteTokenizer()
     cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
     o = TrainOptions(**{**CONSTANT_LR, **options})
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, o.batch, o.seed, tok.bos_id)
-    return Trainer(cfg, init_parameters(cfg, seed=1), backend, o, samples,
+    adapter = init_adapter(cfg, lora_ranks(cfg, r=2), 4.0, seed=2) if lora else None
+    return Trainer(cfg, init_parameters(cfg, seed=1), backend, o, samples, lora=adapter,
                    loss_scaler=loss_scaler)
 
 
@@ -55,17 +58,23 @@ def overflow_next_step(t: Trainer):
     t.write_scale()
 
 
-@pytest.mark.parametrize("backend_name, optimizer, clip, accum", [
-    ("numpy", "adamw", 1.0, 1), ("numpy", "sgd", 0.0, 2), ("numpy", "adamw", 0.5, 2),
-    ("wgpu", "adamw", 1.0, 1), ("wgpu", "sgd", 0.0, 1)])
+@pytest.mark.parametrize("backend_name, optimizer, clip, accum, variant", [
+    ("numpy", "adamw", 1.0, 1, ""), ("numpy", "sgd", 0.0, 2, ""), ("numpy", "adamw", 0.5, 2, ""),
+    ("numpy", "adamw", 1.0, 1, "lora"), ("numpy", "adamw", 0.0, 1, "checkpointing"),
+    ("wgpu", "adamw", 1.0, 1, ""), ("wgpu", "sgd", 0.0, 1, ""), ("wgpu", "adamw", 1.0, 2, "lora"),
+    ("wgpu", "adamw", 1.0, 1, "checkpointing")])
 def test_a_scale_that_never_overflows_changes_no_bit(backend_name, optimizer, clip, accum,
-                                                     request):
+                                                     variant, request):
     """Gradients times 2^16, then times 2^-16 in the clip factor (or alone without
-    clipping): the same losses, gradient norms, weights and moments as without scaling."""
+    clipping): the same losses, gradient norms, weights and moments as without scaling.
+    Also for a LoRA finetune, and with gradient checkpointing and flash attention."""
     backend = backend_of(backend_name, request)
     o = dict(optimizer=optimizer, grad_clip=clip, grad_accum=accum, warmup=3,
              cos_decay_min=0.1, lr=3e-3 if optimizer == "adamw" else 0.3)
-    plain, scaled = make(backend, **o), make(backend, **dynamic(**o))
+    if variant == "checkpointing":
+        o.update(checkpointing=True, flash_attn=True)
+    lora = variant == "lora"
+    plain, scaled = make(backend, lora=lora, **o), make(backend, lora=lora, **dynamic(**o))
     for _ in range(4):
         a, b = plain.train_step(), scaled.train_step()
         assert b["loss_scale"] == 2.0 ** 16 and not b["skipped"] and "loss_scale" not in a
