@@ -305,3 +305,28 @@ def test_two_ranks_reach_the_same_scale_decisions_as_one_process(tmp_path, mpiex
     np.testing.assert_allclose(ranks[0]["losses"], [r["loss"] for r in records], rtol=1e-6)
     for name, value in one.parameters().items():
         np.testing.assert_allclose(ranks[0][name], value, rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_the_train_command_resumes_a_scaled_checkpoint_with_its_scaler(tmp_path):
+    """No option turns scaling on yet; a checkpoint whose options do is resumed with its
+    scale and growth tracker, and the log shows the scale of every step."""
+    from click.testing import CliRunner
+    from ggwgpu_cli.main import cli
+    text, ckpt, log = tmp_path / "text.txt", tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    text.write_text(TEXT)
+    args = ["--backend", "numpy", "train", str(text),
+            *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()), "--batch", "4",
+            "--out", str(tmp_path / "out.gguf")]
+    r = CliRunner().invoke(cli, [*args, "--steps", "1", "--checkpoint-out", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    cfg, values, tok, opt_state, state = gguf_io.load_checkpoint(ckpt)
+    state["options"].update(dynamic(loss_scale_growth_interval=3))
+    state["loss_scaler"] = {"scale": 2.0 ** 10, "growth_tracker": 2, "skipped_steps": 0}
+    gguf_io.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
+    r = CliRunner().invoke(cli, [*args, "--steps", "4", "--checkpoint-in", str(ckpt),
+                                 "--checkpoint-out", str(ckpt), "--log", str(log)])
+    assert r.exit_code == 0, r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 10] + [2.0 ** 11] * 3
+    assert gguf_io.load_checkpoint(ckpt)[4]["loss_scaler"] == {
+        "scale": 2.0 ** 12, "growth_tracker": 0, "skipped_steps": 0}   # grown after step 5
