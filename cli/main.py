@@ -62,7 +62,7 @@ class Commands(click.Group):
     def invoke(self, ctx):
         from ggwgpu.data import DataError
         from ggwgpu.generate import NonFiniteLogits
-        from ggwgpu.gguf_io import GGUFError
+        from ggwgpu.gguf_file import GGUFError
         try:
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
@@ -447,7 +447,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import gguf_io, memory, tokenizer as tok
+    from ggwgpu import checkpoint, gguf_llama, memory, tokenizer as tok
+    from ggwgpu.gguf_file import GGUFError
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, unigram_entropy
@@ -458,8 +459,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                         ("--checkpoint-in", checkpoint_in)], out, checkpoint_path, kw)
     if checkpoint_in:
         try:
-            cfg, values, tokenizer, opt_state, state = gguf_io.load_checkpoint(checkpoint_in)
-        except gguf_io.GGUFError as e:
+            cfg, values, tokenizer, opt_state, state = checkpoint.load_checkpoint(checkpoint_in)
+        except GGUFError as e:
             raise click.ClickException(str(e)) from None
         shape = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_head_kv=cfg.kv_heads,
                      tie_embeddings=cfg.tied_embeddings, n_layer=cfg.n_layer, n_ff=cfg.n_ff,
@@ -473,7 +474,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     else:
         try:
             tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
-        except gguf_io.GGUFError as e:
+        except GGUFError as e:
             raise click.ClickException(str(e)) from None
         try:
             cfg = LlamaConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
@@ -522,8 +523,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         if not is_root():
             return
         state = {**trainer.state(), "tokens_digest": digest}
-        gguf_io.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
-                                trainer.optimizer_state(), state)
+        checkpoint.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
+                                   trainer.optimizer_state(), state)
 
     def resume_command(steps_left: int) -> str:
         args = resume_args(ctx, ["train"], kw, checkpoint_path, steps_left) + ["--out", out]
@@ -534,7 +535,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     first, last, seconds = training_loop(
         trainer, steps, kw["log_path"], kw["save_every"] if checkpoint_out else 0,
         save_checkpoint, checkpoint_path, resume_command, kw["on_nan"],
-        write_result=(lambda: gguf_io.save_model(out, cfg, trainer.parameters(), tokenizer))
+        write_result=(lambda: gguf_llama.save_model(out, cfg, trainer.parameters(), tokenizer))
         if is_root() else None, result_path=out)
     if not is_root():
         return
@@ -650,14 +651,16 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     --mask-prompt, the answers only)."""
     import math
 
-    from ggwgpu import data, gguf_io
+    from ggwgpu import data
+    from ggwgpu.gguf_file import GGUFError
+    from ggwgpu.gguf_llama import load_model
     from ggwgpu.lora import load_adapter
     from ggwgpu.models.llama import build_train_graph
     from ggwgpu.train import logits_bound
     try:
-        cfg, values, tokenizer = gguf_io.load_model(model, keep_quantized=True)
+        cfg, values, tokenizer = load_model(model, keep_quantized=True)
         adapters = [load_adapter(path, cfg) for path in lora_paths]
-    except gguf_io.GGUFError as e:
+    except GGUFError as e:
         raise click.ClickException(str(e)) from None
     cfg = with_context(cfg, n_ctx)
     if kw["data_path"]:

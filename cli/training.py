@@ -20,7 +20,7 @@ import click
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
-from ggwgpu.gguf_io import os_problem
+from ggwgpu.gguf_file import os_problem
 
 from .common import FiniteFloat, chat_template, template_option
 
@@ -175,7 +175,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       run goes on.
     """
     from ggwgpu.distributed import on_every_rank
-    from ggwgpu.gguf_io import GGUFError
+    from ggwgpu.gguf_file import GGUFError
     start, stop = trainer.step, None
     first = last = saved = None         # saved: the step of this run's last checkpoint
     t0, shown, signals = time.perf_counter(), {}, StopSignals()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import data, gguf_io
+from ggwgpu import checkpoint, data, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
@@ -157,9 +157,9 @@ def test_resuming_from_a_checkpoint_continues_exactly(tmp_path, backend_name, re
     straight, losses = trainer(backend, steps=6)
     first, _ = trainer(backend, steps=3)
     path = tmp_path / "ckpt.gguf"
-    gguf_io.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
+    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
                             first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = gguf_io.load_checkpoint(path)
+    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
     resumed, tail = trainer(backend, steps=3, options=TrainOptions(**state["options"]),
                             values=values, opt_state=opt_state, step=state["step"],
                             data=state["data"])
@@ -185,7 +185,7 @@ def test_train_command_trains_logs_and_exports(tmp_path):
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [x["step"] for x in records] == list(range(1, 31))
     assert records[-1]["loss"] < records[0]["loss"]
-    cfg, values, tok, = gguf_io.load_model(out)
+    cfg, values, tok, = gguf_llama.load_model(out)
     assert cfg.n_layer == 2 and isinstance(tok, ByteTokenizer)
     assert "unigram entropy" in r.output
 
@@ -218,7 +218,7 @@ def test_train_command_takes_the_vocabulary_of_a_gguf(tmp_path):
     r = train_cli(tmp_path, "--steps", "2", "--vocab-model", str(first),
                   "--out", str(tmp_path / "second.gguf"))
     assert r.exit_code == 0, r.output
-    _, _, tok = gguf_io.load_model(tmp_path / "second.gguf")
+    _, _, tok = gguf_llama.load_model(tmp_path / "second.gguf")
     assert tok.gguf_metadata() == ByteTokenizer().gguf_metadata()
 
 
