@@ -130,13 +130,18 @@ def typed_value(path, key, value):
     raise bad(f"values of type {type(value).__name__} cannot be stored")
 
 
+def typed_metadata(path, meta: dict) -> dict:
+    """`meta`'s Python values as key -> (value, GGUF type), as `typed_value` types them; keys
+    of empty lists are left out."""
+    typed = ((key, typed_value(path, key, value)) for key, value in meta.items())
+    return {key: kind for key, kind in typed if kind is not None}
+
+
 def write_metadata(path, meta: dict, arch: str = "llama"):
     """A GGUF file holding only metadata (a vocabulary, say): `meta`'s Python values typed as
     `typed_value` says (general.architecture from `meta`, else `arch`); written atomically."""
     typed = {K_ARCH: (meta.get(K_ARCH, arch), _T.STRING)}
-    for key, value in meta.items():
-        if key != K_ARCH and (kind := typed_value(path, key, value)) is not None:
-            typed[key] = kind
+    typed.update(typed_metadata(path, {k: v for k, v in meta.items() if k != K_ARCH}))
     write_gguf(path, typed, {})
 
 
@@ -266,11 +271,16 @@ class GGUFFile:
     def kind(self, key):
         return self._kinds.get(key)
 
+    def _missing(self, key, default):
+        """`default` for a key the file lacks; a GGUFError when there is none (...)."""
+        if default is ...:
+            raise GGUFError(f"{self.path}: required key {key} is missing")
+        return default
+
     def int_key(self, key, default=..., minimum=1) -> int:
+        """Integer key `key` in [minimum, 2^31), or `default` when the file lacks it."""
         if key not in self.meta:
-            if default is ...:
-                raise GGUFError(f"{self.path}: required key {key} is missing")
-            return default
+            return self._missing(key, default)
         value = self.meta[key]
         if self.kind(key) not in INT_TYPES or not minimum <= value < 2 ** 31:
             raise GGUFError(f"{self.path}: key {key} must be an integer in [{minimum}, 2^31), "
@@ -278,10 +288,10 @@ class GGUFFile:
         return int(value)
 
     def float_key(self, key, default=..., allow_zero=False):
+        """Positive finite number `key` (0 too with allow_zero), or `default` when the file
+        lacks it."""
         if key not in self.meta:
-            if default is ...:
-                raise GGUFError(f"{self.path}: required key {key} is missing")
-            return default
+            return self._missing(key, default)
         value = self.meta[key]
         if (self.kind(key) not in FLOAT_TYPES | INT_TYPES or not math.isfinite(value)
                 or value < 0 or (value == 0 and not allow_zero)):

@@ -38,7 +38,7 @@ import numpy as np
 from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
-                        checked_tensor, typed_value, write_gguf)
+                        checked_tensor, typed_metadata, write_gguf)
 from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
@@ -151,20 +151,18 @@ def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFV
             K_FILE_TYPE: (int(LlamaFileType.ALL_F32), _T.UINT32)}
     meta.update(_hparams(cfg))
     meta[K_CONFIG_JSON] = (json.dumps(dataclasses.asdict(cfg)), _T.STRING)
-    for key, value in tokenizer.gguf_metadata().items():
+    vocabulary = tokenizer.gguf_metadata()
+    for key in vocabulary:
         if not key.startswith(TOKENIZER_PREFIX):
             raise GGUFError(f"{path}: cannot write: the tokenizer gave key {key!r}, which is "
                             f"not a {TOKENIZER_PREFIX}* key")
-        typed = typed_value(path, key, value)
-        if typed is not None:
-            meta[key] = typed
-    for key, value in (extra or {}).items():
+    meta.update(typed_metadata(path, vocabulary))
+    extra = extra or {}
+    for key in extra:
         if key in meta and key != K_NAME:
             raise GGUFError(f"{path}: cannot write: extra key {key!r} would replace a key "
                             f"the model itself defines")
-        typed = typed_value(path, key, value)
-        if typed is not None:
-            meta[key] = typed
+    meta.update(typed_metadata(path, extra))
     return meta
 
 
