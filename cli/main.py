@@ -526,7 +526,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                                 trainer.optimizer_state(), state)
 
     def resume_command(steps_left: int) -> str:
-        args = resume_args(ctx, ["train"], kw, checkpoint_path, steps_left) + ["--out", out]
+        args = resume_args(ctx, ["train"], checkpoint_path, steps_left) + ["--out", out]
         if predict:
             args += ["--predict", str(predict), "--seed", str(kw["seed"])]
         return shlex.join(args)
@@ -596,7 +596,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
               help="The prompt is a user message put through the model's chat template with "
                    "the generation prompt (after --system); only the answer is printed.")
 @click.option("--system", help="With --chat: a system message first.")
-@template_option
+@template_option()
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
              **kw):
