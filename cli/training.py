@@ -18,7 +18,6 @@ import time
 import click
 
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
-from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 from ggwgpu.gguf_io import os_problem
 
