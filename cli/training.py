@@ -2,6 +2,13 @@
 checkpoint options, reading the text into samples, and the step loop that loses nothing when
 a run is stopped.
 
+The optimizer and schedule options are not declared here: each is a TrainOptions field of
+ggwgpu/train.py, whose declaration (`_option`: bound, help, flag, may_change, cli) gives its
+click option (`training_options`), its value in the commands' TrainOptions (`train_options`)
+and what a resumed run does with it (`resumed_options`). The run's own options (data,
+length, saving) are declared here once; those marked `Repeated` are what the command line
+that continues a stopped run repeats (`resume_args`).
+
 Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
@@ -457,10 +464,12 @@ def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
     from ggwgpu.train import TrainOptions
     saved, kw, declared = TrainOptions(**state["options"]), ctx.params, TrainOptions.declared()
     may_change = [flag_of(name) for name in declared if declared[name]["may_change"]]
+    may_change = (f"{', '.join(may_change[:-1])} and {may_change[-1]}" if len(may_change) > 1
+                  else may_change[0])
     changes, clashes = {}, []
     for name, value in dataclasses.asdict(saved).items():
         param = param_of(name)
-        if given(ctx, param) and kw[param] != value:
+        if declared[name]["cli"] and given(ctx, param) and kw[param] != value:
             if declared[name]["may_change"]:
                 changes[name] = kw[param]
             else:
@@ -472,9 +481,8 @@ def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
     if clashes:
         raise click.UsageError(
             f"{checkpoint_in} fixes the model, the data order and the training options "
-            f"(only {', '.join(may_change[:-1])} and {may_change[-1]} may change when "
-            f"resuming); these given options contradict it: {', '.join(clashes)}. Resume "
-            f"without them, or start a new run")
+            f"(only {may_change} may change when resuming); these given options contradict "
+            f"it: {', '.join(clashes)}. Resume without them, or start a new run")
     click.echo(f"{checkpoint_in} fixes the model, the data order and the options: " +
                ", ".join(f"{flag_of(name)[2:]} {value}"
                          for name, value in dataclasses.asdict(saved).items()), err=True)
@@ -568,8 +576,10 @@ def resume_args(ctx, command: list[str], checkpoint_path: str, steps_left: int) 
     args += [*command, *ctx.params["texts"], "--checkpoint-in", checkpoint_path,
              "--steps", str(steps_left)]
     for param in ctx.command.params:
+        if not isinstance(param, Repeated):
+            continue
         value = ctx.params[param.name]
-        if isinstance(param, Repeated) and value not in (None, param.get_default(ctx)):
+        if value not in (None, param.get_default(ctx)):
             args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
     return args
 
