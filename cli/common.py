@@ -209,9 +209,11 @@ def load_model(path, lora_paths=(), n_ctx=None):
     return with_context(cfg, n_ctx), values, tokenizer, adapters
 
 
-template_option = click.option(
-    "--chat-template", type=click.Path(exists=True, dir_okay=False),
-    help="A Jinja chat template file (default: the model's own, else ChatML).")
+def template_option(cls=click.Option):
+    """--chat-template; `cls` marks it for the training commands (training.Repeated)."""
+    return click.option("--chat-template", cls=cls, type=click.Path(exists=True, dir_okay=False),
+                        help="A Jinja chat template file (default: the model's own, else "
+                             "ChatML).")
 
 
 def chat_template(tokenizer, path=None):

@@ -225,7 +225,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                                          trainer.optimizer_state(), state)
 
     def resume_command(steps_left: int) -> str:
-        args = resume_args(ctx, ["finetune", base], kw, checkpoint_path, steps_left)
+        args = resume_args(ctx, ["finetune", base], checkpoint_path, steps_left)
         return shlex.join(args + ["--out", out] + (["--full"] if full else []))
 
     def write_to(path):

@@ -19,6 +19,7 @@ import ggwgpu
 from ggwgpu import gguf_llama, testing
 from ggwgpu.backends import ENV_VAR
 from ggwgpu_cli import bench as cli_bench
+from ggwgpu_cli import info as cli_info
 from ggwgpu_cli import main as cli_main
 
 REQUIRE_ADAPTER = os.environ.get("GGWGPU_REQUIRE_ADAPTER") == "1"
@@ -31,7 +32,7 @@ def invoke(*args, env=None):
 
 def has_adapter() -> bool:
     """Whether a WebGPU adapter exists; its absence fails the test when CI requires one."""
-    backend, why = cli_main.wgpu_or_reason()
+    backend, why = cli_info.wgpu_or_reason()
     if backend is None and REQUIRE_ADAPTER:
         pytest.fail(f"GGWGPU_REQUIRE_ADAPTER=1 but {why}")
     return backend is not None
@@ -45,7 +46,7 @@ def wgpu_args() -> tuple[str, ...]:
 def auto_pick() -> str:
     """The backend auto picks on this machine, by the rule it must follow."""
     from ggwgpu.backends import is_software_adapter
-    backend, _ = cli_main.wgpu_or_reason()
+    backend, _ = cli_info.wgpu_or_reason()
     return "wgpu" if has_adapter() and not is_software_adapter(backend.info) else "numpy"
 
 
@@ -86,7 +87,7 @@ def test_info_on_a_software_adapter_says_auto_picks_numpy_and_why(adapter_as):
 
 
 def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch, adapter_as):
-    monkeypatch.setattr(cli_main, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
+    monkeypatch.setattr(cli_info, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
     adapter_as(None)
     result = invoke("info")
     assert result.exit_code == 0, result.output
@@ -805,7 +806,7 @@ def test_a_log_that_cannot_be_written(tmp_path, log, message):
 def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("oops")
-    monkeypatch.setattr(cli_main, "wgpu_or_reason", broken)
+    monkeypatch.setattr(cli_info, "wgpu_or_reason", broken)
     monkeypatch.delenv(cli_main.TRACEBACK_VAR, raising=False)
     out = no_traceback(invoke("info"), 1)
     assert "internal error, a bug in ggwgpu: KeyError: 'oops'" in out

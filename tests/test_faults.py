@@ -25,6 +25,7 @@ from ggwgpu.models.llama import LlamaConfig, TrainGraph, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli import main as cli_main
+from ggwgpu_cli import training as cli_training
 
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
 TINY_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
@@ -376,7 +377,7 @@ def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, 
         if trainer.step == 2:
             backend.device.destroy()       # as a driver reset or a lost GPU would
     with pytest.raises(cli_main.click.ClickException) as e:
-        cli_main.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
+        cli_training.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
     assert "the device failed in step 3" in e.value.message
     assert f"{ckpt} holds the checkpoint of step 2" in e.value.message
     assert checkpoint_step(ckpt) == 2
@@ -645,7 +646,7 @@ def test_a_log_on_a_full_disk_is_reported_once_and_the_run_goes_on(tmp_path, cap
     def save_checkpoint():
         checkpoint.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
                                 trainer.optimizer_state(), trainer.state())
-    cli_main.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
+    cli_training.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
     assert trainer.step == 5
     err = capsys.readouterr().err
     assert err.count("--log /dev/full: writing failed (the disk holding /dev/full is full "

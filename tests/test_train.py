@@ -128,6 +128,54 @@ def test_the_cli_takes_its_training_option_ranges_from_the_same_bounds():
                                                               bound.high_open), name
 
 
+def other_value(bound, default):
+    """A value within `bound` that is not `default`."""
+    if bound.kind is bool:
+        return not default
+    if bound.kind is str:
+        return next(c for c in bound.choices if c != default)
+    return next(v for v in (default + 1, default - 1, default / 2, default * 2)
+                if bound.kind(v) != default and bound.problem(bound.kind(v)) is None)
+
+
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_each_training_option_given_reaches_its_train_options_field(command):
+    """One declaration: the command line gets an option for each TrainOptions field from its
+    declaration, and the TrainOptions the command makes holds each value given."""
+    from ggwgpu_cli.training import flag_of, train_options
+    declared = {name: d for name, d in TrainOptions.declared().items() if d["cli"]}
+    wanted = {name: other_value(d["bound"], d["default"]) for name, d in declared.items()}
+    args = [__file__] if command == "finetune" else []      # BASE: any file parses
+    for name, value in wanted.items():
+        if isinstance(value, bool):
+            on_off = (declared[name]["flag"] or flag_of(name)).split("/")
+            assert value or len(on_off) == 2, f"{name}: no flag turns it off"
+            args.append(on_off[0] if value else on_off[1])
+        else:
+            args += [flag_of(name), str(value)]
+    ctx = cli.commands[command].make_context(command, args)
+    options = train_options(ctx.params)
+    for name, value in wanted.items():
+        assert getattr(options, name) == pytest.approx(value) if isinstance(value, float) \
+            else getattr(options, name) == value, name
+
+
+def test_the_resume_command_repeats_the_run_options_given_and_no_training_option(tmp_path):
+    """What a checkpoint does not hold (text, corpus, saving, logging) is repeated when not
+    at its default; the training options and the model's shape, which it fixes, are not."""
+    from ggwgpu_cli.training import resume_args
+    text, log, ckpt = str(tmp_path / "t.txt"), str(tmp_path / "l.jsonl"), str(tmp_path / "c.gguf")
+    (tmp_path / "t.txt").write_text("abc\n")
+    args = [text, "--corpus", "macbeth", "--samples-after-nl", "--lr", "0.01", "--n-layer",
+            "2", "--checkpoint-out", ckpt, "--save-every", "100", "--log", log, "--on-nan",
+            "skip", "--flash-attn", "--out", str(tmp_path / "m.gguf")]
+    ctx = cli.commands["train"].make_context("train", args, obj={"backend": "numpy"})
+    assert resume_args(ctx, ["train"], ckpt, 7) == [
+        "ggwgpu", "--backend", "numpy", "train", text, "--checkpoint-in", ckpt, "--steps", "7",
+        "--corpus", "macbeth", "--samples-after-nl", "--checkpoint-out", ckpt, "--log", log,
+        "--on-nan", "skip"]
+
+
 def test_loss_falls_on_numpy():
     _, losses = trainer(NumpyBackend(), steps=40)
     assert np.mean(losses[-5:]) < 0.7 * losses[0]
