@@ -84,8 +84,20 @@ class Bound:
                 f"{')' if self.high_open or self.high is None else ']'}")
 
 
-def _option(default, bound: Bound):
-    return field(default=default, metadata={"bound": bound})
+def _option(default, bound: Bound, help: str | None = None, *, flag: str | None = None,
+            may_change: bool = False, cli: bool = True):
+    """A TrainOptions field, declared once with all that is derived from it (see TrainOptions).
+    - bound: the values it may take, checked on construction and by `check_state`; the type
+      (range, choices) of its command-line option.
+    - help: its command-line help (None: the option shows its default and range only).
+    - flag: its command-line flag where that is not --field-name; "--x/--no-x" for a bool
+      that has both.
+    - may_change: a run resumed from a checkpoint may set another value, which replaces the
+      checkpoint's; any other option the checkpoint fixes, and a different value is refused.
+    - cli: False for a field that the train and finetune commands do not take (Python only).
+    """
+    return field(default=default, metadata={"bound": bound, "help": help, "flag": flag,
+                                            "may_change": may_change, "cli": cli})
 
 
 POSITIVE = Bound(float, 0, low_open=True)
@@ -97,41 +109,72 @@ SCALE = Bound(float, MIN_SCALE, MAX_SCALE, power_of_two=True)
 @dataclass
 class TrainOptions:
     """Optimizer and schedule (llama.cpp train-text-from-scratch defaults). Each field's
-    Bound (`bounds()`) is checked on construction: a ValueError names the option."""
-    optimizer: str = _option("adamw", Bound(str, choices=("adamw", "sgd", "lbfgs")))
-    # sgd: no moments; lbfgs: lbfgs.py, no lr, schedule, decay or clipping
-    batch: int = _option(8, Bound(int, 1, MAX_BATCH))
-    grad_accum: int = _option(1, Bound(int, 1, MAX_GRAD_ACCUM))   # micro-batches per step
-    lr: float = _option(1e-3, POSITIVE)
+    Bound (`bounds()`) is checked on construction: a ValueError names the option.
+
+    This is the one declaration of the training options: the `ggwgpu train` and `finetune`
+    commands make one command-line option of each field (its flag, type, default and help
+    from `_option`, listed in this order) and a TrainOptions of their values, and a resumed
+    run checks the options given against the checkpoint's by the same fields. Adding an
+    option is adding a field here (`cli=False` keeps it off the command line)."""
+    optimizer: str = _option(
+        "adamw", Bound(str, choices=("adamw", "sgd", "lbfgs")),
+        "lbfgs: one L-BFGS iteration (a line search) per step and batch; it takes no --lr, "
+        "schedule, decay or clipping.")     # sgd: no moments; lbfgs: lbfgs.py
+    batch: int = _option(8, Bound(int, 1, MAX_BATCH),
+                         "Samples per micro-batch (of each process under mpirun).")
+    grad_accum: int = _option(1, Bound(int, 1, MAX_GRAD_ACCUM),
+                              "Micro-batches whose gradients add up to one optimizer step.")
+    # the learning rate may change on resume; flash_attn and checkpointing change memory and
+    # speed, not results
+    lr: float = _option(1e-3, POSITIVE, may_change=True)
     beta1: float = _option(0.9, BETA)
     beta2: float = _option(0.999, BETA)
-    eps: float = _option(1e-8, POSITIVE)
-    weight_decay: float = _option(0.1, NON_NEGATIVE)   # only tensors with >= 2 dims
-    grad_clip: float = _option(1.0, NON_NEGATIVE)      # global gradient norm; 0 turns it off
-    warmup: int = _option(100, Bound(int, 0, MAX_STEPS))            # 0: none
+    eps: float = _option(1e-8, POSITIVE, flag="--adam-eps")
+    weight_decay: float = _option(0.1, NON_NEGATIVE,
+                                  "AdamW decay, relative to the learning rate, on tensors with "
+                                  ">= 2 dims.")
+    grad_clip: float = _option(1.0, NON_NEGATIVE,
+                               "Clip gradients to this global norm (0: off).")
+    warmup: int = _option(100, Bound(int, 0, MAX_STEPS), "Steps of linear warmup (0: none).")
     cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_STEPS))
     cos_decay_min: float = _option(0.1, Bound(float, 0, 1))
     cos_decay_restart: float = _option(1.1, Bound(float, 1, MAX_RESTART_GROWTH))
-    restarts: bool = _option(False, Bound(bool))
-    flash_attn: bool = _option(False, Bound(bool))
-    checkpointing: bool = _option(False, Bound(bool))  # gradient checkpointing
-    seed: int = _option(0, Bound(int, 0, MAX_SEED))
+    restarts: bool = _option(False, Bound(bool), flag="--restarts/--no-restarts")
+    flash_attn: bool = _option(False, Bound(bool),
+                               "Fused attention (same results, less memory).", may_change=True)
+    checkpointing: bool = _option(False, Bound(bool),
+                                  "Gradient checkpointing: recompute activations, keep block "
+                                  "outputs only.", may_change=True)
+    seed: int = _option(0, Bound(int, 0, MAX_SEED), "Init and sample-order seed.")
     # L-BFGS (ggml's defaults; lbfgs.LbfgsOptions)
-    lbfgs_m: int = _option(6, Bound(int, 1, 1024))
-    lbfgs_linesearch: str = _option("strong-wolfe", Bound(str, choices=LINESEARCHES))
-    lbfgs_max_linesearch: int = _option(20, Bound(int, 1, MAX_STEPS))
-    lbfgs_ftol: float = _option(1e-4, Bound(float, 0, 1, low_open=True, high_open=True))
-    lbfgs_wolfe: float = _option(0.9, Bound(float, 0, 1, low_open=True, high_open=True))
+    lbfgs_m: int = _option(6, Bound(int, 1, 1024), "L-BFGS: history pairs.")
+    lbfgs_linesearch: str = _option(
+        "strong-wolfe", Bound(str, choices=LINESEARCHES),
+        "L-BFGS: the conditions the backtracking line search ends on.")
+    lbfgs_max_linesearch: int = _option(20, Bound(int, 1, MAX_STEPS),
+                                        "L-BFGS: loss evaluations per line search.")
+    lbfgs_ftol: float = _option(1e-4, Bound(float, 0, 1, low_open=True, high_open=True),
+                                "L-BFGS: sufficient decrease (Armijo).")
+    lbfgs_wolfe: float = _option(0.9, Bound(float, 0, 1, low_open=True, high_open=True),
+                                 "L-BFGS: curvature condition (> --lbfgs-ftol).")
     lbfgs_min_step: float = _option(1e-20, POSITIVE)
     lbfgs_max_step: float = _option(1e20, POSITIVE)
-    lbfgs_on_fail: str = _option("stop", Bound(str, choices=ON_FAIL))
-    opt_past: int = _option(0, Bound(int, 0, MAX_STEPS))
+    lbfgs_on_fail: str = _option(
+        "stop", Bound(str, choices=ON_FAIL),
+        "L-BFGS: when a line search fails (the weights go back to where it began), stop with "
+        "a checkpoint, or first drop the history and retry along the gradient once.")
+    opt_past: int = _option(0, Bound(int, 0, MAX_STEPS),
+                            "L-BFGS: stop when the loss fell by less than --opt-delta "
+                            "(relative) over this many steps (0: off).")
     opt_delta: float = _option(1e-5, POSITIVE)
-    opt_max_no_improvement: int = _option(0, Bound(int, 0, MAX_STEPS))
-    # dynamic loss scaling (LossScaler: torch.amp.GradScaler's rules); f32 needs none
-    loss_scale: str = _option("none", Bound(str, choices=("none", "dynamic")))
-    loss_scale_init: float = _option(2.0 ** 16, SCALE)
-    loss_scale_growth_interval: int = _option(2000, Bound(int, 1, MAX_STEPS))
+    opt_max_no_improvement: int = _option(
+        0, Bound(int, 0, MAX_STEPS),
+        "L-BFGS: stop after this many steps without a lower loss (0: off).")
+    # dynamic loss scaling (LossScaler: torch.amp.GradScaler's rules); f32 needs none, and
+    # the commands take none of these yet (a precision option will set them)
+    loss_scale: str = _option("none", Bound(str, choices=("none", "dynamic")), cli=False)
+    loss_scale_init: float = _option(2.0 ** 16, SCALE, cli=False)
+    loss_scale_growth_interval: int = _option(2000, Bound(int, 1, MAX_STEPS), cli=False)
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
@@ -146,6 +189,12 @@ class TrainOptions:
     @classmethod
     def bounds(cls) -> dict[str, Bound]:
         return {f.name: f.metadata["bound"] for f in fields(cls)}
+
+    @classmethod
+    def declared(cls) -> dict[str, dict]:
+        """{field: its declaration (`_option`'s bound, help, flag, may_change, cli) and its
+        default}, in the fields' order."""
+        return {f.name: {**f.metadata, "default": f.default} for f in fields(cls)}
 
     def lbfgs_options(self) -> LbfgsOptions:
         return LbfgsOptions(

@@ -8,7 +8,8 @@ import math
 import numpy as np
 import pytest
 
-from ggwgpu import data, gguf_io
+from ggwgpu import checkpoint, data
+from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, init_parameters
@@ -191,9 +192,9 @@ def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_na
     first = make(backend, **o)
     run(first, 4, poison, overflow_at={1})
     path = tmp_path / "ckpt.gguf"
-    gguf_io.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
+    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
                             first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = gguf_io.load_checkpoint(path)
+    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
     assert state["loss_scaler"] == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
     options = TrainOptions(**state["options"])
     samples = data.Samples(ByteTokenizer().encode(TEXT), cfg.n_ctx, options.batch,
@@ -248,11 +249,11 @@ def test_a_scaler_state_must_be_whole_and_belong_to_dynamic_scaling():
 def test_a_checkpoint_with_a_bad_scale_is_refused_naming_the_file_and_key(tmp_path):
     t = make(NumpyBackend(), **dynamic())
     path = tmp_path / "bad.gguf"
-    gguf_io.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(),
+    checkpoint.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(),
                             t.optimizer_state(), {**t.state(), "loss_scaler": {
                                 "scale": -4.0, "growth_tracker": 0, "skipped_steps": 0}})
-    with pytest.raises(gguf_io.GGUFError) as e:
-        gguf_io.load_checkpoint(path)
+    with pytest.raises(GGUFError) as e:
+        checkpoint.load_checkpoint(path)
     assert str(path) in str(e.value) and "loss_scaler.scale must be in" in str(e.value)
 
 
@@ -319,14 +320,14 @@ def test_the_train_command_resumes_a_scaled_checkpoint_with_its_scaler(tmp_path)
             "--out", str(tmp_path / "out.gguf")]
     r = CliRunner().invoke(cli, [*args, "--steps", "1", "--checkpoint-out", str(ckpt)])
     assert r.exit_code == 0, r.output
-    cfg, values, tok, opt_state, state = gguf_io.load_checkpoint(ckpt)
+    cfg, values, tok, opt_state, state = checkpoint.load_checkpoint(ckpt)
     state["options"].update(dynamic(loss_scale_growth_interval=3))
     state["loss_scaler"] = {"scale": 2.0 ** 10, "growth_tracker": 2, "skipped_steps": 0}
-    gguf_io.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
+    checkpoint.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
     r = CliRunner().invoke(cli, [*args, "--steps", "4", "--checkpoint-in", str(ckpt),
                                  "--checkpoint-out", str(ckpt), "--log", str(log)])
     assert r.exit_code == 0, r.output
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["loss_scale"] for r in records] == [2.0 ** 10] + [2.0 ** 11] * 3
-    assert gguf_io.load_checkpoint(ckpt)[4]["loss_scaler"] == {
+    assert checkpoint.load_checkpoint(ckpt)[4]["loss_scaler"] == {
         "scale": 2.0 ** 12, "growth_tracker": 0, "skipped_steps": 0}   # grown after step 5
