@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, check_shape, constant
-from .registry import Case, Dispatch, Input, need_f32, register
+from .registry import Case, Dispatch, Input, need_float, register
 from .elementwise import LARGE
 
 
@@ -133,7 +133,7 @@ def copy_dispatch(node):
 
 
 def cont_shape(srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape, srcs[0].dtype, {}
 
 
@@ -150,7 +150,7 @@ cont = register(
 
 def cpy_shape(srcs):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     if a.nelements != b.nelements:
         raise ShapeError(f"cannot copy {a.nelements} elements into {b.nelements}")
     return b.shape, b.dtype, {"strides": b.strides, "offset": b.offset, "view_src": b}
@@ -171,7 +171,7 @@ cpy = register(
 
 def acc_shape(srcs, strides, offset):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     check_view_fits(b.shape, strides, offset, a.nelements, "acc view")
     return a.shape, a.dtype, {}
 
@@ -201,7 +201,7 @@ acc = register(
 
 def diag_shape(srcs):
     (a,) = srcs
-    need_f32(a)
+    need_float(a)
     if a.ndim > 1 and a.shape[-2] != 1:
         raise ShapeError(f"diag takes rows: shape (n,) or (.., 1, n), got {a.shape}")
     n = a.shape[-1]

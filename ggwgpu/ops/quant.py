@@ -28,7 +28,7 @@ from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
-from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_f32, register
+from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_float, register
 from .rows import check_ids, get_rows_ref
 
 
@@ -60,7 +60,7 @@ def tiles(n: int, size: int) -> int:
 def mul_mat_q_shape(srcs):
     w, x = srcs
     check_frozen(w)
-    need_f32(x)
+    need_float(x)
     return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
 
 
@@ -132,7 +132,7 @@ mul_mat_q = register(
 def mul_mat_q_back_shape(srcs):
     w, g = srcs
     check_frozen(w)
-    need_f32(g)
+    need_float(g)
     return product_shape(w.shape, g.shape, -2, -1, "mul_mat_q_back"), "f32", {}
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import Case, Input, need_f32, register
+from .registry import Case, Input, need_float, register
 
 MODES = {"normal": 0, "neox": 2}  # ggml's mode numbers; the shader takes them in p.u.y
 PARAMS = ("n_dims", "mode", "freq_base", "freq_scale")
@@ -34,7 +34,7 @@ ROPE_DEFAULTS = {"mode": "normal", "freq_base": 10000.0, "freq_scale": 1.0}
 
 def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
     x, pos = srcs[:2]
-    need_f32(x)
+    need_float(x)
     if x.ndim not in (3, 4):
         raise ShapeError(f"x must be ([batch,] n_tokens, n_head, head_dim), has shape {x.shape}")
     if pos.dtype != "i32" or pos.shape != (x.shape[-3],):
