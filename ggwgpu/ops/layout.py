@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, check_shape, constant
+from ..tensor import FLOAT_DTYPES, ShapeError, check_shape, constant
 from .registry import Case, Dispatch, Input, need_float, register
 from .elementwise import LARGE
 
@@ -169,6 +169,36 @@ cpy = register(
         "as ggml_cpy. Runs where the graph orders it: read b before it only through it.")
 
 
+def cast_shape(srcs, dtype):
+    (a,) = srcs
+    need_float(a)
+    if dtype not in FLOAT_DTYPES:
+        raise ShapeError(f"casts to one of {', '.join(FLOAT_DTYPES)}, not {dtype!r}")
+    return a.shape, dtype, {}
+
+
+def cast_cases():
+    return [Case((Input(shape, -3.0, 3.0, layout),), {"dtype": dtype})
+            for dtype in FLOAT_DTYPES
+            for shape, layout in (((1,), "contiguous"), ((5, 7), "contiguous"),
+                                  ((3, 4, 5), "permuted"), ((4, 9), "strided"))] + \
+        [Case((Input((LARGE,)),), {"dtype": "f16"}, grad=False)]
+
+
+cast = register(
+    "cast", n_srcs=1, params=("dtype",), shape=cast_shape, shader="layout", entry="cpy",
+    dispatches=copy_dispatch, result="own",
+    # the rounding happens where the value is stored: float16 storage on the NumPy backend
+    reference=lambda a, dtype: np.ascontiguousarray(a).copy(),
+    backward=lambda n, g: (O.cast(g, n.srcs[0].dtype),),
+    cases=cast_cases,
+    doc="A contiguous copy of a as dtype 'f32' or 'f16' (ggml_cast). To f16: IEEE "
+        "round-to-nearest-even, magnitudes from 65520 up become +-inf (the overflow is "
+        "placed explicitly in the kernel, where WGSL leaves it to the implementation; "
+        "the in-range rounding is the adapter's: to nearest even on lavapipe). The gradient "
+        "is cast back to a's dtype.")
+
+
 def acc_shape(srcs, strides, offset):
     a, b = srcs
     need_float(a, b)
@@ -231,5 +261,5 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "acc", "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "diag",
            "reshape_any"]
