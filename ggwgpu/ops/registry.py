@@ -112,6 +112,7 @@ class OpDef:
     f16: bool = True                # float sources may be f16 (the kernel reads halves)
     result: str = "float"           # "float": f16 iff all float sources are, "f32", "own"
     f16_nmse: float = 1e-5          # bound of the op's f16 cases (inputs rounded to halves)
+    dtype_from: tuple[int, ...] = ()  # the sources the result dtype follows (default: all)
 
     @property
     def src_names(self) -> tuple[str, ...]:
@@ -165,7 +166,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
              nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
              doc="", frozen_variant=None, variants=(), fast=None, f16=True, result="float",
-             f16_nmse=1e-5):
+             f16_nmse=1e-5, dtype_from=()):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
     if result not in ("float", "f32", "own"):
@@ -178,7 +179,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
                   doc, frozen_variant, tuple(variants), dict(defaults or {}), fast, f16,
-                  result, f16_nmse)
+                  result, f16_nmse, tuple(dtype_from))
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
@@ -244,7 +245,8 @@ def need_float(*srcs):
 def result_dtype(opdef: OpDef, srcs, dtype: str, extra: dict) -> str:
     """The one dtype rule of float ops: the result is f16 when every float source is an f16
     element tensor, else f32 (mixed -> f32); integer sources (ids, positions) and frozen
-    block-type weights do not count. Ops with result="f32" (losses, optimizer ops) always
+    block-type weights do not count, nor the sources outside an op's `dtype_from` (rope_ff's
+    frequency factors). Ops with result="f32" (losses, optimizer ops) always
     give f32; views (a result that shares a source's storage) and result="own" ops keep the
     shape rule's dtype."""
     floats = [s.dtype for s in srcs if s.dtype in FLOAT_DTYPES and not s.is_quantized]
@@ -252,6 +254,8 @@ def result_dtype(opdef: OpDef, srcs, dtype: str, extra: dict) -> str:
         raise ShapeError(f"has no f16 kernel: give it f32 tensors (cast them)")
     if dtype not in FLOAT_DTYPES or opdef.result == "own" or "view_src" in extra:
         return dtype
+    if opdef.dtype_from:
+        floats = [srcs[i].dtype for i in opdef.dtype_from]
     if opdef.result == "f32" or not floats:
         return "f32"
     return "f16" if all(d == "f16" for d in floats) else "f32"
