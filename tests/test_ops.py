@@ -158,12 +158,14 @@ def dispatches_of(opdef, case):
 MATMUL = [(name, case) for name in ("mul_mat", "out_prod") for case in testing.cases_of(name)]
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 @pytest.mark.parametrize("variant", OPS["mul_mat"].variants)
 @pytest.mark.parametrize("name,case", MATMUL, ids=[case_id(c) for c in MATMUL])
-def test_every_matmul_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case):
-    """Each adapter runs one vec4 matmul kernel; lavapipe tests them all."""
+def test_every_matmul_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case,
+                                                       half):
+    """Each adapter runs one vec4 matmul kernel; lavapipe tests them all, on f32 and f16."""
     monkeypatch.setitem(wgpu.kernel_variants, "matmul", variant)
-    result = testing.forward(OPS[name], case, wgpu)
+    result = testing.forward(OPS[name], case, wgpu, half=half)
     assert result.ok, result.detail
 
 
@@ -186,13 +188,15 @@ ROW_OPS = [(name, case) for name in sorted(OPS) if OPS[name].variants == ROW_VAR
            for case in testing.cases_of(name)]
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 @pytest.mark.parametrize("variant", ROW_VARIANTS)
 @pytest.mark.parametrize("name,case", ROW_OPS, ids=[case_id(c) for c in ROW_OPS])
-def test_every_row_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case):
+def test_every_row_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case,
+                                                    half):
     """Each adapter runs one kernel per row op (GPUs 'workgroup', CPUs 'rowwise'); lavapipe
-    tests both."""
+    tests both, on f32 and f16 inputs."""
     monkeypatch.setitem(wgpu.kernel_variants, OPS[name].shader, variant)
-    result = testing.forward(OPS[name], case, wgpu)
+    result = testing.forward(OPS[name], case, wgpu, half=half)
     assert result.ok, result.detail
 
 
