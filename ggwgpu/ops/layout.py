@@ -1,5 +1,7 @@
 """Layout ops. view, reshape, permute and transpose are zero-copy (no dispatch: the result
-shares its source's storage); cont and cpy materialise; acc adds into a view of a copy.
+shares its source's storage); cont and cpy materialise; acc adds into a view of a copy;
+cast is a contiguous copy into another element type (cpy with a type change, as ggml_cast),
+and cpy into a tensor of another type converts the same way.
 
 Shader: shaders/layout.wgsl (cpy, acc).
 """

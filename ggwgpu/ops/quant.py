@@ -2,9 +2,12 @@
 q6_k: ggwgpu/quant.py's TYPES), dequantizing inside the kernel. Shaders: shaders/quant.wgsl
 and quant_subgroup.wgsl, both dequantizing through shaders/quant_blocks.wgsl.
 
-    mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32 -> [.., N, M] = x @ w.T
-    mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32 -> [.., N, K] = g @ w
+    mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32/f16 -> [.., N, M] = x @ w.T
+    mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32/f16 -> [.., N, K] = g @ w
     get_rows_q(table, ids)  rows of a frozen [n_rows, n_cols] table -> f32
+
+(the activations' dtype decides the result's: the frozen weight does not count, whatever its
+type; ops/registry.py's result_dtype)
 
 mul_mat and get_rows hand over to these when their first operand is frozen (the registry's
 `frozen_variant`), so a model's code works unchanged with quantized constants in place of
