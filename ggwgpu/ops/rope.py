@@ -50,7 +50,7 @@ def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
 def rope_ff_shape(srcs, n_dims, **params):
     factors = srcs[2]
     if factors.dtype not in FLOAT_DTYPES or factors.shape != (int(n_dims) // 2,):
-        raise ShapeError(f"factors must be f32 or f16 of shape ({int(n_dims) // 2},) (one per "
+        raise ShapeError(f"factors must be f32 of shape ({int(n_dims) // 2},) or f16 (one per "
                          f"pair of the n_dims {n_dims} rotated dims), got {factors.dtype} "
                          f"{factors.shape}")
     return rope_shape(srcs, n_dims, **params)
