@@ -5,7 +5,11 @@ storage without its temporaries; NumpyBackend(fast=False) runs the references al
 Frozen block-type weights stay raw blocks in the plan's storage; the ops that read them get
 their values dequantized once (and again after a write), not at every run: the references
 would dequantize every weight at every step, many times the cost of the products. Constants
-that plans share (base.SharedConstants) share their dequantized values too."""
+that plans share (base.SharedConstants) share their dequantized values too.
+
+f16 element tensors are stored as float16 when the plan computes in float32, so that every
+store rounds to halves as the device's does (the two backends then agree); in float64 (the
+gradient checks) they are stored as float64, unrounded. Ops read them converted to float32."""
 from __future__ import annotations
 
 import time
@@ -43,7 +47,10 @@ class NumpyPlan(Plan):
 
     def _upload(self, root: Tensor) -> np.ndarray:
         """A new storage block for `root`, holding its value if it has one."""
-        dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
+        dtype = root.storage_dtype
+        if root.dtype == "f32" or (root.dtype == "f16" and not root.is_quantized
+                                   and self.float_dtype != np.float32):
+            dtype = self.float_dtype
         block = self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
         if root.value is not None:
             self.write(root, root.value)
@@ -53,18 +60,30 @@ class NumpyPlan(Plan):
         """Per node: its kernel, its sources' arrays, its own array and its params. Storage
         stays where it is (but for a shared constant that a write() copies): every node's
         views are made once."""
-        return [(self.kernel(node.op),
+        return [(self.kernel(node.op, self.reads_halves(node)),
                  [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs],
                  self.array(node), node.params)
                 for node in self.nodes]
 
-    def kernel(self, op: str):
+    def kernel(self, op: str, halves: bool = False):
         """(out, *srcs, **params) -> None for op: its fast kernel, else its reference.
-        The fast kernels of the frozen-weight ops see their weight dequantized (dense)."""
+        The fast kernels of the frozen-weight ops see their weight dequantized (dense).
+        With `halves` (a node that reads or writes float16 storage) the reference runs on
+        its sources converted to float32, and the store into `out` rounds."""
         opdef = OPS[op]
+        if halves:
+            reference = reference_kernel(opdef.reference)
+            return lambda out, *srcs, **params: reference(
+                out, *(s.astype(np.float32) if s.dtype == np.float16 else s for s in srcs),
+                **params)
         if self.fast and opdef.fast is not None:
             return opdef.fast
         return reference_kernel(opdef.reference)
+
+    def reads_halves(self, node: Tensor) -> bool:
+        """Whether the node reads or writes storage held as float16."""
+        return any(self.storage[id(t.storage)].dtype == np.float16 and not t.is_quantized
+                   for t in (node, *node.srcs))
 
     def dense_array(self, t: Tensor) -> np.ndarray:
         """The values of block-type tensor t, dequantized once into an array that `write`

@@ -1,5 +1,7 @@
 """Layout ops. view, reshape, permute and transpose are zero-copy (no dispatch: the result
-shares its source's storage); cont and cpy materialise; acc adds into a view of a copy.
+shares its source's storage); cont and cpy materialise; acc adds into a view of a copy;
+cast is a contiguous copy into another element type (cpy with a type change, as ggml_cast),
+and cpy into a tensor of another type converts the same way.
 
 Shader: shaders/layout.wgsl (cpy, acc).
 """
@@ -8,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, check_shape, constant
-from .registry import Case, Dispatch, Input, need_f32, register
+from ..tensor import FLOAT_DTYPES, ShapeError, check_shape, constant
+from .registry import Case, Dispatch, Input, need_float, register
 from .elementwise import LARGE
 
 
@@ -133,7 +135,7 @@ def copy_dispatch(node):
 
 
 def cont_shape(srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape, srcs[0].dtype, {}
 
 
@@ -150,7 +152,7 @@ cont = register(
 
 def cpy_shape(srcs):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     if a.nelements != b.nelements:
         raise ShapeError(f"cannot copy {a.nelements} elements into {b.nelements}")
     return b.shape, b.dtype, {"strides": b.strides, "offset": b.offset, "view_src": b}
@@ -169,9 +171,39 @@ cpy = register(
         "as ggml_cpy. Runs where the graph orders it: read b before it only through it.")
 
 
+def cast_shape(srcs, dtype):
+    (a,) = srcs
+    need_float(a)
+    if dtype not in FLOAT_DTYPES:
+        raise ShapeError(f"casts to one of {', '.join(FLOAT_DTYPES)}, not {dtype!r}")
+    return a.shape, dtype, {}
+
+
+def cast_cases():
+    return [Case((Input(shape, -3.0, 3.0, layout),), {"dtype": dtype})
+            for dtype in FLOAT_DTYPES
+            for shape, layout in (((1,), "contiguous"), ((5, 7), "contiguous"),
+                                  ((3, 4, 5), "permuted"), ((4, 9), "strided"))] + \
+        [Case((Input((LARGE,)),), {"dtype": "f16"}, grad=False)]
+
+
+cast = register(
+    "cast", n_srcs=1, params=("dtype",), shape=cast_shape, shader="layout", entry="cpy",
+    dispatches=copy_dispatch, result="own",
+    # the rounding happens where the value is stored: float16 storage on the NumPy backend
+    reference=lambda a, dtype: np.ascontiguousarray(a).copy(),
+    backward=lambda n, g: (O.cast(g, n.srcs[0].dtype),),
+    cases=cast_cases,
+    doc="A contiguous copy of a as dtype 'f32' or 'f16' (ggml_cast). To f16: IEEE "
+        "round-to-nearest-even, magnitudes from 65520 up become +-inf (the overflow is "
+        "placed explicitly in the kernel, where WGSL leaves it to the implementation; "
+        "the in-range rounding is the adapter's: to nearest even on lavapipe). The gradient "
+        "is cast back to a's dtype.")
+
+
 def acc_shape(srcs, strides, offset):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     check_view_fits(b.shape, strides, offset, a.nelements, "acc view")
     return a.shape, a.dtype, {}
 
@@ -201,7 +233,7 @@ acc = register(
 
 def diag_shape(srcs):
     (a,) = srcs
-    need_f32(a)
+    need_float(a)
     if a.ndim > 1 and a.shape[-2] != 1:
         raise ShapeError(f"diag takes rows: shape (n,) or (.., 1, n), got {a.shape}")
     n = a.shape[-1]
@@ -231,5 +263,5 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "acc", "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "diag",
            "reshape_any"]

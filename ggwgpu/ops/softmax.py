@@ -23,7 +23,7 @@ import numpy as np
 from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError, Tensor, constant
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_float, register, tile
 from .rows import check_range
 from .elementwise import LARGE, reduce_to, tiled
 from .reduce import sum_into
@@ -44,7 +44,7 @@ def row_dispatch(node, variant="workgroup", **uniforms):
 
 
 def same_shapes(*srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     if any(s.shape != srcs[0].shape for s in srcs):
         raise ShapeError(f"inputs must have the same shape, got {[s.shape for s in srcs]}")
 
@@ -90,13 +90,13 @@ OTHER = {"contiguous": "contiguous", "permuted": "strided", "strided": "permuted
 
 
 def soft_max_shape(srcs, scale):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape, "f32", {}
 
 
 def soft_max_ext_shape(srcs, scale):
     x, mask = srcs
-    need_f32(x, mask)
+    need_float(x, mask)
     if not can_repeat(mask.shape, x.shape):
         raise ShapeError(f"mask {mask.shape} does not tile x {x.shape}")
     return x.shape, "f32", {}
@@ -181,7 +181,7 @@ soft_max_back = register(
 
 
 def diag_mask_shape(srcs, n_past):
-    need_f32(*srcs)
+    need_float(*srcs)
     if not 0 <= int(n_past) < 2 ** 31:
         raise ShapeError(f"n_past must be in [0, 2^31), got {n_past}")
     return srcs[0].shape, "f32", {}
@@ -288,6 +288,7 @@ def ce_cases():
 
 cross_entropy_loss = register(
     "cross_entropy_loss", n_srcs=2, shape=ce_shape, shader="softmax", reference=ce_ref,
+    result="f32",
     dispatches=ce_dispatch, variants=ROW_VARIANTS, backward=ce_backward, cases=ce_cases,
     doc="-sum(p * log_softmax(x)) / n_rows for logits x and target probabilities p (rows "
         "over the innermost dim), shape (1,); as ggml_cross_entropy_loss, with an exact "
@@ -297,7 +298,7 @@ cross_entropy_loss = register(
 def ce_back_shape(srcs):
     x, p, d = srcs
     same_shapes(x, p)
-    need_f32(d)
+    need_float(d)
     if d.nelements != 1:
         raise ShapeError(f"dloss must have one element, has shape {d.shape}")
     return x.shape, "f32", {}
@@ -337,7 +338,7 @@ cross_entropy_loss_back = register(
 
 def check_ce_ids(srcs):
     x, ids, w = srcs[:3]
-    need_f32(x, w, *srcs[3:])
+    need_float(x, w, *srcs[3:])
     if x.ndim < 2:
         raise ShapeError(f"logits must have rows (at least 2 dims), have shape {x.shape}")
     if ids.dtype != "i32":
@@ -411,6 +412,7 @@ def ce_ids_cases():
 
 cross_entropy_ids = register(
     "cross_entropy_ids", n_srcs=3, shape=ce_ids_shape, shader="softmax", reference=ce_ids_ref,
+    result="f32",
     fast=ce_ids_into, no_grad=(1, 2),
     dispatches=ce_ids_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (O.cross_entropy_ids_back(*n.srcs, g), None, None),
