@@ -101,6 +101,15 @@ def describe_backend(backend) -> str:
     return f"{backend.name} (the NumPy reference backend)"
 
 
+def describe_precision(trainer) -> str:
+    """The element type a Trainer's graph computes in, and its loss scaling."""
+    if trainer.precision == "f32":
+        return "f32"
+    scaling = (f"dynamic loss scale from 2^{math.log2(trainer.scaler.scale):g}"
+               if trainer.scaler else "no loss scaling")
+    return f"f16 activations, f32 master weights, {scaling}"
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:

@@ -16,8 +16,8 @@ import click
 from ggwgpu import checkpoint, gguf_file, gguf_llama
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
-from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
-                     select_backend, with_context)
+from .common import (FiniteFloat, check_memory, ctx_option, describe_backend,
+                     describe_precision, planned_memory, select_backend, with_context)
 from .outputs import check_outputs
 from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                        describe_examples, device_errors, example_batches, example_sets,
@@ -192,7 +192,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     n_trained = sum(p.nelements for p in trainer.graph.params.values())
     world = mpi_world()
     click.echo(f"finetune on {describe_backend(backend)}" +
-               (f" in each of {world.size} processes (MPI)" if world else ""))
+               (f" in each of {world.size} processes (MPI)" if world else "") +
+               f"; {describe_precision(trainer)}")
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
     for line in data_lines:

@@ -11,7 +11,8 @@ import click
 
 from ggwgpu.generate import Sampling
 
-from .common import check_memory, describe_backend, planned_memory, select_backend
+from .common import (check_memory, describe_backend, describe_precision, planned_memory,
+                     select_backend)
 from .generate import stream_sample
 from .training import (across_ranks, default_checkpoint_path, device_errors,
                        existing_directory, guard_outputs, is_root, local_batch, mpi_world,
@@ -118,7 +119,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     entropy = unigram_entropy(tokens)
     world = mpi_world()
     click.echo(f"train on {describe_backend(backend)}" +
-               (f" in each of {world.size} processes (MPI)" if world else ""))
+               (f" in each of {world.size} processes (MPI)" if world else "") +
+               f"; {describe_precision(trainer)}")
     click.echo(f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
                f"{cfg.n_ctx}; unigram entropy {entropy:.3f} nats/token")
     n_params = sum(v.size for v in values.values())

@@ -273,6 +273,8 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
                 continue
             if sg.shape != src.shape:
                 raise ShapeError(f"{node.op}: backward gave {sg.shape} for input {src.shape}")
+            if sg.dtype != src.dtype and not src.is_quantized:
+                sg = O.cast(sg, src.dtype)   # a gradient has its tensor's type (f16 graphs)
             prev = grads.get(id(src))
             grads[id(src)] = sg if prev is None else O.add(prev, sg)
 

@@ -25,9 +25,10 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from . import ops as O
+from .backends import precision_for
 from .graph import build_backward
 from .lbfgs import LINESEARCHES, ON_FAIL, Lbfgs, LbfgsOptions
-from .models.llama import MAX_LOGITS_BYTES, LlamaConfig, build_train_graph
+from .models.llama import MAX_LOGITS_BYTES, PRECISIONS, LlamaConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
@@ -145,6 +146,11 @@ class TrainOptions:
     checkpointing: bool = _option(False, Bound(bool),
                                   "Gradient checkpointing: recompute activations, keep block "
                                   "outputs only.", may_change=True)
+    precision: str = _option(
+        "f32", Bound(str, choices=("auto",) + PRECISIONS),
+        "Element type of activations and frozen float weights on the device: f16 (trained "
+        "weights, moments and the loss stay f32; dynamic loss scaling), f32, or auto: f16 "
+        "where the adapter has shader-f16, f32 elsewhere and on numpy.", may_change=True)
     seed: int = _option(0, Bound(int, 0, MAX_SEED), "Init and sample-order seed.")
     # L-BFGS (ggml's defaults; lbfgs.LbfgsOptions)
     lbfgs_m: int = _option(6, Bound(int, 1, 1024), "L-BFGS: history pairs.")
@@ -170,9 +176,11 @@ class TrainOptions:
     opt_max_no_improvement: int = _option(
         0, Bound(int, 0, MAX_STEPS),
         "L-BFGS: stop after this many steps without a lower loss (0: off).")
-    # dynamic loss scaling (LossScaler: torch.amp.GradScaler's rules); f32 needs none, and
-    # the commands take none of these yet (a precision option will set them)
-    loss_scale: str = _option("none", Bound(str, choices=("none", "dynamic")), cli=False)
+    # dynamic loss scaling (LossScaler: torch.amp.GradScaler's rules); "auto": on when the
+    # graph is f16 (not with lbfgs, whose line search compares unscaled losses), as PyTorch
+    # pairs GradScaler with f16 autocast; f32 needs none
+    loss_scale: str = _option("auto", Bound(str, choices=("auto", "none", "dynamic")),
+                              cli=False)
     loss_scale_init: float = _option(2.0 ** 16, SCALE, cli=False)
     loss_scale_growth_interval: int = _option(2000, Bound(int, 1, MAX_STEPS), cli=False)
 
@@ -181,7 +189,7 @@ class TrainOptions:
             why = bound.problem(getattr(self, name))
             if why:
                 raise ValueError(f"option {name} {why}")
-        if self.optimizer == "lbfgs" and self.loss_scale != "none":
+        if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
             raise ValueError("option loss_scale dynamic does not work with optimizer lbfgs: "
                              "its line search compares losses and gradients that a skipped, "
                              "rescaled step would not give")
@@ -327,13 +335,18 @@ class Trainer:
         options.loss_scale_init."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
+        self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
         g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
                                        lora=lora, max_logits_bytes=logits_bound(backend),
-                                       packed=getattr(batch_source, "packed", False))
+                                       packed=getattr(batch_source, "packed", False),
+                                       precision=self.precision)
         self.graph = g
+        scaled = options.loss_scale == "dynamic" or (
+            options.loss_scale == "auto" and self.precision == "f16"
+            and options.optimizer != "lbfgs")
         self.scaler = (LossScaler(options.loss_scale_init, options.loss_scale_growth_interval,
-                                  loss_scaler) if options.loss_scale == "dynamic" else None)
+                                  loss_scaler) if scaled else None)
         # the backward's seed S and the optimizer's 1/S: inputs the host writes when S changes
         self.scale_seed = input_tensor(g.loss.shape, name="loss scale") if self.scaler else None
         self.inv_scale = input_tensor((1,), name="1 / loss scale") if self.scaler else None
@@ -644,8 +657,8 @@ def check_state(state) -> dict:
 
 def check_scaler_state(scaler, options: dict, step: int, check):
     """A checkpoint's loss_scaler (LossScaler.state()) against its options and step."""
-    if options.get("loss_scale", "none") != "dynamic":
-        raise ValueError("loss_scaler is present, but options.loss_scale is not dynamic")
+    if options.get("loss_scale", "none") == "none":
+        raise ValueError("loss_scaler is present, but options.loss_scale is none")
     if not isinstance(scaler, dict):
         raise ValueError("loss_scaler must be a JSON object")
     for key in scaler:

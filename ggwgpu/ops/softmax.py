@@ -320,6 +320,7 @@ def ce_back_backward(node, g):
 cross_entropy_loss_back = register(
     "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
     reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
+    dtype_from=(0,),  # the logits' gradient has their type (the loss's gradient is f32)
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(1.0 / n_rows(n.srcs[0]),)),
     variants=ROW_VARIANTS,
@@ -458,7 +459,7 @@ def ce_ids_back_shape(srcs):
 cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
     reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
-    backward=ce_ids_back_backward,
+    backward=ce_ids_back_backward, dtype_from=(0,),  # as cross_entropy_loss_back
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],
