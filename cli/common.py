@@ -225,6 +225,23 @@ def template_option(cls=click.Option):
                              "ChatML).")
 
 
+precision_option = click.option(
+    "--precision", type=click.Choice(("auto", "f32", "f16")), default="f32", show_default=True,
+    help="Element type of activations, float weights and the KV cache on the device: f16, "
+         "f32, or auto (f16 where the adapter has shader-f16, f32 elsewhere and on numpy).")
+
+
+def resolve_precision(backend, choice: str) -> str:
+    """--precision on `backend` (ggwgpu.backends.precision_for), refused as a usage error
+    where the device cannot run it."""
+    from ggwgpu.backends import precision_for
+    from ggwgpu.tensor import ShapeError
+    try:
+        return precision_for(backend, choice)
+    except ShapeError as e:
+        raise click.UsageError(f"--precision {choice}: {e}") from None
+
+
 def chat_template(tokenizer, path=None):
     """The ChatTemplate of --chat-template's file, else the model's, else ChatML."""
     from ggwgpu.chat import ChatTemplate

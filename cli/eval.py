@@ -11,7 +11,8 @@ import numpy as np
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 
-from .common import check_memory, ctx_option, describe_backend, select_backend, with_context
+from .common import (check_memory, ctx_option, describe_backend, precision_option,
+                     resolve_precision, select_backend, with_context)
 from .training import (data_options, describe_examples, example_batches, example_sets,
                        positive, read_text)
 
@@ -30,6 +31,7 @@ from .training import (data_options, describe_examples, example_batches, example
 @data_options
 @click.option("--split", type=click.Choice(SPLITS),
               help="The --data split to evaluate (default: test, else valid, else train).")
+@precision_option
 @click.pass_context
 def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split, **kw):
     """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
@@ -78,8 +80,10 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         packed = False
     check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
     backend = select_backend(ctx)
+    precision = resolve_precision(backend, kw["precision"])
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
-                          max_logits_bytes=logits_bound(backend), packed=packed)
+                          max_logits_bytes=logits_bound(backend), packed=packed,
+                          precision=precision)
     plan = backend.plan([g.loss])
     if not packed:
         plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
@@ -91,9 +95,11 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         counted += n_targets
     loss = total / max(counted, 1)
     with_lora = "".join(f" + {path}" for path in lora_paths)
-    click.echo(f"eval on {describe_backend(backend)}: {model}{with_lora} on {what}")
+    click.echo(f"eval on {describe_backend(backend)} in {precision}: {model}{with_lora} on "
+               f"{what}")
     if not math.isfinite(loss):     # finite weights whose activations overflow float32
         raise click.ClickException(f"the loss of {model}{with_lora} is {loss}: its values "
-                                   f"overflow float32 in the forward pass")
+                                   f"overflow {'halves' if precision == 'f16' else 'float32'} "
+                                   f"in the forward pass")
     perplexity = math.exp(loss) if loss < 700 else math.inf     # exp overflows past ~709
     click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity:.3f}")

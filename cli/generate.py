@@ -13,9 +13,11 @@ import click
 from .chat import chat_answer
 from .common import chat_template as load_chat_template
 from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
-                     sampling_of, sampling_options, select_backend, template_option)
+                     precision_option, resolve_precision, sampling_of, sampling_options,
+                     select_backend, template_option)
 
-def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=()):
+def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=(),
+                  precision="f32"):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
     from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
@@ -25,7 +27,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
         ids = prompt_tokens(tokenizer, prompt)
     except ValueError as e:         # VocabError: a lone surrogate, a piece without a token
         raise click.UsageError(f"--prompt: {e}") from None
-    decoder = Decoder(backend, cfg, values, adapters=adapters)
+    decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
     t1, count = time.perf_counter(), 0
@@ -60,6 +62,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
                    "the generation prompt (after --system); only the answer is printed.")
 @click.option("--system", help="With --chat: a system message first.")
 @template_option()
+@precision_option
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
              **kw):
@@ -77,12 +80,13 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
-    click.echo(f"generate on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, "
-               f"seed {kw['seed']}", err=True)
+    precision = resolve_precision(backend, kw["precision"])
+    click.echo(f"generate on {describe_backend(backend)} in {precision}: {model}, n_ctx "
+               f"{cfg.n_ctx}, seed {kw['seed']}", err=True)
     if chat:
         template = load_chat_template(tokenizer, chat_template)
         chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n_predict,
-                    sampling_of(kw), kw["seed"], adapters)
+                    sampling_of(kw), kw["seed"], adapters, precision)
     else:
         stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling_of(kw),
-                      kw["seed"], adapters)
+                      kw["seed"], adapters, precision)

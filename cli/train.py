@@ -159,4 +159,4 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         prompt = text.split("\n", 1)[0]
         click.echo(f"sample of {predict} tokens:")
         stream_sample(backend, cfg, trainer.parameters(), tokenizer, prompt, predict,
-                      Sampling(), kw["seed"])
+                      Sampling(), kw["seed"], precision=trainer.precision)
