@@ -67,7 +67,7 @@ def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sa
 @sampling_options
 @lora_option
 @ctx_option("Tokens the KV cache holds")
-@template_option
+@template_option()
 @click.pass_context
 def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     """Talk with a chat model (its own template, else ChatML) in the terminal.

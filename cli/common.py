@@ -194,23 +194,26 @@ lora_option = click.option(
 def load_model(path, lora_paths=(), n_ctx=None):
     """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file, for
     generating: a window of at least 2 tokens (the prompt's and the next)."""
-    from ggwgpu import gguf_io
+    from ggwgpu import gguf_llama
+    from ggwgpu.gguf_file import GGUFError
     from ggwgpu.lora import load_adapter
     try:
-        cfg, values, tokenizer = gguf_io.load_model(path, keep_quantized=True)
+        cfg, values, tokenizer = gguf_llama.load_model(path, keep_quantized=True)
         adapters = [load_adapter(p, cfg) for p in lora_paths]
-    except gguf_io.GGUFError as e:
+    except GGUFError as e:
         raise click.ClickException(str(e)) from None
     if n_ctx is None and cfg.n_ctx < 2:      # --n-ctx itself is at least 2
-        raise click.UsageError(f"{path}: its context length ({gguf_io.K_CTX}) is {cfg.n_ctx}, "
+        raise click.UsageError(f"{path}: its context length ({gguf_llama.K_CTX}) is {cfg.n_ctx}, "
                                f"but generating needs at least 2 tokens: give --n-ctx 2 or "
                                f"more")
     return with_context(cfg, n_ctx), values, tokenizer, adapters
 
 
-template_option = click.option(
-    "--chat-template", type=click.Path(exists=True, dir_okay=False),
-    help="A Jinja chat template file (default: the model's own, else ChatML).")
+def template_option(cls=click.Option):
+    """--chat-template; `cls` marks it for the training commands (training.Repeated)."""
+    return click.option("--chat-template", cls=cls, type=click.Path(exists=True, dir_okay=False),
+                        help="A Jinja chat template file (default: the model's own, else "
+                             "ChatML).")
 
 
 def chat_template(tokenizer, path=None):
