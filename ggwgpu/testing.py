@@ -150,9 +150,10 @@ def compare(out, ref, bound) -> tuple[bool, str]:
 
 
 def f16_bound(opdef: OpDef, case: Case, half: bool, node) -> float:
-    """The NMSE bound of a case: the op's f16 bound where inputs or result are halves."""
+    """The NMSE bound of a case: the op's f16 bound where inputs or result are halves (or
+    the case's own bound, where looser)."""
     if half or node.dtype == "f16":
-        return max(case.nmse or opdef.nmse, opdef.f16_nmse)
+        return max(case.nmse or 0.0, opdef.f16_nmse)
     return case.nmse or opdef.nmse
 
 

@@ -118,13 +118,15 @@ scale = register(
     cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],
     doc="a * s for a Python float s.")
 
-neg = unary("neg", np.negative, lambda n, g: (O.neg(g),), "-a")
-abs = unary("abs", np.abs, lambda n, g: (O.mul(O.sgn(n.srcs[0]), g),), "|a|")
-sgn = unary("sgn", np.sign, lambda n, g: (None,), "sign of a: -1, 0 or 1 (zero gradient)")
+# f16_nmse=0.0: exact on halves (sign flips, comparisons)
+neg = unary("neg", np.negative, lambda n, g: (O.neg(g),), "-a", f16_nmse=0.0)
+abs = unary("abs", np.abs, lambda n, g: (O.mul(O.sgn(n.srcs[0]), g),), "|a|", f16_nmse=0.0)
+sgn = unary("sgn", np.sign, lambda n, g: (None,), "sign of a: -1, 0 or 1 (zero gradient)",
+            f16_nmse=0.0)
 step = unary("step", lambda a: (a > 0).astype(a.dtype), lambda n, g: (None,),
-             "1 where a > 0, else 0 (zero gradient)")
+             "1 where a > 0, else 0 (zero gradient)", f16_nmse=0.0)
 relu = unary("relu", lambda a: np.maximum(a, 0), lambda n, g: (O.mul(O.step(n.srcs[0]), g),),
-             "max(a, 0)")
+             "max(a, 0)", f16_nmse=0.0)
 sqr = unary("sqr", np.square, lambda n, g: (O.scale(O.mul(n.srcs[0], g), 2.0),), "a * a")
 sqrt = unary("sqrt", np.sqrt, lambda n, g: (O.div(O.scale(g, 0.5), n),), "sqrt(a)",
              lo=2e-3, hi=2.0)

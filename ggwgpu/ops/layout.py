@@ -59,6 +59,7 @@ def view_backward(node, g):
 
 view = register(
     "view", n_srcs=1, params=("shape", "strides", "offset"), shape=view_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, shape, strides, offset: storage_view(
         np.ascontiguousarray(a), shape, strides, offset).copy(),
     backward=view_backward,
@@ -83,6 +84,7 @@ def reshape_shape(srcs, shape):
 
 reshape = register(
     "reshape", n_srcs=1, params=("shape",), shape=reshape_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, shape: a.reshape(shape),
     backward=lambda n, g: (reshape_any(g, n.srcs[0].shape),),
     cases=lambda: [Case((Input((5, 6)),), {"shape": (3, 10)}),
@@ -102,6 +104,7 @@ def permute_shape(srcs, axes):
 
 permute = register(
     "permute", n_srcs=1, params=("axes",), shape=permute_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, axes: np.transpose(a, axes),
     backward=lambda n, g: (O.permute(g, tuple(np.argsort(n.params["axes"]))),),
     cases=lambda: [Case((Input((2, 3, 4, 5)),), {"axes": (2, 0, 3, 1)}),
@@ -121,6 +124,7 @@ def transpose_shape(srcs):
 
 transpose = register(
     "transpose", n_srcs=1, shape=transpose_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a: np.swapaxes(a, -1, -2),
     backward=lambda n, g: (O.transpose(g),),
     cases=lambda: [Case((Input((5, 7)),)), Case((Input((2, 3, 4), layout="strided"),)),
@@ -141,6 +145,7 @@ def cont_shape(srcs):
 
 cont = register(
     "cont", n_srcs=1, shape=cont_shape, shader="layout", entry="cpy", dispatches=copy_dispatch,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a: np.ascontiguousarray(a).copy(),
     fast=lambda out, a: np.copyto(out, a),
     backward=lambda n, g: (g,),
@@ -160,6 +165,7 @@ def cpy_shape(srcs):
 
 cpy = register(
     "cpy", n_srcs=2, shape=cpy_shape, shader="layout", dispatches=copy_dispatch,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, b: a.reshape(b.shape).copy(),
     fast=lambda out, a, b: np.copyto(out, a.reshape(out.shape)),
     backward=lambda n, g: (reshape_any(g, n.srcs[0].shape), None),
@@ -256,6 +262,7 @@ def diag_backward(node, g):
 
 diag = register(
     "diag", n_srcs=1, shape=diag_shape, shader="layout", reference=diag_ref,
+    f16_nmse=0.0,  # exact: copies halves
     backward=diag_backward,
     cases=lambda: [Case((Input((1,)),)), Case((Input((7,)),)), Case((Input((1, 5)),)),
                    Case((Input((2, 3, 1, 4), layout="strided"),)),

@@ -59,6 +59,7 @@ def append_finite_flag_cases():
 
 append_finite_flag = register(
     "append_finite_flag", n_srcs=3, shape=append_finite_flag_shape, shader="optim", result="f32",
+    f16_nmse=0.0,  # exact: a flag from exponent bits
     reference=append_finite_flag_ref, no_grad=(1, 2), cases=append_finite_flag_cases,
     backward=lambda n, g: (O.view(g, n.srcs[0].shape, g.strides, 0), None, None),
     doc="(hparams, a, b) -> hparams followed by 1 when every element of a and b is finite, "

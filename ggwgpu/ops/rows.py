@@ -56,6 +56,7 @@ def get_rows_ref(table, ids):
 
 get_rows = register(
     "get_rows", n_srcs=2, shape=get_rows_shape, shader="rows", reference=get_rows_ref,
+    f16_nmse=0.0,  # exact: copies halves
     no_grad=(1,), frozen_variant="get_rows_q",
     backward=lambda n, g: (O.get_rows_back(g, n.srcs[1], n.srcs[0].shape[0]), None),
     cases=lambda: [

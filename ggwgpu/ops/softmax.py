@@ -223,6 +223,7 @@ def diag_mask_cases(large=False):
 
 diag_mask_inf = register(
     "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    f16_nmse=0.0,  # exact: copies halves, or masks them
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, -np.inf),
     dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
@@ -233,6 +234,7 @@ diag_mask_inf = register(
 
 diag_mask_zero = register(
     "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    f16_nmse=0.0,  # exact: copies halves, or masks them
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0),
     dispatches=lambda n: diag_mask_dispatch(n, 0.0),
