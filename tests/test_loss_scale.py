@@ -263,13 +263,15 @@ def test_a_state_written_before_loss_scaling_loads_with_its_defaults():
         del state["options"][key]
     del state["loss_scaler"]
     check_state(state)
-    assert TrainOptions(**state["options"]).loss_scale == "none"
+    options = TrainOptions(**state["options"])
+    assert options.loss_scale == "auto" and options.precision == "f32"
+    assert make(NumpyBackend(), loss_scaler=None).scaler is None    # auto: none on f32
     t = make(NumpyBackend(), loss_scaler=None, **dynamic(loss_scale_init=8.0))
     assert t.scaler.state() == {"scale": 8.0, "growth_tracker": 0, "skipped_steps": 0}
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(loss_scale="static"), "option loss_scale must be one of none, dynamic"),
+    (dict(loss_scale="static"), "option loss_scale must be one of auto, none, dynamic"),
     (dict(loss_scale_init=1000.0), "option loss_scale_init must be a power of two"),
     (dict(loss_scale_init=2.0 ** 127), "option loss_scale_init must be in"),
     (dict(loss_scale_growth_interval=0), "option loss_scale_growth_interval must be in"),
