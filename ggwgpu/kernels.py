@@ -12,7 +12,9 @@ variant in turn, so every one stays tested.
     quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
                   same adapters)
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
-                  'rowwise' (one invocation per row, no barriers, CPU adapters)
+                  'rowwise' (one invocation per row, no barriers, CPU adapters); each
+                  row op's pass over a row is written once, and its family is compiled
+                  once per variant (`row_module_wgsl`)
 
 Also here: the block types' codes the quantized kernels branch on (p.u.x).
 """
@@ -36,8 +38,12 @@ MATMUL_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64), None),
 QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
                  "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
 
-# The row ops' variants (ops/norm.py, ops/softmax.py): 'rowwise' entries are k_<op>_rowwise.
+# The row ops' variants (ops/norm.py, ops/softmax.py): every row op has both; its
+# 'rowwise' entry is k_<entry>_rowwise. Each family's shader (shaders/<family>.wgsl) writes an
+# op's pass over a row once, as <entry>_row(w: Row); shaders/row_<variant>.wgsl defines how a
+# row is split and reduced, and row_module_wgsl puts the two together with the entry points.
 ROW_VARIANTS = ("workgroup", "rowwise")
+ROW_FAMILIES = ("norm", "softmax")
 # lavapipe stops an invocation's loops after about 65534 iterations in all (measured: a
 # rowwise kernel with two passes over a row of 32768 leaves the last 3 elements unwritten,
 # one over 28672 is right). Longer rows take the workgroup kernel: each of its invocations
@@ -57,6 +63,36 @@ def type_codes_wgsl() -> str:
 def row_kernel(variant: str, row_len: int) -> str:
     """The kernel variant a row of row_len elements runs: 'rowwise' only up to ROWWISE_MAX."""
     return "workgroup" if row_len > ROWWISE_MAX else variant
+
+
+def row_module(family: str, variant: str) -> str:
+    """The shader module of a row op family's kernels of one variant (e.g. softmax_rowwise)."""
+    return f"{family}_{variant}"
+
+
+def row_entry(entry: str, variant: str) -> str:
+    return entry if variant == "workgroup" else f"{entry}_{variant}"
+
+
+# A row op's entry point: its row (the bound check is uniform per workgroup in the
+# 'workgroup' variant, so the reductions after it stay in uniform control flow), then the
+# op's pass over it.
+ROW_ENTRY = """
+@compute @workgroup_size(WG)
+fn k_{name}(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
+        @builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
+    let row = row_index(wid, gid, nwg);
+    if (row >= p.n) {{ return; }}
+    {entry}_row(row_work(row, row_lane(lid)));
+}}
+"""
+
+
+def row_module_wgsl(family: str, variant: str, entries) -> str:
+    """The WGSL of row_module(family, variant): the variant's row split and reductions, the
+    family's shader, and one entry point per entry (calling its <entry>_row)."""
+    return (f"// #include row_{variant}\n// #include {family}\n"
+            + "".join(ROW_ENTRY.format(name=row_entry(e, variant), entry=e) for e in entries))
 
 
 def matmul_variant(adapter, device) -> str:

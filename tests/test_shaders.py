@@ -46,15 +46,47 @@ def defined_functions(text: str) -> list[str]:
 
 def test_no_two_shader_parts_define_the_same_function():
     """Shared code lives in one include, not in copies: every function of every shader file
-    and generated part is defined once across all of them."""
+    and generated part is defined once across all of them, but for the row ops' variant
+    preludes (row_workgroup.wgsl, row_rowwise.wgsl), which define one set of functions each:
+    a row family is compiled with one of them."""
     parts = {f"{f.name}": f.read_text() for f in sorted(shader_dir().glob("*.wgsl"))}
     parts.update({f"generated {name}": make() for name, make in GENERATED_WGSL.items()})
     where = {}
     for part, text in parts.items():
         for fn in defined_functions(text):
             where.setdefault(fn, []).append(part)
-    assert {fn: at for fn, at in where.items() if len(at) > 1} == {}
+    preludes = sorted(f"row_{variant}.wgsl" for variant in kernels.ROW_VARIANTS)
+    assert {fn: at for fn, at in where.items() if len(at) > 1 and at != preludes} == {}
+    assert {fn for fn, at in where.items() if at == preludes} == \
+        {"row_index", "row_lane", "row_sum", "row_sum4", "row_ms"}
     assert len(where) > 100   # the parse found the shaders' functions
+
+
+def test_each_row_op_is_one_pass_over_a_row_compiled_once_per_variant():
+    """A row op's math is its <entry>_row function, written once in its family's file; each
+    variant's module has the op's entry point and calls it."""
+    for family in kernels.ROW_FAMILIES:
+        math = (shader_dir() / f"{family}.wgsl").read_text()
+        entries = {op.entry for op in OPS.values() if op.shader == family and op.variants}
+        assert entries and all(op.variants == kernels.ROW_VARIANTS
+                               for op in OPS.values() if op.entry in entries)
+        for entry in entries:
+            assert len(re.findall(rf"^fn {entry}_row\(w: Row\)", math, re.M)) == 1
+        for variant in kernels.ROW_VARIANTS:
+            source = shader_source(kernels.row_module(family, variant))
+            for entry in entries:
+                name = kernel_name(kernels.row_entry(entry, variant))
+                body = re.search(rf"\bfn {name}\(.*?\n}}", source, re.S)
+                assert body and f"{entry}_row(" in body[0], (variant, entry)
+
+
+def compiled_modules() -> list[str]:
+    """Every shader module a dispatch can name: each file but the row families, which are
+    compiled once per variant instead."""
+    files = [f.stem for f in sorted(shader_dir().glob("*.wgsl"))
+             if f.stem not in kernels.ROW_FAMILIES]
+    return files + [kernels.row_module(family, variant) for family in kernels.ROW_FAMILIES
+                    for variant in kernels.ROW_VARIANTS]
 
 
 def test_the_elementwise_kernels_come_from_one_table_and_one_template():
@@ -71,11 +103,11 @@ def test_the_elementwise_kernels_come_from_one_table_and_one_template():
 def test_every_shader_compiles_and_every_kernel_makes_a_pipeline(wgpu, dtype):
     """With every common binding of either element type (kernel variants and entry points
     that no op-matrix case reaches included)."""
-    for f in sorted(shader_dir().glob("*.wgsl")):
-        source = shader_source(f.stem)
+    for stem in compiled_modules():
+        source = shader_source(stem)
         parts = {"part_words": 1024} if "override SRC0_PART_WORDS" in source else {}
         for entry in re.findall(r"\bfn k_(\w+)\(", source):
-            assert wgpu.pipeline(f.stem, entry, dtypes=(dtype,) * 5, **parts) is not None
+            assert wgpu.pipeline(stem, entry, dtypes=(dtype,) * 5, **parts) is not None
 
 
 # -- kernel variants: one table (ggwgpu/kernels.py), every variant run on lavapipe -------------

@@ -1,7 +1,8 @@
 """Row normalisations over the innermost dim: rms_norm and norm (ggml_norm), each with its
 *_back op, and rms_norm_mul, llama's weighted rms_norm fused into one pass. Shader:
-shaders/norm.wgsl, one workgroup per row; rms_norm_mul(_back) also have a 'rowwise'
-variant, one invocation per row, that the backend picks on CPU adapters (ggwgpu/kernels.py).
+shaders/norm.wgsl, one pass over a row per op, run by one workgroup per row or, the
+'rowwise' variant the backend picks on CPU adapters, one invocation per row
+(ggwgpu/kernels.py).
 
     rms_norm(x, eps):        y = x * r,         r = 1 / sqrt(mean(x^2) + eps)
                              dx = r * (dy - y * mean(dy * y))
@@ -17,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..kernels import ROW_VARIANTS, row_kernel
+from ..kernels import ROW_VARIANTS
 from ..tensor import ShapeError
 from .elementwise import reduce_to, tiled
-from .registry import Case, Dispatch, Input, can_repeat, need_float, register, tile
+from .registry import (Case, Input, can_repeat, need_float, register, register_row_modules,
+                       row_dispatch, tile)
 
 
 def norm_shape(srcs, eps):
@@ -41,14 +43,9 @@ def weighted_shape(srcs, eps):
     return norm_shape((x,) + tuple(srcs[2:]), eps)
 
 
-def row_dispatch(node, variant="workgroup"):
-    """One workgroup per row, or one invocation per row ('rowwise'); eps in p.f.x."""
-    x = node.srcs[0]
-    rows = x.nelements // x.shape[-1]
-    eps = (float(node.params["eps"]),)
-    if row_kernel(variant, x.shape[-1]) == "rowwise":
-        return [Dispatch(f"{node.op}_rowwise", node, node.srcs, n=rows, f=eps)]
-    return [Dispatch(node.op, node, node.srcs, n=rows, workgroups=rows, f=eps)]
+def norm_dispatch(node, variant="workgroup"):
+    """The row kernel of the variant; eps in p.f.x."""
+    return [row_dispatch(node, variant, f=(float(node.params["eps"]),))]
 
 
 def rms_norm_ref(x, eps):
@@ -134,7 +131,7 @@ def back_cases():
 
 rms_norm = register(
     "rms_norm", n_srcs=1, params=("eps",), shape=norm_shape, shader="norm",
-    reference=rms_norm_ref, dispatches=row_dispatch,
+    reference=rms_norm_ref, dispatches=norm_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (O.rms_norm_back(n.srcs[0], g, n.params["eps"]),),
     cases=lambda: forward_cases(folded=True),
     doc="x / sqrt(mean(x^2) + eps) over the innermost dim, as ggml_rms_norm.")
@@ -143,7 +140,8 @@ rms_norm = register(
 # its Jacobian in dy is symmetric, so the gradient w.r.t. dy is the op itself.
 rms_norm_back = register(
     "rms_norm_back", n_srcs=2, params=("eps",), shape=norm_shape, shader="norm",
-    reference=rms_norm_back_ref, dispatches=row_dispatch, no_grad=(0,),
+    reference=rms_norm_back_ref, dispatches=norm_dispatch, variants=ROW_VARIANTS,
+    no_grad=(0,),
     backward=lambda n, g: (None, O.rms_norm_back(n.srcs[0], g, n.params["eps"])),
     cases=back_cases,
     doc="The backward of rms_norm: dx from x and dy. Inputs x, dy.")
@@ -182,21 +180,21 @@ def rms_norm_mul_back_grads(n, g):
 
 rms_norm_mul = register(
     "rms_norm_mul", n_srcs=2, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_ref, fast=rms_norm_mul_into, dispatches=row_dispatch,
+    reference=rms_norm_mul_ref, fast=rms_norm_mul_into, dispatches=norm_dispatch,
     variants=ROW_VARIANTS,
     backward=rms_norm_mul_grads, cases=weighted_cases,
     doc="rms_norm(x, eps) * w in one pass, w tiled to x's shape (llama's weighted norm).")
 
 rms_norm_mul_back = register(
     "rms_norm_mul_back", n_srcs=3, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_back_ref, fast=rms_norm_mul_back_into, dispatches=row_dispatch,
+    reference=rms_norm_mul_back_ref, fast=rms_norm_mul_back_into, dispatches=norm_dispatch,
     variants=ROW_VARIANTS,
     no_grad=(0,), backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
     doc="dx of rms_norm_mul: rms_norm_back(x, dy * w). Inputs x, w, dy.")
 
 norm = register(
     "norm", n_srcs=1, params=("eps",), shape=norm_shape, shader="norm",
-    reference=norm_ref, dispatches=row_dispatch,
+    reference=norm_ref, dispatches=norm_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (O.norm_back(n.srcs[0], g, n.params["eps"]),),
     cases=forward_cases,
     doc="(x - mean) / sqrt(var + eps) over the innermost dim, as ggml_norm (no affine).")
@@ -204,10 +202,12 @@ norm = register(
 # As rms_norm_back: x takes no gradient, and the (symmetric) op is its own dy-gradient.
 norm_back = register(
     "norm_back", n_srcs=2, params=("eps",), shape=norm_shape, shader="norm",
-    reference=norm_back_ref, dispatches=row_dispatch, no_grad=(0,),
+    reference=norm_back_ref, dispatches=norm_dispatch, variants=ROW_VARIANTS, no_grad=(0,),
     backward=lambda n, g: (None, O.norm_back(n.srcs[0], g, n.params["eps"])),
     cases=back_cases,
     doc="The backward of norm: dx from x and dy. Inputs x, dy.")
+
+register_row_modules("norm")
 
 __all__ = ["rms_norm", "rms_norm_back", "rms_norm_mul", "rms_norm_mul_back", "norm",
            "norm_back"]

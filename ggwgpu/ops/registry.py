@@ -29,6 +29,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from ..kernels import ROW_VARIANTS, row_entry, row_kernel, row_module, row_module_wgsl
 from ..tensor import FLOAT_DTYPES, ShapeError, Tensor
 
 WORKGROUP = 64  # invocations per workgroup of the elementwise kernels (matches shaders)
@@ -48,7 +49,8 @@ class Dispatch:
     workgroups: int = 0             # 0: ceil(n / WORKGROUP)
     f: tuple[float, ...] = ()       # up to 4 float parameters
     u: tuple[int, ...] = ()         # up to 4 integer parameters
-    shader: str | None = None       # another family's file, to reuse its kernel (else the op's)
+    shader: str | None = None       # the module: another family's file, to reuse its kernel,
+                                    # or a row family's variant (else the op's file)
 
     def grid(self) -> int:
         return self.workgroups or max(1, math.ceil(self.n / WORKGROUP))
@@ -162,6 +164,28 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
     """The default: one invocation per element of the result, entry named like the op."""
     opdef = OPS[node.op]
     return [Dispatch(opdef.entry, node, node.srcs, n=node.nelements, **opdef.uniforms(node))]
+
+
+def row_dispatch(node: Tensor, variant: str, dst: Tensor | None = None, **uniforms) -> Dispatch:
+    """The dispatch of a row op (kernels.py ROW_VARIANTS) over the rows of its first source:
+    one workgroup per row, or one invocation per row ('rowwise', rows up to ROWWISE_MAX), in
+    its family's module of that variant. dst: the node, or a scratch the kernel writes."""
+    opdef, x = OPS[node.op], node.srcs[0]
+    rows = x.nelements // x.shape[-1]
+    kind = row_kernel(variant, x.shape[-1])
+    return Dispatch(row_entry(opdef.entry, kind), node if dst is None else dst, node.srcs,
+                    n=rows, workgroups=rows if kind == "workgroup" else 0,
+                    shader=row_module(opdef.shader, kind), **uniforms)
+
+
+def register_row_modules(family: str):
+    """Generate the shader modules of a row family's variants, with an entry point for each
+    of its ops (call once its ops are registered)."""
+    entries = sorted({op.entry for op in OPS.values()
+                      if op.shader == family and op.variants == ROW_VARIANTS})
+    for variant in ROW_VARIANTS:
+        GENERATED_WGSL[row_module(family, variant)] = \
+            lambda v=variant: row_module_wgsl(family, v, entries)
 
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,

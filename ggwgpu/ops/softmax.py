@@ -3,9 +3,9 @@ backward soft_max_back, the causal masks diag_mask_inf / diag_mask_zero, and
 cross_entropy_loss with cross_entropy_loss_back, and cross_entropy_ids (int32 target ids,
 what training feeds) with cross_entropy_ids_back.
 
-Shader: shaders/softmax.wgsl; the row ops run one workgroup per row and subtract the row
-max before exp (f32 exp overflows past 88). The row ops also have a 'rowwise' variant, one
-invocation per row, for CPU adapters (ggwgpu/kernels.py).
+Shader: shaders/softmax.wgsl; the row ops run one workgroup per row, or one invocation per
+row (the 'rowwise' variant, for CPU adapters: ggwgpu/kernels.py), and subtract the row max
+before exp (f32 exp overflows past 88).
 
     soft_max(x, s)             y = softmax(x * s)
     soft_max_ext(x, m, s)      y = softmax(x * s + m), m tiled over x (ggml broadcasting;
@@ -21,9 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..kernels import ROW_VARIANTS, row_kernel
+from ..kernels import ROW_VARIANTS, row_module
 from ..tensor import ShapeError, Tensor, constant
-from .registry import Case, Dispatch, Input, can_repeat, need_float, register, tile
+from .registry import (Case, Dispatch, Input, can_repeat, need_float, register,
+                       register_row_modules, row_dispatch, tile)
 from .rows import check_range
 from .elementwise import LARGE, reduce_to, tiled
 from .reduce import sum_into
@@ -34,13 +35,9 @@ def n_rows(t) -> int:
     return int(np.prod(t.shape[:-1]))
 
 
-def row_dispatch(node, variant="workgroup", **uniforms):
-    """One workgroup per row of the first source, or one invocation per row ('rowwise')."""
-    rows = n_rows(node.srcs[0])
-    entry = O.OPS[node.op].entry
-    if row_kernel(variant, node.srcs[0].shape[-1]) == "rowwise":
-        return [Dispatch(f"{entry}_rowwise", node, node.srcs, n=rows, **uniforms)]
-    return [Dispatch(entry, node, node.srcs, n=rows, workgroups=rows, **uniforms)]
+def rows_dispatch(node, variant="workgroup", **uniforms):
+    """The row kernel of the variant over the rows of the first source."""
+    return [row_dispatch(node, variant, **uniforms)]
 
 
 def same_shapes(*srcs):
@@ -114,7 +111,7 @@ def soft_max_ext_backward(node, g):
 soft_max = register(
     "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
     reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)), fast=soft_max_into,
-    dispatches=lambda n, variant="workgroup": row_dispatch(
+    dispatches=lambda n, variant="workgroup": rows_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(0,)),
     variants=ROW_VARIANTS,
     backward=lambda n, g: (scaled(O.soft_max_back(n, g), n.params["scale"]),),
@@ -130,7 +127,7 @@ soft_max_ext = register(
     entry="soft_max",
     reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
     fast=lambda out, x, m, scale: soft_max_into(out, x, scale, m),
-    dispatches=lambda n, variant="workgroup": row_dispatch(
+    dispatches=lambda n, variant="workgroup": rows_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(1,)),
     variants=ROW_VARIANTS,
     backward=soft_max_ext_backward,
@@ -169,7 +166,7 @@ def soft_max_back_into(out, y, dy):
 soft_max_back = register(
     "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
     reference=soft_max_back_ref, fast=soft_max_back_into, no_grad=(0,),
-    dispatches=row_dispatch, variants=ROW_VARIANTS,
+    dispatches=rows_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
     cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
                          Input(shape, layout=OTHER[layout])), {}, grad)
@@ -204,9 +201,10 @@ def diag_mask_into(out, x, n_past, fill):
 
 
 def diag_mask_dispatch(node, fill):
-    # fill comes in as a uniform: WGSL has no infinity literal.
+    # fill comes in as a uniform: WGSL has no infinity literal. The kernel is in both of the
+    # family's variant modules (row ops or not); either serves.
     return [Dispatch("diag_mask", node, node.srcs, n=node.nelements, f=(fill,),
-                     u=(int(node.params["n_past"]),))]
+                     u=(int(node.params["n_past"]),), shader=row_module("softmax", "workgroup"))]
 
 
 def diag_mask_cases(large=False):
@@ -259,11 +257,7 @@ def ce_dispatch(node, variant="workgroup"):
     x = node.srcs[0]
     rows = n_rows(x)
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    entry, groups = (("cross_entropy_loss_rowwise", 0)
-                     if row_kernel(variant, x.shape[-1]) == "rowwise"
-                     else ("cross_entropy_loss", rows))
-    return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups, f=(1.0 / rows,)),
-            *sum_into(node, losses)]
+    return [row_dispatch(node, variant, losses, f=(1.0 / rows,)), *sum_into(node, losses)]
 
 
 def ce_backward(node, g):
@@ -323,7 +317,7 @@ cross_entropy_loss_back = register(
     "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
     reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
     dtype_from=(0,),  # the logits' gradient has their type (the loss's gradient is f32)
-    dispatches=lambda n, variant="workgroup": row_dispatch(
+    dispatches=lambda n, variant="workgroup": rows_dispatch(
         n, variant, f=(1.0 / n_rows(n.srcs[0]),)),
     variants=ROW_VARIANTS,
     # no 70001-row case (0.4 s): the row indexing is cross_entropy_loss's
@@ -387,11 +381,7 @@ def ce_ids_dispatch(node, variant="workgroup"):
     cross_entropy_loss does."""
     rows = n_rows(node.srcs[0])
     losses = Tensor((rows,), name=f"{node} row losses")  # dispatch-private storage
-    entry, groups = (("cross_entropy_ids_rowwise", 0)
-                     if row_kernel(variant, node.srcs[0].shape[-1]) == "rowwise"
-                     else ("cross_entropy_ids", rows))
-    return [Dispatch(entry, losses, node.srcs, n=rows, workgroups=groups),
-            *sum_into(node, losses)]
+    return [row_dispatch(node, variant, losses), *sum_into(node, losses)]
 
 
 def ce_ids_cases():
@@ -462,12 +452,14 @@ cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
     reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
     backward=ce_ids_back_backward, dtype_from=(0,),  # as cross_entropy_loss_back
-    dispatches=row_dispatch, variants=ROW_VARIANTS,
+    dispatches=rows_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],
     doc="The backward of cross_entropy_ids w.r.t. the logits: (softmax(x) - onehot(ids)) * "
         "w * dloss per row, 0 on ignored rows (negative ids). Inputs x, ids, w, dloss (one "
         "element).")
+
+register_row_modules("softmax")
 
 __all__ = ["soft_max", "soft_max_ext", "soft_max_back", "diag_mask_inf", "diag_mask_zero",
            "cross_entropy_loss", "cross_entropy_loss_back", "cross_entropy_ids",
