@@ -35,7 +35,7 @@ def n_rows(t) -> int:
     return int(np.prod(t.shape[:-1]))
 
 
-def rows_dispatch(node, variant="workgroup", **uniforms):
+def softmax_dispatch(node, variant="workgroup", **uniforms):
     """The row kernel of the variant over the rows of the first source."""
     return [row_dispatch(node, variant, **uniforms)]
 
@@ -111,7 +111,7 @@ def soft_max_ext_backward(node, g):
 soft_max = register(
     "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
     reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)), fast=soft_max_into,
-    dispatches=lambda n, variant="workgroup": rows_dispatch(
+    dispatches=lambda n, variant="workgroup": softmax_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(0,)),
     variants=ROW_VARIANTS,
     backward=lambda n, g: (scaled(O.soft_max_back(n, g), n.params["scale"]),),
@@ -127,7 +127,7 @@ soft_max_ext = register(
     entry="soft_max",
     reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
     fast=lambda out, x, m, scale: soft_max_into(out, x, scale, m),
-    dispatches=lambda n, variant="workgroup": rows_dispatch(
+    dispatches=lambda n, variant="workgroup": softmax_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(1,)),
     variants=ROW_VARIANTS,
     backward=soft_max_ext_backward,
@@ -166,7 +166,7 @@ def soft_max_back_into(out, y, dy):
 soft_max_back = register(
     "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
     reference=soft_max_back_ref, fast=soft_max_back_into, no_grad=(0,),
-    dispatches=rows_dispatch, variants=ROW_VARIANTS,
+    dispatches=softmax_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
     cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
                          Input(shape, layout=OTHER[layout])), {}, grad)
@@ -317,7 +317,7 @@ cross_entropy_loss_back = register(
     "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
     reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
     dtype_from=(0,),  # the logits' gradient has their type (the loss's gradient is f32)
-    dispatches=lambda n, variant="workgroup": rows_dispatch(
+    dispatches=lambda n, variant="workgroup": softmax_dispatch(
         n, variant, f=(1.0 / n_rows(n.srcs[0]),)),
     variants=ROW_VARIANTS,
     # no 70001-row case (0.4 s): the row indexing is cross_entropy_loss's
@@ -452,7 +452,7 @@ cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
     reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
     backward=ce_ids_back_backward, dtype_from=(0,),  # as cross_entropy_loss_back
-    dispatches=rows_dispatch, variants=ROW_VARIANTS,
+    dispatches=softmax_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],
     doc="The backward of cross_entropy_ids w.r.t. the logits: (softmax(x) - onehot(ids)) * "
