@@ -77,6 +77,18 @@ fn workgroup_tree(lid: u32, v: vec4f, softmax: bool) -> vec4f {
     return total;
 }
 
+// The tree of one value: a quarter of workgroup_tree's loads and stores (a short row's
+// rms_norm or soft_max_back runs ~1.2x faster on lavapipe with it).
+var<workgroup> partial: array<f32, WG>;
+
 fn workgroup_sum(lid: u32, v: f32) -> f32 {
-    return workgroup_tree(lid, vec4f(v, 0.0, 0.0, 0.0), false).x;
+    partial[lid] = v;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s = s / 2u) {
+        if (lid < s) { partial[lid] += partial[lid + s]; }
+        workgroupBarrier();
+    }
+    let total = partial[0];
+    workgroupBarrier();  // partial may be reused right after
+    return total;
 }
