@@ -27,6 +27,9 @@ from test_cli import invoke
 # a 1-layer llama with what published models have: GQA, tied embeddings, rope factors
 ONE_LAYER = LlamaConfig(n_vocab=96, n_embd=32, n_head=4, n_head_kv=2, n_layer=1, n_ff=48,
                         n_ctx=16, tied_embeddings=True, rope_freqs=True)
+# the same 256 wide, as block types need (rows of whole blocks)
+ONE_LAYER_256 = dataclasses.replace(ONE_LAYER, n_vocab=256, n_embd=256, n_head=4, n_ff=256,
+                                    rope_freqs=False)
 GRAD_NMSE = 1e-4        # f16 graph against the f32 one (measured 3e-6)
 BACKENDS_NMSE = 1e-5    # the f16 graph on wgpu against NumPy's f16 storage (measured 1.5e-7)
 
@@ -88,6 +91,23 @@ def test_the_f16_graph_is_halves_but_its_loss_and_master_weights(packed, flash):
     assert all(p.dtype == "f32" and grads[p].dtype == "f32" for p in params)
     halves = [n for n in nodes if n.op == "cast" and n.srcs[0].is_param]
     assert len(halves) == len(params)               # each master is cast once per step
+
+
+@pytest.mark.parametrize("base_type", ["f16", "q8_0", "q4_0"])
+def test_a_lora_graph_on_a_block_type_base_is_halves(base_type):
+    """The rows of a frozen block-type embedding come out f32 and are cast: every activation
+    after them is f16, and the frozen weights stay in their type."""
+    base = {name: quantize(v, base_type) if v.ndim == 2 else v
+            for name, v in init_parameters(ONE_LAYER_256, 1).items()}
+    adapter = init_adapter(ONE_LAYER_256, lora_ranks(ONE_LAYER_256, r=2), 4.0, seed=2)
+    g = build_train_graph(ONE_LAYER_256, base, 2, lora=adapter, precision="f16")
+    grads = build_backward(g.loss, list(g.params.values()))
+    nodes = [n for n in topo_order([g.loss, *grads.values()]) if n.op is not None]
+    assert {n.op for n in nodes if n.dtype == "f32"} <= {"cross_entropy_ids", "add", "reshape",
+                                                          "cast", "get_rows_q"}
+    assert all(n.dtype == "f16" for n in nodes if n.op in ("mul_mat_q", "mul_mat_q_back",
+                                                           "rms_norm_mul", "swiglu"))
+    assert all(n.srcs[0].dtype == base_type for n in nodes if n.op == "mul_mat_q")
 
 
 @pytest.mark.parametrize("flash,packed", [(False, False), (True, False), (False, True)])

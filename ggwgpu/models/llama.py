@@ -205,9 +205,12 @@ def output(p: dict, x):
     return linear({**p, OUTPUT: p[TOKEN_EMBD]}, OUTPUT, x)
 
 
-def embed(p: dict, tokens):
-    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them."""
+def embed(p: dict, tokens, precision: str = "f32"):
+    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them, in
+    `precision` (rows of a block-type table come out f32: an f16 graph casts them)."""
     x = O.get_rows(p[TOKEN_EMBD], tokens)
+    if x.dtype != precision:
+        x = O.cast(x, precision)
     for a, b, scale in p.get(TOKEN_EMBD + LORA, ()):
         x = O.add(x, O.mul_mat(b, O.scale(O.get_rows(a, tokens), scale)))
     return x
@@ -351,7 +354,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     else:
         positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
 
-    x = embed(p, tokens)                                          # (batch, ctx, embd)
+    x = embed(p, tokens, precision)                               # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
@@ -526,7 +529,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
                                                        base + n_tokens * e))
         return O.reshape(cache, (1, max_ctx, cfg.kv_heads, cfg.head_dim))
 
-    x = embed(p, tokens)                                          # (n_tokens, embd)
+    x = embed(p, tokens, precision)                               # (n_tokens, embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         q, k, v = project_qkv(cfg, p, b, x, (1, n_tokens), positions)
