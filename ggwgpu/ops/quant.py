@@ -32,7 +32,7 @@ from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
 from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_float, register
-from .rows import check_ids, get_rows_ref
+from .rows import get_rows_ref, rows_shape
 
 
 
@@ -180,10 +180,7 @@ mul_mat_q_back = register(
 def get_rows_q_shape(srcs):
     table, ids = srcs
     check_frozen(table)
-    if table.ndim != 2:
-        raise ShapeError(f"table must be 2-D [n_rows, n_cols], has shape {table.shape}")
-    check_ids(ids)
-    return ids.shape + table.shape[-1:], "f32", {}
+    return rows_shape(table, ids), "f32", {}
 
 
 get_rows_q = register(

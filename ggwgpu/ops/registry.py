@@ -277,7 +277,7 @@ def result_dtype(opdef: OpDef, srcs, dtype: str, extra: dict) -> str:
     shape rule's dtype."""
     floats = [s.dtype for s in srcs if s.dtype in FLOAT_DTYPES and not s.is_quantized]
     if "f16" in floats and not opdef.f16:
-        raise ShapeError(f"has no f16 kernel: give it f32 tensors (cast them)")
+        raise ShapeError("has no f16 kernel: give it f32 tensors (cast them)")
     if dtype not in FLOAT_DTYPES or opdef.result == "own" or "view_src" in extra:
         return dtype
     if opdef.dtype_from:

@@ -40,13 +40,18 @@ def check_range(name, ids, n_rows):
 
 # -- get_rows --------------------------------------------------------------------------------
 
-def get_rows_shape(srcs):
-    table, ids = srcs
-    need_float(table)
+def rows_shape(table, ids) -> tuple[int, ...]:
+    """The shape of `ids`' rows of a 2-D `table` (get_rows, get_rows_q)."""
     if table.ndim != 2:
         raise ShapeError(f"table must be 2-D [n_rows, n_cols], has shape {table.shape}")
     check_ids(ids)
-    return ids.shape + table.shape[-1:], "f32", {}
+    return ids.shape + table.shape[-1:]
+
+
+def get_rows_shape(srcs):
+    table, ids = srcs
+    need_float(table)
+    return rows_shape(table, ids), "f32", {}
 
 
 def get_rows_ref(table, ids):
