@@ -10,7 +10,7 @@ import numpy as np
 from .. import ops as O
 from ..tensor import ShapeError
 from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_f32, pad4,
-                       register, same_shape, tile)
+                       register, same_shape, split_rows, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
 LARGE = WORKGROUP * 65535 + 77
@@ -68,12 +68,13 @@ def binary(name, ufunc, backward, doc, lo=-1.0, hi=1.0):
     return register(name, n_srcs=2, shape=broadcast_shape, shader="elementwise",
                     reference=lambda a, b: ufunc(a, tiled(b, a.shape)), backward=backward,
                     fast=lambda out, a, b: ufunc(a, tiled(b, a.shape), out=out),
-                    cases=lambda: binary_cases(lo, hi), doc=doc)
+                    split=split_rows(), cases=lambda: binary_cases(lo, hi), doc=doc)
 
 
 def unary(name, ref, backward, doc, lo=-1.0, hi=1.0, **kw):
     if isinstance(ref, np.ufunc):  # its fast kernel: the same ufunc, into the node
         kw.setdefault("fast", lambda out, a: ref(a, out=out))
+        kw.setdefault("split", split_rows())
     return register(name, n_srcs=1, shape=unary_shape, shader="elementwise", reference=ref,
                     backward=backward, cases=lambda: unary_cases(lo, hi), doc=doc, **kw)
 
@@ -102,7 +103,7 @@ def add1_shape(srcs, **_):
 add1 = register(
     "add1", n_srcs=2, shape=add1_shape, shader="elementwise",
     reference=lambda a, b: a + b.reshape(-1)[0],
-    fast=lambda out, a, b: np.add(a, b.reshape(-1)[0], out=out),
+    fast=lambda out, a, b: np.add(a, b.reshape(-1)[0], out=out), split=split_rows(whole=(1,)),
     backward=lambda n, g: (g, O.reshape(O.sum(g), n.srcs[1].shape)),
     cases=lambda: [Case((Input((1,)), Input((1,)))), Case((Input((5, 7)), Input((1, 1)))),
                    Case((Input((3, 4, 5), layout="permuted"), Input((1,)))),
@@ -112,7 +113,7 @@ add1 = register(
 scale = register(
     "scale", n_srcs=1, params=("s",), shape=unary_shape, shader="elementwise",
     reference=lambda a, s: a * a.dtype.type(s),
-    fast=lambda out, a, s: np.multiply(a, a.dtype.type(s), out=out),
+    fast=lambda out, a, s: np.multiply(a, a.dtype.type(s), out=out), split=split_rows(),
     backward=lambda n, g: (O.scale(g, n.params["s"]),),
     uniforms=lambda n: {"f": (float(n.params["s"]),)},
     cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],
@@ -244,7 +245,7 @@ def gate_cases(n_srcs):
 
 swiglu = register(
     "swiglu", n_srcs=2, shape=gate_shape, shader="elementwise",
-    reference=lambda a, b: silu_ref(a) * b, fast=swiglu_into,
+    reference=lambda a, b: silu_ref(a) * b, fast=swiglu_into, split=split_rows(),
     # db = silu(a) * dy is this op again
     backward=lambda n, g: (O.swiglu_back(*n.srcs, g), O.swiglu(n.srcs[0], g)),
     cases=lambda: gate_cases(2),
@@ -254,7 +255,7 @@ swiglu = register(
 # and symmetric in them.
 swiglu_back = register(
     "swiglu_back", n_srcs=3, shape=gate_shape, shader="elementwise",
-    reference=swiglu_back_ref, fast=swiglu_back_into, no_grad=(0,),
+    reference=swiglu_back_ref, fast=swiglu_back_into, split=split_rows(), no_grad=(0,),
     backward=lambda n, g: (None, O.swiglu_back(n.srcs[0], n.srcs[2], g),
                            O.swiglu_back(n.srcs[0], n.srcs[1], g)),
     cases=lambda: gate_cases(3),

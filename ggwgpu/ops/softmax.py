@@ -23,7 +23,7 @@ import numpy as np
 from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError, Tensor, constant
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, split_rows, tile
 from .rows import check_range
 from .elementwise import LARGE, reduce_to, tiled
 from .reduce import sum_into
@@ -114,6 +114,7 @@ def soft_max_ext_backward(node, g):
 soft_max = register(
     "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
     reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)), fast=soft_max_into,
+    split=split_rows(keep=1),
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(0,)),
     variants=ROW_VARIANTS,
@@ -129,7 +130,7 @@ soft_max_ext = register(
     "soft_max_ext", n_srcs=2, params=("scale",), shape=soft_max_ext_shape, shader="softmax",
     entry="soft_max",
     reference=lambda x, m, scale: softmax_ref(x * x.dtype.type(scale) + tile(m, x.shape)),
-    fast=lambda out, x, m, scale: soft_max_into(out, x, scale, m),
+    fast=lambda out, x, m, scale: soft_max_into(out, x, scale, m), split=split_rows(keep=1),
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(float(n.params["scale"]),), u=(1,)),
     variants=ROW_VARIANTS,
@@ -168,7 +169,8 @@ def soft_max_back_into(out, y, dy):
 # the symmetric Jacobian diag(y) - y y^T, so its dy-gradient is the op itself.
 soft_max_back = register(
     "soft_max_back", n_srcs=2, shape=soft_max_back_shape, shader="softmax",
-    reference=soft_max_back_ref, fast=soft_max_back_into, no_grad=(0,),
+    reference=soft_max_back_ref, fast=soft_max_back_into, split=split_rows(keep=1),
+    no_grad=(0,),
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (None, O.soft_max_back(n.srcs[0], g)),
     cases=lambda: [Case((Input(shape, layout=layout, dist="probs"),
@@ -225,6 +227,7 @@ diag_mask_inf = register(
     "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, -np.inf),
+    split=split_rows(keep=2),
     dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=diag_mask_cases, grad_head=lambda n: O.soft_max(n, 1.0),
@@ -234,7 +237,7 @@ diag_mask_inf = register(
 diag_mask_zero = register(
     "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
-    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0),
+    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0), split=split_rows(keep=2),
     dispatches=lambda n: diag_mask_dispatch(n, 0.0),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=lambda: diag_mask_cases(large=True),
@@ -456,6 +459,7 @@ def ce_ids_back_shape(srcs):
 cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
     reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
+    split=split_rows(keep=1, rows=(1, 2), whole=(3,)),   # ids and weights: one per row
     backward=ce_ids_back_backward,
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
