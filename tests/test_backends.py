@@ -206,14 +206,14 @@ def test_each_op_with_a_split_rule_has_a_case_that_is_cut():
 def test_split_rows_cuts_what_lines_up_and_refuses_what_does_not():
     from ggwgpu.ops.registry import split_rows
     rule = split_rows()
-    assert rule((8, 4, 5), (8, 4, 5), (8, 1, 5)) == (True, True)
-    assert rule((8, 4, 5), (8, 4, 5), (4, 5)) == (True, False)      # broadcast: fewer dims
-    assert rule((8, 4, 5), (8, 4, 5), (1, 4, 5)) == (True, False)   # broadcast: size 1
+    assert rule((8, 4, 5), (8, 4, 5), (8, 1, 5)) == (0, 0)
+    assert rule((8, 4, 5), (8, 4, 5), (4, 5)) == (0, None)      # broadcast: fewer dims
+    assert rule((8, 4, 5), (8, 4, 5), (1, 4, 5)) == (0, None)   # broadcast: size 1
     assert rule((8, 4, 5), (8, 4, 5), (2, 4, 5)) is None            # tiled 4 times: no cut
     assert split_rows(keep=1)((6,), (6,)) is None                   # a single row
     assert split_rows(keep=1, rows=(1,), whole=(2,))((6, 9), (6, 9), (6,), (1,)) == (
-        True, True, False)
-    assert split_rows(whole=(1,))((8,), (8,), (8,)) == (True, False)
+        0, 0, None)
+    assert split_rows(whole=(1,))((8,), (8,), (8,)) == (0, None)
 
 
 def test_a_llama_step_on_threads_is_the_unthreaded_step_bit_for_bit():

@@ -139,7 +139,8 @@ class NumpyPlan(Plan):
         if cut is None or n < 2:
             return None
         ends = [dst.shape[0] * i // n for i in range(n + 1)]
-        pieces = [(dst[lo:hi], [s[lo:hi] if c else s for s, c in zip(srcs, cut, strict=True)])
+        pieces = [(dst[lo:hi], [s if dim is None else s[(slice(None),) * dim + (slice(lo, hi),)]
+                                for s, dim in zip(srcs, cut, strict=True)])
                   for lo, hi in zip(ends, ends[1:])]
         return Pieces(opdef.fast, pieces, worker_pool(self.threads - 1))
 

@@ -106,9 +106,10 @@ class OpDef:
     # backend runs it instead of the reference, and tests/test_backends.py holds it to the
     # reference on every case of the op, in float32 and float64
     fast: Callable | None = None
-    # (result shape, *source shapes) -> per source True (cut along the result's first dim
-    # with it) or False (passed whole to every piece), or None where this node may not be
-    # cut; the pieces of `fast` then give the uncut result bit for bit (split_rows)
+    # (result shape, *source shapes) -> per source the dim of it that lines up with the
+    # result's first dim, cut with it, or None: passed whole to every piece; None for the
+    # whole rule where this node may not be cut. The pieces of `fast` then give the uncut
+    # result bit for bit (split_rows)
     split: Callable | None = None
 
     @property
@@ -227,11 +228,11 @@ def split_rows(keep=0, whole=(), rows=()):
         cut = []
         for i, s in enumerate(srcs):
             if i in whole or i in rows:
-                cut.append(i in rows)
+                cut.append(0 if i in rows else None)
             elif len(s) == len(out) and s[0] == out[0]:
-                cut.append(True)
+                cut.append(0)
             elif len(s) < len(out) or s[0] == 1:
-                cut.append(False)
+                cut.append(None)
             else:
                 return None
         return tuple(cut)
