@@ -239,6 +239,20 @@ def test_a_llama_step_on_threads_is_the_unthreaded_step_bit_for_bit():
         np.testing.assert_array_equal(params2[name], value, err_msg=name)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_an_error_in_a_piece_is_the_error_of_the_whole_node(threads):
+    """An id out of range in the last rows, which a helper thread's piece reads: the run
+    raises what one thread raises, after every piece has ended."""
+    x = gg.input_tensor((8, 5), name="x")
+    ids, w = gg.input_tensor((8,), "i32", name="ids"), gg.input_tensor((8,), name="w")
+    grad = gg.cross_entropy_ids_back(x, ids, w, gg.input_tensor((1,), name="d"))
+    plan = NumpyBackend(threads=threads, split_min=0).plan([grad])
+    assert cut_nodes(plan) == (threads > 1)
+    bad = np.array([0, 1, 2, 3, 4, 0, 1, 9], np.int32)
+    with pytest.raises(IndexError, match="id 9 out of range for a table of 5 rows"):
+        plan.run({x: np.zeros((8, 5), np.float32), ids: bad, w: np.ones(8, np.float32)})
+
+
 def test_numpy_threads_come_from_the_environment_or_the_cores(monkeypatch):
     from ggwgpu.backends.numpy_backend import THREADS_VAR, default_threads
     monkeypatch.setenv(THREADS_VAR, "3")

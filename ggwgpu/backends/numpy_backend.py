@@ -57,27 +57,29 @@ def worker_pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(workers, thread_name_prefix="ggwgpu-numpy")
 
 
-def run_piece(kernel, dst, srcs, params):
-    with np.errstate(all="ignore"):   # error state is per thread: as NumpyPlan.run's own
-        kernel(dst, *srcs, **params)
-
-
 class Pieces:
     """A kernel over a node cut along its first dim: each piece's views of the result and
-    sources, made once. Called as a kernel (the whole arrays are ignored), it runs the first
-    piece on the calling thread and the others on the pool, and returns when all are done."""
+    sources, made once. Called as a kernel (the whole arrays are ignored), it runs pieces on
+    the calling thread and on `helpers` threads of the pool, each taking the next piece not
+    taken, and returns when all are done. Two pieces a thread: where another process holds
+    a core, the threads that run do the pieces of the one that does not (a helper that has
+    not started is called off), rather than waiting for it."""
 
-    def __init__(self, kernel, pieces: list, pool: ThreadPoolExecutor):
-        self.kernel, self.pieces, self.pool = kernel, pieces, pool
+    def __init__(self, kernel, pieces: list, pool: ThreadPoolExecutor, helpers: int):
+        self.kernel, self.pieces, self.pool, self.helpers = kernel, pieces, pool, helpers
+
+    def take(self, todo, params):
+        with np.errstate(all="ignore"):   # error state is per thread: as NumpyPlan.run's
+            for dst, srcs in todo:        # next() on a list iterator is atomic (the GIL)
+                self.kernel(dst, *srcs, **params)
 
     def __call__(self, dst, *srcs, **params):
-        others = [self.pool.submit(run_piece, self.kernel, d, s, params)
-                  for d, s in self.pieces[1:]]
+        todo = iter(self.pieces)
+        helpers = [self.pool.submit(self.take, todo, params) for _ in range(self.helpers)]
         try:
-            d, s = self.pieces[0]
-            self.kernel(d, *s, **params)
+            self.take(todo, params)
         finally:   # never leave a piece running into the next node
-            errors = [f.exception() for f in others]
+            errors = [None if f.cancel() else f.exception() for f in helpers]
         for e in errors:
             if e is not None:
                 raise e
@@ -128,21 +130,23 @@ class NumpyPlan(Plan):
         return steps
 
     def pieces(self, node: Tensor, dst: np.ndarray, srcs: list) -> Pieces | None:
-        """node's fast kernel cut into a piece per thread (its op's split rule), or None where
-        it runs whole: one thread, a small result, or an op or node that may not be cut."""
+        """node's fast kernel cut into two pieces per thread (its op's split rule), or None
+        where it runs whole: one thread, a small result, or an op or node that may not be
+        cut."""
         opdef = OPS[node.op]
         if (self.threads < 2 or not self.fast or opdef.fast is None or opdef.split is None
                 or node.nelements < self.split_min or dst.ndim == 0):
             return None
         cut = opdef.split(dst.shape, *(s.shape for s in srcs))
-        n = min(self.threads, dst.shape[0])
+        n = min(2 * self.threads, dst.shape[0])
         if cut is None or n < 2:
             return None
         ends = [dst.shape[0] * i // n for i in range(n + 1)]
         pieces = [(dst[lo:hi], [s if dim is None else s[(slice(None),) * dim + (slice(lo, hi),)]
                                 for s, dim in zip(srcs, cut, strict=True)])
                   for lo, hi in zip(ends, ends[1:])]
-        return Pieces(opdef.fast, pieces, worker_pool(self.threads - 1))
+        helpers = min(self.threads, n) - 1
+        return Pieces(opdef.fast, pieces, worker_pool(self.threads - 1), helpers)
 
     def kernel(self, op: str):
         """(out, *srcs, **params) -> None for op: its fast kernel, else its reference.
