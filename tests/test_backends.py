@@ -230,7 +230,7 @@ def test_a_llama_step_on_threads_is_the_unthreaded_step_bit_for_bit():
         samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, 0)
         t = Trainer(cfg, init_parameters(cfg, seed=1),
                     NumpyBackend(threads=threads, split_min=0), options, samples)
-        assert (cut_nodes(t.plan) > 50) == (threads > 1)
+        assert (cut_nodes(t.plan) > 10) == (threads > 1)
         losses = [t.train_step()["loss"] for _ in range(3)]
         results.append((losses, t.parameters()))
     (losses1, params1), (losses2, params2) = results
@@ -263,7 +263,7 @@ def test_numpy_threads_come_from_the_environment_or_the_cores(monkeypatch):
             NumpyBackend()
     monkeypatch.delenv(THREADS_VAR)
     assert default_threads() >= 1
-    big, small = gg.exp(gg.input_tensor((300, 300))), gg.exp(gg.input_tensor((30, 30)))
+    big, small = (gg.soft_max(gg.input_tensor((n, n)), 1.0) for n in (300, 30))
     assert cut_nodes(NumpyBackend(threads=2).plan([big, small])) == 1    # split_min
     assert cut_nodes(NumpyBackend(threads=1).plan([big, small])) == 0
 

@@ -9,7 +9,12 @@ that plans share (base.SharedConstants) share their dequantized values too.
 
 Threads: NumPy runs its products on every core (BLAS) but everything else on one. A big node
 whose fast kernel its op lets cut (OpDef.split) runs as pieces along the result's first dim,
-one per thread, at once: ufuncs and reductions release the GIL. Each piece computes its rows
+on several threads at once: ufuncs and reductions release the GIL. Only ops whose pieces
+were measured to pay have a split rule: those dear per element (exp, row reductions:
+softmax, swiglu and their backward, the loss's backward); one or two passes over memory
+(add, scale, rms_norm, AdamW, rope) ran slower cut than whole, the hand-off costing more
+than a second core gave, and BLAS's own threads, which spin a while after each product,
+take that core. Each piece computes its rows
 as the whole kernel would, so the result is the same bit for bit; $GGWGPU_NUMPY_THREADS sets
 the number of threads (1: none), else the cores this process may run on. Products run alone,
 never beside pieces: BLAS already keeps every core busy."""

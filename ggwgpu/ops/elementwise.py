@@ -68,13 +68,12 @@ def binary(name, ufunc, backward, doc, lo=-1.0, hi=1.0):
     return register(name, n_srcs=2, shape=broadcast_shape, shader="elementwise",
                     reference=lambda a, b: ufunc(a, tiled(b, a.shape)), backward=backward,
                     fast=lambda out, a, b: ufunc(a, tiled(b, a.shape), out=out),
-                    split=split_rows(), cases=lambda: binary_cases(lo, hi), doc=doc)
+                    cases=lambda: binary_cases(lo, hi), doc=doc)
 
 
 def unary(name, ref, backward, doc, lo=-1.0, hi=1.0, **kw):
     if isinstance(ref, np.ufunc):  # its fast kernel: the same ufunc, into the node
         kw.setdefault("fast", lambda out, a: ref(a, out=out))
-        kw.setdefault("split", split_rows())
     return register(name, n_srcs=1, shape=unary_shape, shader="elementwise", reference=ref,
                     backward=backward, cases=lambda: unary_cases(lo, hi), doc=doc, **kw)
 
@@ -103,7 +102,7 @@ def add1_shape(srcs, **_):
 add1 = register(
     "add1", n_srcs=2, shape=add1_shape, shader="elementwise",
     reference=lambda a, b: a + b.reshape(-1)[0],
-    fast=lambda out, a, b: np.add(a, b.reshape(-1)[0], out=out), split=split_rows(whole=(1,)),
+    fast=lambda out, a, b: np.add(a, b.reshape(-1)[0], out=out),
     backward=lambda n, g: (g, O.reshape(O.sum(g), n.srcs[1].shape)),
     cases=lambda: [Case((Input((1,)), Input((1,)))), Case((Input((5, 7)), Input((1, 1)))),
                    Case((Input((3, 4, 5), layout="permuted"), Input((1,)))),
@@ -113,7 +112,7 @@ add1 = register(
 scale = register(
     "scale", n_srcs=1, params=("s",), shape=unary_shape, shader="elementwise",
     reference=lambda a, s: a * a.dtype.type(s),
-    fast=lambda out, a, s: np.multiply(a, a.dtype.type(s), out=out), split=split_rows(),
+    fast=lambda out, a, s: np.multiply(a, a.dtype.type(s), out=out),
     backward=lambda n, g: (O.scale(g, n.params["s"]),),
     uniforms=lambda n: {"f": (float(n.params["s"]),)},
     cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],

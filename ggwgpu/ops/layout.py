@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, check_shape, constant
-from .registry import Case, Dispatch, Input, need_f32, register, split_rows
+from .registry import Case, Dispatch, Input, need_f32, register
 from .elementwise import LARGE
 
 
@@ -140,7 +140,7 @@ def cont_shape(srcs):
 cont = register(
     "cont", n_srcs=1, shape=cont_shape, shader="layout", entry="cpy", dispatches=copy_dispatch,
     reference=lambda a: np.ascontiguousarray(a).copy(),
-    fast=lambda out, a: np.copyto(out, a), split=split_rows(),
+    fast=lambda out, a: np.copyto(out, a),
     backward=lambda n, g: (g,),
     cases=lambda: [Case((Input((3, 4, 5), layout="permuted"),)),
                    Case((Input((4, 9), layout="strided"),)), Case((Input((1,)),)),

@@ -20,7 +20,7 @@ from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError
 from .elementwise import reduce_to, tiled
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, split_rows, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
 
 
 def norm_shape(srcs, eps):
@@ -182,16 +182,14 @@ def rms_norm_mul_back_grads(n, g):
 
 rms_norm_mul = register(
     "rms_norm_mul", n_srcs=2, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_ref, fast=rms_norm_mul_into, split=split_rows(keep=1),
-    dispatches=row_dispatch,
+    reference=rms_norm_mul_ref, fast=rms_norm_mul_into, dispatches=row_dispatch,
     variants=ROW_VARIANTS,
     backward=rms_norm_mul_grads, cases=weighted_cases,
     doc="rms_norm(x, eps) * w in one pass, w tiled to x's shape (llama's weighted norm).")
 
 rms_norm_mul_back = register(
     "rms_norm_mul_back", n_srcs=3, params=("eps",), shape=weighted_shape, shader="norm",
-    reference=rms_norm_mul_back_ref, fast=rms_norm_mul_back_into, split=split_rows(keep=1),
-    dispatches=row_dispatch,
+    reference=rms_norm_mul_back_ref, fast=rms_norm_mul_back_into, dispatches=row_dispatch,
     variants=ROW_VARIANTS,
     no_grad=(0,), backward=rms_norm_mul_back_grads, cases=lambda: weighted_cases(with_dy=True),
     doc="dx of rms_norm_mul: rms_norm_back(x, dy * w). Inputs x, w, dy.")

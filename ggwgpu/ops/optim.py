@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import Case, Dispatch, Input, need_f32, register, split_rows
+from .registry import Case, Dispatch, Input, need_f32, register
 
 ADAMW_HPARAMS = ("alpha", "beta1", "beta2", "eps", "wd", "beta1h", "beta2h", "finite")
 
@@ -136,7 +136,6 @@ def adamw_cases():
 opt_step_adamw = register(
     "opt_step_adamw", n_srcs=5, params=("decay",), shape=adamw_shape, shader="optim",
     reference=adamw_ref, fast=adamw_into, backward=None, updates=True, cases=adamw_cases,
-    split=split_rows(whole=(4,)),    # elementwise in param, grad, m, v; hparams whole
     # dst is the parameter itself (the node is a view of it), so bind only the other four
     dispatches=lambda n: [Dispatch("opt_step_adamw", n, n.srcs[1:], n=n.nelements,
                                    u=(int(bool(n.params["decay"])),))],

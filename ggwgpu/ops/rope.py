@@ -23,10 +23,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import Case, Input, need_f32, register, split_rows
-
-# Cut along the batch only: positions (and factors) index the tokens, dim -3
-SPLIT = split_rows(keep=3, whole=(1, 2))
+from .registry import Case, Input, need_f32, register
 
 MODES = {"normal": 0, "neox": 2}  # ggml's mode numbers; the shader takes them in p.u.y
 PARAMS = ("n_dims", "mode", "freq_base", "freq_scale")
@@ -179,7 +176,7 @@ ROPE_DOC = (
 
 rope = register(
     "rope", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope",
-    reference=rope_ref, fast=rope_into, split=SPLIT, uniforms=lambda n: uniforms(n, 1.0), no_grad=(1,),
+    reference=rope_ref, fast=rope_into, uniforms=lambda n: uniforms(n, 1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope_back(g, n.srcs[1], **n.params), None),
     cases=rope_cases, defaults=ROPE_DEFAULTS,
     doc="Rotary position embedding as ggml_rope_ext (ext_factor 0, attn_factor 1):\n"
@@ -189,7 +186,7 @@ rope = register(
 rope_back = register(
     "rope_back", n_srcs=2, params=PARAMS, shape=rope_shape, shader="rope", entry="rope",
     reference=lambda g, pos, **kw: rope_ref(g, pos, **kw, sign=-1.0),
-    fast=lambda out, g, pos, **kw: rope_into(out, g, pos, **kw, sign=-1.0), split=SPLIT,
+    fast=lambda out, g, pos, **kw: rope_into(out, g, pos, **kw, sign=-1.0),
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1,),
     backward=lambda n, g: (O.rope(g, n.srcs[1], **n.params), None),
     cases=same_cases(rope_cases), defaults=ROPE_DEFAULTS,
@@ -198,7 +195,7 @@ rope_back = register(
 rope_ff = register(
     "rope_ff", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
     reference=lambda x, pos, ff, **kw: rope_ref(x, pos, **kw, factors=ff),
-    fast=lambda out, x, pos, ff, **kw: rope_into(out, x, pos, **kw, factors=ff), split=SPLIT,
+    fast=lambda out, x, pos, ff, **kw: rope_into(out, x, pos, **kw, factors=ff),
     uniforms=lambda n: uniforms(n, 1.0), no_grad=(1, 2),
     backward=lambda n, g: (O.rope_ff_back(g, *n.srcs[1:], **n.params), None, None),
     cases=rope_ff_cases, defaults=ROPE_DEFAULTS,
@@ -212,7 +209,6 @@ rope_ff_back = register(
     entry="rope_ff", reference=lambda g, pos, ff, **kw: rope_ref(g, pos, **kw, sign=-1.0,
                                                                   factors=ff),
     fast=lambda out, g, pos, ff, **kw: rope_into(out, g, pos, **kw, sign=-1.0, factors=ff),
-    split=SPLIT,
     uniforms=lambda n: uniforms(n, -1.0), no_grad=(1, 2),
     backward=lambda n, g: (O.rope_ff(g, *n.srcs[1:], **n.params), None, None),
     cases=same_cases(rope_ff_cases), defaults=ROPE_DEFAULTS,

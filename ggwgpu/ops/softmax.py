@@ -233,7 +233,6 @@ diag_mask_inf = register(
     "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, -np.inf),
-    split=split_rows(keep=2),
     dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=diag_mask_cases, grad_head=lambda n: O.soft_max(n, 1.0),
@@ -243,7 +242,7 @@ diag_mask_inf = register(
 diag_mask_zero = register(
     "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
-    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0), split=split_rows(keep=2),
+    fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0),
     dispatches=lambda n: diag_mask_dispatch(n, 0.0),
     backward=lambda n, g: (O.diag_mask_zero(g, n.params["n_past"]),),
     cases=lambda: diag_mask_cases(large=True),
