@@ -11,6 +11,7 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import time
@@ -71,6 +72,7 @@ BENCH_TRAIN_CONFIGS = {
                                     **{**PUBLISHED_FINETUNE, "lora_rank": 0}),
 }
 BENCH_TRAIN_MAX_REL_ERR = 1e-3
+F16_MAX_REL_ERR = 1e-2      # the same for the f16 step (activations rounded to halves)
 # planned device memory against the minimum (memory_against_minimum): the issue's budgets
 MEMORY_BUDGET = {"lora": 1.5, "full": 1.25}
 HOST_SHARE_BUDGET = 0.05    # host work per step, as a share of the step, on lavapipe
@@ -329,6 +331,34 @@ def checked_trainers(config_name: str, wgpu_backend, **changes) -> tuple[dict, d
     return trainers, warm, plan_seconds
 
 
+F16_KEY = "wgpu f16"
+
+
+def f16_trainer(config_name: str, backend, numpy_loss: float, **changes):
+    """The config's Trainer with --precision f16 on `backend`, after its warm-up step
+    (`warm_loss`); a click error unless that loss is within F16_MAX_REL_ERR of NumPy's f32."""
+    cfg, options = bench_model(config_name, **changes)
+    trainer = bench_trainer(config_name, backend, cfg,
+                            dataclasses.replace(options, precision="f16"),
+                            bench_weights(config_name, cfg))
+    trainer.warm_loss = trainer.train_step()["loss"]
+    rel = abs(trainer.warm_loss - numpy_loss) / max(abs(numpy_loss), 1e-30)
+    if not rel <= F16_MAX_REL_ERR:
+        raise click.ClickException(
+            f"wgpu f16 training is wrong: warm-up loss {trainer.warm_loss:.6f}, NumPy's f32 "
+            f"{numpy_loss:.6f} (relative difference {rel:.2e} > {F16_MAX_REL_ERR:.0e})")
+    return trainer
+
+
+def precision_list(ctx, param, value) -> list[str]:
+    """--precision of bench memory: f32 and/or f16, comma-separated, f32 first."""
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    unknown = [n for n in names if n not in ("f32", "f16")]
+    if unknown or not names:
+        raise click.BadParameter(f"{value!r}: give f32, f16 or f32,f16")
+    return sorted(set(names), key=("f32", "f16").index)
+
+
 def describe_config(config_name: str, **changes) -> str:
     from ggwgpu import lora
     from ggwgpu.models.llama import parameter_shapes
@@ -527,10 +557,17 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
         _, seconds["wgpu"] = timed_steps(wgpu_step, steps)
         loss["wgpu"] = warm["wgpu"]
         host = host[1:]         # the timed steps'
+    half = None
+    if getattr(wgpu_backend, "has_f16", False):
+        half = f16_trainer(config_name, wgpu_backend, warm["numpy"], **changes)
+        loss[F16_KEY] = half.warm_loss
+        _, seconds[F16_KEY] = timed_steps(lambda: half.train_step()["loss"], steps)
 
     tokens = options.batch * cfg.n_ctx
     rate = {key: tokens / s for key, s in seconds.items()}
-    ratios = echo_rates(rate, seconds, loss, {"wgpu": why, "torch": torch_why})
+    ratios = echo_rates(rate, seconds, loss, {
+        "wgpu": why, "torch": torch_why,
+        F16_KEY: why if wgpu_backend is None else "the adapter has no shader-f16"})
     report = {"bench": "train", "config": config_name, "n_layer": cfg.n_layer, "steps": steps,
               "tokens_per_step": tokens, "tokens_per_s": rate, "warmup_loss": loss,
               "ratios": ratios, "plan_seconds": plan_seconds, "wgpu": None}
@@ -543,6 +580,11 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
         echo_dispatches(counts)
     report["memory"] = memory = memory_against_minimum(shown, config)
     echo_memory_minimum(memory, "wgpu" if wgpu_backend is not None else "numpy")
+    if half is not None:
+        f16, f32 = half.plan.memory()["planned"], plan.memory()["planned"]
+        report["f16_memory"] = {"planned_bytes": f16, "of_f32": f16 / f32}
+        click.echo(f"wgpu f16 step: device memory planned {f16 / 2**20:.2f} MiB, "
+                   f"{f16 / f32:.3f} x the f32 step's {f32 / 2**20:.2f} MiB")
     write_json(json_path, report)
 
 
@@ -550,7 +592,7 @@ def echo_rates(rate: dict, seconds: dict, loss: dict, why_not: dict) -> dict:
     """The tokens/s table of bench train; returns the ratios it prints."""
     click.echo(f"{'backend':<8} {'tokens/s':>10} {'ms/step':>9} {'warm-up loss':>13} "
                f"{'x torch':>8}")
-    for key in ("wgpu", "numpy", "torch"):
+    for key in ("wgpu", F16_KEY, "numpy", "torch"):
         if key not in rate:
             click.echo(f"{key:<8} {'-':>10} {'-':>9} {'-':>13} {'-':>8}  ({why_not[key]})")
             continue
@@ -561,9 +603,11 @@ def echo_rates(rate: dict, seconds: dict, loss: dict, why_not: dict) -> dict:
     ratios = {}
     if "torch" in rate:
         ratios.update({f"{key}/torch": rate[key] / rate["torch"]
-                       for key in ("wgpu", "numpy") if key in rate})
+                       for key in ("wgpu", F16_KEY, "numpy") if key in rate})
     if "wgpu" in rate:
         ratios["wgpu/numpy"] = rate["wgpu"] / rate["numpy"]
+    if F16_KEY in rate:
+        ratios[f"{F16_KEY}/wgpu"] = rate[F16_KEY] / rate["wgpu"]
     if ratios:
         click.echo("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
     return ratios
@@ -780,16 +824,21 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
 @config_option
 @click.option("--layers", default="4,8,16", show_default=True, callback=positive_ints("4,8,16"),
               help="n_layer values to plan (other shapes from --config).")
+@click.option("--precision", "precisions", default="f32", show_default=True,
+              callback=precision_list,
+              help="Comma-separated precisions to plan (f32, f16); with both, each row's f16 "
+                   "plan is also given as a share of its f32 plan.")
 @json_option
 @click.pass_context
-def bench_memory(ctx, config_name, layers, json_path):
+def bench_memory(ctx, config_name, layers, precisions, json_path):
     """Planned memory of a training step by role, with and without gradient checkpointing.
 
     For each n_layer the step (forward, backward, clipping, AdamW) is planned, not run, on
     wgpu (NumPy without an adapter): weights, gradients, optimizer moments and constants,
     inputs, the activations live at the planner's peak, and the buffers it allocates.
     Checkpointing keeps every round(sqrt(n_layer))-th block output and recomputes the rest,
-    so the activations at the peak grow like sqrt(n_layer).
+    so the activations at the peak grow like sqrt(n_layer). --precision f16 plans the f16
+    step (activations in halves; trained weights, gradients of params and moments f32).
     """
     from ggwgpu.backends import NumpyBackend
     from ggwgpu.models.llama import build_train_graph
@@ -798,30 +847,37 @@ def bench_memory(ctx, config_name, layers, json_path):
     backend = backend or NumpyBackend()
     click.echo(f"bench memory {describe_config(config_name)}; planned on "
                f"{describe_backend(backend)}; MiB")
-    click.echo(f"{'layers':>6} {'ckpt':>5} {'weights':>8} {'grads':>8} {'state':>8} "
-               f"{'inputs':>8} {'activ':>8} {'sum':>8} {'planned':>8} {'planned/sum':>11}")
+    click.echo(f"{'layers':>6} {'ckpt':>5} {'prec':>4} {'weights':>8} {'grads':>8} "
+               f"{'state':>8} {'inputs':>8} {'activ':>8} {'sum':>8} {'planned':>8} "
+               f"{'planned/sum':>11}" + (f" {'f16/f32':>7}" if len(precisions) > 1 else ""))
     rows = []
-    for n_layer in layers:
-        for checkpointing in (False, True):
-            cfg, options = bench_model(config_name, n_layer=n_layer)
-            options.checkpointing = checkpointing
-            values, adapter = bench_weights(config_name, cfg)
-            graph = build_train_graph(cfg, values, options.batch, lora=adapter,
-                                      max_logits_bytes=logits_bound(backend))
-            every = max(1, round(math.sqrt(n_layer)))
-            graph.checkpoints = graph.checkpoints[every - 1::every]
-            trainer = Trainer(cfg, values, backend, options,
-                              RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), graph=graph)
-            m = trainer.plan.memory()
-            total = sum(m[k] for k in ("weights", "gradients", "state", "inputs",
-                                       "activations"))
-            mib = [m[k] / 2**20 for k in ("weights", "gradients", "state", "inputs",
-                                          "activations")]
-            click.echo(f"{n_layer:>6} {'yes' if checkpointing else 'no':>5} " +
-                       " ".join(f"{v:>8.2f}" for v in mib) +
-                       f" {total / 2**20:>8.2f} {m['planned'] / 2**20:>8.2f} "
-                       f"{m['planned'] / total:>11.3f}")
-            rows.append({"n_layer": n_layer, "checkpointing": checkpointing,
-                         "checkpoint_every": every if checkpointing else None, **m,
-                         "sum": total})
+    for n_layer, checkpointing, precision in itertools.product(layers, (False, True),
+                                                               precisions):
+        cfg, options = bench_model(config_name, n_layer=n_layer)
+        options.checkpointing, options.precision = checkpointing, precision
+        values, adapter = bench_weights(config_name, cfg)
+        graph = build_train_graph(cfg, values, options.batch, lora=adapter,
+                                  max_logits_bytes=logits_bound(backend),
+                                  precision=precision)
+        every = max(1, round(math.sqrt(n_layer)))
+        graph.checkpoints = graph.checkpoints[every - 1::every]
+        trainer = Trainer(cfg, values, backend, options,
+                          RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), graph=graph)
+        m = trainer.plan.memory()
+        total = sum(m[k] for k in ("weights", "gradients", "state", "inputs",
+                                   "activations"))
+        mib = [m[k] / 2**20 for k in ("weights", "gradients", "state", "inputs",
+                                      "activations")]
+        row = {"n_layer": n_layer, "checkpointing": checkpointing, "precision": precision,
+               "checkpoint_every": every if checkpointing else None, **m, "sum": total}
+        if precision == "f16" and "f32" in precisions:
+            row["f16_of_f32"] = m["planned"] / next(
+                r["planned"] for r in rows if r["precision"] == "f32"
+                and (r["n_layer"], r["checkpointing"]) == (n_layer, checkpointing))
+        rows.append(row)
+        click.echo(f"{n_layer:>6} {'yes' if checkpointing else 'no':>5} {precision:>4} " +
+                   " ".join(f"{v:>8.2f}" for v in mib) +
+                   f" {total / 2**20:>8.2f} {m['planned'] / 2**20:>8.2f} "
+                   f"{m['planned'] / total:>11.3f}" +
+                   (f" {row['f16_of_f32']:>7.3f}" if "f16_of_f32" in row else ""))
     write_json(json_path, {"bench": "memory", "config": config_name, "rows": rows})

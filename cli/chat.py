@@ -14,8 +14,8 @@ import click
 from ggwgpu.tokenizer import VocabError
 
 from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
-                     lora_option, sampling_of, sampling_options, select_backend,
-                     template_option)
+                     lora_option, precision_option, resolve_precision, sampling_of,
+                     sampling_options, select_backend, template_option)
 
 
 def stream_reply(session, text: str, n: int) -> int:
@@ -36,18 +36,19 @@ def stream_reply(session, text: str, n: int) -> int:
     return count
 
 
-def new_session(backend, cfg, values, tokenizer, template, system, sampling, seed, adapters):
+def new_session(backend, cfg, values, tokenizer, template, system, sampling, seed, adapters,
+                precision="f32"):
     from ggwgpu.generate import ChatSession, Decoder
-    decoder = Decoder(backend, cfg, values, adapters=adapters)
+    decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
     return ChatSession(decoder, tokenizer, template, system, sampling, seed)
 
 
 def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sampling, seed,
-                adapters=()):
+                adapters=(), precision="f32"):
     """generate --chat: the answer to one user message, then a timing line on stderr."""
     t0 = time.perf_counter()
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,
-                          adapters)
+                          adapters, precision)
     t1 = time.perf_counter()
     try:
         count = stream_reply(session, prompt, n)
@@ -67,7 +68,8 @@ def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sa
 @sampling_options
 @lora_option
 @ctx_option("Tokens the KV cache holds")
-@template_option
+@template_option()
+@precision_option
 @click.pass_context
 def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     """Talk with a chat model (its own template, else ChatML) in the terminal.
@@ -82,10 +84,11 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     check_memory(ctx, f"chatting with {model}", cfg, values, decoder=True)
     template = chat_template(tokenizer, kw.pop("chat_template"))
     backend = select_backend(ctx)
-    click.echo(f"chat on {describe_backend(backend)}: {model}, n_ctx {cfg.n_ctx}, seed "
-               f"{kw['seed']}; Ctrl-C stops an answer, Ctrl-D ends", err=True)
+    precision = resolve_precision(backend, kw["precision"])
+    click.echo(f"chat on {describe_backend(backend)} in {precision}: {model}, n_ctx "
+               f"{cfg.n_ctx}, seed {kw['seed']}; Ctrl-C stops an answer, Ctrl-D ends", err=True)
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling_of(kw),
-                          kw["seed"], adapters)
+                          kw["seed"], adapters, precision)
     try:
         import readline  # noqa: F401  (line editing and history for the prompt)
     except ImportError:

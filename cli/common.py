@@ -101,6 +101,15 @@ def describe_backend(backend) -> str:
     return f"{backend.name} (the NumPy reference backend)"
 
 
+def describe_precision(trainer) -> str:
+    """The element type a Trainer's graph computes in, and its loss scaling."""
+    if trainer.precision == "f32":
+        return "f32"
+    scaling = (f"dynamic loss scale from 2^{math.log2(trainer.scaler.scale):g}"
+               if trainer.scaler else "no loss scaling")
+    return f"f16 activations, f32 master weights, {scaling}"
+
+
 def human_bytes(n: int) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
@@ -194,23 +203,43 @@ lora_option = click.option(
 def load_model(path, lora_paths=(), n_ctx=None):
     """(cfg with the --n-ctx window, values, tokenizer, adapters) of a model file, for
     generating: a window of at least 2 tokens (the prompt's and the next)."""
-    from ggwgpu import gguf_io
+    from ggwgpu import gguf_llama
+    from ggwgpu.gguf_file import GGUFError
     from ggwgpu.lora import load_adapter
     try:
-        cfg, values, tokenizer = gguf_io.load_model(path, keep_quantized=True)
+        cfg, values, tokenizer = gguf_llama.load_model(path, keep_quantized=True)
         adapters = [load_adapter(p, cfg) for p in lora_paths]
-    except gguf_io.GGUFError as e:
+    except GGUFError as e:
         raise click.ClickException(str(e)) from None
     if n_ctx is None and cfg.n_ctx < 2:      # --n-ctx itself is at least 2
-        raise click.UsageError(f"{path}: its context length ({gguf_io.K_CTX}) is {cfg.n_ctx}, "
+        raise click.UsageError(f"{path}: its context length ({gguf_llama.K_CTX}) is {cfg.n_ctx}, "
                                f"but generating needs at least 2 tokens: give --n-ctx 2 or "
                                f"more")
     return with_context(cfg, n_ctx), values, tokenizer, adapters
 
 
-template_option = click.option(
-    "--chat-template", type=click.Path(exists=True, dir_okay=False),
-    help="A Jinja chat template file (default: the model's own, else ChatML).")
+def template_option(cls=click.Option):
+    """--chat-template; `cls` marks it for the training commands (training.Repeated)."""
+    return click.option("--chat-template", cls=cls, type=click.Path(exists=True, dir_okay=False),
+                        help="A Jinja chat template file (default: the model's own, else "
+                             "ChatML).")
+
+
+precision_option = click.option(
+    "--precision", type=click.Choice(("auto", "f32", "f16")), default="f32", show_default=True,
+    help="Element type of activations, float weights and the KV cache on the device: f16, "
+         "f32, or auto (f16 where the adapter has shader-f16, f32 elsewhere and on numpy).")
+
+
+def resolve_precision(backend, choice: str) -> str:
+    """--precision on `backend` (ggwgpu.backends.precision_for), refused as a usage error
+    where the device cannot run it."""
+    from ggwgpu.backends import precision_for
+    from ggwgpu.tensor import ShapeError
+    try:
+        return precision_for(backend, choice)
+    except ShapeError as e:
+        raise click.UsageError(f"--precision {choice}: {e}") from None
 
 
 def chat_template(tokenizer, path=None):

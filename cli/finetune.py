@@ -13,11 +13,11 @@ import shlex
 
 import click
 
-from ggwgpu import gguf_io
+from ggwgpu import checkpoint, gguf_file, gguf_llama
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
-from .common import (FiniteFloat, check_memory, ctx_option, describe_backend, planned_memory,
-                     select_backend, with_context)
+from .common import (FiniteFloat, check_memory, ctx_option, describe_backend,
+                     describe_precision, planned_memory, select_backend, with_context)
 from .outputs import check_outputs
 from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
                        describe_examples, device_errors, example_batches, example_sets,
@@ -112,8 +112,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                   out, checkpoint_path, kw,
                   more=[("the best weights", best_path(out))] if kw["data_path"] else [])
     try:
-        cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
-    except gguf_io.GGUFError as e:
+        cfg, values, tokenizer = gguf_llama.load_model(base, keep_quantized=True)
+    except gguf_file.GGUFError as e:
         raise click.ClickException(str(e)) from None
     base_digest = lora.model_digest(cfg, values)
     model_cfg = cfg         # the base's own context length stays in what is written
@@ -130,16 +130,16 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     adapter, opt_state, state, step = None, None, None, 0
     if checkpoint_in:
         try:
-            kind = gguf_io.read_metadata(checkpoint_in).get(gguf_io.K_TYPE)
+            kind = gguf_file.read_metadata(checkpoint_in).get(gguf_file.K_TYPE)
             if (kind == "adapter") == full:
                 raise click.UsageError(f"{checkpoint_in} is a {'LoRA' if full else 'full'} "
                                        f"finetune checkpoint: {'drop' if full else 'add'} "
                                        f"--full to resume it")
             if full:
-                _, values, _, opt_state, state = gguf_io.load_checkpoint(checkpoint_in)
+                _, values, _, opt_state, state = checkpoint.load_checkpoint(checkpoint_in)
             else:
                 adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, cfg)
-        except gguf_io.GGUFError as e:
+        except gguf_file.GGUFError as e:
             raise click.ClickException(str(e)) from None
         if state.get("base") != base_digest or state.get("mode") != mode:
             raise click.UsageError(f"{checkpoint_in} finetunes another base model (digest "
@@ -184,7 +184,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
-                          world=mpi_world())
+                          world=mpi_world(), loss_scaler=(state or {}).get("loss_scaler"))
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None
@@ -192,7 +192,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     n_trained = sum(p.nelements for p in trainer.graph.params.values())
     world = mpi_world()
     click.echo(f"finetune on {describe_backend(backend)}" +
-               (f" in each of {world.size} processes (MPI)" if world else ""))
+               (f" in each of {world.size} processes (MPI)" if world else "") +
+               f"; {describe_precision(trainer)}")
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
     for line in data_lines:
@@ -218,14 +219,14 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         state = {**trainer.state(), "tokens_digest": digest, "base": base_digest, "mode": mode,
                  "samples_after_nl": samples_after_nl, "n_ctx": cfg.n_ctx}
         if full:
-            gguf_io.save_checkpoint(checkpoint_path, model_cfg, trainer.parameters(), tokenizer,
-                                    trainer.optimizer_state(), state)
+            checkpoint.save_checkpoint(checkpoint_path, model_cfg, trainer.parameters(),
+                                       tokenizer, trainer.optimizer_state(), state)
         else:
             lora.save_adapter_checkpoint(checkpoint_path, trained_adapter(), cfg,
                                          trainer.optimizer_state(), state)
 
     def resume_command(steps_left: int) -> str:
-        args = resume_args(ctx, ["finetune", base], kw, checkpoint_path, steps_left)
+        args = resume_args(ctx, ["finetune", base], checkpoint_path, steps_left)
         return shlex.join(args + ["--out", out] + (["--full"] if full else []))
 
     def write_to(path):
@@ -233,7 +234,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         if not is_root():
             return
         if full:
-            gguf_io.save_model(path, model_cfg, trainer.parameters(), tokenizer)
+            gguf_llama.save_model(path, model_cfg, trainer.parameters(), tokenizer)
         else:
             lora.save_adapter(path, trained_adapter(), cfg, base_digest)
 
@@ -318,10 +319,10 @@ def merge_command(base, adapters, out):
     from ggwgpu import lora
     check_outputs([("BASE", base), *(("ADAPTER", a) for a in adapters)], [("--out", out)])
     try:
-        cfg, values, tokenizer = gguf_io.load_model(base, keep_quantized=True)
+        cfg, values, tokenizer = gguf_llama.load_model(base, keep_quantized=True)
         loaded = [lora.load_adapter(path, cfg) for path in adapters]
-        gguf_io.save_model(out, *lora.merge(cfg, values, loaded), tokenizer)
-    except gguf_io.GGUFError as e:
+        gguf_llama.save_model(out, *lora.merge(cfg, values, loaded), tokenizer)
+    except gguf_file.GGUFError as e:
         raise click.ClickException(str(e)) from None
     n = sum(len(a.weights()) for a in loaded)
     click.echo(f"{out}: {base} with {n} LoRA pairs of {len(loaded)} adapter(s) merged (f32)")

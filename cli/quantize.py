@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import click
 
-from ggwgpu import gguf_io
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.quant import QUANTIZABLE, Quantized, quantize_model
 
 from .outputs import check_outputs
@@ -25,10 +26,10 @@ def quantize_command(source, target, dtype):
     llama-quantize). Weights already quantized are dequantized first."""
     check_outputs([("SOURCE", source)], [("TARGET", target)])
     try:
-        cfg, values, tokenizer = gguf_io.load_model(source)
+        cfg, values, tokenizer = load_model(source)
         quantized = quantize_model(values, dtype)
-        gguf_io.save_model(target, cfg, quantized, tokenizer)
-    except gguf_io.GGUFError as e:
+        save_model(target, cfg, quantized, tokenizer)
+    except GGUFError as e:
         raise click.ClickException(str(e)) from None
     before = sum(v.nbytes for v in values.values())
     after = sum(v.nbytes for v in quantized.values())

@@ -2,6 +2,13 @@
 checkpoint options, reading the text into samples, and the step loop that loses nothing when
 a run is stopped.
 
+The optimizer and schedule options are not declared here: each is a TrainOptions field of
+ggwgpu/train.py, whose declaration (`_option`: bound, help, flag, may_change, cli) gives its
+click option (`training_options`), its value in the commands' TrainOptions (`train_options`)
+and what a resumed run does with it (`resumed_options`). The run's own options (data,
+length, saving) are declared here once; those marked `Repeated` are what the command line
+that continues a stopped run repeats (`resume_args`).
+
 Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
@@ -9,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
 import os
 import signal
 import sys
@@ -18,9 +26,8 @@ import time
 import click
 
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
-from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
-from ggwgpu.gguf_io import os_problem
+from ggwgpu.gguf_file import os_problem
 
 from .common import FiniteFloat, chat_template, template_option
 
@@ -29,15 +36,14 @@ def positive(kind=int):
     return click.IntRange(min=1) if kind is int else FiniteFloat(min=0, min_open=True)
 
 
-def bounded(option: str):
-    """The click type of a TrainOptions field: its Bound (ggwgpu.train), the one that a
-    checkpoint's options are checked against too."""
-    from ggwgpu.train import TrainOptions
-    b = TrainOptions.bounds()[option]
-    if b.kind is str:
-        return click.Choice(b.choices)
-    limits = dict(min=b.low, max=b.high, min_open=b.low_open, max_open=b.high_open)
-    return click.IntRange(**limits) if b.kind is int else FiniteFloat(**limits)
+def click_type(bound):
+    """The click type of a Bound (ggwgpu.train): the values a TrainOptions field, and so its
+    command-line option and a checkpoint's value of it, may take."""
+    if bound.kind is str:
+        return click.Choice(bound.choices)
+    limits = dict(min=bound.low, max=bound.high, min_open=bound.low_open,
+                  max_open=bound.high_open)
+    return click.IntRange(**limits) if bound.kind is int else FiniteFloat(**limits)
 
 
 def default_checkpoint_path(out: str) -> str:
@@ -163,7 +169,9 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       continues is printed and the process exits with 128 + the signal number.
     - A step whose loss or gradients are not finite changes nothing (Trainer skips its
       update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
-      goes on.
+      goes on. With dynamic loss scaling a step whose loss is finite but whose scaled
+      gradients overflowed ("overflow" in its record) is the scaler's ordinary skip: the
+      scale halves and the run goes on.
     - The device failing (lost, out of memory) ends the run with an error; nothing of the
       failed step is saved and the last checkpoint stays.
     - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
@@ -175,7 +183,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
       run goes on.
     """
     from ggwgpu.distributed import on_every_rank
-    from ggwgpu.gguf_io import GGUFError
+    from ggwgpu.gguf_file import GGUFError
     start, stop = trainer.step, None
     first = last = saved = None         # saved: the step of this run's last checkpoint
     t0, shown, signals = time.perf_counter(), {}, StopSignals()
@@ -243,6 +251,8 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                 last = record["loss"]
                 shown["text"] = (f"step {record['step']} loss {last:.3f} "
                                  f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
+                if "loss_scale" in record:
+                    shown["text"] += f" scale 2^{math.log2(record['loss_scale']):.0f}"
                 val = validation and validation.check(record["step"],
                                                       record["step"] - start == steps)
                 if val:
@@ -250,7 +260,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                     shown["val"] = f" val {val['val_loss']:.3f}"
                 shown["text"] += shown.get("val", "")
                 log.write(record)
-                if record["skipped"]:
+                if record["skipped"] and not record.get("overflow"):
                     what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
                             f"skipped")
@@ -341,98 +351,49 @@ class RunLog:
             self.file = None
 
 
+class Repeated(click.Option):
+    """An option of a training run that the command line continuing it (`resume_args`)
+    repeats where its value is not the default: what the checkpoint does not hold (the
+    text, saving, logging). The options a checkpoint fixes (TrainOptions, the model's shape)
+    are not repeated."""
+
+
 def training_options(steps: int, warmup: int, seed_help: str):
-    """The options of a training run (train and finetune differ in defaults only); the
-    command gets them as keyword arguments and `train_options(kwargs)` makes them a
-    TrainOptions."""
+    """The options of a training run (train and finetune differ in defaults only): the
+    run's own (data, length, saving) and one per TrainOptions field, made from its
+    declaration in ggwgpu.train. The command gets them as keyword arguments and
+    `train_options(kwargs)` makes them a TrainOptions."""
+    from ggwgpu.train import TrainOptions
+    defaults = {"warmup": {"default": warmup}, "seed": {"help": seed_help}}
+    trained = [train_option(name, {**declared, **defaults.get(name, {})})
+               for name, declared in TrainOptions.declared().items() if declared["cli"]]
     options = [
-        click.option("--corpus", type=click.Choice(list(BUNDLED)), default="shakespeare",
-                     show_default=True,
+        click.option("--corpus", cls=Repeated, type=click.Choice(list(BUNDLED)),
+                     default="shakespeare", show_default=True,
                      help="The bundled text to train on when no TEXTS are given: both plays, "
                           "or one of them."),
-        click.option("--batch", default=8, show_default=True, type=bounded("batch"),
-                     help="Samples per micro-batch (of each process under mpirun)."),
-        click.option("--grad-accum", default=1, show_default=True, type=bounded("grad_accum"),
-                     help="Micro-batches whose gradients add up to one optimizer step."),
-        click.option("--samples-after-nl", is_flag=True,
+        click.option("--samples-after-nl", cls=Repeated, is_flag=True,
                      help="Start samples only after newlines."),
         click.option("--steps", default=steps, show_default=True, type=click.IntRange(min=0),
                      help="Optimizer steps (0, with --checkpoint-in: write OUT from the "
                           "checkpoint)."),
         click.option("--epochs", type=positive(float),
                      help="Train this many epochs instead of --steps."),
-        click.option("--optimizer", default="adamw", show_default=True,
-                     type=bounded("optimizer"),
-                     help="lbfgs: one L-BFGS iteration (a line search) per step and batch; "
-                          "it takes no --lr, schedule, decay or clipping."),
-        click.option("--lbfgs-m", default=6, show_default=True, type=bounded("lbfgs_m"),
-                     help="L-BFGS: history pairs."),
-        click.option("--lbfgs-linesearch", default="strong-wolfe", show_default=True,
-                     type=bounded("lbfgs_linesearch"),
-                     help="L-BFGS: the conditions the backtracking line search ends on."),
-        click.option("--lbfgs-max-linesearch", default=20, show_default=True,
-                     type=bounded("lbfgs_max_linesearch"),
-                     help="L-BFGS: loss evaluations per line search."),
-        click.option("--lbfgs-ftol", default=1e-4, show_default=True,
-                     type=bounded("lbfgs_ftol"), help="L-BFGS: sufficient decrease (Armijo)."),
-        click.option("--lbfgs-wolfe", default=0.9, show_default=True,
-                     type=bounded("lbfgs_wolfe"),
-                     help="L-BFGS: curvature condition (> --lbfgs-ftol)."),
-        click.option("--lbfgs-min-step", default=1e-20, show_default=True,
-                     type=bounded("lbfgs_min_step")),
-        click.option("--lbfgs-max-step", default=1e20, show_default=True,
-                     type=bounded("lbfgs_max_step")),
-        click.option("--lbfgs-on-fail", default="stop", show_default=True,
-                     type=bounded("lbfgs_on_fail"),
-                     help="L-BFGS: when a line search fails (the weights go back to where it "
-                          "began), stop with a checkpoint, or first drop the history and "
-                          "retry along the gradient once."),
-        click.option("--opt-past", default=0, show_default=True, type=bounded("opt_past"),
-                     help="L-BFGS: stop when the loss fell by less than --opt-delta "
-                          "(relative) over this many steps (0: off)."),
-        click.option("--opt-delta", default=1e-5, show_default=True, type=bounded("opt_delta")),
-        click.option("--opt-max-no-improvement", default=0, show_default=True,
-                     type=bounded("opt_max_no_improvement"),
-                     help="L-BFGS: stop after this many steps without a lower loss (0: off)."),
-        click.option("--lr", default=1e-3, show_default=True, type=bounded("lr")),
-        click.option("--beta1", default=0.9, show_default=True, type=bounded("beta1")),
-        click.option("--beta2", default=0.999, show_default=True, type=bounded("beta2")),
-        click.option("--adam-eps", default=1e-8, show_default=True, type=bounded("eps")),
-        click.option("--weight-decay", default=0.1, show_default=True,
-                     type=bounded("weight_decay"),
-                     help="AdamW decay, relative to the learning rate, on tensors with >= 2 "
-                          "dims."),
-        click.option("--grad-clip", default=1.0, show_default=True, type=bounded("grad_clip"),
-                     help="Clip gradients to this global norm (0: off)."),
-        click.option("--warmup", default=warmup, show_default=True, type=bounded("warmup"),
-                     help="Steps of linear warmup (0: none)."),
-        click.option("--cos-decay-steps", default=1000, show_default=True,
-                     type=bounded("cos_decay_steps")),
-        click.option("--cos-decay-min", default=0.1, show_default=True,
-                     type=bounded("cos_decay_min")),
-        click.option("--cos-decay-restart", default=1.1, show_default=True,
-                     type=bounded("cos_decay_restart")),
-        click.option("--restarts/--no-restarts", default=False, show_default=True),
-        click.option("--flash-attn", is_flag=True,
-                     help="Fused attention (same results, less memory)."),
-        click.option("--checkpointing", is_flag=True,
-                     help="Gradient checkpointing: recompute activations, keep block outputs "
-                          "only."),
-        click.option("--seed", default=0, show_default=True, type=bounded("seed"),
-                     help=seed_help),
+        *trained,
         click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
                      help="Resume from this checkpoint (weights, optimizer, data order, "
                           "options)."),
-        click.option("--checkpoint-out", type=click.Path(dir_okay=False),
+        click.option("--checkpoint-out", cls=Repeated, type=click.Path(dir_okay=False),
                      callback=existing_directory,
                      help="Write a checkpoint here (atomically) every --save-every steps and "
                           "at the end. A run stopped by SIGINT/SIGTERM or a non-finite step "
                           "saves here too (default: next to --out, x.gguf -> "
                           "x.checkpoint.gguf)."),
-        click.option("--save-every", default=100, show_default=True, type=positive()),
-        click.option("--log", "log_path", type=click.Path(dir_okay=False),
+        click.option("--save-every", cls=Repeated, default=100, show_default=True,
+                     type=positive()),
+        click.option("--log", "log_path", cls=Repeated, type=click.Path(dir_okay=False),
                      callback=existing_directory, help="Append a JSON line per step here."),
-        click.option("--on-nan", default="stop", show_default=True,
+        click.option("--on-nan", cls=Repeated, default="stop", show_default=True,
                      type=click.Choice(["stop", "skip"]),
                      help="A step with a non-finite loss or gradient never updates the "
                           "weights; then stop (saving a checkpoint) or skip the step and go "
@@ -446,20 +407,38 @@ def training_options(steps: int, warmup: int, seed_help: str):
     return decorate
 
 
+def train_option(name: str, declared: dict):
+    """The click option of TrainOptions field `name`: flag, default, help and type (from its
+    Bound: a range, choices or a flag) as ggwgpu.train declares them."""
+    bound = declared["bound"]
+    kind = {"is_flag": True} if bound.kind is bool else {"type": click_type(bound)}
+    return click.option(declared["flag"] or flag_of(name), default=declared["default"],
+                        show_default=True, help=declared["help"], **kind)
+
+
+def flag_of(name: str) -> str:
+    """The command-line flag of TrainOptions field `name` (the first of an on/off pair)."""
+    from ggwgpu.train import TrainOptions
+    flag = TrainOptions.declared()[name]["flag"] or f"--{name.replace('_', '-')}"
+    return flag.split("/")[0]
+
+
+def param_of(name: str) -> str:
+    """The click parameter, the key of the command's keyword arguments, of TrainOptions field
+    `name` (click names it after its flag: eps is --adam-eps, adam_eps)."""
+    return flag_of(name)[2:].replace("-", "_")
+
+
 def train_options(kw: dict):
-    """The TrainOptions of `training_options`' values; under mpirun --batch is each
-    process's, and the options hold the global batch."""
+    """The TrainOptions of `training_options`' values (TrainOptions' defaults for fields
+    that are not on the command line); under mpirun --batch is each process's, and the
+    options hold the global batch."""
     from ggwgpu.train import TrainOptions
     world = mpi_world()
-    options = TrainOptions(
-        optimizer=kw["optimizer"], batch=kw["batch"] * (world.size if world else 1),
-        grad_accum=kw["grad_accum"],
-        lr=kw["lr"], beta1=kw["beta1"], beta2=kw["beta2"], eps=kw["adam_eps"],
-        weight_decay=kw["weight_decay"], grad_clip=kw["grad_clip"], warmup=kw["warmup"],
-        cos_decay_steps=kw["cos_decay_steps"], cos_decay_min=kw["cos_decay_min"],
-        cos_decay_restart=kw["cos_decay_restart"], restarts=kw["restarts"],
-        flash_attn=kw["flash_attn"], checkpointing=kw["checkpointing"], seed=kw["seed"],
-        **{k: kw[k] for k in LBFGS_KEYS})
+    values = {name: kw[param_of(name)] for name, declared in TrainOptions.declared().items()
+              if declared["cli"]}
+    values["batch"] *= world.size if world else 1
+    options = TrainOptions(**values)
     if options.optimizer == "lbfgs":
         if world or options.grad_accum > 1:
             raise click.UsageError("--optimizer lbfgs takes one whole batch per step in one "
@@ -471,15 +450,6 @@ def train_options(kw: dict):
     return options
 
 
-LBFGS_KEYS = ("lbfgs_m", "lbfgs_linesearch", "lbfgs_max_linesearch", "lbfgs_ftol",
-              "lbfgs_wolfe", "lbfgs_min_step", "lbfgs_max_step", "lbfgs_on_fail", "opt_past",
-              "opt_delta", "opt_max_no_improvement")
-
-
-# TrainOptions fields a resumed run may change (the checkpoint's value is replaced, and the
-# run says so): the learning rate, and two that change memory and speed, not results.
-MAY_CHANGE = ("lr", "flash_attn", "checkpointing")
-OPTION_FLAGS = {"eps": "adam_eps"}     # TrainOptions field -> its CLI parameter, where they differ
 GIVEN = ("COMMANDLINE", "ENVIRONMENT", "PROMPT")
 
 
@@ -490,23 +460,25 @@ def given(ctx, param: str) -> bool:
 
 
 def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
-    """The TrainOptions a resumed run uses: the checkpoint's, with --lr, --flash-attn and
-    --checkpointing applied when given (and said). Any other option given on the command
-    line that contradicts the checkpoint is refused, naming it: `fixed` maps the command's
-    own such parameters (the model's shape, say) to the checkpoint's value, or to ... when
-    the checkpoint fixes it whatever its value."""
+    """The TrainOptions a resumed run uses: the checkpoint's, with those declared
+    `may_change` (--lr, --flash-attn, --checkpointing) applied when given (and said). Any
+    other option given on the command line that contradicts the checkpoint is refused,
+    naming it: `fixed` maps the command's own such parameters (the model's shape, say) to
+    the checkpoint's value, or to ... when the checkpoint fixes it whatever its value."""
     import dataclasses
     from ggwgpu.train import TrainOptions
-    saved, kw = TrainOptions(**state["options"]), ctx.params
-    wanted = {name: (OPTION_FLAGS.get(name, name), value)
-              for name, value in dataclasses.asdict(saved).items()}
+    saved, kw, declared = TrainOptions(**state["options"]), ctx.params, TrainOptions.declared()
+    may_change = [flag_of(name) for name in declared if declared[name]["may_change"]]
+    may_change = (f"{', '.join(may_change[:-1])} and {may_change[-1]}" if len(may_change) > 1
+                  else may_change[0])
     changes, clashes = {}, []
-    for name, (param, value) in wanted.items():
-        if given(ctx, param) and kw[param] != value:
-            if name in MAY_CHANGE:
+    for name, value in dataclasses.asdict(saved).items():
+        param = param_of(name)
+        if declared[name]["cli"] and given(ctx, param) and kw[param] != value:
+            if declared[name]["may_change"]:
                 changes[name] = kw[param]
             else:
-                clashes.append(f"--{param.replace('_', '-')} {value} (given: {kw[param]})")
+                clashes.append(f"{flag_of(name)} {value} (given: {kw[param]})")
     for param, value in fixed.items():
         if given(ctx, param) and (value is ... or kw[param] != value):
             clashes.append(f"--{param.replace('_', '-')}" +
@@ -514,15 +486,14 @@ def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
     if clashes:
         raise click.UsageError(
             f"{checkpoint_in} fixes the model, the data order and the training options "
-            f"(only --lr, --flash-attn and --checkpointing may change when resuming); "
-            f"these given options contradict it: {', '.join(clashes)}. Resume without them, "
-            f"or start a new run")
+            f"(only {may_change} may change when resuming); these given options contradict "
+            f"it: {', '.join(clashes)}. Resume without them, or start a new run")
     click.echo(f"{checkpoint_in} fixes the model, the data order and the options: " +
-               ", ".join(f"{param.replace('_', '-')} {value}"
-                         for param, value in wanted.values()), err=True)
+               ", ".join(f"{flag_of(name)[2:]} {value}"
+                         for name, value in dataclasses.asdict(saved).items()), err=True)
     for name, value in changes.items():
-        click.echo(f"resuming with --{name.replace('_', '-')} {value} instead of the "
-                   f"checkpoint's {getattr(saved, name)}", err=True)
+        click.echo(f"resuming with {flag_of(name)} {value} instead of the checkpoint's "
+                   f"{getattr(saved, name)}", err=True)
     return dataclasses.replace(saved, **changes)
 
 
@@ -600,33 +571,21 @@ def steps_of(kw: dict, samples, options) -> int:
     return kw["steps"]
 
 
-def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
-                steps_left: int) -> list[str]:
+def resume_args(ctx, command: list[str], checkpoint_path: str, steps_left: int) -> list[str]:
     """The command line (`command`: its name and leading arguments) that continues a run
-    from `checkpoint_path` with the options it repeats: backend, text, saving, logging; the
-    command adds its own."""
+    from `checkpoint_path`: the backend, the TEXTS and the Repeated options that are not at
+    their defaults; the command adds its own (--out)."""
     world = mpi_world()
     args = ["mpirun", "-n", str(world.size)] if world else []
     args += ["ggwgpu"] + (["--backend", ctx.obj["backend"]] if ctx.obj["backend"] else [])
-    args += [*command, *kw["texts"], "--checkpoint-in", checkpoint_path,
+    args += [*command, *ctx.params["texts"], "--checkpoint-in", checkpoint_path,
              "--steps", str(steps_left)]
-    if kw.get("data_path"):
-        args += ["--data", kw["data_path"]]
-        if kw["chat_template"]:
-            args += ["--chat-template", kw["chat_template"]]
-        args += [flag for flag, on in (("--mask-prompt", kw["mask_prompt"]),
-                                       ("--drop-long", kw["drop_long"]),
-                                       ("--no-pack", kw["no_pack"])) if on]
-    elif not kw["texts"] and kw["corpus"] != "shakespeare":
-        args += ["--corpus", kw["corpus"]]
-    if kw["checkpoint_out"]:
-        args += ["--checkpoint-out", kw["checkpoint_out"], "--save-every", str(kw["save_every"])]
-    if kw["samples_after_nl"]:
-        args.append("--samples-after-nl")
-    if kw["log_path"]:
-        args += ["--log", kw["log_path"]]
-    if kw["on_nan"] != "stop":
-        args += ["--on-nan", kw["on_nan"]]
+    for param in ctx.command.params:
+        if not isinstance(param, Repeated):
+            continue
+        value = ctx.params[param.name]
+        if value not in (None, param.get_default(ctx)):
+            args += [param.opts[0]] if param.is_flag else [param.opts[0], str(value)]
     return args
 
 
@@ -635,17 +594,17 @@ def resume_args(ctx, command: list[str], kw: dict, checkpoint_path: str,
 def data_options(command):
     """--data and what shapes it: the chat template, masking, long examples."""
     options = [
-        click.option("--data", "data_path", type=click.Path(),
+        click.option("--data", "data_path", cls=Repeated, type=click.Path(),
                      help="Examples instead of text: a JSONL file, a directory with "
                           "train.jsonl (and valid.jsonl, test.jsonl), or a bundled set "
                           f"({', '.join(BUNDLED_SETS)}); lines {{\"text\"}}, "
                           "{\"prompt\", \"completion\"} or {\"messages\": [...]}."),
-        template_option,
-        click.option("--mask-prompt", is_flag=True,
+        template_option(cls=Repeated),
+        click.option("--mask-prompt", cls=Repeated, is_flag=True,
                      help="Train on the answers only (assistant turns, completions)."),
-        click.option("--drop-long", is_flag=True,
+        click.option("--drop-long", cls=Repeated, is_flag=True,
                      help="Leave out examples longer than --n-ctx (default: cut them)."),
-        click.option("--no-pack", is_flag=True,
+        click.option("--no-pack", cls=Repeated, is_flag=True,
                      help="One example per row, padded (default: several whole examples "
                           "packed into a row, each seeing only itself, when that makes "
                           "fewer rows)."),

@@ -5,7 +5,7 @@ whole, that it is not larger than a bound.
 Texts (training text, JSONL datasets) are read whole and decoded, which takes about twice
 their size in memory and, for tokenizing, time in proportion: a file over MAX_TEXT_BYTES is
 refused before it is read, naming the bound and how to raise it ($GGWGPU_MAX_TEXT_BYTES).
-GGUF files are memory-mapped instead and bounded by gguf_io's own limits.
+GGUF files are memory-mapped instead and bounded by gguf_file's own limits.
 """
 from __future__ import annotations
 

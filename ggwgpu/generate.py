@@ -26,6 +26,7 @@ than the window is cut the same way. Generation stops at any end-of-generation t
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -33,8 +34,9 @@ from typing import Iterator
 
 import numpy as np
 
+from .backends import precision_for
 from .backends.base import planned_bytes
-from .models.llama import LlamaConfig, build_decode_graph
+from .models.llama import LlamaConfig, build_decode_graph, half_values
 from .tokenizer import VocabError
 
 
@@ -136,18 +138,24 @@ class Decoder:
     has its own cache, and a run of the prefill plan takes the step plan's cache and hands it
     back (one read and one write of the cache each way). `tokens` are the ids the cache holds (positions 0 .. past -
     1); they change only when a run is complete, so an interrupted run leaves a usable cache.
-    `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does."""
+    `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does.
+    `precision` (backends.precision_for: auto, f32, f16): f16 keeps float weights,
+    activations and the cache in halves."""
 
     def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None,
-                 adapters=()):
+                 adapters=(), precision: str = "f32"):
         self.cfg = cfg
         self.max_ctx = int(max_ctx or cfg.n_ctx)
         if self.max_ctx < 2:
             raise ValueError(f"generation needs a context of at least 2 tokens, got "
                              f"{self.max_ctx}")
-        self.prefill_graph = build_decode_graph(cfg, values, self.max_ctx, self.max_ctx,
-                                                name="prefill kv cache", adapters=adapters)
-        self.step_graph = build_decode_graph(cfg, values, 1, self.max_ctx, adapters=adapters)
+        self.precision = precision_for(backend, precision)
+        if self.precision == "f16":
+            values = half_values(values)
+        build = functools.partial(build_decode_graph, cfg, values, adapters=adapters,
+                                  precision=self.precision)
+        self.prefill_graph = build(self.max_ctx, self.max_ctx, name="prefill kv cache")
+        self.step_graph = build(1, self.max_ctx)
         self.prefill_plan = backend.plan([self.prefill_graph.logits])
         self.step_plan = backend.plan([self.step_graph.logits])
         self.tokens: list[int] = []     # in the step plan's cache

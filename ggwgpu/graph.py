@@ -218,7 +218,7 @@ def recompute_from(order, checkpoints=None, recompute=()) -> dict[int, Tensor]:
 
 
 def build_backward(loss: Tensor, params=None, checkpoints=None,
-                   recompute=()) -> dict[Tensor, Tensor]:
+                   recompute=(), seed: Tensor | None = None) -> dict[Tensor, Tensor]:
     """Gradient tensors of `loss` (one element) with respect to `params`.
 
     params defaults to every leaf marked `is_param` that the loss depends on. The gradient
@@ -251,7 +251,10 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
 
     copies = (recompute_from(order, checkpoints, recompute)
               if checkpoints is not None or recompute else None)
-    grads = {id(loss): constant(np.ones(loss.shape, np.float32), name="d_loss")}
+    if seed is not None and seed.shape != loss.shape:
+        raise ShapeError(f"build_backward: seed {seed.shape} differs from the loss's {loss.shape}")
+    grads = {id(loss): seed if seed is not None else
+             constant(np.ones(loss.shape, np.float32), name="d_loss")}
     for node in reversed(order):
         g = grads.get(id(node))
         if g is None or node.op is None:
@@ -270,6 +273,8 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
                 continue
             if sg.shape != src.shape:
                 raise ShapeError(f"{node.op}: backward gave {sg.shape} for input {src.shape}")
+            if sg.dtype != src.dtype and not src.is_quantized:
+                sg = O.cast(sg, src.dtype)   # a gradient has its tensor's type (f16 graphs)
             prev = grads.get(id(src))
             grads[id(src)] = sg if prev is None else O.add(prev, sg)
 

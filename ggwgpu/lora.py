@@ -21,8 +21,9 @@ Adapter file (`save_adapter` / `load_adapter`), what `llama-cli -m base.gguf --l
     and the pairs as f32 tensors.
 Checkpoint of a LoRA finetune (`save_adapter_checkpoint` / `load_adapter_checkpoint`): the
 adapter file plus ggwgpu.checkpoint.version, AdamW's moments as optimizer.adamw.m.<tensor> /
-optimizer.adamw.v.<tensor> and the training state as training.state_json (as in gguf_io's
-model checkpoints). llama.cpp refuses it as an adapter (unknown tensors): use the adapter.
+optimizer.adamw.v.<tensor> (or L-BFGS's history) and the training state as training.state_json,
+all as ggwgpu.checkpoint writes and checks them for model checkpoints. llama.cpp refuses it as
+an adapter (unknown tensors): use the adapter.
 """
 from __future__ import annotations
 
@@ -34,10 +35,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .gguf_io import (ARCH, CHECKPOINT_VERSION, K_ARCH, K_CKPT_VERSION, K_LBFGS_STATE, K_NAME,
-                      K_TRAIN_STATE, K_TYPE, LBFGS_PREFIX, MOMENT_PREFIX,
-                      OPTIMIZER_TENSOR_PREFIX, GGUFError, _checked_array, _GGUFFile, _T,
-                      _lbfgs_tensors, _read_lbfgs, _write_gguf, moment_pair, read_train_state)
+from gguf import GGUFValueType
+
+from .checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, optimizer_tensors,
+                         read_optimizer_state, read_train_state, train_state_json)
+from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tensor, write_gguf
+from .gguf_llama import ARCH, K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
 from .models.llama import LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
 from .quant import Quantized, dequantize
 
@@ -51,6 +54,7 @@ TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
            "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
+_T = GGUFValueType
 
 
 @dataclass
@@ -177,14 +181,14 @@ def _adapter_metadata(adapter: Adapter, base_digest: str | None) -> dict:
 
 
 def _checked_tensors(path, tensors: dict, what: str) -> dict:
-    return {name: _checked_array(path, name, value, np.shape(value), what)
+    return {name: checked_tensor(path, name, value, np.shape(value), what)
             for name, value in tensors.items()}
 
 
 def save_adapter(path, adapter: Adapter, cfg: LlamaConfig, base_digest: str | None = None):
     """Write `adapter` (checked against `cfg`) as a llama.cpp LoRA adapter GGUF, atomically."""
     check_adapter(adapter, cfg, path)
-    _write_gguf(path, _adapter_metadata(adapter, base_digest),
+    write_gguf(path, _adapter_metadata(adapter, base_digest),
                 _checked_tensors(path, adapter.tensors, "adapter"))
 
 
@@ -193,31 +197,24 @@ def save_adapter_checkpoint(path, adapter: Adapter, cfg: LlamaConfig, opt_state:
     """Write a LoRA finetune checkpoint: the adapter, AdamW's (m, v) per adapter tensor and
     the JSON training state (which must hold "base", the base's digest). Atomic."""
     check_adapter(adapter, cfg, path)
+    state_json = train_state_json(path, train_state)
     meta = _adapter_metadata(adapter, train_state.get("base"))
     meta[K_CKPT_VERSION] = (CHECKPOINT_VERSION, _T.UINT32)
-    try:
-        meta[K_TRAIN_STATE] = (json.dumps(train_state, allow_nan=False), _T.STRING)
-    except (TypeError, ValueError) as e:
-        raise GGUFError(f"{path}: cannot write checkpoint: train_state is not "
-                        f"JSON-serialisable ({e})") from None
+    meta[K_TRAIN_STATE] = (state_json, _T.STRING)
     tensors = _checked_tensors(path, adapter.tensors, "checkpoint")
-    lbfgs = opt_state.get("lbfgs")      # or L-BFGS's history, as gguf_io.save_checkpoint
-    opt_state = {k: v for k, v in opt_state.items() if k != "lbfgs"}
-    tensors.update(_lbfgs_tensors(path, lbfgs, sum(t.size for t in adapter.tensors.values())))
-    if lbfgs is not None:
-        meta[K_LBFGS_STATE] = (json.dumps(lbfgs["scalars"], allow_nan=False), _T.STRING)
-    for name, pair in opt_state.items():
-        if name not in adapter.tensors:
-            raise GGUFError(f"{path}: cannot write checkpoint: optimizer state for {name!r}, "
-                            f"which is not a tensor of the adapter")
-        for kind, value in zip(("m", "v"), pair):
-            tensors[MOMENT_PREFIX[kind] + name] = _checked_array(
-                path, MOMENT_PREFIX[kind] + name, value, adapter.tensors[name].shape,
-                "checkpoint")
-    _write_gguf(path, meta, tensors)
+    optimizer, lbfgs_json = optimizer_tensors(path, opt_state, _shapes(adapter),
+                                              "a tensor of the adapter")
+    if lbfgs_json is not None:
+        meta[K_LBFGS_STATE] = (lbfgs_json, _T.STRING)
+    write_gguf(path, meta, {**tensors, **optimizer})
 
 
-def _read_adapter(f: _GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Adapter:
+def _shapes(adapter: Adapter) -> dict[str, tuple]:
+    """Name -> shape of the adapter's tensors: the ones a finetune trains."""
+    return {name: value.shape for name, value in adapter.tensors.items()}
+
+
+def _read_adapter(f: GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Adapter:
     for key, want in ((K_TYPE, "adapter"), (K_ARCH, ARCH), (K_ADAPTER_TYPE, "lora")):
         if f.meta.get(key) != want:
             raise GGUFError(f"{f.path}: {key} is {f.meta.get(key)!r}, a LoRA adapter of a "
@@ -242,7 +239,7 @@ def load_adapter(path, cfg: LlamaConfig | None = None) -> Adapter:
     """Read a LoRA adapter GGUF (ours or llama.cpp's: f32, f16 or q8_0 tensors, read as f32),
     validated as llama.cpp does and, given `cfg`, against the base's shapes. Raises GGUFError
     naming the file and the key or tensor."""
-    f = _GGUFFile(path)
+    f = GGUFFile(path)
     if K_CKPT_VERSION in f.meta:
         raise GGUFError(f"{f.path}: is a finetune checkpoint, not an adapter (resume from it "
                         f"with --checkpoint-in)")
@@ -251,25 +248,12 @@ def load_adapter(path, cfg: LlamaConfig | None = None) -> Adapter:
 
 def load_adapter_checkpoint(path, cfg: LlamaConfig):
     """Read `save_adapter_checkpoint`'s file: (adapter, opt_state, train_state)."""
-    f = _GGUFFile(path)
+    f = GGUFFile(path)
     if f.meta.get(K_CKPT_VERSION) != CHECKPOINT_VERSION:
         raise GGUFError(f"{f.path}: is not a LoRA finetune checkpoint of this ggwgpu "
                         f"({K_CKPT_VERSION} is {f.meta.get(K_CKPT_VERSION)!r})")
     adapter = _read_adapter(f, cfg, checkpoint=True)
-    found = {}
-    for name in f.tensors:
-        if not name.startswith(OPTIMIZER_TENSOR_PREFIX) or name.startswith(LBFGS_PREFIX):
-            continue
-        kind = next((k for k, p in MOMENT_PREFIX.items() if name.startswith(p)), None)
-        tensor = name[len(MOMENT_PREFIX[kind]):] if kind else None
-        if tensor not in adapter.tensors:
-            raise GGUFError(f"{f.path}: unknown optimizer tensor {name}")
-        found.setdefault(tensor, {})[kind] = f.tensor_value(name, adapter.tensors[tensor].shape)
-    opt_state = {tensor: moment_pair(f, tensor, pair) for tensor, pair in found.items()}
-    lbfgs = _read_lbfgs(f, sum(t.size for t in adapter.tensors.values()))
-    if lbfgs is not None:
-        opt_state["lbfgs"] = lbfgs
-    return adapter, opt_state, read_train_state(f)
+    return adapter, read_optimizer_state(f, _shapes(adapter)), read_train_state(f)
 
 
 # -- merging and identity ---------------------------------------------------------------------

@@ -20,7 +20,7 @@ import os
 from .models.llama import LlamaConfig, parameter_shapes
 
 HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
-F32 = 4
+F32, F16 = 4, 2    # bytes per value
 
 
 class MemoryLimitError(ValueError):
@@ -66,11 +66,14 @@ def host_available() -> int | None:
 
 
 def estimate(cfg: LlamaConfig, *, batch: int = 0, trained: int = 0, weight_bytes=None,
-             flash_attn: bool = False, decoder: bool = False) -> dict[str, int]:
+             flash_attn: bool = False, decoder: bool = False,
+             value_bytes: int = F32) -> dict[str, int]:
     """Bytes by role. `batch`: windows of cfg.n_ctx tokens per step (0: no training or
     evaluation graph); `trained`: values the optimizer updates (gradients and two moments
-    each); `weight_bytes`: the loaded weights' bytes (default: f32 parameters);
-    `decoder`: a KV cache of cfg.n_ctx positions."""
+    each, f32 whatever the precision); `weight_bytes`: the loaded weights' bytes (default:
+    f32 parameters); `decoder`: a KV cache of cfg.n_ctx positions; `value_bytes`: bytes of
+    an activation or KV-cache value (F16 = 2 where they are f16 tensors, which both backends
+    store as halves)."""
     need = {"weights": F32 * parameter_count(cfg) if weight_bytes is None else weight_bytes}
     if trained:
         need["gradients and optimizer moments"] = 3 * F32 * trained
@@ -79,9 +82,9 @@ def estimate(cfg: LlamaConfig, *, batch: int = 0, trained: int = 0, weight_bytes
         acts = tokens * (cfg.n_embd * (cfg.n_layer + 4) + 3 * cfg.n_ff)
         if not flash_attn:
             acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx
-        need["activations"] = F32 * acts
+        need["activations"] = value_bytes * acts
     if decoder:
-        need["KV cache"] = 2 * F32 * cfg.n_layer * cfg.n_ctx * cfg.kv_dim
+        need["KV cache"] = 2 * value_bytes * cfg.n_layer * cfg.n_ctx * cfg.kv_dim
     return need
 
 

@@ -8,9 +8,18 @@ A tensor either owns its storage (leaves and most op results, always contiguous)
 view into the storage of `view_src` (view, reshape, permute, transpose, cpy), which makes
 views zero-copy: the shaders read any tensor through its strides and offset.
 
+Element types (DTYPES): f32, f16 (IEEE halves in storage; ops compute in f32 and round on
+store, ops/registry.py's dtype rule) and i32. Params are f32 (trainable weights are f32
+masters).
+
 Frozen weights may be stored in ggml's block types (f16, bf16, q4_0 .. q6_k: ggwgpu/quant.py):
 such tensors are constants (or views of them), never params or op results. Their storage
 is the raw blocks, held by the backends as u32 words (`storage_dtype`, `storage_len`).
+"f16" means halves in storage either way: a constant made from a `Quantized` f16 value is a
+frozen weight that mul_mat and get_rows read through ops/quant.py's kernels (which bind a
+weight larger than one storage binding in parts, and which the NumPy backend feeds with
+values converted once), while any other f16 tensor is an element-type tensor every op with
+an f16 kernel reads.
 """
 from __future__ import annotations
 
@@ -23,7 +32,8 @@ from .quant import QUANT_TYPES, Quantized, quantize, storage_bytes
 MAX_DIMS = 4
 
 # Element types of inputs, params and op results; frozen constants may also be QUANT_TYPES.
-DTYPES = {"f32": np.dtype(np.float32), "i32": np.dtype(np.int32)}
+DTYPES = {"f32": np.dtype(np.float32), "f16": np.dtype(np.float16), "i32": np.dtype(np.int32)}
+FLOAT_DTYPES = ("f32", "f16")
 WORD = np.dtype(np.uint32)   # the storage unit of the block types on both backends
 
 
@@ -66,7 +76,7 @@ class Tensor:
         self.shape = check_shape(shape, name or op or "tensor")
         if dtype not in DTYPES and dtype not in QUANT_TYPES:
             raise ShapeError(f"{name or op or 'tensor'}: unknown dtype {dtype!r}")
-        if dtype in QUANT_TYPES and value is None and view_src is None:
+        if dtype in QUANT_TYPES and dtype not in DTYPES and value is None and view_src is None:
             raise ShapeError(f"{name or op or 'tensor'}: {dtype} holds frozen weights: only "
                              f"constants (and views of them) can have it")
         self.dtype = dtype
@@ -95,8 +105,11 @@ class Tensor:
 
     @property
     def is_quantized(self) -> bool:
-        """Stored in a block type (ggwgpu.quant.TYPES): raw blocks, read by ops/quant.py."""
-        return self.dtype in QUANT_TYPES
+        """Stored in a block type (ggwgpu.quant.TYPES): raw blocks, read by ops/quant.py.
+        An f16 tensor is so only when it is (a view of) a constant with a Quantized value."""
+        if self.dtype not in QUANT_TYPES:
+            return False
+        return self.dtype not in DTYPES or isinstance(self.storage.value, Quantized)
 
     @property
     def storage_dtype(self) -> np.dtype:
@@ -163,9 +176,10 @@ def constant(value, dtype="f32", name=None) -> Tensor:
     """A leaf with a fixed value, uploaded once when a graph is planned.
 
     A `Quantized` value (ggwgpu.quant) gives a frozen weight of its block type, stored on the
-    device as its raw blocks; a float array with a block dtype ("f16", "q4_1", ...) is
-    quantized first. mul_mat and get_rows read such weights directly (ops/quant.py)."""
-    if dtype in QUANT_TYPES and not isinstance(value, Quantized):
+    device as its raw blocks; a float array with a block dtype ("bf16", "q4_1", ...) is
+    quantized first. mul_mat and get_rows read such weights directly (ops/quant.py). A float
+    array with dtype "f16" gives an element-type f16 constant (its values rounded to halves)."""
+    if dtype in QUANT_TYPES and dtype not in DTYPES and not isinstance(value, Quantized):
         value = quantize(value, dtype)
     if isinstance(value, Quantized):
         return Tensor(value.shape, value.dtype, name=name, value=value)

@@ -7,6 +7,11 @@ Every registered op carries its test cases. For each case:
   plan must come back untouched (WebGPU clamps stray accesses, only sentinels see them);
 - gradient: the backward graph in float64 against central finite differences of the
   forward, and the device backward against the NumPy backward.
+- f16 (`half=True`, for the ops with an f16 kernel): the same cases with every float input
+  an f16 tensor, its values rounded to halves: the device forward against the float64
+  reference on those rounded values, the device backward against the NumPy backend in
+  float32 (which stores f16 tensors as float16, rounding where the device does), both
+  within the op's f16_nmse.
 """
 from __future__ import annotations
 
@@ -78,11 +83,13 @@ def as_laid_out(values: np.ndarray, layout: str) -> np.ndarray:
     return values
 
 
-def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
-    """Leaves with random float64 values, the views the case asks for, and the op's node."""
+def build_case(opdef: OpDef, case: Case, rng: np.random.Generator, half: bool = False):
+    """Leaves with random float64 values, the views the case asks for, and the op's node;
+    with `half`, the float inputs are f16 tensors and their values rounded to halves."""
     leaves, values, srcs = [], {}, []
     for k, spec in enumerate(case.inputs):
         shape = tuple(spec.shape)
+        dtype = "f16" if half and spec.dtype == "f32" else spec.dtype
         if spec.dtype in QUANT_TYPES:  # a frozen weight: a constant, quantized random values
             value = (quantize(rng.uniform(spec.lo, spec.hi, shape), spec.dtype)
                      if spec.dtype in QUANTIZABLE else random_blocks(spec.dtype, shape, rng))
@@ -92,14 +99,14 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
             continue
         if spec.layout == "permuted" and len(shape) > 1:
             axes = tuple(reversed(range(len(shape))))
-            leaf = input_tensor(tuple(shape[a] for a in axes), spec.dtype, name=f"in{k}")
+            leaf = input_tensor(tuple(shape[a] for a in axes), dtype, name=f"in{k}")
             src = O.permute(leaf, axes)
         elif spec.layout == "strided":
             # rows padded by 3 elements and one element of offset: a view inside a bigger leaf
-            leaf = input_tensor(shape[:-1] + (shape[-1] + 3,), spec.dtype, name=f"in{k}")
+            leaf = input_tensor(shape[:-1] + (shape[-1] + 3,), dtype, name=f"in{k}")
             src = O.view(leaf, shape, leaf.strides, 1)
         else:
-            leaf = src = input_tensor(shape, spec.dtype, name=f"in{k}")
+            leaf = src = input_tensor(shape, dtype, name=f"in{k}")
         leaves.append(leaf)
         if spec.dtype == "i32":
             values[leaf] = rng.integers(spec.lo, spec.hi, leaf.shape, dtype=np.int32)
@@ -113,6 +120,8 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator):
             if spec.dist == "nonfinite":  # one NaN, +inf or -inf somewhere
                 values[leaf].flat[rng.integers(values[leaf].size)] = rng.choice(
                     [np.nan, np.inf, -np.inf])
+        if dtype == "f16":
+            values[leaf] = values[leaf].astype(np.float16).astype(np.float64)
         srcs.append(src)
     node = getattr(O, opdef.name)(*srcs, **case.params)
     return leaves, values, node
@@ -140,31 +149,40 @@ def compare(out, ref, bound) -> tuple[bool, str]:
     return e <= bound, f"nmse={e:.2e} (bound {bound:.0e})"
 
 
-def forward(opdef: OpDef, case: Case, backend, seed=0) -> Result:
-    leaves, values, node = build_case(opdef, case, np.random.default_rng(seed))
+def f16_bound(opdef: OpDef, case: Case, half: bool, node) -> float:
+    """The NMSE bound of a case: the op's f16 bound where inputs or result are halves (or
+    the case's own bound, where looser)."""
+    if half or node.dtype == "f16":
+        return max(case.nmse or 0.0, opdef.f16_nmse)
+    return case.nmse or opdef.nmse
+
+
+def forward(opdef: OpDef, case: Case, backend, seed=0, half=False) -> Result:
+    leaves, values, node = build_case(opdef, case, np.random.default_rng(seed), half)
     ref_plan = NumpyBackend(np.float64, fast=False).plan([node])   # the references alone
     ref_plan.run(values)
     ref = ref_plan.read(node)
     plan = backend.plan([node], sentinel=SENTINEL)
     plan.run(as_f32(values))
-    ok, detail = compare(plan.read(node), ref, case.nmse or opdef.nmse)
+    ok, detail = compare(plan.read(node), ref, f16_bound(opdef, case, half, node))
     stray = plan.stray_writes()
     if stray:
         ok, detail = False, f"wrote outside {stray} (sentinel overwritten); {detail}"
     return Result(opdef.name, describe(case), ok, detail)
 
 
-def grad_graph(opdef: OpDef, case: Case, seed=0):
+def grad_graph(opdef: OpDef, case: Case, seed=0, half=False):
     """loss = sum(op(inputs) * R) with a fixed random R, and its gradients w.r.t. every
     input the op differentiates."""
     rng = np.random.default_rng(seed)
-    leaves, values, node = build_case(opdef, case, rng)
+    leaves, values, node = build_case(opdef, case, rng, half)
     if opdef.grad_head:
         node = opdef.grad_head(node)
     weights = constant(rng.uniform(-1, 1, node.shape).astype(np.float32), name="R")
     loss = O.sum(O.mul(node, weights))
     params = [leaf for k, leaf in enumerate(leaves)
-              if k not in opdef.no_grad and leaf.dtype == "f32"]
+              if k not in opdef.no_grad and leaf.dtype in ("f32", "f16")
+              and not leaf.is_quantized]
     return loss, build_backward(loss, params), values
 
 
@@ -201,19 +219,21 @@ def finite_differences(opdef: OpDef, case: Case, seed=0) -> Result:
     return Result(opdef.name, describe(case), True, f"max |backward - fd| = {worst:.1e}")
 
 
-def backward_on(opdef: OpDef, case: Case, backend, seed=0) -> Result:
-    """The device backward against the NumPy float64 backward of the same graph: once with
+def backward_on(opdef: OpDef, case: Case, backend, seed=0, half=False) -> Result:
+    """The device backward against the NumPy float64 backward of the same graph (with
+    `half`, f16 inputs: the NumPy float32 backward, f16 storage as float16): once with
     sentinels around every buffer, once with buffers shared by liveness as in training."""
-    loss, grads, values = grad_graph(opdef, case, seed)
+    loss, grads, values = grad_graph(opdef, case, seed, half)
     outputs = [loss, *grads.values()]
-    ref = NumpyBackend(np.float64).plan(outputs)
-    ref.run(values)
+    ref = NumpyBackend(np.float32 if half else np.float64).plan(outputs)
+    ref.run(as_f32(values) if half else values)
+    bound = max(GRAD_NMSE, opdef.f16_nmse if half else opdef.nmse)
     details = []
     for label, plan in (("", backend.plan(outputs, sentinel=SENTINEL)),
                         ("shared buffers: ", backend.plan(outputs))):
         plan.run(as_f32(values))
         for leaf, g in grads.items():
-            ok, detail = compare(plan.read(g), ref.read(g), max(GRAD_NMSE, opdef.nmse))
+            ok, detail = compare(plan.read(g), ref.read(g), bound)
             if not ok:
                 return Result(opdef.name, describe(case), False, f"{label}d{leaf.name}: {detail}")
             if not label:
@@ -226,6 +246,14 @@ def backward_on(opdef: OpDef, case: Case, backend, seed=0) -> Result:
 
 def cases_of(name: str, grad_only=False) -> list[Case]:
     return [c for c in O.OPS[name].cases() if c.grad or not grad_only]
+
+
+def f16_cases_of(name: str, grad_only=False) -> list[Case]:
+    """The cases of an op with an f16 kernel that have a float input to make f16 (none for
+    the ops without one: ops.registry.f32_only_ops)."""
+    if not O.OPS[name].f16:
+        return []
+    return [c for c in cases_of(name, grad_only) if any(i.dtype == "f32" for i in c.inputs)]
 
 
 def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: int = 0,

@@ -52,7 +52,7 @@ import heapq
 
 import numpy as np
 
-from . import gguf_io
+from . import gguf_file
 from .pretokenizers import PreTokenizer, UnknownPreTokenizer, pre_tokenizer, split_words
 
 # llama.cpp's token types (tokenizer.ggml.token_type values).
@@ -71,7 +71,7 @@ KEY = "tokenizer.ggml."
 _C_SPACE = " \t\n\v\f\r"  # C's isspace: what llama.cpp strips next to lstrip/rstrip tokens
 
 
-class VocabError(gguf_io.GGUFError):
+class VocabError(gguf_file.GGUFError):
     """A vocabulary is missing, malformed or of a kind ggwgpu cannot tokenize with. A
     GGUFError, so that callers reading GGUF files catch one exception type."""
 
@@ -785,14 +785,14 @@ def tokenizer_from_metadata(meta: dict, model_name: str | None = None):
 
 def read_metadata(path) -> dict[str, object]:
     """The tokenizer.ggml.* keys of a GGUF file, as Python values. The file goes through
-    gguf_io's reader (`_read_layout`); its errors come back as VocabErrors naming the file."""
+    ggwgpu.gguf_file's reader; its errors come back as VocabErrors naming the file."""
     return {k: v for k, v in _read_all(path).items() if k.startswith(KEY)}
 
 
 def _read_all(path) -> dict[str, object]:
     try:
-        return gguf_io.read_metadata(path)
-    except gguf_io.GGUFError as e:
+        return gguf_file.read_metadata(path)
+    except gguf_file.GGUFError as e:
         raise VocabError(str(e)) from None
 
 

@@ -9,6 +9,13 @@ A step whose loss or gradients are not finite changes nothing: append_finite_fla
 loss and the gradients' sum of squares on the device (exponent bits, no NaN arithmetic) and
 the optimizer kernels do nothing where that flag is 0. The step still counts (its batch is used up, the schedule moves on); its record
 says "skipped", and what to do next (stop or go on) is the caller's choice.
+
+With dynamic loss scaling (options.loss_scale "dynamic", LossScaler) the backward starts from
+the scale S instead of 1, so every gradient in the graph is S times the true one; the factor
+that clipping multiplies the gradients by takes 1/S too, so clipping, the gradient norm and
+the optimizer see the true gradients. S is a power of two: both multiplications are exact.
+A step whose (scaled) gradients are not finite is skipped and halves S, as PyTorch's
+GradScaler does; such a skip does not count as an optimizer step (AdamW's bias correction).
 """
 from __future__ import annotations
 
@@ -18,9 +25,10 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from . import ops as O
+from .backends import precision_for
 from .graph import build_backward
 from .lbfgs import LINESEARCHES, ON_FAIL, Lbfgs, LbfgsOptions
-from .models.llama import MAX_LOGITS_BYTES, LlamaConfig, build_train_graph
+from .models.llama import MAX_LOGITS_BYTES, PRECISIONS, LlamaConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
@@ -30,6 +38,9 @@ MAX_SEED = 2 ** 32 - 1
 MAX_BATCH = 1 << 16             # samples per micro-batch: more than any device's memory holds
 MAX_GRAD_ACCUM = 1 << 16        # micro-batches per step: each one is a full forward/backward
 MAX_RESTART_GROWTH = 1000.0     # the period after a restart, as a multiple of the one before
+# The loss scale's range: powers of two whose reciprocal is a normal float32, so that
+# unscaling is exact and no device flushes 1/S to zero
+MIN_SCALE, MAX_SCALE = 2.0 ** -126, 2.0 ** 126
 
 
 @dataclass(frozen=True)
@@ -37,13 +48,14 @@ class Bound:
     """The values a training option (or a training state's number) may take: the CLI makes
     its click type from it, TrainOptions and `check_state` check values against it. `kind`
     is int, float (finite; ints accepted), bool or str (one of `choices`); `low`/`high` are
-    inclusive unless `low_open`/`high_open`."""
+    inclusive unless `low_open`/`high_open`; `power_of_two` asks for 2^k (a loss scale)."""
     kind: type
     low: float | None = None
     high: float | None = None
     low_open: bool = False
     high_open: bool = False
     choices: tuple = ()
+    power_of_two: bool = False
 
     def problem(self, value) -> str | None:
         """Why `value` is not one of the bound's values, or None."""
@@ -62,6 +74,8 @@ class Bound:
                 or self.high is not None
                 and (value >= self.high if self.high_open else value > self.high)):
             return f"must be in {self.describe()}, got {value!r}"
+        if self.power_of_two and math.frexp(value)[0] != 0.5:
+            return f"must be a power of two, got {value!r}"
         return None
 
     def describe(self) -> str:
@@ -71,59 +85,124 @@ class Bound:
                 f"{')' if self.high_open or self.high is None else ']'}")
 
 
-def _option(default, bound: Bound):
-    return field(default=default, metadata={"bound": bound})
+def _option(default, bound: Bound, help: str | None = None, *, flag: str | None = None,
+            may_change: bool = False, cli: bool = True):
+    """A TrainOptions field, declared once with all that is derived from it (see TrainOptions).
+    - bound: the values it may take, checked on construction and by `check_state`; the type
+      (range, choices) of its command-line option.
+    - help: its command-line help (None: the option shows its default and range only).
+    - flag: its command-line flag where that is not --field-name; "--x/--no-x" for a bool
+      that has both.
+    - may_change: a run resumed from a checkpoint may set another value, which replaces the
+      checkpoint's; any other option the checkpoint fixes, and a different value is refused.
+    - cli: False for a field that the train and finetune commands do not take (Python only).
+    """
+    return field(default=default, metadata={"bound": bound, "help": help, "flag": flag,
+                                            "may_change": may_change, "cli": cli})
 
 
 POSITIVE = Bound(float, 0, low_open=True)
 NON_NEGATIVE = Bound(float, 0)
 BETA = Bound(float, 0, 1, high_open=True)
+SCALE = Bound(float, MIN_SCALE, MAX_SCALE, power_of_two=True)
 
 
 @dataclass
 class TrainOptions:
     """Optimizer and schedule (llama.cpp train-text-from-scratch defaults). Each field's
-    Bound (`bounds()`) is checked on construction: a ValueError names the option."""
-    optimizer: str = _option("adamw", Bound(str, choices=("adamw", "sgd", "lbfgs")))
-    # sgd: no moments; lbfgs: lbfgs.py, no lr, schedule, decay or clipping
-    batch: int = _option(8, Bound(int, 1, MAX_BATCH))
-    grad_accum: int = _option(1, Bound(int, 1, MAX_GRAD_ACCUM))   # micro-batches per step
-    lr: float = _option(1e-3, POSITIVE)
+    Bound (`bounds()`) is checked on construction: a ValueError names the option.
+
+    This is the one declaration of the training options: the `ggwgpu train` and `finetune`
+    commands make one command-line option of each field (its flag, type, default and help
+    from `_option`, listed in this order) and a TrainOptions of their values, and a resumed
+    run checks the options given against the checkpoint's by the same fields. Adding an
+    option is adding a field here (`cli=False` keeps it off the command line)."""
+    optimizer: str = _option(
+        "adamw", Bound(str, choices=("adamw", "sgd", "lbfgs")),
+        "lbfgs: one L-BFGS iteration (a line search) per step and batch; it takes no --lr, "
+        "schedule, decay or clipping.")     # sgd: no moments; lbfgs: lbfgs.py
+    batch: int = _option(8, Bound(int, 1, MAX_BATCH),
+                         "Samples per micro-batch (of each process under mpirun).")
+    grad_accum: int = _option(1, Bound(int, 1, MAX_GRAD_ACCUM),
+                              "Micro-batches whose gradients add up to one optimizer step.")
+    # the learning rate may change on resume; flash_attn and checkpointing change memory and
+    # speed, not results
+    lr: float = _option(1e-3, POSITIVE, may_change=True)
     beta1: float = _option(0.9, BETA)
     beta2: float = _option(0.999, BETA)
-    eps: float = _option(1e-8, POSITIVE)
-    weight_decay: float = _option(0.1, NON_NEGATIVE)   # only tensors with >= 2 dims
-    grad_clip: float = _option(1.0, NON_NEGATIVE)      # global gradient norm; 0 turns it off
-    warmup: int = _option(100, Bound(int, 0, MAX_STEPS))            # 0: none
+    eps: float = _option(1e-8, POSITIVE, flag="--adam-eps")
+    weight_decay: float = _option(0.1, NON_NEGATIVE,
+                                  "AdamW decay, relative to the learning rate, on tensors with "
+                                  ">= 2 dims.")
+    grad_clip: float = _option(1.0, NON_NEGATIVE,
+                               "Clip gradients to this global norm (0: off).")
+    warmup: int = _option(100, Bound(int, 0, MAX_STEPS), "Steps of linear warmup (0: none).")
     cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_STEPS))
     cos_decay_min: float = _option(0.1, Bound(float, 0, 1))
     cos_decay_restart: float = _option(1.1, Bound(float, 1, MAX_RESTART_GROWTH))
-    restarts: bool = _option(False, Bound(bool))
-    flash_attn: bool = _option(False, Bound(bool))
-    checkpointing: bool = _option(False, Bound(bool))  # gradient checkpointing
-    seed: int = _option(0, Bound(int, 0, MAX_SEED))
+    restarts: bool = _option(False, Bound(bool), flag="--restarts/--no-restarts")
+    flash_attn: bool = _option(False, Bound(bool),
+                               "Fused attention (same results, less memory).", may_change=True)
+    checkpointing: bool = _option(False, Bound(bool),
+                                  "Gradient checkpointing: recompute activations, keep block "
+                                  "outputs only.", may_change=True)
+    precision: str = _option(
+        "f32", Bound(str, choices=("auto",) + PRECISIONS),
+        "Element type of activations and frozen float weights on the device: f16 (trained "
+        "weights, moments and the loss stay f32; dynamic loss scaling), f32, or auto: f16 "
+        "where the adapter has shader-f16, f32 elsewhere and on numpy.", may_change=True)
+    seed: int = _option(0, Bound(int, 0, MAX_SEED), "Init and sample-order seed.")
     # L-BFGS (ggml's defaults; lbfgs.LbfgsOptions)
-    lbfgs_m: int = _option(6, Bound(int, 1, 1024))
-    lbfgs_linesearch: str = _option("strong-wolfe", Bound(str, choices=LINESEARCHES))
-    lbfgs_max_linesearch: int = _option(20, Bound(int, 1, MAX_STEPS))
-    lbfgs_ftol: float = _option(1e-4, Bound(float, 0, 1, low_open=True, high_open=True))
-    lbfgs_wolfe: float = _option(0.9, Bound(float, 0, 1, low_open=True, high_open=True))
+    lbfgs_m: int = _option(6, Bound(int, 1, 1024), "L-BFGS: history pairs.")
+    lbfgs_linesearch: str = _option(
+        "strong-wolfe", Bound(str, choices=LINESEARCHES),
+        "L-BFGS: the conditions the backtracking line search ends on.")
+    lbfgs_max_linesearch: int = _option(20, Bound(int, 1, MAX_STEPS),
+                                        "L-BFGS: loss evaluations per line search.")
+    lbfgs_ftol: float = _option(1e-4, Bound(float, 0, 1, low_open=True, high_open=True),
+                                "L-BFGS: sufficient decrease (Armijo).")
+    lbfgs_wolfe: float = _option(0.9, Bound(float, 0, 1, low_open=True, high_open=True),
+                                 "L-BFGS: curvature condition (> --lbfgs-ftol).")
     lbfgs_min_step: float = _option(1e-20, POSITIVE)
     lbfgs_max_step: float = _option(1e20, POSITIVE)
-    lbfgs_on_fail: str = _option("stop", Bound(str, choices=ON_FAIL))
-    opt_past: int = _option(0, Bound(int, 0, MAX_STEPS))
+    lbfgs_on_fail: str = _option(
+        "stop", Bound(str, choices=ON_FAIL),
+        "L-BFGS: when a line search fails (the weights go back to where it began), stop with "
+        "a checkpoint, or first drop the history and retry along the gradient once.")
+    opt_past: int = _option(0, Bound(int, 0, MAX_STEPS),
+                            "L-BFGS: stop when the loss fell by less than --opt-delta "
+                            "(relative) over this many steps (0: off).")
     opt_delta: float = _option(1e-5, POSITIVE)
-    opt_max_no_improvement: int = _option(0, Bound(int, 0, MAX_STEPS))
+    opt_max_no_improvement: int = _option(
+        0, Bound(int, 0, MAX_STEPS),
+        "L-BFGS: stop after this many steps without a lower loss (0: off).")
+    # dynamic loss scaling (LossScaler: torch.amp.GradScaler's rules); "auto": on when the
+    # graph is f16 (not with lbfgs, whose line search compares unscaled losses), as PyTorch
+    # pairs GradScaler with f16 autocast; f32 needs none
+    loss_scale: str = _option("auto", Bound(str, choices=("auto", "none", "dynamic")),
+                              cli=False)
+    loss_scale_init: float = _option(2.0 ** 16, SCALE, cli=False)
+    loss_scale_growth_interval: int = _option(2000, Bound(int, 1, MAX_STEPS), cli=False)
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
             why = bound.problem(getattr(self, name))
             if why:
                 raise ValueError(f"option {name} {why}")
+        if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
+            raise ValueError("option loss_scale dynamic does not work with optimizer lbfgs: "
+                             "its line search compares losses and gradients that a skipped, "
+                             "rescaled step would not give")
 
     @classmethod
     def bounds(cls) -> dict[str, Bound]:
         return {f.name: f.metadata["bound"] for f in fields(cls)}
+
+    @classmethod
+    def declared(cls) -> dict[str, dict]:
+        """{field: its declaration (`_option`'s bound, help, flag, may_change, cli) and its
+        default}, in the fields' order."""
+        return {f.name: {**f.metadata, "default": f.default} for f in fields(cls)}
 
     def lbfgs_options(self) -> LbfgsOptions:
         return LbfgsOptions(
@@ -174,20 +253,62 @@ def _within_restart(t: float, period: float, growth: float) -> tuple[float, floa
     return min(max(t - start, 0.0), length), length
 
 
-def clip_scale(grads, max_norm: float):
+def clip_scale(grads, max_norm: float, inv_scale=None):
     """Graph tensors (sum of squared gradients, factor min(1, max_norm / norm)) — all on the
-    device, no readback: min(1, r) = (1 + r - |1 - r|) / 2."""
+    device, no readback: min(1, r) = (1 + r - |1 - r|) / 2. With `inv_scale` (a 1-element
+    tensor, 1/S for gradients scaled by the loss scale S) both are of the true gradients:
+    the sum of squares times 1/S twice, the factor (then never None) times 1/S; exact, as S
+    is a power of two, and an inf or NaN stays one."""
     sumsq = None
     for g in grads:
         s = O.sum(O.sqr(g))
         sumsq = s if sumsq is None else O.add(sumsq, s)
+    if inv_scale is not None:
+        sumsq = O.mul(O.mul(sumsq, inv_scale), inv_scale)
     if not max_norm:
-        return sumsq, None
+        return sumsq, inv_scale
     tiny = constant(np.array([1e-12], np.float32), name="tiny")
     r = O.div(constant(np.array([max_norm], np.float32), name="max_norm"),
               O.sqrt(O.add(sumsq, tiny)))
     one = constant(np.ones(1, np.float32), name="one")
-    return sumsq, O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
+    factor = O.scale(O.sub(O.add(one, r), O.abs(O.sub(one, r))), 0.5)
+    return sumsq, factor if inv_scale is None else O.mul(factor, inv_scale)
+
+
+class LossScaler:
+    """Dynamic loss scaling with the rules of PyTorch's torch.amp.GradScaler: the scale S
+    starts at `init`; a step whose gradients are not finite is skipped and multiplies S by
+    0.5 (backoff) and restarts the count of finite steps (growth_tracker); `interval` finite
+    steps in a row multiply it by 2 (growth) and restart the count. S stays within
+    [MIN_SCALE, MAX_SCALE] (PyTorch's only limit is that it stays finite).
+    `skipped_steps` counts the skipped steps, which are no optimizer steps (PyTorch does not
+    call optimizer.step() for them, so Adam's step count stays)."""
+    GROWTH, BACKOFF = 2.0, 0.5
+
+    def __init__(self, init: float, interval: int, state: dict | None = None):
+        state = state or {}
+        self.interval = interval
+        self.scale = float(state.get("scale", init))
+        self.growth_tracker = int(state.get("growth_tracker", 0))
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
+    def update(self, finite: bool):
+        """After a step: its gradients were all finite, or it was skipped."""
+        if not finite:
+            self.scale = max(self.scale * self.BACKOFF, MIN_SCALE)
+            self.growth_tracker = 0
+            self.skipped_steps += 1
+            return
+        self.growth_tracker += 1
+        if self.growth_tracker == self.interval:
+            self.scale = min(self.scale * self.GROWTH, MAX_SCALE)
+            self.growth_tracker = 0
+
+    def state(self) -> dict:
+        """For a checkpoint (PyTorch's GradScaler.state_dict names scale and growth
+        tracker); check_state validates it."""
+        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
+                "skipped_steps": self.skipped_steps}
 
 
 def logits_bound(backend) -> int:
@@ -203,23 +324,35 @@ class Trainer:
 
     def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
                  batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
-                 lora=None, world=None):
+                 lora=None, world=None, loss_scaler: dict | None = None):
         """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are
         trained, `values` (f32 or block types) stay frozen. `graph` (a TrainGraph) replaces
         the one built from `values` (and `lora`). With `world` (a distributed.World) this is
         one rank of a data-parallel run: options.batch is the global batch, the graph takes
         world.local_batch(options.batch) rows of it, and the gradients are summed over the
-        ranks before the optimizer (distributed.py)."""
+        ranks before the optimizer (distributed.py). `loss_scaler` is a checkpoint's
+        state["loss_scaler"] (LossScaler.state()); without one a dynamic loss scale starts at
+        options.loss_scale_init."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
+        self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
         g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
                                        lora=lora, max_logits_bytes=logits_bound(backend),
-                                       packed=getattr(batch_source, "packed", False))
+                                       packed=getattr(batch_source, "packed", False),
+                                       precision=self.precision)
         self.graph = g
+        scaled = options.loss_scale == "dynamic" or (
+            options.loss_scale == "auto" and self.precision == "f16"
+            and options.optimizer != "lbfgs")
+        self.scaler = (LossScaler(options.loss_scale_init, options.loss_scale_growth_interval,
+                                  loss_scaler) if scaled else None)
+        # the backward's seed S and the optimizer's 1/S: inputs the host writes when S changes
+        self.scale_seed = input_tensor(g.loss.shape, name="loss scale") if self.scaler else None
+        self.inv_scale = input_tensor((1,), name="1 / loss scale") if self.scaler else None
         grads = build_backward(g.loss, list(g.params.values()),
                                checkpoints=g.checkpoints if options.checkpointing else None,
-                               recompute=g.recompute)
+                               recompute=g.recompute, seed=self.scale_seed)
         accumulated = []
         self.lbfgs = None
         if options.optimizer == "lbfgs":
@@ -233,7 +366,7 @@ class Trainer:
             self.exchange = GradientExchange(grads)
             grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
         self.gradients = grads          # param -> the gradient the update is made from
-        self.sumsq, factor = clip_scale(grads.values(), options.grad_clip)
+        self.sumsq, factor = clip_scale(grads.values(), options.grad_clip, self.inv_scale)
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw, sgd or lbfgs")
         adamw = options.optimizer == "adamw"
@@ -263,6 +396,14 @@ class Trainer:
         for name, (m, v) in (opt_state or {}).items():
             self.plan.write(self.moments[name][0], m)
             self.plan.write(self.moments[name][1], v)
+        self.write_scale()
+
+    def write_scale(self):
+        """Put the loss scale S (the backward's seed) and 1/S on the device."""
+        if self.scaler is not None:
+            s = self.scaler.scale
+            self.plan.write(self.scale_seed, np.full(self.scale_seed.shape, s, np.float32))
+            self.plan.write(self.inv_scale, np.array([1 / s], np.float32))
 
     def setup_lbfgs(self, g, grads: dict, backend, state: dict | None):
         """L-BFGS (lbfgs.py): its stages replace the one planned step; one train_step is one
@@ -315,8 +456,11 @@ class Trainer:
         return np.array([0, 1, 1, self.options.eps, 0, 1, 1], np.float32)
 
     def step_hparams(self) -> tuple[np.ndarray, float]:
-        """The optimizer's hyper-parameter tensor for this step, and the learning rate."""
+        """The optimizer's hyper-parameter tensor for this step, and the learning rate. AdamW's
+        step t counts the steps before this one, less those the loss scaler skipped."""
         o, t = self.options, self.step + 1
+        if self.scaler is not None:
+            t -= self.scaler.skipped_steps
         lr = o.lr * schedule(self.step, o)
         if o.optimizer == "sgd":
             return np.array([lr, o.weight_decay], np.float32), lr
@@ -368,6 +512,14 @@ class Trainer:
         if skipped and n > 1:  # the NaN in the gradient sums must not reach later steps
             for total in self.grad_sums:
                 self.plan.write(total, np.zeros(total.shape, np.float32))
+        if self.scaler is not None:     # the scale this step ran with; then the next one's
+            record["loss_scale"] = self.scaler.scale
+            # gradients that overflowed while the loss is finite: the scaler's ordinary skip
+            record["overflow"] = skipped and math.isfinite(loss) and \
+                self.scaler.scale > MIN_SCALE
+            self.scaler.update(not skipped)
+            if self.scaler.scale != record["loss_scale"]:
+                self.write_scale()
         self.step += 1
         return {"step": self.step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                 "tokens": self.step * self.step_tokens, "skipped": skipped, **record}
@@ -409,10 +561,13 @@ class Trainer:
 
     def state(self) -> dict:
         """Everything besides tensors that resuming needs (JSON-serialisable)."""
-        return {"step": self.step,
-                "samples": self.step * self.options.batch * self.options.grad_accum,
-                "tokens": self.step * self.step_tokens, "options": asdict(self.options),
-                "model": asdict(self.cfg), "data": self.batches.state()}
+        state = {"step": self.step,
+                 "samples": self.step * self.options.batch * self.options.grad_accum,
+                 "tokens": self.step * self.step_tokens, "options": asdict(self.options),
+                 "model": asdict(self.cfg), "data": self.batches.state()}
+        if self.scaler is not None:
+            state["loss_scaler"] = self.scaler.state()
+        return state
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
@@ -445,7 +600,11 @@ STATE_STRINGS = ("tokens_digest", "base")
 FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has all or none
 
 
-LATER_OPTIONS = ("lbfgs_", "opt_")   # options older checkpoints lack: their defaults apply
+# options older checkpoints lack: their defaults apply
+LATER_OPTIONS = ("lbfgs_", "opt_", "loss_scale")
+# The loss scaler's state (LossScaler.state()), present when options.loss_scale is dynamic
+# (a checkpoint written before it existed has none: the scaler starts at its defaults)
+SCALER_STATE = {"scale": SCALE, "growth_tracker": COUNT, "skipped_steps": COUNT}
 
 
 def check_state(state) -> dict:
@@ -486,9 +645,35 @@ def check_state(state) -> dict:
     for key in STATE_STRINGS:
         if key in state and not isinstance(state[key], str):
             raise ValueError(f"{key} must be a string, got {state[key]!r}")
+    if "loss_scaler" in state:
+        check_scaler_state(state["loss_scaler"], options, state["step"], check)
     present = [key for key in FINETUNE_KEYS if key in state]
     if present and len(present) < len(FINETUNE_KEYS):
         missing = next(key for key in FINETUNE_KEYS if key not in state)
         raise ValueError(f"{missing} is missing (a finetune's state has "
                          f"{', '.join(FINETUNE_KEYS)})")
     return state
+
+
+def check_scaler_state(scaler, options: dict, step: int, check):
+    """A checkpoint's loss_scaler (LossScaler.state()) against its options and step."""
+    if options.get("loss_scale", "none") == "none":
+        raise ValueError("loss_scaler is present, but options.loss_scale is none")
+    if not isinstance(scaler, dict):
+        raise ValueError("loss_scaler must be a JSON object")
+    for key in scaler:
+        if key not in SCALER_STATE:
+            raise ValueError(f"loss_scaler.{key} is not part of the loss scaler's state")
+    for key, bound in SCALER_STATE.items():
+        if key not in scaler:
+            raise ValueError(f"loss_scaler.{key} is missing")
+        check(scaler[key], bound, f"loss_scaler.{key}")
+    interval = options.get("loss_scale_growth_interval",
+                           TrainOptions.loss_scale_growth_interval)
+    if scaler["growth_tracker"] >= interval:
+        raise ValueError(f"loss_scaler.growth_tracker must be below "
+                         f"options.loss_scale_growth_interval {interval}, got "
+                         f"{scaler['growth_tracker']}")
+    if scaler["skipped_steps"] > step:
+        raise ValueError(f"loss_scaler.skipped_steps must be at most step {step}, got "
+                         f"{scaler['skipped_steps']}")

@@ -43,23 +43,23 @@ fn kv_end(i: u32) -> u32 {
 // The additive mask of query (i, h, b) and key j; 0 without one.
 fn mask_at(i: u32, j: u32, h: u32, b: u32) -> f32 {
     if (p.u.z == 0u) { return 0.0; }
-    return src0[at_0(vec4u(j % p.ne_0.x, i % p.ne_0.y, h % p.ne_0.z, b % p.ne_0.w))];
+    return f32(src0[at_0(vec4u(j % p.ne_0.x, i % p.ne_0.y, h % p.ne_0.z, b % p.ne_0.w))]);
 }
 
 fn hidden(m: f32) -> bool { return m < LOWEST; }  // -inf
 
 // q row (i, h, b), element c: from q itself or from the scratch rows that start with it.
-fn q_at(i: u32, h: u32, b: u32, c: u32) -> f32 { return src3[at_3(vec4u(c, i, h, b))]; }
+fn q_at(i: u32, h: u32, b: u32, c: u32) -> f32 { return f32(src3[at_3(vec4u(c, i, h, b))]); }
 
 fn dot_k(a: ptr<private, array<f32, MAX_D>>, kb: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * src1[kb + c * p.nb_1.x]; }
+    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * f32(src1[kb + c * p.nb_1.x]); }
     return s;
 }
 
 fn dot_v(a: ptr<private, array<f32, MAX_D>>, vb: u32) -> f32 {
     var s = 0.0;
-    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * src2[vb + c * p.nb_2.x]; }
+    for (var c = 0u; c < head_dim(); c++) { s += (*a)[c] * f32(src2[vb + c * p.nb_2.x]); }
     return s;
 }
 
@@ -83,7 +83,7 @@ fn attend(q: QRow) -> vec2f {
         let e = exp(s - m);
         l += e;
         let vb = at_2(vec4u(0u, j, q.hk, q.bk));
-        for (var c = 0u; c < d; c++) { acc_a[c] += e * src2[vb + c * p.nb_2.x]; }
+        for (var c = 0u; c < d; c++) { acc_a[c] += e * f32(src2[vb + c * p.nb_2.x]); }
     }
     return vec2f(m, l);
 }
@@ -98,7 +98,7 @@ fn k_flash_attn(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgrou
     let q = query_row(r);
     let inv = inv_sum(attend(q).y);
     for (var c = 0u; c < head_dim(); c++) {
-        dst[at_d(vec4u(c, q.i, q.h, q.b))] = acc_a[c] * inv;
+        dst[at_d(vec4u(c, q.i, q.h, q.b))] = to_TD(acc_a[c] * inv);
     }
 }
 
@@ -116,12 +116,12 @@ fn k_flash_attn_back_stats(@builtin(global_invocation_id) gid: vec3u,
     let sb = at_d(vec4u(0u, q.i, q.h, q.b));
     var delta = 0.0;
     for (var c = 0u; c < d; c++) {
-        dst[sb + c * p.nb_d.x] = row_a[c];
-        delta += dst[sb + (d + c) * p.nb_d.x] * acc_a[c];
+        dst[sb + c * p.nb_d.x] = to_TD(row_a[c]);
+        delta += f32(dst[sb + (d + c) * p.nb_d.x]) * acc_a[c];
     }
     let seen = ml.y > 0.0;
-    dst[sb + 2u * d * p.nb_d.x] = select(0.0, ml.x + log(ml.y), seen);
-    dst[sb + (2u * d + 1u) * p.nb_d.x] = delta * inv_sum(ml.y);
+    dst[sb + 2u * d * p.nb_d.x] = to_TD(select(0.0, ml.x + log(ml.y), seen));
+    dst[sb + (2u * d + 1u) * p.nb_d.x] = to_TD(delta * inv_sum(ml.y));
 }
 
 // Pass 2: dQ_i = scale * sum_j P_ij (dout_i . v_j - D_i) k_j.
@@ -134,22 +134,22 @@ fn k_flash_attn_back_q(@builtin(global_invocation_id) gid: vec3u,
     let d = head_dim();
     let sb = at_3(vec4u(0u, q.i, q.h, q.b));
     for (var c = 0u; c < d; c++) {
-        row_a[c] = src3[sb + c * p.nb_3.x];
-        row_b[c] = src3[sb + (d + c) * p.nb_3.x];
+        row_a[c] = f32(src3[sb + c * p.nb_3.x]);
+        row_b[c] = f32(src3[sb + (d + c) * p.nb_3.x]);
         acc_a[c] = 0.0;
     }
-    let lse = src3[sb + 2u * d * p.nb_3.x];
-    let delta = src3[sb + (2u * d + 1u) * p.nb_3.x];
+    let lse = f32(src3[sb + 2u * d * p.nb_3.x]);
+    let delta = f32(src3[sb + (2u * d + 1u) * p.nb_3.x]);
     for (var j = 0u; j < kv_end(q.i); j++) {
         let mv = mask_at(q.i, j, q.h, q.b);
         if (hidden(mv)) { continue; }
         let kb = at_1(vec4u(0u, j, q.hk, q.bk));
         let pr = exp(p.f.x * dot_k(&row_a, kb) + mv - lse);
         let ds = pr * (dot_v(&row_b, at_2(vec4u(0u, j, q.hk, q.bk))) - delta);
-        for (var c = 0u; c < d; c++) { acc_a[c] += ds * src1[kb + c * p.nb_1.x]; }
+        for (var c = 0u; c < d; c++) { acc_a[c] += ds * f32(src1[kb + c * p.nb_1.x]); }
     }
     for (var c = 0u; c < d; c++) {
-        dst[at_d(vec4u(c, q.i, q.h, q.b))] = p.f.x * acc_a[c];
+        dst[at_d(vec4u(c, q.i, q.h, q.b))] = to_TD(p.f.x * acc_a[c]);
     }
 }
 
@@ -169,8 +169,8 @@ fn k_flash_attn_back_kv(@builtin(global_invocation_id) gid: vec3u,
     let kb = at_1(vec4u(0u, j, hk, bk));
     let vb = at_2(vec4u(0u, j, hk, bk));
     for (var c = 0u; c < d; c++) {
-        row_a[c] = src1[kb + c * p.nb_1.x];
-        row_b[c] = src2[vb + c * p.nb_2.x];
+        row_a[c] = f32(src1[kb + c * p.nb_1.x]);
+        row_b[c] = f32(src2[vb + c * p.nb_2.x]);
         acc_a[c] = 0.0;
         acc_b[c] = 0.0;
     }
@@ -191,21 +191,21 @@ fn k_flash_attn_back_kv(@builtin(global_invocation_id) gid: vec3u,
                 var s = 0.0;
                 var dp = 0.0;
                 for (var c = 0u; c < d; c++) {
-                    s += src3[sb + c * p.nb_3.x] * row_a[c];
-                    dp += src3[sb + (d + c) * p.nb_3.x] * row_b[c];
+                    s += f32(src3[sb + c * p.nb_3.x]) * row_a[c];
+                    dp += f32(src3[sb + (d + c) * p.nb_3.x]) * row_b[c];
                 }
-                let pr = exp(p.f.x * s + mv - src3[sb + 2u * d * p.nb_3.x]);
-                let ds = pr * (dp - src3[sb + (2u * d + 1u) * p.nb_3.x]);
+                let pr = exp(p.f.x * s + mv - f32(src3[sb + 2u * d * p.nb_3.x]));
+                let ds = pr * (dp - f32(src3[sb + (2u * d + 1u) * p.nb_3.x]));
                 for (var c = 0u; c < d; c++) {
-                    acc_a[c] += ds * src3[sb + c * p.nb_3.x];
-                    acc_b[c] += pr * src3[sb + (d + c) * p.nb_3.x];
+                    acc_a[c] += ds * f32(src3[sb + c * p.nb_3.x]);
+                    acc_b[c] += pr * f32(src3[sb + (d + c) * p.nb_3.x]);
                 }
             }
         }
     }
     for (var c = 0u; c < d; c++) {
         let at = at_d(vec4u(c, j, hk, bk));
-        dst[at] = p.f.x * acc_a[c];
-        dst[at + p.u.y] = acc_b[c];
+        dst[at] = to_TD(p.f.x * acc_a[c]);
+        dst[at + p.u.y] = to_TD(acc_b[c]);
     }
 }

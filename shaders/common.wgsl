@@ -20,11 +20,15 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 // Every binding is read_write: a buffer bound twice in one dispatch is then no validation
 // error, and in-place ops need no special case.
-@group(0) @binding(1) var<storage, read_write> dst: array<f32>;
-@group(0) @binding(2) var<storage, read_write> src0: array<f32>;
-@group(0) @binding(3) var<storage, read_write> src1: array<f32>;
-@group(0) @binding(4) var<storage, read_write> src2: array<f32>;
-@group(0) @binding(5) var<storage, read_write> src3: array<f32>;
+// Element types: TD, T0 .. T3 are f32 or f16, aliases the backend declares before this file
+// from the dispatch's tensors (wgpu_backend.dtype_prelude). Kernels compute in f32: every
+// load is f32(src0[i]) (vec4f(..) for the vec4 views), every store dst[i] = to_TD(v)
+// (to_TD4 for a vec4; to_T0 .. for the sources an update writes), from the same prelude.
+@group(0) @binding(1) var<storage, read_write> dst: array<TD>;
+@group(0) @binding(2) var<storage, read_write> src0: array<T0>;
+@group(0) @binding(3) var<storage, read_write> src1: array<T1>;
+@group(0) @binding(4) var<storage, read_write> src2: array<T2>;
+@group(0) @binding(5) var<storage, read_write> src3: array<T3>;
 
 // Kernels are named k_<entry> so that e.g. k_exp does not shadow the builtin exp.
 const WG: u32 = 64u;
@@ -56,9 +60,9 @@ fn at_3(idx: vec4u) -> u32 { return p.off3.x + dot(idx, p.nb_3); }
 
 // The same bindings read as vec4s (for kernels that checked the alignment; no entry point
 // may use both views of one binding).
-@group(0) @binding(1) var<storage, read_write> dst_v4: array<vec4f>;
-@group(0) @binding(2) var<storage, read_write> src0_v4: array<vec4f>;
-@group(0) @binding(3) var<storage, read_write> src1_v4: array<vec4f>;
+@group(0) @binding(1) var<storage, read_write> dst_v4: array<vec4<TD>>;
+@group(0) @binding(2) var<storage, read_write> src0_v4: array<vec4<T0>>;
+@group(0) @binding(3) var<storage, read_write> src1_v4: array<vec4<T1>>;
 
 // The lowest finite f32: the max of an empty set (WGSL has no -inf literal); anything below
 // it is -inf.

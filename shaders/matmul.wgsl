@@ -29,11 +29,11 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
     for (var k = 0u; k < K; k++) {
         let ka = k * p.nb_0.x;
         let kb = k * p.nb_1.x;
-        let av = vec4f(src0[a_row.x + ka], src0[a_row.y + ka], src0[a_row.z + ka], src0[a_row.w + ka]);
-        acc[0] += av * src1[b_row.x + kb];
-        acc[1] += av * src1[b_row.y + kb];
-        acc[2] += av * src1[b_row.z + kb];
-        acc[3] += av * src1[b_row.w + kb];
+        let av = vec4f(f32(src0[a_row.x + ka]), f32(src0[a_row.y + ka]), f32(src0[a_row.z + ka]), f32(src0[a_row.w + ka]));
+        acc[0] += av * f32(src1[b_row.x + kb]);
+        acc[1] += av * f32(src1[b_row.y + kb]);
+        acc[2] += av * f32(src1[b_row.z + kb]);
+        acc[3] += av * f32(src1[b_row.w + kb]);
     }
     for (var j = 0u; j < 4u; j++) {
         if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
@@ -73,8 +73,8 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
     for (var k0 = 0u; k0 < K4; k0 += TILE_K4) {
         let inside = k0 + kq < K4;
-        let av = select(vec4f(), src0_v4[a_row + min(k0 + kq, K4 - 1u)], inside);
-        let bv = select(vec4f(), src1_v4[b_row + min(k0 + kq, K4 - 1u)], inside);
+        let av = select(vec4f(), vec4f(src0_v4[a_row + min(k0 + kq, K4 - 1u)]), inside);
+        let bv = select(vec4f(), vec4f(src1_v4[b_row + min(k0 + kq, K4 - 1u)]), inside);
         for (var i = 0u; i < 4u; i++) {
             tile_a[at + i * 16u][row % 4u] = av[i];
             tile_b[at + i * 16u][row % 4u] = bv[i];

@@ -41,10 +41,10 @@ fn k_mul_mat_subgroup(@builtin(subgroup_invocation_id) lane: u32,
     var acc8 = vec4f(); var acc9 = vec4f(); var acc10 = vec4f(); var acc11 = vec4f();
     var acc12 = vec4f(); var acc13 = vec4f(); var acc14 = vec4f(); var acc15 = vec4f();
     for (var k = 0u; k < K4; k++) {
-        let a = array<vec4f, 4>(src0_v4[a_row.x + k], src0_v4[a_row.y + k],
-                                src0_v4[a_row.z + k], src0_v4[a_row.w + k]);
-        let b0 = src1_v4[b_row0 + k];
-        let b1 = src1_v4[b_row1 + k];
+        let a = array<vec4f, 4>(vec4f(src0_v4[a_row.x + k]), vec4f(src0_v4[a_row.y + k]),
+                                vec4f(src0_v4[a_row.z + k]), vec4f(src0_v4[a_row.w + k]));
+        let b0 = vec4f(src1_v4[b_row0 + k]);
+        let b1 = vec4f(src1_v4[b_row1 + k]);
         acc0 += times4(a, subgroupBroadcast(b0, 0u));
         acc1 += times4(a, subgroupBroadcast(b0, 1u));
         acc2 += times4(a, subgroupBroadcast(b0, 2u));
@@ -66,7 +66,7 @@ fn k_mul_mat_subgroup(@builtin(subgroup_invocation_id) lane: u32,
                                acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15);
     let d = base.x;
     if (p.nb_d.x == 1u && p.nb_d.y % 4u == 0u && d % 4u == 0u && m0 + 4u <= M && n0 + 16u <= N) {
-        for (var j = 0u; j < 16u; j++) { dst_v4[(d + (n0 + j) * p.nb_d.y + m0) / 4u] = acc[j]; }
+        for (var j = 0u; j < 16u; j++) { dst_v4[(d + (n0 + j) * p.nb_d.y + m0) / 4u] = to_TD4(acc[j]); }
         return;
     }
     for (var j = 0u; j < 16u; j++) {
@@ -103,10 +103,10 @@ fn k_mul_mat_subgroup_t(@builtin(subgroup_invocation_id) lane: u32,
     var acc8 = vec4f(); var acc9 = vec4f(); var acc10 = vec4f(); var acc11 = vec4f();
     var acc12 = vec4f(); var acc13 = vec4f(); var acc14 = vec4f(); var acc15 = vec4f();
     for (var k = 0u; k < K; k += 2u) {
-        let a0 = src0_v4[a_col + k * a_k];
+        let a0 = vec4f(src0_v4[a_col + k * a_k]);
         // an odd K's last step: a row of zeros stands in for k + 1
-        let a1 = select(vec4f(), src0_v4[a_col + min(k + 1u, K - 1u) * a_k], k + 1u < K);
-        let bv = src1_v4[b_col + min(k + b_step, K - 1u) * b_k];
+        let a1 = select(vec4f(), vec4f(src0_v4[a_col + min(k + 1u, K - 1u) * a_k]), k + 1u < K);
+        let bv = vec4f(src1_v4[b_col + min(k + b_step, K - 1u) * b_k]);
         let c0 = subgroupBroadcast(bv, 0u);   // b[k, n0 + 0 .. 3]
         let c1 = subgroupBroadcast(bv, 1u);
         let c2 = subgroupBroadcast(bv, 2u);

@@ -8,7 +8,7 @@
 fn rms_scale(lid: u32, r: vec4u) -> f32 {
     var ss = 0.0;
     for (var i = lid; i < p.ne_0.x; i += WG) {
-        let x = src0[at_0(vec4u(i, r.yzw))];
+        let x = f32(src0[at_0(vec4u(i, r.yzw))]);
         ss += x * x;
     }
     return 1.0 / sqrt(workgroup_sum(lid, ss) / f32(p.ne_0.x) + p.f.x);
@@ -24,7 +24,7 @@ fn k_rms_norm(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
     let rs = rms_scale(lid.x, r);
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = src0[at_0(idx)] * rs;
+        dst[at_d(idx)] = to_TD(f32(src0[at_0(idx)]) * rs);
     }
 }
 
@@ -39,15 +39,15 @@ fn k_rms_norm_mul(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_i
     let rs = rms_scale(lid.x, r);
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = src0[at_0(idx)] * rs * src1[at_1(idx % p.ne_1)];
+        dst[at_d(idx)] = to_TD(f32(src0[at_0(idx)]) * rs * f32(src1[at_1(idx % p.ne_1)]));
     }
 }
 
 // dy at idx for rms_norm_back (src1), or dy * w for rms_norm_mul_back (src2 dy, src1 w
 // tiling x).
 fn rms_upstream(idx: vec4u, weighted: bool) -> f32 {
-    if (weighted) { return src2[at_2(idx)] * src1[at_1(idx % p.ne_1)]; }
-    return src1[at_1(idx)];
+    if (weighted) { return f32(src2[at_2(idx)]) * f32(src1[at_1(idx % p.ne_1)]); }
+    return f32(src1[at_1(idx)]);
 }
 
 // With r = 1 / sqrt(mean(x^2) + eps), y = x * r and g the upstream gradient (dy, or dy * w):
@@ -59,7 +59,7 @@ fn rms_norm_back_row(lid: u32, row: u32, weighted: bool) {
     var gx = 0.0;
     for (var i = lid; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
-        let x = src0[at_0(idx)];
+        let x = f32(src0[at_0(idx)]);
         xx += x * x;
         gx += rms_upstream(idx, weighted) * x;
     }
@@ -68,7 +68,7 @@ fn rms_norm_back_row(lid: u32, row: u32, weighted: bool) {
     let k = rs * rs * sums.y;
     for (var i = lid; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = rs * (rms_upstream(idx, weighted) - src0[at_0(idx)] * k);
+        dst[at_d(idx)] = to_TD(rs * (rms_upstream(idx, weighted) - f32(src0[at_0(idx)]) * k));
     }
 }
 
@@ -93,7 +93,7 @@ fn k_rms_norm_mul_back(@builtin(local_invocation_id) lid: vec3u,
 // The row mean of src0 (every invocation gets it).
 fn row_mean(lid: u32, r: vec4u) -> f32 {
     var acc = 0.0;
-    for (var i = lid; i < p.ne_0.x; i += WG) { acc += src0[at_0(vec4u(i, r.yzw))]; }
+    for (var i = lid; i < p.ne_0.x; i += WG) { acc += f32(src0[at_0(vec4u(i, r.yzw))]); }
     return workgroup_sum(lid, acc) / f32(p.ne_0.x);
 }
 
@@ -108,13 +108,13 @@ fn k_norm(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: 
     let mu = row_mean(lid.x, r);
     var cc = 0.0;
     for (var i = lid.x; i < n; i += WG) {
-        let c = src0[at_0(vec4u(i, r.yzw))] - mu;
+        let c = f32(src0[at_0(vec4u(i, r.yzw))]) - mu;
         cc += c * c;
     }
     let s = 1.0 / sqrt(workgroup_sum(lid.x, cc) / f32(n) + p.f.x);
     for (var i = lid.x; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = (src0[at_0(idx)] - mu) * s;
+        dst[at_d(idx)] = to_TD((f32(src0[at_0(idx)]) - mu) * s);
     }
 }
 
@@ -133,8 +133,8 @@ fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) 
     var dc = 0.0;
     for (var i = lid.x; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
-        let c = src0[at_0(idx)] - mu;
-        let d = src1[at_1(idx)];
+        let c = f32(src0[at_0(idx)]) - mu;
+        let d = f32(src1[at_1(idx)]);
         cc += c * c;
         dd += d;
         dc += d * c;
@@ -145,7 +145,7 @@ fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) 
     let k = s * s * sums.z;
     for (var i = lid.x; i < n; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = s * (src1[at_1(idx)] - mean_dy - (src0[at_0(idx)] - mu) * k);
+        dst[at_d(idx)] = to_TD(s * (f32(src1[at_1(idx)]) - mean_dy - (f32(src0[at_0(idx)]) - mu) * k));
     }
 }
 
@@ -157,7 +157,7 @@ fn k_norm_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) 
 fn rms_scale_row(b: vec4u) -> f32 {
     var ss = 0.0;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        let x = src0[b.y + i * p.nb_0.x];
+        let x = f32(src0[b.y + i * p.nb_0.x]);
         ss += x * x;
     }
     return 1.0 / sqrt(ss / f32(p.ne_0.x) + p.f.x);
@@ -173,7 +173,7 @@ fn k_rms_norm_mul_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let rs = rms_scale_row(b);
     var j = 0u;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        dst[b.x + i * p.nb_d.x] = src0[b.y + i * p.nb_0.x] * rs * src1[b.z + j * p.nb_1.x];
+        dst[b.x + i * p.nb_d.x] = to_TD(f32(src0[b.y + i * p.nb_0.x]) * rs * f32(src1[b.z + j * p.nb_1.x]));
         j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
     }
 }
@@ -190,17 +190,17 @@ fn k_rms_norm_mul_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
     var dx = 0.0;
     var j = 0u;
     for (var i = 0u; i < n; i++) {
-        let x = src0[b.y + i * p.nb_0.x];
+        let x = f32(src0[b.y + i * p.nb_0.x]);
         xx += x * x;
-        dx += src2[b.w + i * p.nb_2.x] * src1[b.z + j * p.nb_1.x] * x;
+        dx += f32(src2[b.w + i * p.nb_2.x]) * f32(src1[b.z + j * p.nb_1.x]) * x;
         j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
     }
     let rs = 1.0 / sqrt(xx / f32(n) + p.f.x);
     let k = rs * rs * dx / f32(n);
     j = 0u;
     for (var i = 0u; i < n; i++) {
-        let dyw = src2[b.w + i * p.nb_2.x] * src1[b.z + j * p.nb_1.x];
-        dst[b.x + i * p.nb_d.x] = rs * (dyw - src0[b.y + i * p.nb_0.x] * k);
+        let dyw = f32(src2[b.w + i * p.nb_2.x]) * f32(src1[b.z + j * p.nb_1.x]);
+        dst[b.x + i * p.nb_d.x] = to_TD(rs * (dyw - f32(src0[b.y + i * p.nb_0.x]) * k));
         j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
     }
 }

@@ -28,13 +28,13 @@ fn product_tile(t: u32, tm: u32, tn: u32) -> vec3u {
 fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {
     let M = p.ne_d.x;
     if (p.nb_d.x == 1u && p.nb_d.y % 4u == 0u && d % 4u == 0u && m + 4u <= M) {
-        dst_v4[(d + n * p.nb_d.y + m) / 4u] = v;
+        dst_v4[(d + n * p.nb_d.y + m) / 4u] = to_TD4(v);
         return;
     }
     for (var r = 0u; r < 4u; r++) {
         if (m + r < M) {
             let i = d + n * p.nb_d.y + (m + r) * p.nb_d.x;
-            dst_v4[i / 4u][i % 4u] = v[r];
+            dst_v4[i / 4u][i % 4u] = to_TD(v[r]);
         }
     }
 }

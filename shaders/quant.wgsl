@@ -37,7 +37,7 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
         let w2 = quad(p.u.x, w_row.z + k);
         let w3 = quad(p.u.x, w_row.w + k);
         for (var j = 0u; j < 8u; j++) {
-            let xv = src1_v4[x_row[j] + k / 4u];
+            let xv = vec4f(src1_v4[x_row[j] + k / 4u]);
             acc[j] += vec4f(dot(w0, xv), dot(w1, xv), dot(w2, xv), dot(w3, xv));
         }
     }
@@ -69,7 +69,7 @@ fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     for (var m = 0u; m < M; m++) {
         let wv = quad(p.u.x, w_base + m * K);
         let gm = m * p.nb_1.x;
-        for (var j = 0u; j < 8u; j++) { acc[j] += src1[g_row[j] + gm] * wv; }
+        for (var j = 0u; j < 8u; j++) { acc[j] += f32(src1[g_row[j] + gm]) * wv; }
     }
     for (var j = 0u; j < 8u; j++) {
         if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
@@ -85,5 +85,5 @@ fn k_get_rows_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgrou
     let row = u32(clamp(src1_i32[at_1(vec4u(idx.yzw, 0u))], 0, i32(p.ne_0.y) - 1));
     let e = row * p.ne_0.x + idx.x;
     var v = quad(p.u.x, e - e % 4u);
-    dst[at_d(idx)] = v[e % 4u];
+    dst[at_d(idx)] = to_TD(v[e % 4u]);
 }

@@ -103,7 +103,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                                      halves4(t, src0_word(wk.y), src0_word(wk.y + 1u)),
                                      halves4(t, src0_word(wk.z), src0_word(wk.z + 1u)),
                                      halves4(t, src0_word(wk.w), src0_word(wk.w + 1u)));
-            mac16(&acc, wq, src1_v4[x0 + k], src1_v4[x1 + k]);
+            mac16(&acc, wq, vec4f(src1_v4[x0 + k]), vec4f(src1_v4[x1 + k]));
         }
     } else if (t == Q8_0 || t == Q4_0 || t == Q4_1) {
         let size = select(select(18u, 20u, t == Q4_1), 34u, t == Q8_0);
@@ -125,7 +125,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                         d.z * bytes_i8(after_d(prev.z, next.z, s.z)),
                         d.w * bytes_i8(after_d(prev.w, next.w, s.w)));
                     prev = next;
-                    mac16(&acc, wq, src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
+                    mac16(&acc, wq, vec4f(src1_v4[x0 + xk + j]), vec4f(src1_v4[x1 + xk + j]));
                 }
             } else {
                 // q4_0: value d * (n - 8); q4_1 (20-byte blocks, word-aligned): d * n + m,
@@ -145,9 +145,9 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                                   after_d(prev.z, next.z, s.z), after_d(prev.w, next.w, s.w));
                     }
                     prev = next;
-                    mac16(&acc, rows_q4(q, 0u, d, m), src1_v4[x0 + xk + j], src1_v4[x1 + xk + j]);
-                    mac16(&acc, rows_q4(q, 4u, d, m), src1_v4[x0 + xk + j + 4u],
-                          src1_v4[x1 + xk + j + 4u]);
+                    mac16(&acc, rows_q4(q, 0u, d, m), vec4f(src1_v4[x0 + xk + j]), vec4f(src1_v4[x1 + xk + j]));
+                    mac16(&acc, rows_q4(q, 4u, d, m), vec4f(src1_v4[x0 + xk + j + 4u]),
+                          vec4f(src1_v4[x1 + xk + j + 4u]));
                 }
             }
         }
@@ -162,7 +162,7 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
                                          c[1].x * codes(t, row.y + e) + c[1].y,
                                          c[2].x * codes(t, row.z + e) + c[2].y,
                                          c[3].x * codes(t, row.w + e) + c[3].y);
-                mac16(&acc, wq, src1_v4[x0 + e / 4u], src1_v4[x1 + e / 4u]);
+                mac16(&acc, wq, vec4f(src1_v4[x0 + e / 4u]), vec4f(src1_v4[x1 + e / 4u]));
             }
         }
     }
@@ -250,8 +250,8 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
         let w1 = back_quad(t, lane, w_base + (m + 1u) * K, kb, k0);
         let w2 = back_quad(t, lane, w_base + (m + 2u) * K, kb, k0);
         let w3 = back_quad(t, lane, w_base + (m + 3u) * K, kb, k0);
-        let ga = src1_v4[(g0 + m) / 4u];
-        let gb = src1_v4[(g1 + m) / 4u];
+        let ga = vec4f(src1_v4[(g0 + m) / 4u]);
+        let gb = vec4f(src1_v4[(g1 + m) / 4u]);
         mac4x16(&acc, w0, w1, w2, w3, ga, gb);
     }
     for (var m = m4; m < M; m++) {
@@ -259,8 +259,8 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
         let ia = g0 + m * p.nb_1.x;
         let ib = g1 + m * p.nb_1.x;
         let z = vec4f();
-        mac4x16(&acc, wq, z, z, z, vec4f(src1_v4[ia / 4u][ia % 4u], 0.0, 0.0, 0.0),
-                vec4f(src1_v4[ib / 4u][ib % 4u], 0.0, 0.0, 0.0));
+        mac4x16(&acc, wq, z, z, z, vec4f(f32(src1_v4[ia / 4u][ia % 4u]), 0.0, 0.0, 0.0),
+                vec4f(f32(src1_v4[ib / 4u][ib % 4u]), 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
     for (var j = 0u; j < 16u; j++) {

@@ -11,10 +11,10 @@ fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: v
     let end = min(p.n, (g + 1u) * p.u.x);
     var acc = 0.0;
     for (var i = g * p.u.x + lid.x; i < end; i += WG) {
-        acc += src0[at_0(unravel(i, p.ne_0))];
+        acc += f32(src0[at_0(unravel(i, p.ne_0))]);
     }
     let total = workgroup_sum(lid.x, acc);
-    if (lid.x == 0u) { dst[p.off.x + g] = total; }
+    if (lid.x == 0u) { dst[p.off.x + g] = to_TD(total); }
 }
 
 // sum_rows (mean with p.f.x = 1/ne0): one workgroup per row of src0; p.n rows.
@@ -26,10 +26,10 @@ fn k_sum_rows(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
     let r = row_start(row);
     var acc = 0.0;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
-        acc += src0[at_0(vec4u(i, r.yzw))];
+        acc += f32(src0[at_0(vec4u(i, r.yzw))]);
     }
     let total = workgroup_sum(lid.x, acc);
-    if (lid.x == 0u) { dst[at_d(unravel(row, p.ne_d))] = total * p.f.x; }
+    if (lid.x == 0u) { dst[at_d(unravel(row, p.ne_d))] = to_TD(total * p.f.x); }
 }
 
 // repeat: dst element idx reads src0[idx % ne_0].
@@ -37,7 +37,7 @@ fn k_sum_rows(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
 fn k_repeat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
     let idx = unravel(i, p.ne_d);
-    dst[at_d(idx)] = src0[at_0(idx % p.ne_0)];
+    dst[at_d(idx)] = to_TD(f32(src0[at_0(idx % p.ne_0)]));
 }
 
 // repeat_back: dst element idx sums src0 over every tile: idx + t * ne_d.
@@ -51,10 +51,10 @@ fn k_repeat_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgro
         for (var t2 = 0u; t2 < tiles.z; t2++) {
             for (var t1 = 0u; t1 < tiles.y; t1++) {
                 for (var t0 = 0u; t0 < tiles.x; t0++) {
-                    acc += src0[at_0(idx + vec4u(t0, t1, t2, t3) * p.ne_d)];
+                    acc += f32(src0[at_0(idx + vec4u(t0, t1, t2, t3) * p.ne_d)]);
                 }
             }
         }
     }
-    dst[at_d(idx)] = acc;
+    dst[at_d(idx)] = to_TD(acc);
 }

@@ -25,9 +25,9 @@ fn reduce_angle(theta: f32) -> f32 {
 // writes its half of the rotation, so both halves of a pair see the same inputs.
 fn rope_element(i: u32, with_factors: bool) {
     let idx = unravel(i, p.ne_d);                  // (dim, head, token, batch)
-    let x = src0[at_0(idx)];
+    let x = f32(src0[at_0(idx)]);
     let n_dims = p.u.x;
-    if (idx.x >= n_dims) { dst[at_d(idx)] = x; return; }   // pass-through dims
+    if (idx.x >= n_dims) { dst[at_d(idx)] = to_TD(x); return; }   // pass-through dims
 
     var k: u32;            // pair index: its angle is theta_k
     var first: bool;       // x0 (true) or x1 (false) of the pair
@@ -44,13 +44,13 @@ fn rope_element(i: u32, with_factors: bool) {
     }
     let pos = f32(src1_i32[at_1(vec4u(idx.z, 0u, 0u, 0u))]);
     var theta = pos * p.f.y * pow(p.f.x, -2.0 * f32(k) / f32(n_dims));
-    if (with_factors) { theta = theta / src2[at_2(vec4u(k, 0u, 0u, 0u))]; }
+    if (with_factors) { theta = theta / f32(src2[at_2(vec4u(k, 0u, 0u, 0u))]); }
     theta = reduce_angle(theta);
     let c = cos(theta);
     let s = sin(theta) * p.f.z;
-    let y = src0[at_0(vec4u(partner, idx.yzw))];
+    let y = f32(src0[at_0(vec4u(partner, idx.yzw))]);
     // first: x0 c - x1 s (x = x0, y = x1); second: x0 s + x1 c (y = x0, x = x1)
-    dst[at_d(idx)] = select(y * s + x * c, x * c - y * s, first);
+    dst[at_d(idx)] = to_TD(select(y * s + x * c, x * c - y * s, first));
 }
 
 @compute @workgroup_size(WG)

@@ -20,7 +20,7 @@ fn k_get_rows(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
     let idx = unravel(i, p.ne_d);                       // (col, id index)
     let row = clamp_id(src1_i32[at_1(vec4u(idx.yzw, 0u))], p.ne_0.y);
-    dst[at_d(idx)] = src0[at_0(vec4u(idx.x, row, 0u, 0u))];
+    dst[at_d(idx)] = to_TD(f32(src0[at_0(vec4u(idx.x, row, 0u, 0u))]));
 }
 
 // get_rows_back, pass 1: dst_i32 links = [head: n rows | next: one per id]; heads to -1.
@@ -64,8 +64,8 @@ fn k_get_rows_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workg
     var acc = 0.0;
     while (j >= 0) {
         let at = unravel(u32(j) * p.ne_0.x, p.ne_0);   // (0, id index)
-        acc += src0[at_0(vec4u(idx.x, at.yzw))];
+        acc += f32(src0[at_0(vec4u(idx.x, at.yzw))]);
         j = src1_i32[p.off.z + p.u.x + u32(j)];
     }
-    dst[at_d(idx)] = acc;
+    dst[at_d(idx)] = to_TD(acc);
 }

@@ -30,8 +30,8 @@ fn workgroup_ms(lid: u32, v: vec4f) -> vec4f {
 
 // soft_max / soft_max_ext: the logit x * scale (+ mask when p.u.x = 1), p.f.x = scale.
 fn logit(idx: vec4u) -> f32 {
-    var v = src0[at_0(idx)] * p.f.x;
-    if (p.u.x != 0u) { v += src1[at_1(idx % p.ne_1)]; }  // the mask tiles x
+    var v = f32(src0[at_0(idx)]) * p.f.x;
+    if (p.u.x != 0u) { v += f32(src1[at_1(idx % p.ne_1)]); }  // the mask tiles x
     return v;
 }
 
@@ -48,7 +48,7 @@ fn k_soft_max(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) w
     let inv = 1.0 / ms.y;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = exp(logit(idx) - ms.x) * inv;
+        dst[at_d(idx)] = to_TD(exp(logit(idx) - ms.x) * inv);
     }
 }
 
@@ -62,12 +62,12 @@ fn k_soft_max_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_
     var acc = 0.0;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        acc += src0[at_0(idx)] * src1[at_1(idx)];
+        acc += f32(src0[at_0(idx)]) * f32(src1[at_1(idx)]);
     }
     let yd = workgroup_sum(lid.x, acc);
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = src0[at_0(idx)] * (src1[at_1(idx)] - yd);
+        dst[at_d(idx)] = to_TD(f32(src0[at_0(idx)]) * (f32(src1[at_1(idx)]) - yd));
     }
 }
 
@@ -77,7 +77,7 @@ fn k_soft_max_back(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_
 fn k_diag_mask(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
     let idx = unravel(i, p.ne_d);
-    dst[at_d(idx)] = select(src0[at_0(idx)], p.f.x, idx.x > p.u.x + idx.y);
+    dst[at_d(idx)] = to_TD(select(f32(src0[at_0(idx)]), p.f.x, idx.x > p.u.x + idx.y));
 }
 
 // The row max of logits src0, sum(exp(x - max)) and sum(p) of targets src1 (in x, y, z).
@@ -85,8 +85,8 @@ fn ce_row_stats(lid: u32, r: vec4u) -> vec4f {
     var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
     for (var i = lid; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        acc = ms_add(acc, src0[at_0(idx)]);
-        acc.z += src1[at_1(idx)];
+        acc = ms_add(acc, f32(src0[at_0(idx)]));
+        acc.z += f32(src1[at_1(idx)]);
     }
     return workgroup_ms(lid, acc);
 }
@@ -104,11 +104,11 @@ fn k_cross_entropy_loss(@builtin(local_invocation_id) lid: vec3u,
     var px = 0.0;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        px += src1[at_1(idx)] * (src0[at_0(idx)] - ms.x);   // sum(p * (x - m))
+        px += f32(src1[at_1(idx)]) * (f32(src0[at_0(idx)]) - ms.x);   // sum(p * (x - m))
     }
     let total = workgroup_sum(lid.x, px);
     if (lid.x == 0u) {
-        dst[at_d(unravel(row, p.ne_d))] = (ms.z * log(ms.y) - total) * p.f.x;
+        dst[at_d(unravel(row, p.ne_d))] = to_TD((ms.z * log(ms.y) - total) * p.f.x);
     }
 }
 
@@ -122,11 +122,11 @@ fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
     if (row >= p.n) { return; }
     let r = row_start(row);
     let ms = ce_row_stats(lid.x, r);
-    let k = src2[at_2(vec4u(0u))] * p.f.x;
+    let k = f32(src2[at_2(vec4u(0u))]) * p.f.x;
     let sk = ms.z / ms.y;  // sum(p) / sum(exp(x - m))
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        dst[at_d(idx)] = (exp(src0[at_0(idx)] - ms.x) * sk - src1[at_1(idx)]) * k;
+        dst[at_d(idx)] = to_TD((exp(f32(src0[at_0(idx)]) - ms.x) * sk - f32(src1[at_1(idx)])) * k);
     }
 }
 
@@ -136,8 +136,8 @@ fn k_cross_entropy_loss_back(@builtin(local_invocation_id) lid: vec3u,
 
 // soft_max / soft_max_ext: the logit of element i (mask element j, when p.u.x = 1).
 fn logit_row(b: vec4u, i: u32, j: u32) -> f32 {
-    var v = src0[b.y + i * p.nb_0.x] * p.f.x;
-    if (p.u.x != 0u) { v += src1[b.z + j * p.nb_1.x]; }
+    var v = f32(src0[b.y + i * p.nb_0.x]) * p.f.x;
+    if (p.u.x != 0u) { v += f32(src1[b.z + j * p.nb_1.x]); }
     return v;
 }
 
@@ -165,7 +165,7 @@ fn k_soft_max_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let inv = 1.0 / ms.y;
     j = 0u;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        dst[b.x + i * p.nb_d.x] = exp(logit_row(b, i, j) - ms.x) * inv;
+        dst[b.x + i * p.nb_d.x] = to_TD(exp(logit_row(b, i, j) - ms.x) * inv);
         j = select(j + 1u, 0u, j + 1u == p.ne_1.x);
     }
 }
@@ -178,10 +178,10 @@ fn k_soft_max_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let b = row_bases(row_start(row));
     var yd = 0.0;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        yd += src0[b.y + i * p.nb_0.x] * src1[b.z + i * p.nb_1.x];
+        yd += f32(src0[b.y + i * p.nb_0.x]) * f32(src1[b.z + i * p.nb_1.x]);
     }
     for (var i = 0u; i < p.ne_0.x; i++) {
-        dst[b.x + i * p.nb_d.x] = src0[b.y + i * p.nb_0.x] * (src1[b.z + i * p.nb_1.x] - yd);
+        dst[b.x + i * p.nb_d.x] = to_TD(f32(src0[b.y + i * p.nb_0.x]) * (f32(src1[b.z + i * p.nb_1.x]) - yd));
     }
 }
 
@@ -190,8 +190,8 @@ fn ce_row_stats_rowwise(b: vec4u) -> vec3f {
     var ms = vec2f(LOWEST, 0.0);
     var sp = 0.0;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        ms = ms_add_row(ms, src0[b.y + i * p.nb_0.x]);
-        sp += src1[b.z + i * p.nb_1.x];
+        ms = ms_add_row(ms, f32(src0[b.y + i * p.nb_0.x]));
+        sp += f32(src1[b.z + i * p.nb_1.x]);
     }
     return vec3f(ms, sp);
 }
@@ -205,9 +205,9 @@ fn k_cross_entropy_loss_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let ms = ce_row_stats_rowwise(b);
     var px = 0.0;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        px += src1[b.z + i * p.nb_1.x] * (src0[b.y + i * p.nb_0.x] - ms.x);
+        px += f32(src1[b.z + i * p.nb_1.x]) * (f32(src0[b.y + i * p.nb_0.x]) - ms.x);
     }
-    dst[at_d(unravel(row, p.ne_d))] = (ms.z * log(ms.y) - px) * p.f.x;
+    dst[at_d(unravel(row, p.ne_d))] = to_TD((ms.z * log(ms.y) - px) * p.f.x);
 }
 
 // cross_entropy_loss_back: dx = (softmax(x) * sum(p) - p) * dloss * p.f.x.
@@ -217,11 +217,11 @@ fn k_cross_entropy_loss_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let row = flat_id(gid, nwg); if (row >= p.n) { return; }
     let b = row_bases(row_start(row));
     let ms = ce_row_stats_rowwise(b);
-    let k = src2[at_2(vec4u(0u))] * p.f.x;
+    let k = f32(src2[at_2(vec4u(0u))]) * p.f.x;
     let sk = ms.z / ms.y;
     for (var i = 0u; i < p.ne_0.x; i++) {
-        dst[b.x + i * p.nb_d.x] = (exp(src0[b.y + i * p.nb_0.x] - ms.x) * sk
-                                   - src1[b.z + i * p.nb_1.x]) * k;
+        dst[b.x + i * p.nb_d.x] = to_TD((exp(f32(src0[b.y + i * p.nb_0.x]) - ms.x) * sk
+                                   - f32(src1[b.z + i * p.nb_1.x])) * k);
     }
 }
 
@@ -235,13 +235,13 @@ fn k_cross_entropy_loss_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
 @group(0) @binding(3) var<storage, read_write> src1_i32: array<i32>;
 
 fn ce_id(r: vec4u) -> i32 { return src1_i32[at_1(vec4u(r.yzw, 0u))]; }
-fn ce_weight(r: vec4u) -> f32 { return src2[at_2(vec4u(r.yzw, 0u))]; }
+fn ce_weight(r: vec4u) -> f32 { return f32(src2[at_2(vec4u(r.yzw, 0u))]); }
 fn ce_col(id: i32) -> u32 { return min(u32(id), p.ne_0.x - 1u); }
 
 // The row max of logits src0 and sum(exp(x - max)) (in x, y).
 fn ce_ids_stats(lid: u32, r: vec4u) -> vec4f {
     var acc = vec4f(LOWEST, 0.0, 0.0, 0.0);
-    for (var i = lid; i < p.ne_0.x; i += WG) { acc = ms_add(acc, src0[at_0(vec4u(i, r.yzw))]); }
+    for (var i = lid; i < p.ne_0.x; i += WG) { acc = ms_add(acc, f32(src0[at_0(vec4u(i, r.yzw))])); }
     return workgroup_ms(lid, acc);
 }
 
@@ -257,9 +257,9 @@ fn k_cross_entropy_ids(@builtin(local_invocation_id) lid: vec3u,
         let id = ce_id(r);
         var loss = 0.0;
         if (id >= 0) {
-            loss = (log(ms.y) - (src0[at_0(vec4u(ce_col(id), r.yzw))] - ms.x)) * ce_weight(r);
+            loss = (log(ms.y) - (f32(src0[at_0(vec4u(ce_col(id), r.yzw))]) - ms.x)) * ce_weight(r);
         }
-        dst[at_d(unravel(row, p.ne_d))] = loss;
+        dst[at_d(unravel(row, p.ne_d))] = to_TD(loss);
     }
 }
 
@@ -273,19 +273,19 @@ fn k_cross_entropy_ids_back(@builtin(local_invocation_id) lid: vec3u,
     let r = row_start(row);
     let ms = ce_ids_stats(lid.x, r);
     let id = ce_id(r);
-    let k = src3[at_3(vec4u(0u))] * ce_weight(r);
+    let k = f32(src3[at_3(vec4u(0u))]) * ce_weight(r);
     let inv = 1.0 / ms.y;
     for (var i = lid.x; i < p.ne_0.x; i += WG) {
         let idx = vec4u(i, r.yzw);
-        let d = (exp(src0[at_0(idx)] - ms.x) * inv - select(0.0, 1.0, i == ce_col(id))) * k;
-        dst[at_d(idx)] = select(0.0, d, id >= 0);
+        let d = (exp(f32(src0[at_0(idx)]) - ms.x) * inv - select(0.0, 1.0, i == ce_col(id))) * k;
+        dst[at_d(idx)] = to_TD(select(0.0, d, id >= 0));
     }
 }
 
 // The rowwise variants: one invocation per row.
 fn ce_ids_stats_rowwise(b0: u32) -> vec2f {
     var ms = vec2f(LOWEST, 0.0);
-    for (var i = 0u; i < p.ne_0.x; i++) { ms = ms_add_row(ms, src0[b0 + i * p.nb_0.x]); }
+    for (var i = 0u; i < p.ne_0.x; i++) { ms = ms_add_row(ms, f32(src0[b0 + i * p.nb_0.x])); }
     return ms;
 }
 
@@ -299,9 +299,9 @@ fn k_cross_entropy_ids_rowwise(@builtin(global_invocation_id) gid: vec3u,
     if (id >= 0) {
         let b0 = at_0(r);
         let ms = ce_ids_stats_rowwise(b0);
-        loss = (log(ms.y) - (src0[b0 + ce_col(id) * p.nb_0.x] - ms.x)) * ce_weight(r);
+        loss = (log(ms.y) - (f32(src0[b0 + ce_col(id) * p.nb_0.x]) - ms.x)) * ce_weight(r);
     }
-    dst[at_d(unravel(row, p.ne_d))] = loss;
+    dst[at_d(unravel(row, p.ne_d))] = to_TD(loss);
 }
 
 @compute @workgroup_size(WG)
@@ -312,16 +312,16 @@ fn k_cross_entropy_ids_back_rowwise(@builtin(global_invocation_id) gid: vec3u,
     let bd = at_d(r);
     let id = ce_id(r);
     if (id < 0) {
-        for (var i = 0u; i < p.ne_0.x; i++) { dst[bd + i * p.nb_d.x] = 0.0; }
+        for (var i = 0u; i < p.ne_0.x; i++) { dst[bd + i * p.nb_d.x] = to_TD(0.0); }
         return;
     }
     let b0 = at_0(r);
     let ms = ce_ids_stats_rowwise(b0);
-    let k = src3[at_3(vec4u(0u))] * ce_weight(r);
+    let k = f32(src3[at_3(vec4u(0u))]) * ce_weight(r);
     let inv = 1.0 / ms.y;
     let col = ce_col(id);
     for (var i = 0u; i < p.ne_0.x; i++) {
-        dst[bd + i * p.nb_d.x] = (exp(src0[b0 + i * p.nb_0.x] - ms.x) * inv
-                                  - select(0.0, 1.0, i == col)) * k;
+        dst[bd + i * p.nb_d.x] = to_TD((exp(f32(src0[b0 + i * p.nb_0.x]) - ms.x) * inv
+                                  - select(0.0, 1.0, i == col)) * k);
     }
 }

@@ -2,7 +2,9 @@
 data-parallel run and saves, per rank, the loss and a digest of every weight after each step
 and the final weights, to OUT/rank<r>.npz.
 
-    mpiexec -n 2 python tests/distributed_worker.py OUT BACKEND BATCH GRAD_ACCUM STEPS
+    mpiexec -n 2 python tests/distributed_worker.py OUT BACKEND BATCH GRAD_ACCUM STEPS [SCALE]
+    (SCALE: dynamic loss scaling from this initial scale, growing every 2 steps; then the
+    loss scale of each step is saved too)
     mpiexec -n 2 python tests/distributed_worker.py OUT fail    (rank 1 raises)
 """
 import hashlib
@@ -32,11 +34,13 @@ class MaskedSamples(data.Samples):
         return inputs, targets
 
 
-def make_trainer(backend, batch, grad_accum, world):
+def make_trainer(backend, batch, grad_accum, world, loss_scale=None):
     """A trainer of global batch `batch` (every rank's rows together)."""
     tok = ByteTokenizer()
     cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
-    options = TrainOptions(batch=batch, grad_accum=grad_accum, lr=3e-3, warmup=2)
+    scaling = dict(loss_scale="dynamic", loss_scale_init=loss_scale,
+                   loss_scale_growth_interval=2) if loss_scale else {}
+    options = TrainOptions(batch=batch, grad_accum=grad_accum, lr=3e-3, warmup=2, **scaling)
     samples = MaskedSamples(tok.encode(TEXT), cfg.n_ctx, options.batch, options.seed, tok.bos_id)
     return Trainer(cfg, init_parameters(cfg, seed=1), backend, options, samples, world=world)
 
@@ -57,18 +61,22 @@ def fail():
         world.allreduce(np.zeros(1))
 
 
-def main(out, backend_name, batch=4, grad_accum=1, steps=1):
+def main(out, backend_name, batch=4, grad_accum=1, steps=1, loss_scale=None):
     if backend_name == "fail":
         return fail()
     world = distributed.world()
     backend = NumpyBackend(np.float64) if backend_name == "numpy-f64" else \
         get_backend(backend_name)
-    t = make_trainer(backend, int(batch), int(grad_accum), world)
-    losses, digests = [], []
+    t = make_trainer(backend, int(batch), int(grad_accum), world,
+                     float(loss_scale) if loss_scale else None)
+    losses, digests, scales = [], [], []
     for _ in range(int(steps)):
-        losses.append(t.train_step()["loss"])
+        record = t.train_step()
+        losses.append(record["loss"])
+        scales.append(record.get("loss_scale", 1.0))
         digests.append(digest(t.parameters()))
-    np.savez(f"{out}/rank{world.rank}.npz", losses=losses, digests=digests, **t.parameters())
+    np.savez(f"{out}/rank{world.rank}.npz", losses=losses, digests=digests, scales=scales,
+             **t.parameters())
 
 
 if __name__ == "__main__":

@@ -351,13 +351,13 @@ def echo_params(wgpu, uniforms: np.ndarray, n_words: int) -> np.ndarray:
     """Run a kernel that writes every Params field, by name, into dst (u32 fields as
     f32(x)): what the shader reads where the backend wrote `uniforms`."""
     import wgpu as wgpu_py
-    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, shader_dir
+    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, dtype_prelude, shader_dir
     fields = (["p.n", *(f"p.off[{i}]" for i in range(4)), "p.off3.x"]
               + [f"p.{k}_{t}[{i}]" for t in "d0123" for k in ("ne", "nb") for i in range(4)]
               + [f"p.u[{i}]" for i in range(4)])
     body = "\n".join(f"    dst[{j}] = f32({x});" for j, x in enumerate(fields))
     body += "\n" + "\n".join(f"    dst[{len(fields) + i}] = p.f[{i}];" for i in range(4))
-    code = ((shader_dir() / "common.wgsl").read_text()
+    code = (dtype_prelude() + (shader_dir() / "common.wgsl").read_text()
             + f"\n@compute @workgroup_size(1)\nfn k_echo() {{\n{body}\n}}\n")
     device = wgpu.device
     pipeline = device.create_compute_pipeline(

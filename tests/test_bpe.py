@@ -117,11 +117,11 @@ def test_add_bos_follows_the_vocabulary(vocab):
         "x").tolist()
 
 
-def test_gguf_io_reads_arrays_as_gguf_py_does(tmp_path):
-    # gguf_io reads array fields whole (fast); the values must be gguf-py's, item for item
+def test_gguf_file_reads_arrays_as_gguf_py_does(tmp_path):
+    # gguf_file reads array fields whole (fast); the values must be gguf-py's, item for item
     import gguf
 
-    from ggwgpu import gguf_io
+    from ggwgpu import gguf_file
     path = tmp_path / "arrays.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_array("tokenizer.ggml.tokens", ["", "a", "Ġthe", "日本", "<|im_end|>"] * 400)
@@ -136,8 +136,8 @@ def test_gguf_io_reads_arrays_as_gguf_py_does(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    ours = gguf_io.read_metadata(path)
-    theirs = {k: gguf_io.field_value(f) for k, f in gguf.GGUFReader(path).fields.items()
+    ours = gguf_file.read_metadata(path)
+    theirs = {k: gguf_file.field_value(f) for k, f in gguf.GGUFReader(path).fields.items()
               if not k.startswith("GGUF.")}
     assert ours == theirs
     assert ours["tokenizer.ggml.tokens"][:5] == ["", "a", "Ġthe", "日本", "<|im_end|>"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import gguf_io
+from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.chat import ChatTemplate, rendered_ids
@@ -113,7 +113,7 @@ def invoke(*args, input=None):
 @pytest.fixture
 def files(tmp_path):
     model, template = tmp_path / "m.gguf", tmp_path / "t.jinja"
-    gguf_io.save_model(model, CFG, init_parameters(CFG, seed=3), ByteTokenizer())
+    gguf_llama.save_model(model, CFG, init_parameters(CFG, seed=3), ByteTokenizer())
     template.write_text(TEMPLATE)
     return str(model), str(template)
 

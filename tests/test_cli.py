@@ -16,9 +16,10 @@ import pytest
 from click.testing import CliRunner
 
 import ggwgpu
-from ggwgpu import gguf_io, testing
+from ggwgpu import gguf_llama, testing
 from ggwgpu.backends import ENV_VAR
 from ggwgpu_cli import bench as cli_bench
+from ggwgpu_cli import info as cli_info
 from ggwgpu_cli import main as cli_main
 
 REQUIRE_ADAPTER = os.environ.get("GGWGPU_REQUIRE_ADAPTER") == "1"
@@ -31,7 +32,7 @@ def invoke(*args, env=None):
 
 def has_adapter() -> bool:
     """Whether a WebGPU adapter exists; its absence fails the test when CI requires one."""
-    backend, why = cli_main.wgpu_or_reason()
+    backend, why = cli_info.wgpu_or_reason()
     if backend is None and REQUIRE_ADAPTER:
         pytest.fail(f"GGWGPU_REQUIRE_ADAPTER=1 but {why}")
     return backend is not None
@@ -45,7 +46,7 @@ def wgpu_args() -> tuple[str, ...]:
 def auto_pick() -> str:
     """The backend auto picks on this machine, by the rule it must follow."""
     from ggwgpu.backends import is_software_adapter
-    backend, _ = cli_main.wgpu_or_reason()
+    backend, _ = cli_info.wgpu_or_reason()
     return "wgpu" if has_adapter() and not is_software_adapter(backend.info) else "numpy"
 
 
@@ -86,7 +87,7 @@ def test_info_on_a_software_adapter_says_auto_picks_numpy_and_why(adapter_as):
 
 
 def test_info_without_an_adapter_says_so_and_exits_0(monkeypatch, adapter_as):
-    monkeypatch.setattr(cli_main, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
+    monkeypatch.setattr(cli_info, "wgpu_or_reason", lambda: (None, "no WebGPU adapter: test"))
     adapter_as(None)
     result = invoke("info")
     assert result.exit_code == 0, result.output
@@ -337,14 +338,14 @@ def test_bench_memory_plans_with_and_without_checkpointing(tmp_path):
 
 def tiny_base(path, dtype=None, n_embd=16, n_ff=32, seed=1):
     """A byte-vocabulary llama GGUF at `path` (matrices in `dtype` when given)."""
-    from ggwgpu import gguf_io
+    from ggwgpu import gguf_llama
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.quant import quantize_model
     from ggwgpu.tokenizer import ByteTokenizer
     cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=n_embd, n_head=2, n_layer=2,
                       n_ff=n_ff, n_ctx=16)
     values = init_parameters(cfg, seed)
-    gguf_io.save_model(path, cfg, quantize_model(values, dtype) if dtype else values,
+    gguf_llama.save_model(path, cfg, quantize_model(values, dtype) if dtype else values,
                        ByteTokenizer())
     return path
 
@@ -456,7 +457,7 @@ def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(
                       n_ff=32, n_ctx=16)
     values = init_parameters(cfg, 1)
     values["output.weight"] = np.sign(values["output.weight"]) * np.float32(3e38)
-    gguf_io.save_model(tmp_path / "huge.gguf", cfg, values, ByteTokenizer())
+    gguf_llama.save_model(tmp_path / "huge.gguf", cfg, values, ByteTokenizer())
     (tmp_path / "text.txt").write_text("To be, or not to be, that is the question.\n" * 20)
     r = invoke("--backend", "numpy", "eval", str(tmp_path / "huge.gguf"),
                str(tmp_path / "text.txt"), "--samples", "4")
@@ -476,7 +477,7 @@ def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tm
     r = finetune(tmp_path, base, "--steps", "1", "--n-ctx", "8", "--full", "--out", str(out))
     assert r.exit_code == 0, r.output
     assert "samples of 8" in r.output and "2 x 8 tokens" in r.output
-    assert gguf_io.load_model(out)[0].n_ctx == gguf_io.load_model(base)[0].n_ctx == 16
+    assert gguf_llama.load_model(out)[0].n_ctx == gguf_llama.load_model(base)[0].n_ctx == 16
 
 
 def test_finetune_a_q4_0_base_on_wgpu(tmp_path):
@@ -499,7 +500,7 @@ def test_train_writes_a_grouped_query_model_with_tied_embeddings(tmp_path):
     result = invoke("--backend", "numpy", "train", *TINY_TRAIN, "--n-head-kv", "1",
                     "--tie-embeddings", "--out", str(out))
     assert result.exit_code == 0, result.output
-    cfg, values, _ = gguf_io.load_model(out)
+    cfg, values, _ = gguf_llama.load_model(out)
     assert cfg.kv_heads == 1 and cfg.tied_embeddings and "output.weight" not in values
     assert values["blk.0.attn_k.weight"].shape == (8, 16)       # one head of 8
     # its LoRA finetune pairs no embedding unless asked, and says llama.cpp cannot apply those
@@ -754,7 +755,7 @@ def test_a_vocabulary_without_byte_tokens_cannot_train_on_text_it_lacks(tmp_path
     vocab = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b"], [0.0] * 6,
                                [UNKNOWN, CONTROL, CONTROL, NORMAL, NORMAL, NORMAL])
     cfg = LlamaConfig(n_vocab=6, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=16)
-    gguf_io.save_model(tmp_path / "v.gguf", cfg, init_parameters(cfg, 0), vocab)
+    gguf_llama.save_model(tmp_path / "v.gguf", cfg, init_parameters(cfg, 0), vocab)
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be\n" * 20)
     for args in (("train", str(text), "--vocab-model", str(tmp_path / "v.gguf"), "--steps",
@@ -805,7 +806,7 @@ def test_a_log_that_cannot_be_written(tmp_path, log, message):
 def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("oops")
-    monkeypatch.setattr(cli_main, "wgpu_or_reason", broken)
+    monkeypatch.setattr(cli_info, "wgpu_or_reason", broken)
     monkeypatch.delenv(cli_main.TRACEBACK_VAR, raising=False)
     out = no_traceback(invoke("info"), 1)
     assert "internal error, a bug in ggwgpu: KeyError: 'oops'" in out
@@ -884,7 +885,7 @@ def test_generating_from_a_model_with_a_one_token_context_is_a_usage_error(tmp_p
     from ggwgpu.models.llama import LlamaConfig, init_parameters
     from ggwgpu.tokenizer import ByteTokenizer
     cfg = LlamaConfig(n_vocab=259, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=1)
-    gguf_io.save_model(tmp_path / "m.gguf", cfg, init_parameters(cfg, 0), ByteTokenizer())
+    gguf_llama.save_model(tmp_path / "m.gguf", cfg, init_parameters(cfg, 0), ByteTokenizer())
     for command in ("generate", "chat"):
         out = no_traceback(invoke("--backend", "numpy", command, str(tmp_path / "m.gguf"),
                                   "-n", "3"), 2)

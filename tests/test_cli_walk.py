@@ -18,7 +18,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import gguf_io
+from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.lora import init_adapter, lora_ranks, save_adapter
 from ggwgpu.models.llama import LlamaConfig, init_parameters
@@ -81,7 +81,7 @@ COMMANDS = dict(command_paths())
 def tiny_model(path, n_ctx=16):
     cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=32,
                       n_ctx=n_ctx)
-    gguf_io.save_model(path, cfg, init_parameters(cfg, 0), ByteTokenizer())
+    gguf_llama.save_model(path, cfg, init_parameters(cfg, 0), ByteTokenizer())
     return cfg
 
 

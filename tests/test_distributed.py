@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import distributed, gguf_io
+from ggwgpu import checkpoint, distributed, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu_cli.main import cli
 
@@ -56,9 +56,9 @@ def mpiexec():
     return run
 
 
-def run_worker(mpiexec, out, backend, batch, grad_accum, steps, ranks=2):
+def run_worker(mpiexec, out, backend, batch, grad_accum, steps, ranks=2, loss_scale=None):
     r = mpiexec(ranks, sys.executable, HERE / "distributed_worker.py", out, backend, batch,
-                grad_accum, steps)
+                grad_accum, steps, *([loss_scale] if loss_scale else []))
     assert r.returncode == 0, r.stdout + r.stderr
     return [np.load(out / f"rank{k}.npz") for k in range(ranks)]
 
@@ -119,7 +119,7 @@ def test_a_checkpoint_of_two_ranks_resumes_under_one_and_under_two(tmp_path, mpi
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("model written to") == 1     # rank 0 alone writes and reports
     np.testing.assert_allclose(losses(tmp_path / "two.jsonl"), straight[:2], rtol=1e-6)
-    state = gguf_io.load_checkpoint(ckpt)[4]
+    state = checkpoint.load_checkpoint(ckpt)[4]
     assert state["options"]["batch"] == 4 and state["samples"] == 8   # the global batch
 
     r = CliRunner().invoke(cli, ["--backend", "numpy", "train", "--checkpoint-in", ckpt,
@@ -132,7 +132,7 @@ def test_a_checkpoint_of_two_ranks_resumes_under_one_and_under_two(tmp_path, mpi
     assert r.returncode == 0, r.stdout + r.stderr
     for name in ("resumed1", "resumed2"):
         np.testing.assert_allclose(losses(tmp_path / f"{name}.jsonl"), straight[2:], rtol=1e-5)
-    one, two = (gguf_io.load_model(tmp_path / f"resumed{k}.gguf")[1] for k in (1, 2))
+    one, two = (gguf_llama.load_model(tmp_path / f"resumed{k}.gguf")[1] for k in (1, 2))
     for name, value in one.items():
         np.testing.assert_allclose(two[name], value, rtol=0, atol=2e-5, err_msg=name)
 
@@ -215,7 +215,7 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_after_one_step_and_saves_once(tmp_pa
     assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), out + err
     assert err.count("saved to") == 1, err
     steps = len(log.read_text().splitlines())
-    assert gguf_io.load_checkpoint(ckpt)[4]["step"] == steps
+    assert checkpoint.load_checkpoint(ckpt)[4]["step"] == steps
 
 
 def test_bench_ranks_reports_the_scaling_and_the_allreduce(tmp_path, mpiexec):

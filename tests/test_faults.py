@@ -18,13 +18,14 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import data, gguf_io
+from ggwgpu import checkpoint, data, gguf_file, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.backends.wgpu_backend import DeviceLimitError, WgpuBackend
 from ggwgpu.models.llama import LlamaConfig, TrainGraph, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli import main as cli_main
+from ggwgpu_cli import training as cli_training
 
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
 TINY_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
@@ -76,7 +77,7 @@ def wait_for_step(proc, log: Path, skip: int, step: int):
 
 def checkpoint_step(path) -> int:
     """Load the checkpoint completely (it must be whole) and return its step."""
-    _, values, _, opt_state, state = gguf_io.load_checkpoint(path)
+    _, values, _, opt_state, state = checkpoint.load_checkpoint(path)
     assert all(np.isfinite(v).all() for v in values.values())
     return state["step"]
 
@@ -134,7 +135,7 @@ def test_a_signal_saves_at_the_step_boundary_and_prints_how_to_go_on(tmp_path, s
 def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch):
     """The first SIGINT comes during step 3; a second one while the checkpoint of step 3 is
     being written must neither abort nor spoil it."""
-    real_step, real_save = Trainer.train_step, gguf_io.save_checkpoint
+    real_step, real_save = Trainer.train_step, checkpoint.save_checkpoint
 
     def train_step(self):
         record = real_step(self)
@@ -147,7 +148,7 @@ def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch
             os.kill(os.getpid(), signal.SIGINT)       # handled right here, mid-save
         real_save(*args)
     monkeypatch.setattr(Trainer, "train_step", train_step)
-    monkeypatch.setattr(gguf_io, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
     ckpt = tmp_path / "ckpt.gguf"
     r = run_cli(train_args(tmp_path, "--steps", "50", "--checkpoint-out", str(ckpt),
                            "--save-every", "2", "--out", str(tmp_path / "m.gguf")))
@@ -205,8 +206,8 @@ def test_sigkill_at_random_moments_keeps_a_checkpoint_that_resumes_exactly(tmp_p
     assert {rec["step"] for rec in logged} == set(range(1, steps + 1))
     for rec in logged:
         assert rec["loss"] == reference[rec["step"]], rec
-    _, want, _ = gguf_io.load_model(ref_out)
-    _, got, _ = gguf_io.load_model(out)
+    _, want, _ = gguf_llama.load_model(ref_out)
+    _, got, _ = gguf_llama.load_model(out)
     for name, value in want.items():
         assert np.array_equal(got[name], value), name
 
@@ -296,8 +297,8 @@ def test_a_non_finite_step_stops_the_run_and_saves_the_state_before_it(tmp_path,
     default = tmp_path / "model.checkpoint.gguf"
     assert checkpoint_step(default) == 3 and "--checkpoint-in" in r.output
     assert not out.exists()
-    _, want, _ = gguf_io.load_model(before)
-    _, got, _ = gguf_io.load_model(default)    # step 3 changed nothing
+    _, want, _ = gguf_llama.load_model(before)
+    _, got, _ = gguf_llama.load_model(default)    # step 3 changed nothing
     for name, value in want.items():
         assert np.array_equal(got[name], value), name
 
@@ -310,7 +311,7 @@ def test_on_nan_skip_goes_on_past_a_non_finite_step(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     assert [rec["skipped"] for rec in records(log)] == [False, True, False, False]
     assert "step 2: loss inf" in r.output and "(--on-nan skip)" in r.output
-    _, values, _ = gguf_io.load_model(out)
+    _, values, _ = gguf_llama.load_model(out)
     assert all(np.isfinite(v).all() for v in values.values())
 
 
@@ -371,12 +372,12 @@ def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, 
     ckpt = tmp_path / "ckpt.gguf"
 
     def save_checkpoint():
-        gguf_io.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
+        checkpoint.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
                                 trainer.optimizer_state(), trainer.state())
         if trainer.step == 2:
             backend.device.destroy()       # as a driver reset or a lost GPU would
     with pytest.raises(cli_main.click.ClickException) as e:
-        cli_main.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
+        cli_training.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
     assert "the device failed in step 3" in e.value.message
     assert f"{ckpt} holds the checkpoint of step 2" in e.value.message
     assert checkpoint_step(ckpt) == 2
@@ -388,7 +389,7 @@ def base_model(path):
     """A tiny byte-vocabulary llama GGUF (a finetune's BASE)."""
     tok = ByteTokenizer()
     cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
-    gguf_io.save_model(path, cfg, init_parameters(cfg, seed=1), tok)
+    gguf_llama.save_model(path, cfg, init_parameters(cfg, seed=1), tok)
     return path
 
 
@@ -468,8 +469,8 @@ def test_no_output_replaces_a_device_or_fifo_node(tmp_path, args):
     assert r.exit_code == 2, r.output
     assert f"{files['f']} exists and is not a regular file" in r.output
     assert stat.S_ISFIFO(os.lstat(files["f"]).st_mode)
-    with pytest.raises(gguf_io.GGUFError, match="exists and is not a regular file"):
-        gguf_io.save_model(files["f"], *gguf_io.load_model(files["b"])[:2], ByteTokenizer())
+    with pytest.raises(gguf_file.GGUFError, match="exists and is not a regular file"):
+        gguf_llama.save_model(files["f"], *gguf_llama.load_model(files["b"])[:2], ByteTokenizer())
     assert stat.S_ISFIFO(os.lstat(files["f"]).st_mode)
 
 
@@ -491,18 +492,18 @@ def test_an_output_directory_that_cannot_be_written_fails_before_training(tmp_pa
 def test_a_signal_during_the_final_write_waits_for_it(tmp_path, monkeypatch):
     """Two SIGINTs while the model is written: the handlers are still there, so the write
     completes and the run ends well (before, the first one killed it: the run was lost)."""
-    real = gguf_io.save_model
+    real = gguf_llama.save_model
 
     def save_model(*args, **kwargs):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         real(*args, **kwargs)
-    monkeypatch.setattr(gguf_io, "save_model", save_model)
+    monkeypatch.setattr(gguf_llama, "save_model", save_model)
     out = tmp_path / "m.gguf"
     r = run_cli(train_args(tmp_path, "--steps", "3", "--out", str(out)))
     assert r.exit_code == 0, r.output
     assert f"model written to {out}" in r.output
-    gguf_io.load_model(out)
+    gguf_llama.load_model(out)
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
 
 
@@ -531,8 +532,8 @@ def test_a_final_write_on_a_full_disk_keeps_the_weights_in_a_checkpoint(tmp_path
     assert command[command.index("--steps") + 1] == "0"
     r = run_cli(command[1:])
     assert r.exit_code == 0, r.output
-    _, want, _, _, _ = gguf_io.load_checkpoint(ckpt)
-    _, got, _ = gguf_io.load_model(out)
+    _, want, _, _, _ = checkpoint.load_checkpoint(ckpt)
+    _, got, _ = gguf_llama.load_model(out)
     for name, value in want.items():
         assert np.array_equal(got[name], value), name
 
@@ -550,7 +551,7 @@ def test_the_command_after_a_stop_on_the_last_step_is_valid(tmp_path, monkeypatc
     r = run_cli(command[1:])
     assert r.exit_code == 0, r.output
     assert f"model of step 3 written to {out}" in r.output
-    gguf_io.load_model(out)
+    gguf_llama.load_model(out)
 
 
 def test_two_runs_cannot_write_one_checkpoint(tmp_path):
@@ -591,7 +592,7 @@ def test_a_resumed_run_refuses_contradicting_options_and_says_what_it_changes(tm
     r = run_cli(resume + TINY_ARGS + ["--batch", "4", "--lr", "1e-3"])   # the same: fine
     assert r.exit_code == 0, r.output
     assert "resuming with --lr 0.001 instead of the checkpoint's 0.003" in r.output
-    assert gguf_io.load_checkpoint(ckpt)[4]["options"]["lr"] == 1e-3
+    assert checkpoint.load_checkpoint(ckpt)[4]["options"]["lr"] == 1e-3
 
 
 def test_temp_files_of_killed_writes_are_removed_by_the_next_write_of_that_file(tmp_path):
@@ -607,7 +608,7 @@ def test_temp_files_of_killed_writes_are_removed_by_the_next_write_of_that_file(
         (tmp_path / name).write_bytes(b"partial")
     tok = ByteTokenizer()
     cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
-    gguf_io.save_model(tmp_path / "ckpt.gguf", cfg, init_parameters(cfg), tok)
+    gguf_llama.save_model(tmp_path / "ckpt.gguf", cfg, init_parameters(cfg), tok)
     for name, kept in names.items():
         assert (tmp_path / name).exists() == kept, name
 
@@ -627,9 +628,9 @@ def test_resuming_from_a_forged_state_is_a_clear_error(tmp_path, change, code, w
     r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-out", str(ckpt),
                            "--out", str(tmp_path / "m.gguf")))
     assert r.exit_code == 0, r.output
-    cfg, values, tok, opt_state, state = gguf_io.load_checkpoint(ckpt)
+    cfg, values, tok, opt_state, state = checkpoint.load_checkpoint(ckpt)
     change(state)
-    gguf_io.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
+    checkpoint.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
     r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-in", str(ckpt),
                            "--out", str(tmp_path / "m.gguf")))
     assert r.exit_code == code and isinstance(r.exception, SystemExit)   # no traceback
@@ -643,9 +644,9 @@ def test_a_log_on_a_full_disk_is_reported_once_and_the_run_goes_on(tmp_path, cap
     ckpt = tmp_path / "ckpt.gguf"
 
     def save_checkpoint():
-        gguf_io.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
+        checkpoint.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
                                 trainer.optimizer_state(), trainer.state())
-    cli_main.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
+    cli_training.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
     assert trainer.step == 5
     err = capsys.readouterr().err
     assert err.count("--log /dev/full: writing failed (the disk holding /dev/full is full "

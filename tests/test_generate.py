@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import gguf_io
+from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, generate_tokens,
@@ -341,7 +341,7 @@ def invoke(*args):
 def test_generate_command_prints_prompt_and_continuation(tmp_path, byte_model):
     cfg, values, tok = byte_model
     path = tmp_path / "model.gguf"
-    gguf_io.save_model(path, cfg, values, tok)
+    gguf_llama.save_model(path, cfg, values, tok)
     args = ("generate", str(path), "--prompt", "To be", "-n", "16", "--seed", "4")
     first, again = invoke(*args), invoke(*args)
     assert first.exit_code == 0, first.output
@@ -373,7 +373,7 @@ def test_generate_command_with_a_bpe_vocabulary(tmp_path):
     assert prompt_tokens(vocab, "<|im_start|>the") == [259, ord("t"), 257]
     cfg = LlamaConfig(n_vocab=vocab.n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=16)
     path = tmp_path / "bpe.gguf"
-    gguf_io.save_model(path, cfg, init_parameters(cfg, seed=1), vocab)
+    gguf_llama.save_model(path, cfg, init_parameters(cfg, seed=1), vocab)
     r = invoke("--backend", "numpy", "generate", str(path), "--prompt", "<|im_start|>the",
                "-n", "6", "--seed", "1")
     assert r.exit_code == 0, r.output

@@ -18,8 +18,10 @@ from gguf import GGUFValueType
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ggwgpu import gguf_io
-from ggwgpu.gguf_io import GGUFError, load_checkpoint, load_model, save_checkpoint, save_model
+from ggwgpu import gguf_file
+from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.lora import Adapter, init_adapter, load_adapter, lora_ranks, save_adapter
 from ggwgpu.models.llama import LORA_A, LORA_B, LlamaConfig, init_parameters, parameter_shapes
 from ggwgpu.quant import dequantize, quantize, quantize_model
@@ -103,10 +105,10 @@ def layout(data: bytes) -> Base:
 
 def vocab_file(path):
     """A vocabulary-only GGUF, as a tokenizer would be shipped: no tensors."""
-    meta = {gguf_io.K_ARCH: ("llama", _T.STRING)}
-    meta.update({key: gguf_io._typed(path, key, value)
+    meta = {gguf_file.K_ARCH: ("llama", _T.STRING)}
+    meta.update({key: gguf_file.typed_value(path, key, value)
                  for key, value in VOCAB.gguf_metadata().items()})
-    gguf_io._write_gguf(path, meta, {})
+    gguf_file.write_gguf(path, meta, {})
 
 
 def quantized_model_file(path):
@@ -318,7 +320,7 @@ def raw_values():
     items = scalar_items | string_items
     plain_array = items.map(lambda a: array(*a))
     lying_array = st.tuples(items, lie).map(lambda a: array(*a[0], count=len(a[0][1]) + a[1]))
-    huge_count = st.sampled_from([gguf_io.MAX_METADATA_ITEMS + 1, 2 ** 32, 2 ** 63]).map(
+    huge_count = st.sampled_from([gguf_file.MAX_METADATA_ITEMS + 1, 2 ** 32, 2 ** 63]).map(
         lambda n: array(int(_T.BOOL), [b"\1"] * 16, count=n))
     nested = st.lists(plain_array.map(lambda v: v[1]), max_size=4).map(
         lambda xs: array(int(_T.ARRAY), xs))

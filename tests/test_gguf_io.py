@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
-from ggwgpu import gguf_io
-from ggwgpu.gguf_io import GGUFError, load_checkpoint, load_model, save_checkpoint, save_model
+from ggwgpu import gguf_file, gguf_llama
+from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models.llama import LlamaConfig, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
 from conftest import train_state
@@ -55,14 +57,14 @@ def moments(seed=0, cfg=TINY):
 
 def fields(path):
     reader = GGUFReader(path)
-    out = {name: (gguf_io.field_value(f), f.types[-1] if f.types else None)
+    out = {name: (gguf_file.field_value(f), f.types[-1] if f.types else None)
            for name, f in reader.fields.items() if not name.startswith("GGUF.")}
     return out, reader
 
 
 def forge(path, cfg=TINY, tok=None, drop=(), set_keys=None, tensors=None):
     """Write a model file with keys dropped or replaced and tensors replaced (None removes)."""
-    meta = gguf_io._model_metadata(path, cfg, tok or TinyVocab(), None)
+    meta = gguf_llama.model_metadata(path, cfg, tok or TinyVocab(), None)
     for key in drop:
         del meta[key]
     meta.update(set_keys or {})
@@ -72,7 +74,7 @@ def forge(path, cfg=TINY, tok=None, drop=(), set_keys=None, tensors=None):
             del arrays[name]
         else:
             arrays[name] = value
-    gguf_io._write_gguf(path, meta, arrays)
+    gguf_file.write_gguf(path, meta, arrays)
     return path
 
 
@@ -269,7 +271,7 @@ def test_failed_rename_leaves_previous_file_and_no_temp(tmp_path, monkeypatch):
 
     def refuse(src, dst):
         raise OSError(28, "No space left on device")
-    monkeypatch.setattr(gguf_io.os, "replace", refuse)
+    monkeypatch.setattr(gguf_file.os, "replace", refuse)
     with pytest.raises(GGUFError, match="previous file is unchanged"):
         save_checkpoint(path, TINY, model(1), TinyVocab(), moments(1), train_state(2))
     assert path.read_bytes() == before
@@ -431,7 +433,7 @@ def test_unsupported_tensor_type(tmp_path):
     cfg = LlamaConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     path = tmp_path / "q.gguf"
     writer = GGUFWriter(path, "llama")
-    for key, (value, vtype) in gguf_io._model_metadata(path, cfg, TinyVocab(), None).items():
+    for key, (value, vtype) in gguf_llama.model_metadata(path, cfg, TinyVocab(), None).items():
         if key != "general.architecture":
             writer.add_key_value(key, value, vtype)
     for name, shape in parameter_shapes(cfg).items():
@@ -458,36 +460,36 @@ def test_vocabulary_size_mismatch(tmp_path):
 def test_checkpoint_specific_errors(tmp_path):
     path = tmp_path / "c.gguf"
     save_checkpoint(path, TINY, model(), TinyVocab(), moments(), train_state(1))
-    meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
+    meta = gguf_llama.model_metadata(path, TINY, TinyVocab(), None)
     meta["ggwgpu.checkpoint.version"] = (2, T.UINT32)
     meta["training.state_json"] = ("{}", T.STRING)
-    gguf_io._write_gguf(path, meta, model())
+    gguf_file.write_gguf(path, meta, model())
     raises_naming(path, "ggwgpu.checkpoint.version", loader=load_checkpoint)
 
     meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
     opt = {"optimizer.adamw.m.blk.0.attn_q.weight": np.zeros((8, 4), np.float32),
            "optimizer.adamw.v.blk.0.attn_q.weight": np.zeros((8, 8), np.float32)}
-    gguf_io._write_gguf(path, meta, {**model(), **opt})
+    gguf_file.write_gguf(path, meta, {**model(), **opt})
     raises_naming(path, "optimizer.adamw.m.blk.0.attn_q.weight", "shape",
                   loader=load_checkpoint)
 
     del opt["optimizer.adamw.m.blk.0.attn_q.weight"]
-    gguf_io._write_gguf(path, meta, {**model(), **opt})
+    gguf_file.write_gguf(path, meta, {**model(), **opt})
     raises_naming(path, "optimizer.adamw.m.blk.0.attn_q.weight", "missing",
                   loader=load_checkpoint)
 
     del meta["training.state_json"]
-    gguf_io._write_gguf(path, meta, model())
+    gguf_file.write_gguf(path, meta, model())
     raises_naming(path, "training.state_json", "missing", loader=load_checkpoint)
     assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")]
 
 
 def checkpoint_with_state(path, state_json: str, opt=None):
     """A checkpoint whose training.state_json is `state_json`, as written (forged)."""
-    meta = gguf_io._model_metadata(path, TINY, TinyVocab(), None)
+    meta = gguf_llama.model_metadata(path, TINY, TinyVocab(), None)
     meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
     meta["training.state_json"] = (state_json, T.STRING)
-    gguf_io._write_gguf(path, meta, {**model(), **(opt or {})})
+    gguf_file.write_gguf(path, meta, {**model(), **(opt or {})})
     return path
 
 
@@ -673,8 +675,8 @@ def test_writes_reach_the_disk_before_the_rename(tmp_path, monkeypatch):
     def replace(src, dst):
         events.append(("replace", os.stat(src).st_ino, os.path.basename(dst)))
         real_replace(src, dst)
-    monkeypatch.setattr(gguf_io.os, "fsync", fsync)
-    monkeypatch.setattr(gguf_io.os, "replace", replace)
+    monkeypatch.setattr(gguf_file.os, "fsync", fsync)
+    monkeypatch.setattr(gguf_file.os, "replace", replace)
     save_model(tmp_path / "m.gguf", TINY, model(), TinyVocab())
     written, folder = os.stat(tmp_path / "m.gguf").st_ino, os.stat(tmp_path).st_ino
     assert events == [("fsync", written), ("replace", written, "m.gguf"), ("fsync", folder)]
@@ -690,10 +692,10 @@ def test_a_forged_config_json_hint_is_ignored(tmp_path, hint):
 
 
 def test_deeply_nested_train_state_is_an_error(tmp_path):
-    meta = gguf_io._model_metadata(tmp_path / "c.gguf", TINY, TinyVocab(), None)
+    meta = gguf_llama.model_metadata(tmp_path / "c.gguf", TINY, TinyVocab(), None)
     meta["ggwgpu.checkpoint.version"] = (1, T.UINT32)
     meta["training.state_json"] = ("[" * 100_000, T.STRING)
-    gguf_io._write_gguf(tmp_path / "c.gguf", meta, model())
+    gguf_file.write_gguf(tmp_path / "c.gguf", meta, model())
     raises_naming(tmp_path / "c.gguf", "training.state_json", "JSON", loader=load_checkpoint)
 
 
@@ -747,7 +749,7 @@ def test_a_huge_unknown_array_is_refused_before_it_is_read(tmp_path, model_bytes
     path.write_bytes(with_raw_key(model_bytes, "evil.bools", T.ARRAY, array(T.BOOL, n, b"\1" * n)))
     tracemalloc.start()
     try:
-        raises_naming(path, "evil.bools", f"{n} items", str(gguf_io.MAX_METADATA_ITEMS))
+        raises_naming(path, "evil.bools", f"{n} items", str(gguf_file.MAX_METADATA_ITEMS))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -766,11 +768,11 @@ def test_metadata_bounds_on_items_and_string_bytes(tmp_path, model_bytes, monkey
     are 33 array items; its strings some 500 bytes."""
     path = tmp_path / "m.gguf"
     path.write_bytes(model_bytes)
-    monkeypatch.setattr(gguf_io, "MAX_METADATA_ITEMS", 32)
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_ITEMS", 32)
     raises_naming(path, "tokenizer.ggml.token_type", "at most 32 array items")
-    monkeypatch.setattr(gguf_io, "MAX_METADATA_ITEMS", 33)
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_ITEMS", 33)
     load_model(path)
-    monkeypatch.setattr(gguf_io, "MAX_METADATA_BYTES", 100)
+    monkeypatch.setattr(gguf_file, "MAX_METADATA_BYTES", 100)
     raises_naming(path, "at most 100 bytes of metadata strings")
 
 
@@ -791,7 +793,7 @@ def test_string_arrays_are_read_in_one_loop_not_item_by_item(tmp_path, model_byt
         calls += event == "call"
     sys.setprofile(count)
     try:
-        meta = gguf_io.read_metadata(path)
+        meta = gguf_file.read_metadata(path)
     finally:
         sys.setprofile(None)
     assert calls < 2000, calls

@@ -8,7 +8,7 @@ import ggwgpu as gg
 from ggwgpu import ops as O
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.graph import build_backward
-from ggwgpu import data, gguf_io
+from ggwgpu import checkpoint, data, gguf_file
 from ggwgpu.lbfgs import Lbfgs, LbfgsOptions, two_loop_reference
 from ggwgpu.models.llama import LlamaConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
@@ -138,9 +138,9 @@ def test_lbfgs_resumes_exactly_from_a_checkpoint(tmp_path, backend_name, request
     straight, records = llama_trainer(backend, steps=6)
     first, _ = llama_trainer(backend, steps=3)
     path = tmp_path / "ckpt.gguf"
-    gguf_io.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
+    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
                             first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = gguf_io.load_checkpoint(path)
+    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
     resumed, tail = llama_trainer(backend, steps=3, opt_state=opt_state, values=values,
                                   step=state["step"], data=state["data"])
     exact = 0 if backend_name == "numpy" else 1e-6
@@ -163,7 +163,7 @@ def test_train_command_stops_on_a_failed_line_search_with_a_checkpoint(tmp_path)
     assert result.exit_code == 1, result.output
     assert "step 1: the L-BFGS line search failed (no step met" in result.output
     assert (tmp_path / "m.checkpoint.gguf").exists() and not out.exists()
-    _, values, _, opt_state, state = gguf_io.load_checkpoint(tmp_path / "m.checkpoint.gguf")
+    _, values, _, opt_state, state = checkpoint.load_checkpoint(tmp_path / "m.checkpoint.gguf")
     cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, **TINY)
     for name, value in init_parameters(cfg, 0).items():
         np.testing.assert_array_equal(values[name], value)    # the weights went back
@@ -197,16 +197,16 @@ def test_baby_llama_demo_trains_both_and_draws_the_wave(tmp_path):
 def test_a_checkpoint_refuses_an_lbfgs_history_that_does_not_fit(tmp_path):
     t, _ = llama_trainer(NumpyBackend(), steps=1)
     state = t.optimizer_state()["lbfgs"]
-    save = lambda lbfgs: gguf_io.save_checkpoint(tmp_path / "c.gguf", t.cfg, t.parameters(),
+    save = lambda lbfgs: checkpoint.save_checkpoint(tmp_path / "c.gguf", t.cfg, t.parameters(),
                                                  ByteTokenizer(), {"lbfgs": lbfgs}, t.state())
-    with pytest.raises(gguf_io.GGUFError, match="optimizer.lbfgs.memory_s has shape"):
+    with pytest.raises(gguf_file.GGUFError, match="optimizer.lbfgs.memory_s has shape"):
         save({**state, "memory_s": state["memory_s"][:, 1:]})
-    with pytest.raises(gguf_io.GGUFError, match="lbfgs rho must be 3 numbers"):
+    with pytest.raises(gguf_file.GGUFError, match="lbfgs rho must be 3 numbers"):
         save({**state, "scalars": {**state["scalars"], "rho": [1.0]}})
     with pytest.raises(ValueError, match=r"history memory_s: shape \(2, \d+\), expected \(3, "):
         t.lbfgs.load_state({**state, "memory_s": state["memory_s"][1:]})
     state["memory_y"][0, 0] = np.nan
-    with pytest.raises(gguf_io.GGUFError, match="memory_y holds non-finite"):
+    with pytest.raises(gguf_file.GGUFError, match="memory_y holds non-finite"):
         save(state)
 
 

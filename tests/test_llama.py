@@ -258,3 +258,14 @@ def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(c
         memory.parameter_count(dataclasses.replace(cfg, n_layer=0))
     assert memory.parameter_count(huge) == memory.parameter_count(
         dataclasses.replace(cfg, n_layer=0)) + 10 ** 9 * per_layer
+
+
+def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value():
+    from ggwgpu import memory
+    cfg = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5)
+    f32 = memory.estimate(cfg, batch=2, trained=7, decoder=True)
+    f16 = memory.estimate(cfg, batch=2, trained=7, decoder=True, value_bytes=memory.F16)
+    assert f16["activations"] * 2 == f32["activations"]
+    assert f16["KV cache"] * 2 == f32["KV cache"]
+    assert f16["weights"] == f32["weights"]
+    assert f16["gradients and optimizer moments"] == f32["gradients and optimizer moments"]

@@ -5,11 +5,11 @@ import pytest
 from gguf import GGUFReader
 
 import ggwgpu as gg
-from ggwgpu import gguf_io, testing
+from ggwgpu import gguf_file, gguf_llama, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import Decoder
 from ggwgpu.graph import topo_order
-from ggwgpu.gguf_io import GGUFError
+from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import (Adapter, init_adapter, load_adapter, load_adapter_checkpoint,
                          lora_ranks, merge, save_adapter, save_adapter_checkpoint)
 from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
@@ -117,7 +117,7 @@ def test_an_adapter_file_round_trips_with_llama_cpp_shapes_and_keys(tmp_path):
         np.testing.assert_array_equal(back.tensors[name], value)
 
     reader = GGUFReader(path)
-    meta = {k: gguf_io.field_value(f) for k, f in reader.fields.items()}
+    meta = {k: gguf_file.field_value(f) for k, f in reader.fields.items()}
     assert (meta["general.architecture"], meta["general.type"], meta["adapter.type"]) == \
         ("llama", "adapter", "lora")
     assert meta["adapter.lora.alpha"] == 3.0
@@ -149,7 +149,7 @@ def test_adapter_files_are_validated_against_the_base(tmp_path):
     model = tmp_path / "model.gguf"
     byte_cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=8, n_head=2, n_layer=1,
                            n_ff=8, n_ctx=4)
-    gguf_io.save_model(model, byte_cfg, init_parameters(byte_cfg), ByteTokenizer())
+    gguf_llama.save_model(model, byte_cfg, init_parameters(byte_cfg), ByteTokenizer())
     with pytest.raises(GGUFError, match=r"model\.gguf: general\.type is 'model'"):
         load_adapter(model, TINY)
 

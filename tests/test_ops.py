@@ -12,6 +12,8 @@ from ggwgpu.backends.wgpu_backend import kernel_name, shader_source
 from ggwgpu.kernels import (MATMUL_ENV, ROW_VARIANTS, ROWWISE_MAX, matmul_variant,
                             row_variant)
 from ggwgpu.ops import OPS
+from ggwgpu.ops.registry import f32_only_ops
+from ggwgpu.backends.numpy_backend import NumpyBackend
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
@@ -38,6 +40,83 @@ def test_backward_matches_finite_differences(name, case):
 def test_device_backward_matches_numpy(wgpu, name, case):
     result = testing.backward_on(OPS[name], case, wgpu)
     assert result.ok, result.detail
+
+
+F16_FORWARD = [(name, case) for name in sorted(OPS) for case in testing.f16_cases_of(name)]
+F16_GRAD = [(name, case) for name in sorted(OPS)
+            for case in testing.f16_cases_of(name, grad_only=True)]
+# The ops without an f16 kernel, as declared in the registry (register(..., f16=False)).
+F32_ONLY = ["opt_step_adamw", "opt_step_sgd"]
+
+
+@pytest.mark.parametrize("name,case", F16_FORWARD, ids=[case_id(c) for c in F16_FORWARD])
+def test_f16_forward_matches_reference(wgpu, name, case):
+    """Every float input an f16 tensor: against the float64 reference on the rounded inputs."""
+    result = testing.forward(OPS[name], case, wgpu, half=True)
+    assert result.ok, result.detail
+
+
+@pytest.mark.parametrize("name,case", F16_GRAD, ids=[case_id(c) for c in F16_GRAD])
+def test_f16_device_backward_matches_numpy(wgpu, name, case):
+    result = testing.backward_on(OPS[name], case, wgpu, half=True)
+    assert result.ok, result.detail
+
+
+def test_the_ops_without_an_f16_kernel_are_the_declared_ones():
+    assert f32_only_ops() == F32_ONLY
+    assert all(testing.f16_cases_of(name) for name in OPS if name not in F32_ONLY
+               and any(i.dtype == "f32" for c in OPS[name].cases() for i in c.inputs))
+    h = gg.input_tensor((4,), "f16")
+    with pytest.raises(gg.ShapeError, match="opt_step_sgd.*no f16 kernel"):
+        gg.opt_step_sgd(h, h, gg.input_tensor((3,)), 0.0)
+
+
+def test_float_results_are_f16_only_when_every_float_source_is():
+    h, f = gg.input_tensor((2, 8), "f16"), gg.input_tensor((2, 8))
+    ids = gg.input_tensor((2,), "i32")
+    assert gg.add(h, h).dtype == "f16" and gg.add(h, f).dtype == "f32"
+    assert gg.mul_mat(h, h).dtype == "f16" and gg.mul_mat(h, f).dtype == "f32"
+    assert gg.get_rows(h, ids).dtype == "f16"          # ids do not count
+    assert gg.rope(gg.reshape(h, (2, 2, 4)), ids, 4, "normal", 10000.0, 1.0).dtype == "f16"
+    assert gg.sum(h).dtype == "f32"                     # losses are f32
+    assert gg.cross_entropy_loss(h, h).dtype == "f32"
+    assert gg.reshape(h, (16,)).dtype == "f16" and gg.cpy(f, h).dtype == "f16"
+    assert gg.cast(f, "f16").dtype == "f16" and gg.cast(h, "f32").dtype == "f32"
+    with pytest.raises(gg.ShapeError, match="cast.*casts to one of f32, f16"):
+        gg.cast(f, "i32")
+
+
+def test_cast_to_f16_rounds_to_nearest_even_and_overflows_to_inf(wgpu):
+    """As NumPy's float16 (IEEE): ties to even, subnormals, 65519 -> 65504, 65520 -> inf."""
+    values = np.array([65504, 65519, 65520, 1e5, -65520, -1e30, 3.4e38, 1 + 2 ** -11,
+                       1 + 3 * 2 ** -11, -(1 + 2 ** -11), 2 ** -24, 2 ** -25, 1.5 * 2 ** -25,
+                       np.inf, -np.inf, 0.1, -7.3e-5, 0.0], np.float32)
+    x = gg.input_tensor(values.shape)
+    half = gg.cast(x, "f16")
+    back = gg.cast(half, "f32")
+    with np.errstate(over="ignore"):
+        want = values.astype(np.float16)
+    for backend in (wgpu, NumpyBackend()):
+        plan = backend.plan([half, back])
+        plan.run({x: values})
+        assert plan.read(half).dtype == np.float16
+        np.testing.assert_array_equal(plan.read(half), want, err_msg=backend.name)
+        np.testing.assert_array_equal(plan.read(back), want.astype(np.float32))
+
+
+def test_f16_storage_takes_two_bytes_an_element(wgpu):
+    x = gg.input_tensor((1000,), "f16")
+    y = gg.scale(x, 2.0)
+    for backend in (wgpu, NumpyBackend()):
+        memory = backend.plan([y]).memory()
+        assert memory["inputs"] == 2000 and memory["activations"] == 2000, backend.name
+
+
+def test_an_f16_dispatch_without_shader_f16_names_the_op_and_feature(wgpu, monkeypatch):
+    monkeypatch.setattr(wgpu, "has_f16", False)
+    x = gg.input_tensor((3,), "f16")
+    with pytest.raises(gg.ShapeError, match="exp .*'shader-f16'"):
+        wgpu.plan([gg.exp(x)])
 
 
 @pytest.mark.parametrize("name", sorted(OPS))
@@ -79,12 +158,14 @@ def dispatches_of(opdef, case):
 MATMUL = [(name, case) for name in ("mul_mat", "out_prod") for case in testing.cases_of(name)]
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 @pytest.mark.parametrize("variant", OPS["mul_mat"].variants)
 @pytest.mark.parametrize("name,case", MATMUL, ids=[case_id(c) for c in MATMUL])
-def test_every_matmul_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case):
-    """Each adapter runs one vec4 matmul kernel; lavapipe tests them all."""
+def test_every_matmul_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case,
+                                                       half):
+    """Each adapter runs one vec4 matmul kernel; lavapipe tests them all, on f32 and f16."""
     monkeypatch.setitem(wgpu.kernel_variants, "matmul", variant)
-    result = testing.forward(OPS[name], case, wgpu)
+    result = testing.forward(OPS[name], case, wgpu, half=half)
     assert result.ok, result.detail
 
 
@@ -107,13 +188,15 @@ ROW_OPS = [(name, case) for name in sorted(OPS) if OPS[name].variants == ROW_VAR
            for case in testing.cases_of(name)]
 
 
+@pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])
 @pytest.mark.parametrize("variant", ROW_VARIANTS)
 @pytest.mark.parametrize("name,case", ROW_OPS, ids=[case_id(c) for c in ROW_OPS])
-def test_every_row_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case):
+def test_every_row_kernel_variant_matches_reference(wgpu, monkeypatch, variant, name, case,
+                                                    half):
     """Each adapter runs one kernel per row op (GPUs 'workgroup', CPUs 'rowwise'); lavapipe
-    tests both."""
+    tests both, on f32 and f16 inputs."""
     monkeypatch.setitem(wgpu.kernel_variants, OPS[name].shader, variant)
-    result = testing.forward(OPS[name], case, wgpu)
+    result = testing.forward(OPS[name], case, wgpu, half=half)
     assert result.ok, result.detail
 
 

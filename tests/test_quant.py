@@ -11,9 +11,10 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf import quants as gguf_quants
 
 import ggwgpu as gg
-from ggwgpu import gguf_io, testing
+from ggwgpu import gguf_file, gguf_llama, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.gguf_io import GGUFError, load_model, save_model
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models.llama import (ROPE_FREQS, LlamaConfig, attention, feed_forward,
                                  init_parameters, output, project_qkv, weighted_rms_norm)
 from ggwgpu.backends.wgpu_backend import shader_source
@@ -253,14 +254,14 @@ def test_a_quantized_model_file_round_trips_its_bytes(tmp_path):
     q = next(t for t in reader.tensors if t.name == "blk.1.ffn_down.weight")
     np.testing.assert_array_equal(gguf_quants.dequantize(q.data, q.tensor_type),
                                   dequantize(mixed["blk.1.ffn_down.weight"]))
-    assert gguf_io.field_value(reader.fields["general.file_type"]) == 2    # MOSTLY_Q4_0
+    assert gguf_file.field_value(reader.fields["general.file_type"]) == 2    # MOSTLY_Q4_0
 
 
 def write_llama(path, cfg, tensors: dict):
     """A llama GGUF written by gguf-py itself: float arrays, `Quantized` values, or raw
     (uint8 rows, GGML type) pairs."""
     writer = GGUFWriter(path, "llama")
-    for key, (value, vtype) in gguf_io._model_metadata(path, cfg, ByteTokenizer(), None).items():
+    for key, (value, vtype) in gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None).items():
         if key != "general.architecture":
             writer.add_key_value(key, value, vtype)
     for name, value in tensors.items():
@@ -358,7 +359,7 @@ def test_quantize_command_makes_a_frozen_base(tmp_path, dtype):
             np.testing.assert_array_equal(kept[name].data, quantize(value, dtype).data)
         else:
             np.testing.assert_array_equal(kept[name], value)
-    assert gguf_io.field_value(GGUFReader(tmp_path / "q.gguf").fields["general.file_type"]) \
+    assert gguf_file.field_value(GGUFReader(tmp_path / "q.gguf").fields["general.file_type"]) \
         == TYPES[dtype].file_type
     result = CliRunner().invoke(cli_main.cli, ["quantize", str(tmp_path / "q.gguf"),
                                                str(tmp_path / "k.gguf"), "--type", "q4_k"])

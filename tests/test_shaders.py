@@ -67,12 +67,15 @@ def test_the_elementwise_kernels_come_from_one_table_and_one_template():
     assert not re.search(r"^// #include", source, re.M)   # every include resolved
 
 
-def test_every_shader_compiles_and_every_kernel_makes_a_pipeline(wgpu):
+@pytest.mark.parametrize("dtype", ["f32", "f16"])
+def test_every_shader_compiles_and_every_kernel_makes_a_pipeline(wgpu, dtype):
+    """With every common binding of either element type (kernel variants and entry points
+    that no op-matrix case reaches included)."""
     for f in sorted(shader_dir().glob("*.wgsl")):
         source = shader_source(f.stem)
         parts = {"part_words": 1024} if "override SRC0_PART_WORDS" in source else {}
         for entry in re.findall(r"\bfn k_(\w+)\(", source):
-            assert wgpu.pipeline(f.stem, entry, **parts) is not None
+            assert wgpu.pipeline(f.stem, entry, dtypes=(dtype,) * 5, **parts) is not None
 
 
 # -- kernel variants: one table (ggwgpu/kernels.py), every variant run on lavapipe -------------

@@ -8,7 +8,7 @@ merges first (ties: leftmost); leftover symbols that are not tokens become byte 
 import numpy as np
 import pytest
 
-from ggwgpu import gguf_io
+from ggwgpu import gguf_file
 from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, BPEVocab,
                               ByteTokenizer, SentencePieceVocab, VocabError, load_vocab,
                               read_metadata, tokenizer_from_metadata)
@@ -193,7 +193,7 @@ def _spm_kwargs(meta):
 
 def write_gguf(path, meta):
     """A metadata-only GGUF, Python types mapped as gguf_metadata documents."""
-    gguf_io.write_metadata(path, meta)
+    gguf_file.write_metadata(path, meta)
 
 
 def test_byte_vocabulary_through_a_gguf_file(tmp_path):

@@ -12,7 +12,7 @@ from ..quant import Quantized, storage_bytes
 from ..tensor import ShapeError, Tensor
 
 # Guard elements: NaNs with payloads that no kernel produces, by element size in bytes.
-SENTINEL_BITS = {4: 0x7FC0BEEF, 8: 0x7FF80000DEADBEEF}
+SENTINEL_BITS = {2: 0x7EEF, 4: 0x7FC0BEEF, 8: 0x7FF80000DEADBEEF}
 
 
 def guarded_block(n: int, sentinel: int, dtype) -> np.ndarray:
@@ -159,7 +159,9 @@ class Plan:
         return out
 
     def nbytes(self, root: Tensor) -> int:
-        return (root.storage_len + 2 * self.sentinel) * root.storage_dtype.itemsize
+        """Bytes of root's storage block, guards included, rounded up to whole 4-byte words
+        (an odd count of f16 elements; WebGPU copies and binds multiples of 4)."""
+        return -(-(root.storage_len + 2 * self.sentinel) * root.storage_dtype.itemsize // 4) * 4
 
     def quantized_value(self, t: Tensor, block: np.ndarray) -> Quantized:
         """The value of a block-type tensor from its storage block (u32 words, guards

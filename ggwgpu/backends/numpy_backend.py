@@ -7,6 +7,10 @@ their values dequantized once (and again after a write), not at every run: the r
 would dequantize every weight at every step, many times the cost of the products. Constants
 that plans share (base.SharedConstants) share their dequantized values too.
 
+f16 element tensors are stored as float16 when the plan computes in float32, so that every
+store rounds to halves as the device's does (the two backends then agree); in float64 (the
+gradient checks) they are stored as float64, unrounded. Ops read them converted to float32.
+
 Threads: NumPy runs its products on every core (BLAS) but everything else on one. A big node
 whose fast kernel its op lets cut (OpDef.split) runs as pieces along the result's first dim,
 on several threads at once: ufuncs and reductions release the GIL. Only ops whose pieces
@@ -14,10 +18,10 @@ were measured to pay have a split rule: those dear per element (exp, row reducti
 softmax, swiglu and their backward, the loss's backward); one or two passes over memory
 (add, scale, rms_norm, AdamW, rope) ran slower cut than whole, the hand-off costing more
 than a second core gave, and BLAS's own threads, which spin a while after each product,
-take that core. Each piece computes its rows
-as the whole kernel would, so the result is the same bit for bit; $GGWGPU_NUMPY_THREADS sets
-the number of threads (1: none), else the cores this process may run on. Products run alone,
-never beside pieces: BLAS already keeps every core busy."""
+take that core. Each piece computes its rows as the whole kernel would, so the result is
+the same bit for bit; $GGWGPU_NUMPY_THREADS sets the number of threads (1: none), else the
+cores this process may run on. Products run alone, never beside pieces: BLAS already keeps
+every core busy. A node that reads or writes halves runs its reference, whole."""
 from __future__ import annotations
 
 import functools
@@ -116,7 +120,10 @@ class NumpyPlan(Plan):
 
     def _upload(self, root: Tensor) -> np.ndarray:
         """A new storage block for `root`, holding its value if it has one."""
-        dtype = self.float_dtype if root.dtype == "f32" else root.storage_dtype
+        dtype = root.storage_dtype
+        if root.dtype == "f32" or (root.dtype == "f16" and not root.is_quantized
+                                   and self.float_dtype != np.float32):
+            dtype = self.float_dtype
         block = self.storage[id(root)] = guarded_block(root.storage_len, self.sentinel, dtype)
         if root.value is not None:
             self.write(root, root.value)
@@ -128,10 +135,12 @@ class NumpyPlan(Plan):
         views are made once."""
         steps = []
         for node in self.nodes:
+            halves = self.reads_halves(node)
             srcs = [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs]
             dst = self.array(node)
-            steps.append((self.pieces(node, dst, srcs) or self.kernel(node.op), srcs, dst,
-                          node.params))
+            kernel = (None if halves else self.pieces(node, dst, srcs)) or self.kernel(
+                node.op, halves)
+            steps.append((kernel, srcs, dst, node.params))
         return steps
 
     def pieces(self, node: Tensor, dst: np.ndarray, srcs: list) -> Pieces | None:
@@ -153,13 +162,25 @@ class NumpyPlan(Plan):
         helpers = min(self.threads, n) - 1
         return Pieces(opdef.fast, pieces, worker_pool(self.threads - 1), helpers)
 
-    def kernel(self, op: str):
+    def kernel(self, op: str, halves: bool = False):
         """(out, *srcs, **params) -> None for op: its fast kernel, else its reference.
-        The fast kernels of the frozen-weight ops see their weight dequantized (dense)."""
+        The fast kernels of the frozen-weight ops see their weight dequantized (dense).
+        With `halves` (a node that reads or writes float16 storage) the reference runs on
+        its sources converted to float32, and the store into `out` rounds."""
         opdef = OPS[op]
+        if halves:
+            reference = reference_kernel(opdef.reference)
+            return lambda out, *srcs, **params: reference(
+                out, *(s.astype(np.float32) if s.dtype == np.float16 else s for s in srcs),
+                **params)
         if self.fast and opdef.fast is not None:
             return opdef.fast
         return reference_kernel(opdef.reference)
+
+    def reads_halves(self, node: Tensor) -> bool:
+        """Whether the node reads or writes storage held as float16."""
+        return any(self.storage[id(t.storage)].dtype == np.float16 and not t.is_quantized
+                   for t in (node, *node.srcs))
 
     def dense_array(self, t: Tensor) -> np.ndarray:
         """The values of block-type tensor t, dequantized once into an array that `write`

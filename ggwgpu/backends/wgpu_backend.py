@@ -4,6 +4,11 @@ A plan creates every buffer, uniform slot and bind group once. A run writes the 
 records all dispatches of the graph into one compute pass of one command encoder and submits
 once; nothing is read back unless asked for, and what is (read_many) comes back through one
 copy and one map of a persistent staging buffer.
+
+Element types: each dispatch's module is its family's WGSL behind a prelude that names the
+element type of every binding (dtype_prelude: TD, T0 .. T3 = f32 or f16, `enable f16;` when
+one is f16), so pipelines are cached per (family, entry, binding dtypes); f32 dispatches
+compile exactly the kernels they always did. f16 needs the adapter's `shader-f16` feature.
 """
 from __future__ import annotations
 
@@ -151,6 +156,47 @@ def params_layout(source: str) -> tuple[dict[str, int], int]:
     return words, -(-at // align_max) * align_max * 4
 
 
+F32_BINDINGS = ("f32",) * (1 + MAX_SRCS)
+BINDING_ALIASES = ("TD", "T0", "T1", "T2", "T3")   # common.wgsl's element types, by binding
+
+
+def binding_dtypes(tensors) -> tuple[str, ...]:
+    """The element type of each common binding (dst, src0 .. src3) of a dispatch: f16 for an
+    f16 element tensor, else f32 (the bindings of i32 and block-type tensors are read through
+    their own views: rows.wgsl's src1_i32, quant_blocks.wgsl's src0_u32)."""
+    kinds = ["f16" if t.dtype == "f16" and not t.is_quantized else "f32" for t in tensors]
+    return tuple(kinds + ["f32"] * (1 + MAX_SRCS - len(kinds)))
+
+
+# f32 -> f16 as IEEE round-to-nearest-even overflows: WGSL leaves a value between the largest
+# half (65504) and 2^16 to the implementation (the largest half or infinity), so those are
+# placed explicitly; 2^16 and beyond must become infinity. The rounding of values in range
+# is the implementation's: to nearest even on lavapipe (tests/test_ops.py checks it).
+HALF_RANGE = """
+fn half_range(v: f32) -> f32 {
+    let a = abs(v);
+    return select(select(v, sign(v) * 65504.0, a > 65504.0), sign(v) * 131072.0, a >= 65520.0);
+}
+"""
+
+
+def dtype_prelude(dtypes=F32_BINDINGS) -> str:
+    """The WGSL put before a family's source: `enable f16;` where a binding is f16, the
+    aliases common.wgsl declares its bindings with, and the stores' conversions from f32
+    (to_TD(v), to_TD4(v), to_T0(v) ..)."""
+    out = ["enable f16;\n" if "f16" in dtypes else ""]
+    for alias, dtype in zip(BINDING_ALIASES, dtypes):
+        out.append(f"alias {alias} = {dtype};\n")
+        if dtype == "f16":
+            out.append(f"fn to_{alias}(v: f32) -> f16 {{ return f16(half_range(v)); }}\n"
+                       f"fn to_{alias}4(v: vec4f) -> vec4<f16> {{ return vec4<f16>(vec4f("
+                       f"half_range(v.x), half_range(v.y), half_range(v.z), half_range(v.w))); }}\n")
+        else:
+            out.append(f"fn to_{alias}(v: f32) -> f32 {{ return v; }}\n"
+                       f"fn to_{alias}4(v: vec4f) -> vec4f {{ return v; }}\n")
+    return "".join(out) + (HALF_RANGE if "f16" in dtypes else "")
+
+
 def kernel_name(entry: str) -> str:
     # The k_ prefix keeps kernels such as exp or abs from shadowing WGSL's builtins.
     return f"k_{entry}"
@@ -175,6 +221,15 @@ def request_adapter():
 PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
+def whole_words(block: np.ndarray) -> np.ndarray:
+    """`block`'s bytes padded with zeros to whole 4-byte words (write_buffer's unit)."""
+    if block.nbytes % 4 == 0:
+        return block
+    data = np.zeros(-(-block.nbytes // 4) * 4, np.uint8)
+    data[:block.nbytes] = block.view(np.uint8)
+    return data
+
+
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -189,10 +244,13 @@ class WgpuBackend(Backend):
         wanted = (BINDING_LIMIT, "max-buffer-size")
         # timestamp queries time a whole step on the device (WgpuPlan.device_seconds);
         # subgroups run the CPU matmul kernel
-        features = [f for f in ("timestamp-query", "subgroup") if f in self.adapter.features]
+        # shader-f16 runs the kernels of f16 tensors
+        features = [f for f in ("timestamp-query", "subgroup", "shader-f16")
+                    if f in self.adapter.features]
         self.device = self.adapter.request_device_sync(
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
+        self.has_f16 = "shader-f16" in self.device.features
         self.kernel_variants = choose_variants(self.adapter, self.device)
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
@@ -215,11 +273,12 @@ class WgpuBackend(Backend):
     def info(self) -> dict:
         return dict(self.adapter.info)
 
-    def _module(self, stem: str):
-        if stem not in self._modules:
-            self._modules[stem] = self.device.create_shader_module(
-                label=stem, code=shader_source(stem))
-        return self._modules[stem]
+    def _module(self, stem: str, dtypes=F32_BINDINGS):
+        key = (stem, dtypes)
+        if key not in self._modules:
+            self._modules[key] = self.device.create_shader_module(
+                label=stem, code=dtype_prelude(dtypes) + shader_source(stem))
+        return self._modules[key]
 
     def reads_src0_in_parts(self, stem: str) -> bool:
         """Whether <stem>.wgsl reads source 0 through src0_word (quant_blocks.wgsl), and can
@@ -228,12 +287,13 @@ class WgpuBackend(Backend):
             self._src0_in_parts[stem] = "override SRC0_PART_WORDS" in shader_source(stem)
         return self._src0_in_parts[stem]
 
-    def pipeline(self, stem: str, entry: str, part_words: int = 0):
+    def pipeline(self, stem: str, entry: str, part_words: int = 0, dtypes=F32_BINDINGS):
         """The compute pipeline of kernel `entry`, WGSL function k_<entry> in <stem>.wgsl;
-        with `part_words`, the one that reads source 0 bound as ranges of that many words."""
-        key = (stem, entry, part_words)
+        with `part_words`, the one that reads source 0 bound as ranges of that many words;
+        `dtypes`: the element types of the bindings dst, src0 .. src3 (binding_dtypes)."""
+        key = (stem, entry, part_words, dtypes)
         if key not in self._pipelines:
-            compute = {"module": self._module(stem), "entry_point": kernel_name(entry)}
+            compute = {"module": self._module(stem, dtypes), "entry_point": kernel_name(entry)}
             if part_words:
                 compute["constants"] = {"SRC0_PART_WORDS": part_words}
             self._pipelines[key] = self.device.create_compute_pipeline(
@@ -254,6 +314,10 @@ class WgpuPlan(Plan):
         for step, node in enumerate(self.nodes):
             first = len(self.dispatches)
             for d in OPS[node.op].dispatches_on(node, backend.kernel_variants):
+                if not backend.has_f16 and "f16" in binding_dtypes((d.dst, *d.srcs)):
+                    raise ShapeError(f"{node.op} ({node.name or node.op}) has f16 tensors, and "
+                                     f"this adapter lacks the WebGPU feature 'shader-f16': "
+                                     f"use f32 tensors or another adapter")
                 self.dispatches.append((d.shader or OPS[node.op].shader, d))
                 self.dispatch_ops.append(node.op)
                 private.update({id(t.storage): (t.storage, step) for t in (d.dst, *d.srcs)
@@ -290,8 +354,8 @@ class WgpuPlan(Plan):
                 self.buffers[id(root)] = shared.storage
                 continue
             if self.sentinel:
-                device.queue.write_buffer(self.buffers[id(root)], 0, guarded_block(
-                    root.storage_len, self.sentinel, root.storage_dtype))
+                device.queue.write_buffer(self.buffers[id(root)], 0, whole_words(guarded_block(
+                    root.storage_len, self.sentinel, root.storage_dtype)))
             if root.value is not None:
                 self.write(root, root.value)
         arena = np.zeros((max(1, len(self.dispatches)), UNIFORM_SLOT // 4), np.uint32)
@@ -331,7 +395,8 @@ class WgpuPlan(Plan):
                                                            "size": size}})
         group = backend.device.create_bind_group(layout=backend.bind_group_layout,
                                                  entries=entries)
-        pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0)
+        pipeline = backend.pipeline(stem, d.entry, self.part_bytes // 4 if split else 0,
+                                    binding_dtypes(tensors))
         return pipeline, group, grid_2d(d.grid())
 
     def _upload(self, root: Tensor):
@@ -465,18 +530,20 @@ class WgpuPlan(Plan):
             words.view(np.uint8)[:value.nbytes] = value.data
             self.backend.device.queue.write_buffer(
                 self.buffers[id(root)], self.sentinel * words.itemsize, words)
-        elif t is root or (t.is_contiguous() and t.shape == root.shape):
+        elif (t is root or (t.is_contiguous() and t.shape == root.shape)) and (
+                (self.sentinel + t.offset) * root.np_dtype.itemsize % 4 == 0
+                and t.nelements * root.np_dtype.itemsize % 4 == 0):
             data = np.ascontiguousarray(value, dtype=root.np_dtype)
             start = self.sentinel + t.offset
             self.backend.device.queue.write_buffer(
                 self.buffers[id(root)], start * root.np_dtype.itemsize, data)
-        else:  # a strided view: merge into the current contents of its storage
+        else:  # a strided view (or f16 bytes off 4-byte words): merge into its storage
             block = self.read_raw(root)
             view = np.lib.stride_tricks.as_strided(
                 block[self.sentinel + t.offset:], t.shape,
                 [s * block.itemsize for s in t.strides])
             view[...] = value
-            self.backend.device.queue.write_buffer(self.buffers[id(root)], 0, block)
+            self.backend.device.queue.write_buffer(self.buffers[id(root)], 0, whole_words(block))
 
     def _copy_back(self, encoder, copies) -> memoryview:
         """Queue `copies` ((buffer, byte offset, byte count), multiples of 4) one after

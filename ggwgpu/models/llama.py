@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops as O
+from ..quant import Quantized
 from ..tensor import ShapeError, constant, input_tensor, param
 
 
@@ -85,6 +86,7 @@ TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
 ROPE_FREQS = "rope_freqs.weight"
 FROZEN = (ROPE_FREQS,)      # values that are never trained, even in a full finetune
+PRECISIONS = ("f32", "f16")  # the element type of activations (model_weights)
 
 
 def parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -133,25 +135,37 @@ LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffi
 LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
 
 
-def model_weights(values: dict, adapters=(), train: str | None = "base"):
+def model_weights(values: dict, adapters=(), train: str | None = "base",
+                  precision: str = "f32"):
     """The leaves of a llama's weights, as the graph builders read them, and its params.
 
     `values` (GGUF name -> float array, or a frozen `Quantized`) become params when
     train == "base", else constants. Each adapter (`tensors`: <name>.lora_a/.lora_b -> array,
     `scale(name)`) puts its pair for weight `name` in p[name + LORA]: params named as the
     adapter's tensors when train == "lora" (one adapter), else constants. train=None freezes
-    everything. Returns (p, {name: param})."""
+    everything. Returns (p, {name: param}).
+
+    precision "f16": the builders read every float weight as halves, so the whole graph
+    computes on f16 activations (the dtype rule of ops/registry.py): a param stays an f32
+    master that a cast feeds to the graph (its gradient comes back as f32 through the
+    cast), a frozen float array becomes an f16 constant; block-type weights stay as they
+    are (their kernels take f16 activations), and so do the rope frequency factors."""
     if train not in ("base", "lora", None):
         raise ValueError(f"train must be 'base', 'lora' or None, got {train!r}")
     if train == "lora" and len(adapters) != 1:
         raise ValueError(f"a LoRA finetune trains one adapter, got {len(adapters)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     params = {}
 
     def leaf(value, name, trained):
+        half = precision == "f16" and name not in FROZEN
         if not trained:
+            if half and not isinstance(value, Quantized):
+                return constant(value, "f16", name=name)
             return constant(value, name=name)
         params[name] = param(value, name=name)
-        return params[name]
+        return O.cast(params[name], "f16") if half else params[name]
 
     p = {name: leaf(v, name, train == "base" and name not in FROZEN)
          for name, v in values.items()}
@@ -164,6 +178,14 @@ def model_weights(values: dict, adapters=(), train: str | None = "base"):
                         adapter.scale(base))
                 p.setdefault(base + LORA, []).append(pair)
     return p, params
+
+
+def half_values(values: dict) -> dict:
+    """`values` with each float array that an f16 graph reads as halves (model_weights)
+    converted to float16 once: graphs built from the result share those arrays, and so
+    their constants' storage on a backend (base.SharedConstants)."""
+    return {name: v if isinstance(v, Quantized) or name in FROZEN else np.asarray(v, np.float16)
+            for name, v in values.items()}
 
 
 def linear(p: dict, name: str, x):
@@ -183,9 +205,12 @@ def output(p: dict, x):
     return linear({**p, OUTPUT: p[TOKEN_EMBD]}, OUTPUT, x)
 
 
-def embed(p: dict, tokens):
-    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them."""
+def embed(p: dict, tokens, precision: str = "f32"):
+    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them, in
+    `precision` (rows of a block-type table come out f32: an f16 graph casts them)."""
     x = O.get_rows(p[TOKEN_EMBD], tokens)
+    if x.dtype != precision:
+        x = O.cast(x, precision)
     for a, b, scale in p.get(TOKEN_EMBD + LORA, ()):
         x = O.add(x, O.mul_mat(b, O.scale(O.get_rows(a, tokens), scale)))
     return x
@@ -287,7 +312,8 @@ def attention(cfg, q, k, v, flash: bool, mask=None):
 
 def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = False,
                       lora=None, adapters=(), frozen: bool = False,
-                      max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False):
+                      max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False,
+                      precision: str = "f32"):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
     tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
@@ -308,23 +334,27 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     positions from 0 and attending to itself only: positions become an input per row
     (batch, n_ctx), roped as one run of batch * n_ctx tokens (as llama.cpp ropes a batch of
     several sequences), and an additive mask input (TrainGraph.mask) replaces the causal
-    one (soft_max_ext, or with flash flash_attn_ext)."""
+    one (soft_max_ext, or with flash flash_attn_ext).
+
+    `precision` "f16": activations, logits and the attention mask are halves, the loss f32
+    (model_weights says how the weights get there); the backward's gradients then have
+    their tensors' types, so the params' come back f32."""
     if lora is not None:
-        p, params = model_weights(values, (lora,), "lora")
+        p, params = model_weights(values, (lora,), "lora", precision)
     else:
-        p, params = model_weights(values, adapters, None if frozen else "base")
+        p, params = model_weights(values, adapters, None if frozen else "base", precision)
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     targets = input_tensor((batch, cfg.n_ctx), "i32", name="targets")
     weights = input_tensor((batch, cfg.n_ctx), name="target weights")
     mask = None
     if packed:
         positions = input_tensor((batch, cfg.n_ctx), "i32", name="positions")
-        mask = input_tensor((batch, 1, cfg.n_ctx, cfg.n_ctx), name="attention mask")
+        mask = input_tensor((batch, 1, cfg.n_ctx, cfg.n_ctx), precision, name="attention mask")
         token_positions = O.reshape(positions, (batch * cfg.n_ctx,))
     else:
         positions = input_tensor((cfg.n_ctx,), "i32", name="positions")
 
-    x = embed(p, tokens)                                          # (batch, ctx, embd)
+    x = embed(p, tokens, precision)                               # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
@@ -341,7 +371,8 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     h = O.reshape(weighted_rms_norm(cfg, x, p["output_norm.weight"]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
-    for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
+    value_bytes = 2 if precision == "f16" else 4
+    for start, n in row_chunks(rows, max(1, max_logits_bytes // (value_bytes * cfg.n_vocab))):
         if n < rows:
             part = (O.view(h, (n, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
                     O.view(ids, (n,), (1,), start), O.view(w, (n,), (1,), start))
@@ -447,7 +478,7 @@ class DecodeGraph:
 
 
 def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
-                       name: str = "kv cache", adapters=()) -> DecodeGraph:
+                       name: str = "kv cache", adapters=(), precision: str = "f32") -> DecodeGraph:
     """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
     gives the logits of one of them. Plan it once (one graph of n_tokens = max_ctx for
     prompts, one of n_tokens = 1 for each sampled token) and run it per step.
@@ -472,19 +503,21 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
     Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
     a token equal the training graph's logits at its position (tests/test_generate.py).
     The weights are frozen constants (f32 or block types), with `adapters`' LoRA pairs added.
+    `precision` "f16": float weights, activations, the mask and the cache in halves
+    (model_weights); the logits too.
     """
     max_ctx = int(max_ctx or cfg.n_ctx)
     n_tokens = int(n_tokens)
     if not 1 <= n_tokens <= max_ctx:
         raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
     e, rows = cfg.kv_dim, n_tokens + max_ctx
-    p, _ = model_weights(values, adapters, train=None)
+    p, _ = model_weights(values, adapters, train=None, precision=precision)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
     slots = input_tensor((max_ctx,), "i32", name="cache slots")
-    mask = input_tensor((n_tokens, max_ctx), name="attention mask")
+    mask = input_tensor((n_tokens, max_ctx), precision, name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
-    kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), name=name)
+    kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), precision, name=name)
 
     def cached(index, new):
         """Write `new` (1, n_tokens, n_head_kv, head_dim) into the cache rows chosen by slots;
@@ -496,7 +529,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
                                                        base + n_tokens * e))
         return O.reshape(cache, (1, max_ctx, cfg.kv_heads, cfg.head_dim))
 
-    x = embed(p, tokens)                                          # (n_tokens, embd)
+    x = embed(p, tokens, precision)                               # (n_tokens, embd)
     for i in range(cfg.n_layer):
         b = f"blk.{i}."
         q, k, v = project_qkv(cfg, p, b, x, (1, n_tokens), positions)

@@ -31,7 +31,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, Tensor, constant, contiguous_strides
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, pad4, register
+from .registry import Case, Dispatch, Input, can_repeat, need_float, pad4, register
 
 MAX_D = 256  # head dim bound: the kernels keep d-float arrays in private memory
 
@@ -39,7 +39,7 @@ MAX_D = 256  # head dim bound: the kernels keep d-float arrays in private memory
 # -- shapes ---------------------------------------------------------------------------------------
 
 def check_qkv(q, k, v, causal=False):
-    need_f32(q, k, v)
+    need_float(q, k, v)
     if not (2 <= q.ndim == k.ndim == v.ndim):
         raise ShapeError("q, k, v need the same number of dims, at least 2")
     if k.shape != v.shape:
@@ -64,7 +64,7 @@ def scores_shape(q, k) -> tuple[int, ...]:
 
 def check_mask(q, k, v, mask):
     check_qkv(q, k, v)
-    need_f32(mask)
+    need_float(mask)
     scores = scores_shape(q, k)
     if not can_repeat(mask.shape, scores):
         raise ShapeError(f"mask {mask.shape} does not tile the scores {scores} ([.., n_q, "
@@ -73,7 +73,7 @@ def check_mask(q, k, v, mask):
 
 
 def check_dout(q, dout):
-    need_f32(dout)
+    need_float(dout)
     if dout.shape != q.shape:
         raise ShapeError(f"dout {dout.shape} must have q's shape {q.shape}")
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_f32, pad4,
+from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_float, pad4,
                        register, same_shape, split_rows, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
@@ -39,14 +39,14 @@ def binary_cases(lo=-1.0, hi=1.0):
 
 def broadcast_shape(srcs, **_):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     if not can_repeat(b.shape, a.shape):
         raise ShapeError(f"second operand {b.shape} does not tile the first {a.shape}")
     return a.shape, a.dtype, {}
 
 
 def unary_shape(srcs, **_):
-    need_f32(*srcs)
+    need_float(*srcs)
     return same_shape(srcs)
 
 
@@ -93,7 +93,7 @@ div = binary("div", np.divide,
 
 def add1_shape(srcs, **_):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     if b.nelements != 1:
         raise ShapeError(f"second operand must have one element, has shape {b.shape}")
     return a.shape, a.dtype, {}
@@ -118,13 +118,15 @@ scale = register(
     cases=lambda: [Case(c.inputs, {"s": -1.75}, c.grad) for c in unary_cases()],
     doc="a * s for a Python float s.")
 
-neg = unary("neg", np.negative, lambda n, g: (O.neg(g),), "-a")
-abs = unary("abs", np.abs, lambda n, g: (O.mul(O.sgn(n.srcs[0]), g),), "|a|")
-sgn = unary("sgn", np.sign, lambda n, g: (None,), "sign of a: -1, 0 or 1 (zero gradient)")
+# f16_nmse=0.0: exact on halves (sign flips, comparisons)
+neg = unary("neg", np.negative, lambda n, g: (O.neg(g),), "-a", f16_nmse=0.0)
+abs = unary("abs", np.abs, lambda n, g: (O.mul(O.sgn(n.srcs[0]), g),), "|a|", f16_nmse=0.0)
+sgn = unary("sgn", np.sign, lambda n, g: (None,), "sign of a: -1, 0 or 1 (zero gradient)",
+            f16_nmse=0.0)
 step = unary("step", lambda a: (a > 0).astype(a.dtype), lambda n, g: (None,),
-             "1 where a > 0, else 0 (zero gradient)")
+             "1 where a > 0, else 0 (zero gradient)", f16_nmse=0.0)
 relu = unary("relu", lambda a: np.maximum(a, 0), lambda n, g: (O.mul(O.step(n.srcs[0]), g),),
-             "max(a, 0)")
+             "max(a, 0)", f16_nmse=0.0)
 sqr = unary("sqr", np.square, lambda n, g: (O.scale(O.mul(n.srcs[0], g), 2.0),), "a * a")
 sqrt = unary("sqrt", np.sqrt, lambda n, g: (O.div(O.scale(g, 0.5), n),), "sqrt(a)",
              lo=2e-3, hi=2.0)
@@ -181,7 +183,7 @@ def act_back(name, ref, fwd):
 
 def back_shape(srcs, **_):
     x, dy = srcs
-    need_f32(x, dy)
+    need_float(x, dy)
     if x.shape != dy.shape:
         raise ShapeError(f"x {x.shape} and dy {dy.shape} must have the same shape")
     return x.shape, x.dtype, {}
@@ -230,7 +232,7 @@ def swiglu_back_into(out, a, b, dy):
 
 
 def gate_shape(srcs, **_):
-    need_f32(*srcs)
+    need_float(*srcs)
     if any(s.shape != srcs[0].shape for s in srcs):
         raise ShapeError(f"operands must have one shape, got {[s.shape for s in srcs]}")
     return srcs[0].shape, "f32", {}
@@ -290,11 +292,11 @@ KERNEL = """
 fn k_{name}(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
     let i = flat_id(gid, nwg); if (i >= p.n) {{ return; }}
     let idx = unravel(i, p.ne_d);
-{loads}    dst[at_d(idx)] = {value};
+{loads}    dst[at_d(idx)] = to_TD({value});
 }}
 """
-LOADS = ("    let a = src0[at_0(idx)];\n", "    let b = src1[at_1(idx % p.ne_1)];\n",
-         "    let c = src2[at_2(idx % p.ne_2)];\n")
+LOADS = ("    let a = f32(src0[at_0(idx)]);\n", "    let b = f32(src1[at_1(idx % p.ne_1)]);\n",
+         "    let c = f32(src2[at_2(idx % p.ne_2)]);\n")
 
 
 def kernels_wgsl() -> str:

@@ -1,5 +1,7 @@
 """Layout ops. view, reshape, permute and transpose are zero-copy (no dispatch: the result
-shares its source's storage); cont and cpy materialise; acc adds into a view of a copy.
+shares its source's storage); cont and cpy materialise; acc adds into a view of a copy;
+cast is a contiguous copy into another element type (cpy with a type change, as ggml_cast),
+and cpy into a tensor of another type converts the same way.
 
 Shader: shaders/layout.wgsl (cpy, acc).
 """
@@ -8,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, check_shape, constant
-from .registry import Case, Dispatch, Input, need_f32, register
+from ..tensor import FLOAT_DTYPES, ShapeError, check_shape, constant
+from .registry import Case, Dispatch, Input, need_float, register
 from .elementwise import LARGE
 
 
@@ -57,6 +59,7 @@ def view_backward(node, g):
 
 view = register(
     "view", n_srcs=1, params=("shape", "strides", "offset"), shape=view_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, shape, strides, offset: storage_view(
         np.ascontiguousarray(a), shape, strides, offset).copy(),
     backward=view_backward,
@@ -81,6 +84,7 @@ def reshape_shape(srcs, shape):
 
 reshape = register(
     "reshape", n_srcs=1, params=("shape",), shape=reshape_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, shape: a.reshape(shape),
     backward=lambda n, g: (reshape_any(g, n.srcs[0].shape),),
     cases=lambda: [Case((Input((5, 6)),), {"shape": (3, 10)}),
@@ -100,6 +104,7 @@ def permute_shape(srcs, axes):
 
 permute = register(
     "permute", n_srcs=1, params=("axes",), shape=permute_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, axes: np.transpose(a, axes),
     backward=lambda n, g: (O.permute(g, tuple(np.argsort(n.params["axes"]))),),
     cases=lambda: [Case((Input((2, 3, 4, 5)),), {"axes": (2, 0, 3, 1)}),
@@ -119,6 +124,7 @@ def transpose_shape(srcs):
 
 transpose = register(
     "transpose", n_srcs=1, shape=transpose_shape,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a: np.swapaxes(a, -1, -2),
     backward=lambda n, g: (O.transpose(g),),
     cases=lambda: [Case((Input((5, 7)),)), Case((Input((2, 3, 4), layout="strided"),)),
@@ -133,12 +139,13 @@ def copy_dispatch(node):
 
 
 def cont_shape(srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape, srcs[0].dtype, {}
 
 
 cont = register(
     "cont", n_srcs=1, shape=cont_shape, shader="layout", entry="cpy", dispatches=copy_dispatch,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a: np.ascontiguousarray(a).copy(),
     fast=lambda out, a: np.copyto(out, a),
     backward=lambda n, g: (g,),
@@ -150,7 +157,7 @@ cont = register(
 
 def cpy_shape(srcs):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     if a.nelements != b.nelements:
         raise ShapeError(f"cannot copy {a.nelements} elements into {b.nelements}")
     return b.shape, b.dtype, {"strides": b.strides, "offset": b.offset, "view_src": b}
@@ -158,6 +165,7 @@ def cpy_shape(srcs):
 
 cpy = register(
     "cpy", n_srcs=2, shape=cpy_shape, shader="layout", dispatches=copy_dispatch,
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, b: a.reshape(b.shape).copy(),
     fast=lambda out, a, b: np.copyto(out, a.reshape(out.shape)),
     backward=lambda n, g: (reshape_any(g, n.srcs[0].shape), None),
@@ -169,9 +177,39 @@ cpy = register(
         "as ggml_cpy. Runs where the graph orders it: read b before it only through it.")
 
 
+def cast_shape(srcs, dtype):
+    (a,) = srcs
+    need_float(a)
+    if dtype not in FLOAT_DTYPES:
+        raise ShapeError(f"casts to one of {', '.join(FLOAT_DTYPES)}, not {dtype!r}")
+    return a.shape, dtype, {}
+
+
+def cast_cases():
+    return [Case((Input(shape, -3.0, 3.0, layout),), {"dtype": dtype})
+            for dtype in FLOAT_DTYPES
+            for shape, layout in (((1,), "contiguous"), ((5, 7), "contiguous"),
+                                  ((3, 4, 5), "permuted"), ((4, 9), "strided"))] + \
+        [Case((Input((LARGE,)),), {"dtype": "f16"}, grad=False)]
+
+
+cast = register(
+    "cast", n_srcs=1, params=("dtype",), shape=cast_shape, shader="layout", entry="cpy",
+    dispatches=copy_dispatch, result="own",
+    # the rounding happens where the value is stored: float16 storage on the NumPy backend
+    reference=lambda a, dtype: np.ascontiguousarray(a).copy(),
+    backward=lambda n, g: (O.cast(g, n.srcs[0].dtype),),
+    cases=cast_cases,
+    doc="A contiguous copy of a as dtype 'f32' or 'f16' (ggml_cast). To f16: IEEE "
+        "round-to-nearest-even, magnitudes from 65520 up become +-inf (the overflow is "
+        "placed explicitly in the kernel, where WGSL leaves it to the implementation; "
+        "the in-range rounding is the adapter's: to nearest even on lavapipe). The gradient "
+        "is cast back to a's dtype.")
+
+
 def acc_shape(srcs, strides, offset):
     a, b = srcs
-    need_f32(a, b)
+    need_float(a, b)
     check_view_fits(b.shape, strides, offset, a.nelements, "acc view")
     return a.shape, a.dtype, {}
 
@@ -201,7 +239,7 @@ acc = register(
 
 def diag_shape(srcs):
     (a,) = srcs
-    need_f32(a)
+    need_float(a)
     if a.ndim > 1 and a.shape[-2] != 1:
         raise ShapeError(f"diag takes rows: shape (n,) or (.., 1, n), got {a.shape}")
     n = a.shape[-1]
@@ -224,6 +262,7 @@ def diag_backward(node, g):
 
 diag = register(
     "diag", n_srcs=1, shape=diag_shape, shader="layout", reference=diag_ref,
+    f16_nmse=0.0,  # exact: copies halves
     backward=diag_backward,
     cases=lambda: [Case((Input((1,)),)), Case((Input((7,)),)), Case((Input((1, 5)),)),
                    Case((Input((2, 3, 1, 4), layout="strided"),)),
@@ -231,5 +270,5 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "acc", "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "diag",
            "reshape_any"]

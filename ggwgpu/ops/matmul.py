@@ -13,7 +13,7 @@ import numpy as np
 from .. import ops as O
 from ..kernels import MATMUL_KERNELS
 from ..tensor import ShapeError, Tensor
-from .registry import Case, Dispatch, Input, need_f32, pad4, register
+from .registry import Case, Dispatch, Input, need_float, pad4, register
 
 BLOCK = 4     # k_mul_mat: each invocation computes a BLOCK x BLOCK tile of the result
 
@@ -115,12 +115,12 @@ def mul_mat_grad_a(a, b, g):
 
 
 def mul_mat_shape(srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     return product_shape(srcs[0].shape, srcs[1].shape, -1, -1, "mul_mat"), "f32", {}
 
 
 def out_prod_shape(srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     return product_shape(srcs[0].shape, srcs[1].shape, -2, -2, "out_prod"), "f32", {}
 
 

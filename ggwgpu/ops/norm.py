@@ -20,11 +20,11 @@ from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError
 from .elementwise import reduce_to, tiled
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_float, register, tile
 
 
 def norm_shape(srcs, eps):
-    need_f32(*srcs)
+    need_float(*srcs)
     if any(s.shape != srcs[0].shape for s in srcs):
         raise ShapeError(f"x and dy must have the same shape, got {[s.shape for s in srcs]}")
     if not float(eps) >= 0:
@@ -35,7 +35,7 @@ def norm_shape(srcs, eps):
 def weighted_shape(srcs, eps):
     """(x, w) or (x, w, dy): w tiles x, dy is shaped like x."""
     x, w = srcs[0], srcs[1]
-    need_f32(*srcs)
+    need_float(*srcs)
     if not can_repeat(w.shape, x.shape):
         raise ShapeError(f"weight {w.shape} does not tile x {x.shape}")
     return norm_shape((x,) + tuple(srcs[2:]), eps)

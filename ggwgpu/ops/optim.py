@@ -19,7 +19,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError
-from .registry import Case, Dispatch, Input, need_f32, register
+from .registry import Case, Dispatch, Input, need_float, register
 
 ADAMW_HPARAMS = ("alpha", "beta1", "beta2", "eps", "wd", "beta1h", "beta2h", "finite")
 
@@ -36,7 +36,7 @@ def adamw_hparams(lr, beta1, beta2, eps, weight_decay, t) -> np.ndarray:
 
 def append_finite_flag_shape(srcs):
     hp, a, b = srcs
-    need_f32(*srcs)
+    need_float(*srcs)
     if hp.ndim != 1:
         raise ShapeError(f"hparams must be 1-D, got {hp.shape}")
     return (hp.shape[0] + 1,), "f32", {}
@@ -58,7 +58,8 @@ def append_finite_flag_cases():
 
 
 append_finite_flag = register(
-    "append_finite_flag", n_srcs=3, shape=append_finite_flag_shape, shader="optim",
+    "append_finite_flag", n_srcs=3, shape=append_finite_flag_shape, shader="optim", result="f32",
+    f16_nmse=0.0,  # exact: a flag from exponent bits
     reference=append_finite_flag_ref, no_grad=(1, 2), cases=append_finite_flag_cases,
     backward=lambda n, g: (O.view(g, n.srcs[0].shape, g.strides, 0), None, None),
     doc="(hparams, a, b) -> hparams followed by 1 when every element of a and b is finite, "
@@ -67,7 +68,7 @@ append_finite_flag = register(
 
 def adamw_shape(srcs, decay):
     param, grad, m, v, hp = srcs
-    need_f32(*srcs)
+    need_float(*srcs)
     for what, t in (("grad", grad), ("m", m), ("v", v)):
         if t.shape != param.shape:
             raise ShapeError(f"{what} {t.shape} differs from the parameter's {param.shape}")
@@ -135,6 +136,7 @@ def adamw_cases():
 
 opt_step_adamw = register(
     "opt_step_adamw", n_srcs=5, params=("decay",), shape=adamw_shape, shader="optim",
+    f16=False,  # trainable weights and moments are f32 masters
     reference=adamw_ref, fast=adamw_into, backward=None, updates=True, cases=adamw_cases,
     # dst is the parameter itself (the node is a view of it), so bind only the other four
     dispatches=lambda n: [Dispatch("opt_step_adamw", n, n.srcs[1:], n=n.nelements,
@@ -148,7 +150,7 @@ SGD_HPARAMS = ("lr", "wd", "finite")
 
 def sgd_shape(srcs, decay):
     param, grad, hp = srcs
-    need_f32(*srcs)
+    need_float(*srcs)
     if grad.shape != param.shape:
         raise ShapeError(f"grad {grad.shape} differs from the parameter's {param.shape}")
     if not param.is_contiguous():
@@ -170,6 +172,7 @@ def sgd_ref(param, grad, hp, decay):
 
 opt_step_sgd = register(
     "opt_step_sgd", n_srcs=3, params=("decay",), shape=sgd_shape, shader="optim",
+    f16=False,  # trainable weights are f32 masters
     reference=sgd_ref, backward=None, updates=True,
     dispatches=lambda n: [Dispatch("opt_step_sgd", n, n.srcs[1:], n=n.nelements,
                                    u=(int(bool(n.params["decay"])),))],

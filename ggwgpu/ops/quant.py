@@ -2,9 +2,12 @@
 q6_k: ggwgpu/quant.py's TYPES), dequantizing inside the kernel. Shaders: shaders/quant.wgsl
 and quant_subgroup.wgsl, both dequantizing through shaders/quant_blocks.wgsl.
 
-    mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32 -> [.., N, M] = x @ w.T
-    mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32 -> [.., N, K] = g @ w
+    mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32/f16 -> [.., N, M] = x @ w.T
+    mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32/f16 -> [.., N, K] = g @ w
     get_rows_q(table, ids)  rows of a frozen [n_rows, n_cols] table -> f32
+
+(the activations' dtype decides the result's: the frozen weight does not count, whatever its
+type; ops/registry.py's result_dtype)
 
 mul_mat and get_rows hand over to these when their first operand is frozen (the registry's
 `frozen_variant`), so a model's code works unchanged with quantized constants in place of
@@ -28,7 +31,7 @@ from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
-from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_f32, register
+from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_float, register
 from .rows import check_ids, get_rows_ref
 
 
@@ -60,7 +63,7 @@ def tiles(n: int, size: int) -> int:
 def mul_mat_q_shape(srcs):
     w, x = srcs
     check_frozen(w)
-    need_f32(x)
+    need_float(x)
     return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
 
 
@@ -132,7 +135,7 @@ mul_mat_q = register(
 def mul_mat_q_back_shape(srcs):
     w, g = srcs
     check_frozen(w)
-    need_f32(g)
+    need_float(g)
     return product_shape(w.shape, g.shape, -2, -1, "mul_mat_q_back"), "f32", {}
 
 

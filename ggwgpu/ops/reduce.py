@@ -8,7 +8,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, Tensor, check_shape
-from .registry import (WORKGROUP, Case, Dispatch, Input, can_repeat, need_f32, register, tile,
+from .registry import (WORKGROUP, Case, Dispatch, Input, can_repeat, need_float, register, tile,
                        untile)
 from .elementwise import LARGE
 
@@ -20,12 +20,12 @@ def reduce_cases(large):
 
 
 def sum_shape(srcs, **_):
-    need_f32(*srcs)
+    need_float(*srcs)
     return (1,), "f32", {}
 
 
 def rows_shape(srcs, **_):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape[:-1] + (1,), "f32", {}
 
 
@@ -53,7 +53,7 @@ def row_dispatch(node, scale):
 
 
 sum = register(
-    "sum", n_srcs=1, shape=sum_shape, shader="reduce",
+    "sum", n_srcs=1, shape=sum_shape, shader="reduce", result="f32",  # a loss
     reference=lambda a: np.sum(a, dtype=a.dtype).reshape(1),
     dispatches=lambda n: sum_into(n, n.srcs[0]),
     backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
@@ -75,7 +75,7 @@ mean = register(
 
 
 def repeat_shape(srcs, shape):
-    need_f32(*srcs)
+    need_float(*srcs)
     shape = check_shape(shape, "target")
     if not can_repeat(srcs[0].shape, shape):
         raise ShapeError(f"cannot tile {srcs[0].shape} to {shape}")
@@ -83,7 +83,7 @@ def repeat_shape(srcs, shape):
 
 
 def repeat_back_shape(srcs, shape):
-    need_f32(*srcs)
+    need_float(*srcs)
     shape = check_shape(shape, "target")
     if not can_repeat(shape, srcs[0].shape):
         raise ShapeError(f"{shape} does not tile {srcs[0].shape}")
@@ -92,6 +92,7 @@ def repeat_back_shape(srcs, shape):
 
 repeat = register(
     "repeat", n_srcs=1, params=("shape",), shape=repeat_shape, shader="reduce",
+    f16_nmse=0.0,  # exact: copies halves
     reference=lambda a, shape: tile(a, shape),
     backward=lambda n, g: (O.repeat_back(g, n.srcs[0].shape),),
     cases=lambda: [Case((Input((1,)),), {"shape": (3,)}),

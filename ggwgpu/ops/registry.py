@@ -14,6 +14,12 @@
     cases       -> the op's rows in the test matrix (forward and gradient checks)
     frozen_variant -> the op that builds the node instead when source 0 is a frozen weight in
                    a block type (mul_mat -> mul_mat_q, get_rows -> get_rows_q; ops/quant.py)
+    dtypes      -> float sources may be f32 or f16 (`f16=False`: the op has no f16 kernel and
+                   refuses f16 sources by name); the result's dtype is decided here, in
+                   result_dtype, for every op: f16 when all float sources are f16, else f32
+                   (`result="f32"`: always f32, losses and optimizer ops; "own": the shape
+                   rule's, for views and casts). Kernels compute in f32 whatever the storage.
+                   `f16_nmse` bounds the op's f16 cases in the test matrix.
 
 Adding an op is one `register(...)` call plus one WGSL entry point.
 """
@@ -26,7 +32,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..tensor import ShapeError, Tensor
+from ..tensor import FLOAT_DTYPES, ShapeError, Tensor
 
 WORKGROUP = 64  # invocations per workgroup of the elementwise kernels (matches shaders)
 
@@ -106,6 +112,12 @@ class OpDef:
     # backend runs it instead of the reference, and tests/test_backends.py holds it to the
     # reference on every case of the op, in float32 and float64
     fast: Callable | None = None
+    f16: bool = True                # float sources may be f16 (the kernel reads halves)
+    result: str = "float"           # "float": f16 iff all float sources are, "f32", "own"
+    # bound of the op's f16 cases (inputs rounded to halves): the rounding of a stored half
+    # is nmse <= 2^-22 / 3 ~ 8e-8 (measured up to 1.3e-7 on lavapipe, mul_mat's small sums)
+    f16_nmse: float = 1e-6
+    dtype_from: tuple[int, ...] = ()  # the sources the result dtype follows (default: all)
     # (result shape, *source shapes) -> per source the dim of it that lines up with the
     # result's first dim, cut with it, or None: passed whole to every piece; None for the
     # whole rule where this node may not be cut. The pieces of `fast` then give the uncut
@@ -163,9 +175,12 @@ def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
              nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
-             doc="", frozen_variant=None, variants=(), fast=None, split=None):
+             doc="", frozen_variant=None, variants=(), fast=None, f16=True, result="float",
+             f16_nmse=1e-6, dtype_from=(), split=None):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
+    if result not in ("float", "f32", "own"):
+        raise ValueError(f"op {name}: result must be 'float', 'f32' or 'own', not {result!r}")
     if name in OPS:
         raise ValueError(f"op {name} registered twice")
     if (backward is None) != updates:
@@ -173,7 +188,8 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
     opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
-                  doc, frozen_variant, tuple(variants), dict(defaults or {}), fast, split)
+                  doc, frozen_variant, tuple(variants), dict(defaults or {}), fast, f16,
+                  result, f16_nmse, tuple(dtype_from), split)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
@@ -206,6 +222,7 @@ def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
         raise TypeError(f"{opdef.name}: missing argument(s) {missing}")
     try:
         shape, dtype, extra = opdef.shape(srcs, **params)
+        dtype = result_dtype(opdef, srcs, dtype, extra)
     except ShapeError as e:
         shapes = ", ".join(str(s.shape) for s in srcs)
         raise ShapeError(f"{opdef.name}({shapes}): {e}") from None
@@ -254,10 +271,36 @@ def same_shape(srcs, **_):
     return srcs[0].shape, srcs[0].dtype, {}
 
 
-def need_f32(*srcs):
+def need_float(*srcs):
+    """Sources that must hold floats: f32 or f16 element tensors (result_dtype refuses f16
+    for the ops without an f16 kernel)."""
     for s in srcs:
-        if s.dtype != "f32":
-            raise ShapeError(f"needs f32 tensors, got {s.dtype}")
+        if s.dtype not in FLOAT_DTYPES or s.is_quantized:
+            raise ShapeError(f"needs f32 or f16 tensors, got {s.dtype}")
+
+
+def result_dtype(opdef: OpDef, srcs, dtype: str, extra: dict) -> str:
+    """The one dtype rule of float ops: the result is f16 when every float source is an f16
+    element tensor, else f32 (mixed -> f32); integer sources (ids, positions) and frozen
+    block-type weights do not count, nor the sources outside an op's `dtype_from` (rope_ff's
+    frequency factors). Ops with result="f32" (losses, optimizer ops) always
+    give f32; views (a result that shares a source's storage) and result="own" ops keep the
+    shape rule's dtype."""
+    floats = [s.dtype for s in srcs if s.dtype in FLOAT_DTYPES and not s.is_quantized]
+    if "f16" in floats and not opdef.f16:
+        raise ShapeError(f"has no f16 kernel: give it f32 tensors (cast them)")
+    if dtype not in FLOAT_DTYPES or opdef.result == "own" or "view_src" in extra:
+        return dtype
+    if opdef.dtype_from:
+        floats = [srcs[i].dtype for i in opdef.dtype_from]
+    if opdef.result == "f32" or not floats:
+        return "f32"
+    return "f16" if all(d == "f16" for d in floats) else "f32"
+
+
+def f32_only_ops() -> list[str]:
+    """The ops without an f16 kernel (register(..., f16=False)), by name."""
+    return sorted(name for name, op in OPS.items() if not op.f16)
 
 
 def tile(a: np.ndarray, shape) -> np.ndarray:

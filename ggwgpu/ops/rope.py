@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError
-from .registry import Case, Input, need_f32, register
+from ..tensor import FLOAT_DTYPES, ShapeError
+from .registry import Case, Input, need_float, register
 
 MODES = {"normal": 0, "neox": 2}  # ggml's mode numbers; the shader takes them in p.u.y
 PARAMS = ("n_dims", "mode", "freq_base", "freq_scale")
@@ -34,7 +34,7 @@ ROPE_DEFAULTS = {"mode": "normal", "freq_base": 10000.0, "freq_scale": 1.0}
 
 def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
     x, pos = srcs[:2]
-    need_f32(x)
+    need_float(x)
     if x.ndim not in (3, 4):
         raise ShapeError(f"x must be ([batch,] n_tokens, n_head, head_dim), has shape {x.shape}")
     if pos.dtype != "i32" or pos.shape != (x.shape[-3],):
@@ -49,9 +49,9 @@ def rope_shape(srcs, n_dims, mode, freq_base, freq_scale):
 
 def rope_ff_shape(srcs, n_dims, **params):
     factors = srcs[2]
-    if factors.dtype != "f32" or factors.shape != (int(n_dims) // 2,):
-        raise ShapeError(f"factors must be f32 of shape ({int(n_dims) // 2},) (one per pair "
-                         f"of the n_dims {n_dims} rotated dims), got {factors.dtype} "
+    if factors.dtype not in FLOAT_DTYPES or factors.shape != (int(n_dims) // 2,):
+        raise ShapeError(f"factors must be f32 of shape ({int(n_dims) // 2},) or f16 (one per "
+                         f"pair of the n_dims {n_dims} rotated dims), got {factors.dtype} "
                          f"{factors.shape}")
     return rope_shape(srcs, n_dims, **params)
 
@@ -194,6 +194,7 @@ rope_back = register(
 
 rope_ff = register(
     "rope_ff", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
+    dtype_from=(0,),  # x's dtype: the factors are a table of the model
     reference=lambda x, pos, ff, **kw: rope_ref(x, pos, **kw, factors=ff),
     fast=lambda out, x, pos, ff, **kw: rope_into(out, x, pos, **kw, factors=ff),
     uniforms=lambda n: uniforms(n, 1.0), no_grad=(1, 2),
@@ -206,6 +207,7 @@ rope_ff = register(
 
 rope_ff_back = register(
     "rope_ff_back", n_srcs=3, params=PARAMS, shape=rope_ff_shape, shader="rope",
+    dtype_from=(0,),  # x's dtype: the factors are a table of the model
     entry="rope_ff", reference=lambda g, pos, ff, **kw: rope_ref(g, pos, **kw, sign=-1.0,
                                                                   factors=ff),
     fast=lambda out, g, pos, ff, **kw: rope_into(out, g, pos, **kw, sign=-1.0, factors=ff),

@@ -20,7 +20,7 @@ import numpy as np
 
 from .. import ops as O
 from ..tensor import ShapeError, Tensor
-from .registry import Case, Dispatch, Input, need_f32, register
+from .registry import Case, Dispatch, Input, need_float, register
 
 
 def check_ids(ids_t):
@@ -42,7 +42,7 @@ def check_range(name, ids, n_rows):
 
 def get_rows_shape(srcs):
     table, ids = srcs
-    need_f32(table)
+    need_float(table)
     if table.ndim != 2:
         raise ShapeError(f"table must be 2-D [n_rows, n_cols], has shape {table.shape}")
     check_ids(ids)
@@ -56,6 +56,7 @@ def get_rows_ref(table, ids):
 
 get_rows = register(
     "get_rows", n_srcs=2, shape=get_rows_shape, shader="rows", reference=get_rows_ref,
+    f16_nmse=0.0,  # exact: copies halves
     no_grad=(1,), frozen_variant="get_rows_q",
     backward=lambda n, g: (O.get_rows_back(g, n.srcs[1], n.srcs[0].shape[0]), None),
     cases=lambda: [
@@ -77,7 +78,7 @@ get_rows = register(
 
 def get_rows_back_shape(srcs, like_rows):
     g, ids = srcs
-    need_f32(g)
+    need_float(g)
     check_ids(ids)
     if g.ndim != ids.ndim + 1 or g.shape[:-1] != ids.shape:
         raise ShapeError(f"g {g.shape} must be ids {ids.shape} + (n_cols,)")

@@ -23,7 +23,7 @@ import numpy as np
 from .. import ops as O
 from ..kernels import ROW_VARIANTS, row_kernel
 from ..tensor import ShapeError, Tensor, constant
-from .registry import Case, Dispatch, Input, can_repeat, need_f32, register, split_rows, tile
+from .registry import Case, Dispatch, Input, can_repeat, need_float, register, split_rows, tile
 from .rows import check_range
 from .elementwise import LARGE, reduce_to, tiled
 from .reduce import sum_into
@@ -44,7 +44,7 @@ def row_dispatch(node, variant="workgroup", **uniforms):
 
 
 def same_shapes(*srcs):
-    need_f32(*srcs)
+    need_float(*srcs)
     if any(s.shape != srcs[0].shape for s in srcs):
         raise ShapeError(f"inputs must have the same shape, got {[s.shape for s in srcs]}")
 
@@ -90,13 +90,13 @@ OTHER = {"contiguous": "contiguous", "permuted": "strided", "strided": "permuted
 
 
 def soft_max_shape(srcs, scale):
-    need_f32(*srcs)
+    need_float(*srcs)
     return srcs[0].shape, "f32", {}
 
 
 def soft_max_ext_shape(srcs, scale):
     x, mask = srcs
-    need_f32(x, mask)
+    need_float(x, mask)
     if not can_repeat(mask.shape, x.shape):
         raise ShapeError(f"mask {mask.shape} does not tile x {x.shape}")
     return x.shape, "f32", {}
@@ -183,7 +183,7 @@ soft_max_back = register(
 
 
 def diag_mask_shape(srcs, n_past):
-    need_f32(*srcs)
+    need_float(*srcs)
     if not 0 <= int(n_past) < 2 ** 31:
         raise ShapeError(f"n_past must be in [0, 2^31), got {n_past}")
     return srcs[0].shape, "f32", {}
@@ -231,6 +231,7 @@ def diag_mask_cases(large=False):
 
 diag_mask_inf = register(
     "diag_mask_inf", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    f16_nmse=0.0,  # exact: copies halves, or masks them
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, -np.inf),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, -np.inf),
     dispatches=lambda n: diag_mask_dispatch(n, -np.inf),
@@ -241,6 +242,7 @@ diag_mask_inf = register(
 
 diag_mask_zero = register(
     "diag_mask_zero", n_srcs=1, params=("n_past",), shape=diag_mask_shape, shader="softmax",
+    f16_nmse=0.0,  # exact: copies halves, or masks them
     entry="diag_mask", reference=lambda x, n_past: diag_mask_ref(x, n_past, 0.0),
     fast=lambda out, x, n_past: diag_mask_into(out, x, n_past, 0.0),
     dispatches=lambda n: diag_mask_dispatch(n, 0.0),
@@ -296,6 +298,7 @@ def ce_cases():
 
 cross_entropy_loss = register(
     "cross_entropy_loss", n_srcs=2, shape=ce_shape, shader="softmax", reference=ce_ref,
+    result="f32",
     dispatches=ce_dispatch, variants=ROW_VARIANTS, backward=ce_backward, cases=ce_cases,
     doc="-sum(p * log_softmax(x)) / n_rows for logits x and target probabilities p (rows "
         "over the innermost dim), shape (1,); as ggml_cross_entropy_loss, with an exact "
@@ -305,7 +308,7 @@ cross_entropy_loss = register(
 def ce_back_shape(srcs):
     x, p, d = srcs
     same_shapes(x, p)
-    need_f32(d)
+    need_float(d)
     if d.nelements != 1:
         raise ShapeError(f"dloss must have one element, has shape {d.shape}")
     return x.shape, "f32", {}
@@ -327,6 +330,7 @@ def ce_back_backward(node, g):
 cross_entropy_loss_back = register(
     "cross_entropy_loss_back", n_srcs=3, shape=ce_back_shape, shader="softmax",
     reference=ce_back_ref, no_grad=(0, 1), backward=ce_back_backward,
+    dtype_from=(0,),  # the logits' gradient has their type (the loss's gradient is f32)
     dispatches=lambda n, variant="workgroup": row_dispatch(
         n, variant, f=(1.0 / n_rows(n.srcs[0]),)),
     variants=ROW_VARIANTS,
@@ -345,7 +349,7 @@ cross_entropy_loss_back = register(
 
 def check_ce_ids(srcs):
     x, ids, w = srcs[:3]
-    need_f32(x, w, *srcs[3:])
+    need_float(x, w, *srcs[3:])
     if x.ndim < 2:
         raise ShapeError(f"logits must have rows (at least 2 dims), have shape {x.shape}")
     if ids.dtype != "i32":
@@ -419,6 +423,7 @@ def ce_ids_cases():
 
 cross_entropy_ids = register(
     "cross_entropy_ids", n_srcs=3, shape=ce_ids_shape, shader="softmax", reference=ce_ids_ref,
+    result="f32",
     fast=ce_ids_into, no_grad=(1, 2),
     dispatches=ce_ids_dispatch, variants=ROW_VARIANTS,
     backward=lambda n, g: (O.cross_entropy_ids_back(*n.srcs, g), None, None),
@@ -465,7 +470,7 @@ cross_entropy_ids_back = register(
     "cross_entropy_ids_back", n_srcs=4, shape=ce_ids_back_shape, shader="softmax",
     reference=ce_ids_back_ref, fast=ce_ids_back_into, no_grad=(0, 1, 2),
     split=split_rows(keep=1, rows=(1, 2), whole=(3,)),   # ids and weights: one per row
-    backward=ce_ids_back_backward,
+    backward=ce_ids_back_backward, dtype_from=(0,),  # as cross_entropy_loss_back
     dispatches=row_dispatch, variants=ROW_VARIANTS,
     # no 70001-row case: the row indexing is cross_entropy_ids's
     cases=lambda: [Case((*c.inputs, Input((1,))), grad=c.grad) for c in ce_ids_cases()[:-1]],

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ggwgpu import gguf_io
+from ggwgpu import gguf_file
 from ggwgpu.tokenizer import (_ALWAYS_SHOWN, _EOG_TEXTS, _ROLE_TEXTS, KEY, NORMAL, BPEVocab,
                               load_vocab)
 
@@ -59,7 +59,7 @@ def encodings(vocab, texts):
 
 
 def write(path: Path, meta: dict, arch: str):
-    gguf_io.write_metadata(path, meta, arch)
+    gguf_file.write_metadata(path, meta, arch)
 
 
 def trim(src: Path, texts: list[str], out: Path):
@@ -77,7 +77,7 @@ def trim(src: Path, texts: list[str], out: Path):
     used |= {i for i, t in enumerate(vocab.tokens) if t in named}
     used |= {i for i in (vocab.bos_id, vocab.eos_id, vocab.unk_id) if i is not None}
 
-    full = gguf_io.read_metadata(src)
+    full = gguf_file.read_metadata(src)
     meta = {k: v for k, v in full.items() if k.startswith(KEY) or k == "general.name"}
     meta.pop("tokenizer.chat_template", None)
     meta[KEY + "tokens"] = [t if i in used else "" for i, t in enumerate(vocab.tokens)]
@@ -94,7 +94,7 @@ def trim(src: Path, texts: list[str], out: Path):
 
 
 def relabel(src, pre, out):
-    full = gguf_io.read_metadata(src)
+    full = gguf_file.read_metadata(src)
     meta = {k: v for k, v in full.items() if k.startswith(KEY) or k == "general.name"}
     meta[KEY + "pre"] = pre
     write(Path(out), meta, full.get("general.architecture", "llama"))

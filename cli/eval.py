@@ -1,0 +1,105 @@
+"""`ggwgpu eval MODEL [TEXTS]...`: the loss and perplexity of a model (with LoRA adapters) on
+text or on a --data split. Registered on the `ggwgpu` group by main.py.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import click
+import numpy as np
+
+from ggwgpu.chat import SPLITS
+from ggwgpu.data import BUNDLED
+
+from .common import (check_memory, ctx_option, describe_backend, precision_option,
+                     resolve_precision, select_backend, with_context)
+from .training import (data_options, describe_examples, example_batches, example_sets,
+                       positive, read_text)
+
+@click.command("eval")
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option("--corpus", type=click.Choice(list(BUNDLED)), default="shakespeare",
+              show_default=True, help="The bundled text to evaluate on when no TEXTS are given.")
+@click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+              help="Apply this LoRA adapter (repeatable), as generate --lora does.")
+@click.option("--samples", default=256, show_default=True, type=positive(),
+              help="Windows of n_ctx tokens, spread evenly over the text.")
+@click.option("--batch", default=8, show_default=True, type=positive(),
+              help="Windows per run.")
+@ctx_option("Tokens per window")
+@data_options
+@click.option("--split", type=click.Choice(SPLITS),
+              help="The --data split to evaluate (default: test, else valid, else train).")
+@precision_option
+@click.pass_context
+def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split, **kw):
+    """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
+    (default: the bundled corpus): the mean cross-entropy of next-token prediction over
+    n_ctx-token windows at evenly spaced positions, each starting after BOS as in training.
+    The same windows every time, so two models or adapters compare on equal terms.
+    With --data, over the examples of one split instead (per trained token: with
+    --mask-prompt, the answers only)."""
+    import math
+
+    from ggwgpu import data
+    from ggwgpu.gguf_file import GGUFError
+    from ggwgpu.gguf_llama import load_model
+    from ggwgpu.lora import load_adapter
+    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.train import logits_bound
+    try:
+        cfg, values, tokenizer = load_model(model, keep_quantized=True)
+        adapters = [load_adapter(path, cfg) for path in lora_paths]
+    except GGUFError as e:
+        raise click.ClickException(str(e)) from None
+    cfg = with_context(cfg, n_ctx)
+    if kw["data_path"]:
+        sets = example_sets(kw, tokenizer, splits=(split,) if split else SPLITS)
+        split = split or next(s for s in ("test", "valid", "train") if s in sets)
+        if split not in sets:
+            raise click.UsageError(f"{kw['data_path']} has no {split} split")
+        examples = example_batches(sets[split], cfg, batch, kw, 0)
+        examples.batch = batch = min(batch, examples.n_samples)
+        packed = examples.packed
+        batches = list(examples.in_order())
+        what = f"{kw['data_path']} ({split}): {describe_examples('examples', examples)}"
+    else:
+        text, source = read_text(texts, corpus)
+        try:
+            windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
+        except ValueError as e:
+            raise click.UsageError(f"{source}: {e}") from None
+        n = min(samples, windows.n_samples)
+        batch = min(batch, n)
+        n -= n % batch
+        starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
+        batches = (windows.windows(windows.starts[starts[i:i + batch]])   # one at a time
+                   for i in range(0, n, batch))
+        what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
+        packed = False
+    check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
+    backend = select_backend(ctx)
+    precision = resolve_precision(backend, kw["precision"])
+    g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
+                          max_logits_bytes=logits_bound(backend), packed=packed,
+                          precision=precision)
+    plan = backend.plan([g.loss])
+    if not packed:
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    total, counted = 0.0, 0
+    for rows in batches:         # the mean over every counted target
+        plan.run(g.feeds(*rows))
+        n_targets = int((rows[1] >= 0).sum())
+        total += float(plan.read(g.loss)[0]) * n_targets
+        counted += n_targets
+    loss = total / max(counted, 1)
+    with_lora = "".join(f" + {path}" for path in lora_paths)
+    click.echo(f"eval on {describe_backend(backend)} in {precision}: {model}{with_lora} on "
+               f"{what}")
+    if not math.isfinite(loss):     # finite weights whose activations overflow float32
+        raise click.ClickException(f"the loss of {model}{with_lora} is {loss}: its values "
+                                   f"overflow {'halves' if precision == 'f16' else 'float32'} "
+                                   f"in the forward pass")
+    perplexity = math.exp(loss) if loss < 700 else math.inf     # exp overflows past ~709
+    click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity:.3f}")

@@ -1,0 +1,92 @@
+"""`ggwgpu generate MODEL`: a prompt continued (or with --chat answered) by a llama GGUF,
+streamed as it is sampled. Registered on the `ggwgpu` group by main.py.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import sys
+import time
+
+import click
+
+from .chat import chat_answer
+from .common import chat_template as load_chat_template
+from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
+                     precision_option, resolve_precision, sampling_of, sampling_options,
+                     select_backend, template_option)
+
+def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=(),
+                  precision="f32"):
+    """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
+    timing line on stderr."""
+    from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
+                                 prompt_tokens)
+    t0 = time.perf_counter()
+    try:
+        ids = prompt_tokens(tokenizer, prompt)
+    except ValueError as e:         # VocabError: a lone surrogate, a piece without a token
+        raise click.UsageError(f"--prompt: {e}") from None
+    decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
+    stream = TextStream(tokenizer, ids)
+    click.echo(stream.push(), nl=False)
+    t1, count = time.perf_counter(), 0
+    for token in generate_tokens(decoder, ids, n, sampling, seed, context_bos(tokenizer),
+                                 tokenizer.eog_ids):
+        count += 1
+        piece = stream.push(token)
+        if piece:
+            click.echo(piece, nl=False)
+            sys.stdout.flush()
+    click.echo(stream.finish())
+    t2 = time.perf_counter()
+    click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
+               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s, "
+               f"{decoder.memory() / 2**20:.1f} MiB planned)", err=True)
+
+
+@click.command()
+@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.option("--prompt", "-p", default="",
+              help="Text to continue (BOS is put before it if the vocabulary adds one; special "
+                   "tokens such as <|im_start|> in it are recognised); with --chat, the user's "
+                   "message.")
+@click.option("--n-predict", "-n", default=200, show_default=True, type=click.IntRange(min=0),
+              help="Tokens to generate at most (it stops earlier at an end-of-generation "
+                   "token: EOS, <|im_end|>, <|eot_id|>, ...).")
+@sampling_options
+@lora_option
+@ctx_option("Tokens the KV cache holds")
+@click.option("--chat", is_flag=True,
+              help="The prompt is a user message put through the model's chat template with "
+                   "the generation prompt (after --system); only the answer is printed.")
+@click.option("--system", help="With --chat: a system message first.")
+@template_option()
+@precision_option
+@click.pass_context
+def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
+             **kw):
+    """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
+
+    The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
+    does: repeat penalty, top-k, top-p, min-p, temperature. When the model's context (n_ctx) is
+    full, the window slides to BOS plus its last half and is recomputed. With --chat the
+    prompt is answered as one chat turn (for scripts; `ggwgpu chat` goes on talking).
+    """
+    cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
+    check_memory(ctx, f"generating with {model}", cfg, values, decoder=True)
+    if (system or chat_template) and not chat:
+        raise click.UsageError("--system and --chat-template go with --chat")
+    if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
+        raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
+    backend = select_backend(ctx)
+    precision = resolve_precision(backend, kw["precision"])
+    click.echo(f"generate on {describe_backend(backend)} in {precision}: {model}, n_ctx "
+               f"{cfg.n_ctx}, seed {kw['seed']}", err=True)
+    if chat:
+        template = load_chat_template(tokenizer, chat_template)
+        chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n_predict,
+                    sampling_of(kw), kw["seed"], adapters, precision)
+    else:
+        stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling_of(kw),
+                      kw["seed"], adapters, precision)

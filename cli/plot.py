@@ -1,0 +1,76 @@
+"""`ggwgpu plot LOG`: the loss curve of a train or finetune --log as a PNG (matplotlib).
+Registered on the `ggwgpu` group by main.py.
+
+Only absolute imports of `ggwgpu` here (see main.py).
+"""
+from __future__ import annotations
+
+import math
+
+import click
+
+from .outputs import check_outputs
+
+@click.command()
+@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.option("--out", type=click.Path(dir_okay=False),
+              help="The PNG to write. Default: the log's name with .png.")
+def plot(log, out):
+    """Plot the loss (validation loss too, and the learning rate) of a `train --log` or
+    `finetune --log` JSONL file as a PNG.
+
+    Needs matplotlib: pip install 'ggwgpu[plot]'.
+    """
+    import json
+    from pathlib import Path
+    from ggwgpu.files import read_limited
+    out = out or str(Path(log).with_suffix(".png"))
+    check_outputs([("LOG", log)], [("--out", out)])
+    try:
+        text = read_limited(log, click.ClickException).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise click.ClickException(f"{log}: not valid UTF-8 at byte offset {e.start}") from None
+    records = []
+    for number, line in enumerate(text.splitlines(), 1):
+        try:
+            records.append(json.loads(line))
+        except (ValueError, RecursionError) as e:
+            raise click.ClickException(f"{log}, line {number}: not JSON ({e})") from None
+
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool) \
+            and math.isfinite(value)
+    if not records or not all(isinstance(r, dict) and number(r.get("step"))
+                              and number(r.get("loss")) for r in records):
+        raise click.ClickException(f"{log} has no training records (step and loss, numbers "
+                                   f"on every line)")
+    records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
+               else {"step": r["step"], "loss": r["loss"]} for r in records]
+    try:          # after the log is checked: a bad log is refused without it
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise click.ClickException("plot needs matplotlib: pip install 'ggwgpu[plot]'") from None
+    out = out or str(Path(log).with_suffix(".png"))
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="loss")
+    validated = [r for r in records if "val_loss" in r]
+    if validated:           # finetune --val-every
+        ax.plot([r["step"] for r in validated], [r["val_loss"] for r in validated], "o-",
+                label="validation loss")
+        ax.legend(loc="upper right")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token)")
+    if all("lr" in r for r in records):
+        lr_ax = ax.twinx()
+        lr_ax.plot([r["step"] for r in records], [r["lr"] for r in records], color="gray",
+                   linewidth=0.8, label="learning rate")
+        lr_ax.set_ylabel("learning rate")
+    ax.set_title(Path(log).name)
+    fig.tight_layout()
+    try:
+        fig.savefig(out, dpi=100)
+    except OSError as e:                    # a missing directory, a full disk
+        raise click.ClickException(f"{out}: not written ({e.strerror or e})") from None
+    click.echo(f"wrote {out}")

@@ -1,0 +1,316 @@
+"""The llama schema of GGUF files: a LlamaConfig's hyper-parameters as llama.* keys and back,
+the parameters as tensors under llama.cpp's names, general.file_type, and the model files
+that llama.cpp loads (`save_model` / `load_model`). Built on the container, ggwgpu.gguf_file;
+checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
+
+Model file
+    general.architecture "llama", general.name, general.type "model", general.file_type 0
+    (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
+    1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); llama.context_length,
+    .embedding_length, .block_count, .feed_forward_length, .attention.head_count,
+    .attention.head_count_kv (fewer than head_count: grouped-query attention),
+    .attention.key_length and .value_length (only when the head size is not
+    embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
+    .attention.layer_norm_rms_epsilon, .vocab_size, and, when
+    rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
+    1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor); the tokenizer's
+    tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
+    hyper-parameters come back exactly rather than rounded to float32. Tensors: the
+    parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
+    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors), shapes in NumPy
+    order (gguf-py writes them reversed, as ggml's ne); f32, or a block type (F16, BF16,
+    Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen weights, ggwgpu.quant),
+    written as their raw blocks. Reading takes F32 and those block types.
+
+Reading checks the keys, tensor types and shapes against the hyper-parameters after the
+container's layout check; every problem is a `GGUFError` naming the file and the key or
+tensor (the tokenizer's `VocabError` is one too).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
+
+from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
+                        checked_tensor, typed_metadata, write_gguf)
+from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
+from .quant import TYPES, Quantized
+from .tensor import ShapeError
+from .tokenizer import tokenizer_from_metadata
+
+ARCH = "llama"
+
+# llama.* keys, in llama.cpp's spelling (gguf-py's Keys with arch = llama).
+K_CTX = Keys.LLM.CONTEXT_LENGTH.format(arch=ARCH)
+K_EMBD = Keys.LLM.EMBEDDING_LENGTH.format(arch=ARCH)
+K_LAYERS = Keys.LLM.BLOCK_COUNT.format(arch=ARCH)
+K_FF = Keys.LLM.FEED_FORWARD_LENGTH.format(arch=ARCH)
+K_VOCAB = Keys.LLM.VOCAB_SIZE.format(arch=ARCH)
+K_HEADS = Keys.Attention.HEAD_COUNT.format(arch=ARCH)
+K_HEADS_KV = Keys.Attention.HEAD_COUNT_KV.format(arch=ARCH)
+K_KEY_LENGTH = Keys.Attention.KEY_LENGTH.format(arch=ARCH)
+K_VALUE_LENGTH = Keys.Attention.VALUE_LENGTH.format(arch=ARCH)
+K_EPS = Keys.Attention.LAYERNORM_RMS_EPS.format(arch=ARCH)
+K_ROT = Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)
+K_FREQ_BASE = Keys.Rope.FREQ_BASE.format(arch=ARCH)
+K_SCALING_TYPE = Keys.Rope.SCALING_TYPE.format(arch=ARCH)
+K_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR.format(arch=ARCH)
+K_SCALE_LINEAR_OLD = f"{ARCH}.rope.scale_linear"        # llama.cpp's older name, read only
+K_TOKENS = Keys.Tokenizer.LIST
+TOKENIZER_PREFIX = "tokenizer."
+
+# ggwgpu's own key: the exact LlamaConfig.
+K_CONFIG_JSON = "ggwgpu.config_json"
+# A checkpoint (ggwgpu.checkpoint) is a model file marked by this key, with optimizer.*
+# tensors beside the parameters: `load_model` reads it as the model it holds.
+K_CKPT_VERSION = "ggwgpu.checkpoint.version"
+OPTIMIZER_TENSOR_PREFIX = "optimizer."
+
+MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
+_T = GGUFValueType
+
+
+# -- writing ----------------------------------------------------------------------------------
+
+def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | None = None):
+    """Write a llama GGUF that llama.cpp loads: the keys and tensors of the module docstring.
+
+    `params` maps every name of `parameter_shapes(cfg)` to a float array of that shape (any
+    float dtype; written as f32) or a `Quantized` value (written as its GGUF type, bytes
+    unchanged). `tokenizer.gguf_metadata()` gives the tokenizer.ggml.* keys.
+    `extra` adds metadata keys, typed like the tokenizer's (str, bool, int -> uint32, float
+    -> float32, lists of str/int/float); it may replace general.name but no other key.
+    Raises GGUFError before anything is written if a name, shape or value is wrong; the write
+    itself is atomic.
+    """
+    path = Path(path)
+    tensors = checked_params(path, cfg, params)
+    if cfg.rot != cfg.head_dim:
+        warnings.warn(f"{path}: n_rot {cfg.rot} != head_dim {cfg.head_dim}: llama.cpp refuses "
+                      f"llama models whose rope dimension count is not the head size",
+                      stacklevel=2)
+    metadata = model_metadata(path, cfg, tokenizer, extra)
+    metadata[K_FILE_TYPE] = (int(_file_type(tensors)), _T.UINT32)
+    write_gguf(path, metadata, tensors)
+
+
+def _file_type(tensors) -> LlamaFileType:
+    """llama.cpp's general.file_type: the block type that holds most values, else all f32."""
+    counts = {}
+    for t in tensors.values():
+        if isinstance(t, Quantized):
+            counts[t.dtype] = counts.get(t.dtype, 0) + int(np.prod(t.shape))
+    return TYPES[max(counts, key=counts.get)].file_type if counts else LlamaFileType.ALL_F32
+
+
+def checked_params(path, cfg, params) -> dict[str, np.ndarray]:
+    """The parameters as contiguous f32 arrays in `parameter_shapes` order, each checked."""
+    if not isinstance(cfg, LlamaConfig):
+        raise GGUFError(f"{path}: cannot write: cfg must be a LlamaConfig, got "
+                        f"{type(cfg).__name__}")
+    shapes = parameter_shapes(cfg)
+    missing = [n for n in shapes if n not in params]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise GGUFError(f"{path}: cannot write: parameter {missing[0]} is missing{more}")
+    unknown = [n for n in params if n not in shapes]
+    if unknown:
+        raise GGUFError(f"{path}: cannot write: {unknown[0]!r} is not a parameter of a llama "
+                        f"with n_layer {cfg.n_layer}")
+    return {n: checked_tensor(path, n, params[n], shape, "model") for n, shape in shapes.items()}
+
+
+def _hparams(cfg: LlamaConfig) -> dict[str, tuple[object, GGUFValueType]]:
+    """The llama.* keys of `cfg`, as written (and compared when reading back)."""
+    keys = {
+        K_CTX: (cfg.n_ctx, _T.UINT32), K_EMBD: (cfg.n_embd, _T.UINT32),
+        K_LAYERS: (cfg.n_layer, _T.UINT32), K_FF: (cfg.n_ff, _T.UINT32),
+        K_HEADS: (cfg.n_head, _T.UINT32), K_HEADS_KV: (cfg.kv_heads, _T.UINT32),
+        K_ROT: (cfg.rot, _T.UINT32), K_FREQ_BASE: (float(cfg.rope_freq_base), _T.FLOAT32),
+        K_EPS: (float(cfg.norm_eps), _T.FLOAT32), K_VOCAB: (cfg.n_vocab, _T.UINT32),
+    }
+    if cfg.n_embd_head is not None:
+        keys[K_KEY_LENGTH] = keys[K_VALUE_LENGTH] = (cfg.head_dim, _T.UINT32)
+    if cfg.rope_freq_scale != 1.0:
+        keys[K_SCALING_TYPE] = (RopeScalingType.LINEAR.value, _T.STRING)
+        keys[K_SCALING_FACTOR] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
+    return keys
+
+
+def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFValueType]]:
+    """Every key of a model file, in writing order, as key -> (value, GGUF type)."""
+    meta = {K_ARCH: (ARCH, _T.STRING),
+            K_NAME: (f"ggwgpu llama {cfg.n_layer}x{cfg.n_embd}", _T.STRING),
+            K_TYPE: ("model", _T.STRING),
+            K_FILE_TYPE: (int(LlamaFileType.ALL_F32), _T.UINT32)}
+    meta.update(_hparams(cfg))
+    meta[K_CONFIG_JSON] = (json.dumps(dataclasses.asdict(cfg)), _T.STRING)
+    vocabulary = tokenizer.gguf_metadata()
+    for key in vocabulary:
+        if not key.startswith(TOKENIZER_PREFIX):
+            raise GGUFError(f"{path}: cannot write: the tokenizer gave key {key!r}, which is "
+                            f"not a {TOKENIZER_PREFIX}* key")
+    meta.update(typed_metadata(path, vocabulary))
+    extra = extra or {}
+    for key in extra:
+        if key in meta and key != K_NAME:
+            raise GGUFError(f"{path}: cannot write: extra key {key!r} would replace a key "
+                            f"the model itself defines")
+    meta.update(typed_metadata(path, extra))
+    return meta
+
+
+# -- reading ----------------------------------------------------------------------------------
+
+def load_model(path, keep_quantized: bool = False):
+    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's llama files in F32 and the block
+    types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
+    arrays that own their memory (block types dequantized), tokenizer from
+    `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors stored in a block
+    type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) come back as `Quantized`
+    values in their storage type instead (frozen weights for `constant()`; 1-D ones, the
+    norms, are still converted). A file without output.weight has tied embeddings
+    (cfg.tied_embeddings: the output projection reads token_embd.weight, as in llama.cpp).
+    Other tensor types raise a GGUFError naming tensor and type."""
+    f = GGUFFile(path)
+    cfg, tokenizer = read_model(f)
+    params = read_params(f, cfg, K_CKPT_VERSION in f.meta, keep_quantized)
+    return cfg, params, tokenizer
+
+
+def read_model(f: GGUFFile):
+    """(cfg, tokenizer) from a file's general.*, llama.* and tokenizer.* keys."""
+    arch = f.meta.get(K_ARCH)
+    if arch is None:
+        raise GGUFError(f"{f.path}: required key {K_ARCH} is missing")
+    if arch != ARCH:
+        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads {ARCH!r} models only")
+    n_embd, n_head = f.int_key(K_EMBD), f.int_key(K_HEADS)
+    n_layer = f.int_key(K_LAYERS, minimum=0)
+    hp = dict(n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+              n_ctx=f.int_key(K_CTX), n_ff=f.int_key(K_FF),
+              norm_eps=f.float_key(K_EPS),
+              rope_freq_base=f.float_key(K_FREQ_BASE, default=10000.0))
+    n_head_kv = f.int_key(K_HEADS_KV, default=n_head)
+    if n_head % n_head_kv:
+        raise GGUFError(f"{f.path}: {K_HEADS} = {n_head} is not a multiple of {K_HEADS_KV} = "
+                        f"{n_head_kv}")
+    hp["n_head_kv"] = n_head_kv if n_head_kv != n_head else None
+    head_dim = f.int_key(K_KEY_LENGTH, default=None)
+    if head_dim is None:
+        if n_embd % n_head:
+            raise GGUFError(f"{f.path}: {K_EMBD} = {n_embd} is not divisible by {K_HEADS} = "
+                            f"{n_head}")
+        head_dim = n_embd // n_head
+    elif head_dim != n_embd // n_head or n_embd % n_head:
+        hp["n_embd_head"] = head_dim
+    if f.int_key(K_VALUE_LENGTH, default=head_dim) != head_dim:
+        raise GGUFError(f"{f.path}: {K_VALUE_LENGTH} = {f.meta[K_VALUE_LENGTH]} differs from "
+                        f"{K_KEY_LENGTH} = {head_dim}: ggwgpu's llama needs one head size")
+    hp["n_rot"] = f.int_key(K_ROT, default=head_dim)
+    if hp["n_rot"] % 2 or hp["n_rot"] > head_dim:
+        raise GGUFError(f"{f.path}: {K_ROT} = {hp['n_rot']} must be even and at most the head "
+                        f"size {head_dim}")
+    hp["tied_embeddings"] = OUTPUT not in f.tensors
+    hp["rope_freqs"] = ROPE_FREQS in f.tensors
+    scaling = f.meta.get(K_SCALING_TYPE, RopeScalingType.LINEAR.value)
+    if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
+        raise GGUFError(f"{f.path}: {K_SCALING_TYPE} {scaling!r} is not supported (only "
+                        f"'linear' and 'none')")
+    factor = f.float_key(K_SCALING_FACTOR, default=None, allow_zero=True)
+    if factor is None:
+        factor = f.float_key(K_SCALE_LINEAR_OLD, default=None, allow_zero=True)
+    # llama.cpp: freq_scale = 1 / factor, a missing or zero factor meaning 1.
+    hp["rope_freq_scale"] = 1.0 if scaling == "none" or not factor else 1.0 / factor
+    if not MIN_ROPE_FACTOR <= 1.0 / hp["rope_freq_scale"] <= MAX_ROPE_FACTOR:
+        raise GGUFError(f"{f.path}: {K_SCALING_FACTOR} = {factor!r} is not a plausible rope "
+                        f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
+                        f"rotation angles would overflow or vanish")
+
+    meta = {k: v for k, v in f.meta.items() if k.startswith(TOKENIZER_PREFIX)}
+    if K_TOKENS not in meta:
+        raise GGUFError(f"{f.path}: required key {K_TOKENS} is missing (the file has no "
+                        f"vocabulary)")
+    tokens = meta[K_TOKENS]
+    if not isinstance(tokens, list):
+        raise GGUFError(f"{f.path}: key {K_TOKENS} must be an array of strings")
+    n_vocab = len(tokens)
+    if K_VOCAB in f.meta and f.int_key(K_VOCAB) != n_vocab:
+        raise GGUFError(f"{f.path}: vocabulary size mismatch: {K_VOCAB} = {f.meta[K_VOCAB]} "
+                        f"but {K_TOKENS} has {n_vocab} tokens")
+    try:
+        tokenizer = tokenizer_from_metadata(meta)
+    except GGUFError as e:
+        raise GGUFError(f"{f.path}: bad vocabulary: {e}") from None
+
+    # A forged block count must not make us enumerate billions of tensor names.
+    if 9 * n_layer + 2 > len(f.tensors):
+        raise GGUFError(f"{f.path}: {K_LAYERS} = {n_layer} needs at least {9 * n_layer + 2} tensors, "
+                        f"the file has {len(f.tensors)}")
+    try:
+        cfg = LlamaConfig(n_vocab=n_vocab, **hp)
+    except ShapeError as e:
+        raise GGUFError(f"{f.path}: the llama.* hyper-parameters are inconsistent: {e}") from None
+    return _exact_config(f, cfg), tokenizer
+
+
+def _exact_config(f: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
+    """The LlamaConfig of ggwgpu.config_json when it agrees with every llama.* key (which hold
+    floats as float32): it keeps the exact float64 hyper-parameters that resuming needs."""
+    raw = f.meta.get(K_CONFIG_JSON)
+    if not isinstance(raw, str):
+        return cfg
+    try:
+        exact = LlamaConfig(**json.loads(raw))
+        written = _hparams(exact)
+    except Exception:  # noqa: BLE001 - a stale, foreign or forged hint: the llama.* keys rule
+        return cfg
+    for key, (value, vtype) in written.items():
+        stored = f.meta.get(key)
+        if stored is None:
+            return cfg
+        if vtype == _T.FLOAT32:
+            if np.float32(value) != np.float32(stored):
+                return cfg
+        elif value != stored:
+            return cfg
+    if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
+        return cfg
+    # what the tensors say (tied embeddings, rope factors) and the head size rule too
+    if (exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
+            (cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
+        return cfg
+    return exact
+
+
+def read_params(f: GGUFFile, cfg: LlamaConfig, checkpoint: bool,
+                keep_quantized: bool = False) -> dict[str, np.ndarray | Quantized]:
+    """The parameters of `cfg` from `f` (`load_model` says in what form), each checked; any
+    other tensor is refused, but for a checkpoint's optimizer.* tensors."""
+    shapes = parameter_shapes(cfg)
+    for name in f.tensors:
+        if name not in shapes and not (checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX)):
+            block = re.fullmatch(r"blk\.(\d+)\..*", name)
+            why = (f"{K_LAYERS} = {cfg.n_layer} has no block {block[1]}"
+                   if block and int(block[1]) >= cfg.n_layer
+                   else "a llama with these hyper-parameters has no such parameter")
+            raise GGUFError(f"{f.path}: unexpected tensor {name}: {why}")
+    params = {}
+    for name, shape in shapes.items():
+        if name not in f.tensors:
+            raise GGUFError(f"{f.path}: tensor {name} is missing")
+        got = f.numpy_shape(name)
+        if name in ("token_embd.weight", "output.weight") and len(got) == 2 \
+                and got[0] != cfg.n_vocab:
+            raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
+                            f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
+        params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
+    if ROPE_FREQS in params and not np.all(params[ROPE_FREQS] > 0):    # they divide angles
+        raise GGUFError(f"{f.path}: tensor {ROPE_FREQS} must hold positive frequency factors")
+    return params

@@ -1,0 +1,335 @@
+"""Dynamic loss scaling (train.LossScaler, PyTorch's GradScaler rules): scaling by a power of
+two changes no bit of training, an overflow skips the step and halves the scale, finite steps
+grow it, its state survives a checkpoint, and it works with gradient accumulation and over
+MPI ranks."""
+import json
+import math
+
+import numpy as np
+import pytest
+
+from ggwgpu import checkpoint, data
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.lora import init_adapter, lora_ranks
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.tokenizer import ByteTokenizer
+from ggwgpu.train import MAX_SCALE, Trainer, TrainOptions, check_state
+
+from test_distributed import make_trainer, mpiexec, run_worker  # noqa: F401 (a fixture)
+
+TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
+TEXT = data.bundled_corpus()[:20000]
+# a constant learning rate: a run that skips steps and one that never sees their batches
+# then make the same updates
+CONSTANT_LR = dict(batch=4, lr=3e-3, warmup=0, cos_decay_min=1.0)
+
+
+def make(backend, loss_scaler=None, lora=False, **options):
+    """A tiny llama's trainer (with lora: a LoRA finetune of it)."""
+    tok = ByteTokenizer()
+    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    o = TrainOptions(**{**CONSTANT_LR, **options})
+    samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, o.batch, o.seed, tok.bos_id)
+    adapter = init_adapter(cfg, lora_ranks(cfg, r=2), 4.0, seed=2) if lora else None
+    return Trainer(cfg, init_parameters(cfg, seed=1), backend, o, samples, lora=adapter,
+                   loss_scaler=loss_scaler)
+
+
+def dynamic(**options):
+    return dict(loss_scale="dynamic", **options)
+
+
+def backend_of(name, request):
+    return NumpyBackend() if name == "numpy" else request.getfixturevalue("wgpu")
+
+
+def assert_same_state(a: Trainer, b: Trainer):
+    """Weights and AdamW moments bit for bit."""
+    for name, value in a.parameters().items():
+        assert np.array_equal(b.parameters()[name], value), name
+    for name, (m, v) in a.optimizer_state().items():
+        assert np.array_equal(b.optimizer_state()[name][0], m), name
+        assert np.array_equal(b.optimizer_state()[name][1], v), name
+
+
+def overflow_next_step(t: Trainer):
+    """Make the next step's scaled gradients overflow, whatever they are."""
+    t.scaler.scale = MAX_SCALE
+    t.write_scale()
+
+
+@pytest.mark.parametrize("backend_name, optimizer, clip, accum, variant", [
+    ("numpy", "adamw", 1.0, 1, ""), ("numpy", "sgd", 0.0, 2, ""), ("numpy", "adamw", 0.5, 2, ""),
+    ("numpy", "adamw", 1.0, 1, "lora"), ("numpy", "adamw", 0.0, 1, "checkpointing"),
+    ("wgpu", "adamw", 1.0, 1, ""), ("wgpu", "sgd", 0.0, 1, ""), ("wgpu", "adamw", 1.0, 2, "lora"),
+    ("wgpu", "adamw", 1.0, 1, "checkpointing")])
+def test_a_scale_that_never_overflows_changes_no_bit(backend_name, optimizer, clip, accum,
+                                                     variant, request):
+    """Gradients times 2^16, then times 2^-16 in the clip factor (or alone without
+    clipping): the same losses, gradient norms, weights and moments as without scaling.
+    Also for a LoRA finetune, and with gradient checkpointing and flash attention."""
+    backend = backend_of(backend_name, request)
+    o = dict(optimizer=optimizer, grad_clip=clip, grad_accum=accum, warmup=3,
+             cos_decay_min=0.1, lr=3e-3 if optimizer == "adamw" else 0.3)
+    if variant == "checkpointing":
+        o.update(checkpointing=True, flash_attn=True)
+    lora = variant == "lora"
+    plain, scaled = make(backend, lora=lora, **o), make(backend, lora=lora, **dynamic(**o))
+    for _ in range(4):
+        a, b = plain.train_step(), scaled.train_step()
+        assert b["loss_scale"] == 2.0 ** 16 and not b["skipped"] and "loss_scale" not in a
+        assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    assert_same_state(plain, scaled)
+
+
+@pytest.mark.parametrize("backend_name, accum", [("numpy", 1), ("numpy", 2), ("wgpu", 1)])
+def test_an_overflowing_scale_skips_steps_halving_until_it_fits(backend_name, accum, request):
+    """The first steps' scaled gradients overflow: each is skipped (no weight or moment
+    changes, no AdamW step counted) and halves the scale; from the first finite step on the
+    run makes the updates of an unscaled run that never saw the skipped steps' batches."""
+    backend = backend_of(backend_name, request)
+    norm = make(backend, grad_accum=accum).train_step()["grad_norm"]
+    # the sum of squares overflows float32 (2^128) when scale * norm passes 2^64
+    init = 2.0 ** (math.ceil(math.log2(2.0 ** 64 / norm)) + 2)
+    scaled = make(backend, **dynamic(grad_accum=accum, loss_scale_init=init))
+    start = scaled.parameters()
+    records = [scaled.train_step() for _ in range(10)]
+    skipped = [r["skipped"] for r in records]
+    first = skipped.index(False)
+    assert first >= 2 and not any(skipped[first:]), skipped
+    assert all(r["overflow"] and math.isinf(r["grad_norm"]) and math.isfinite(r["loss"])
+               for r in records[:first])
+    assert [r["loss_scale"] for r in records] == [init / 2 ** min(i, first) for i in range(10)]
+    assert scaled.step == 10 and scaled.scaler.skipped_steps == first
+
+    plain = make(backend, grad_accum=accum)
+    for _ in range(first * accum):         # the batches the scaled run skipped
+        plain.batches.next_batch()
+    for r in records[first:]:
+        assert plain.train_step()["loss"] == r["loss"]
+    assert_same_state(plain, scaled)
+    assert any(not np.array_equal(start[n], v) for n, v in scaled.parameters().items())
+
+    before = scaled.parameters(), scaled.optimizer_state()   # a skip in mid-run
+    overflow_next_step(scaled)
+    r = scaled.train_step()
+    assert r["skipped"] and r["overflow"] and r["loss_scale"] == MAX_SCALE
+    assert scaled.scaler.scale == MAX_SCALE / 2 and scaled.scaler.growth_tracker == 0
+    for name, value in before[0].items():
+        assert np.array_equal(scaled.parameters()[name], value), name
+    for name, (m, v) in before[1].items():
+        assert np.array_equal(scaled.optimizer_state()[name][0], m), name
+        assert np.array_equal(scaled.optimizer_state()[name][1], v), name
+
+
+def test_the_scale_grows_after_growth_interval_finite_steps_and_a_skip_restarts_the_count():
+    t = make(NumpyBackend(), **dynamic(loss_scale_init=16.0, loss_scale_growth_interval=3))
+    scales = [t.train_step()["loss_scale"] for _ in range(7)]
+    assert scales == [16, 16, 16, 32, 32, 32, 64] and t.scaler.growth_tracker == 1
+    overflow_next_step(t)
+    assert t.train_step()["overflow"]
+    assert (t.scaler.scale, t.scaler.growth_tracker) == (MAX_SCALE / 2, 0)
+    # halving until it fits (near 2^63, the gradient norm being near 1); there growth and
+    # overflow take turns: the scale of each step follows from the skips before it
+    records = [t.train_step() for _ in range(75)]
+    scale, finite_in_a_row, grown_after_a_skip = MAX_SCALE / 2, 0, 0
+    for r in records:
+        assert r["loss_scale"] == scale
+        finite_in_a_row = 0 if r["skipped"] else finite_in_a_row + 1
+        scale = scale / 2 if r["skipped"] else scale * 2 if finite_in_a_row == 3 else scale
+        if finite_in_a_row == 3:
+            finite_in_a_row, grown_after_a_skip = 0, grown_after_a_skip + 1
+    assert grown_after_a_skip >= 2 and not records[-1]["skipped"] or records[-2]["skipped"]
+
+
+def test_the_scale_stays_within_its_bounds():
+    from ggwgpu.train import MIN_SCALE, LossScaler
+    s = LossScaler(MAX_SCALE, 1)
+    s.update(True)
+    assert s.scale == MAX_SCALE
+    s = LossScaler(MIN_SCALE, 1)
+    s.update(False)
+    assert (s.scale, s.skipped_steps) == (MIN_SCALE, 1)
+
+
+def poisonable(monkeypatch):
+    """Trainers made from now on add the returned input (written 0) to one gradient: inf
+    there makes one step's gradients overflow whatever the scale."""
+    import ggwgpu as gg
+    from ggwgpu import train
+    poison, real = gg.input_tensor((1,), name="poison"), train.build_backward
+
+    def poisoned(*args, **kwargs):
+        grads = real(*args, **kwargs)
+        first = next(iter(grads))
+        grads[first] = gg.add(grads[first], poison)
+        return grads
+    monkeypatch.setattr(train, "build_backward", poisoned)
+    return poison
+
+
+def run(t: Trainer, steps: int, poison=None, overflow_at=()) -> list[dict]:
+    records = []
+    for _ in range(steps):
+        t.plan.write(poison, [np.inf if t.step in overflow_at else 0.0])
+        records.append(t.train_step())
+    return records
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_name, request,
+                                                           monkeypatch):
+    """Scale, growth tracker and skipped steps travel in the checkpoint's training state; the
+    resumed run equals the uninterrupted one (a skip before the checkpoint moves AdamW's
+    step count, growth after it needs the saved tracker)."""
+    backend = backend_of(backend_name, request)
+    o = dynamic(loss_scale_init=64.0, loss_scale_growth_interval=3)
+    poison = poisonable(monkeypatch)
+    straight = make(backend, **o)
+    want = run(straight, 7, poison, overflow_at={1})
+    assert [r["loss_scale"] for r in want] == [64, 64, 32, 32, 32, 64, 64]
+    first = make(backend, **o)
+    run(first, 4, poison, overflow_at={1})
+    path = tmp_path / "ckpt.gguf"
+    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
+                            first.optimizer_state(), first.state())
+    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
+    assert state["loss_scaler"] == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
+    options = TrainOptions(**state["options"])
+    samples = data.Samples(ByteTokenizer().encode(TEXT), cfg.n_ctx, options.batch,
+                           options.seed, ByteTokenizer().bos_id)
+    samples.load_state(state["data"])
+    resumed = Trainer(cfg, values, backend, options, samples, opt_state, state["step"],
+                      loss_scaler=state["loss_scaler"])
+    got = run(resumed, 3, poison)
+    assert [(r["loss"], r["loss_scale"]) for r in got] == \
+        [(r["loss"], r["loss_scale"]) for r in want[4:]]
+    assert resumed.scaler.state() == straight.scaler.state()
+    assert_same_state(straight, resumed)
+
+
+def good_state(**scaler):
+    t = make(NumpyBackend(), **dynamic(loss_scale_growth_interval=10))
+    state = json.loads(json.dumps(t.state()))
+    state["step"] = 5
+    state["loss_scaler"].update(scaler)
+    return state
+
+
+@pytest.mark.parametrize("scaler, message", [
+    ({"scale": -1.0}, "loss_scaler.scale must be in [1.17549e-38, 8.50706e+37]"),
+    ({"scale": float("nan")}, "loss_scaler.scale must be a finite number"),
+    ({"scale": 3.0}, "loss_scaler.scale must be a power of two, got 3.0"),
+    ({"scale": "65536"}, "loss_scaler.scale must be a number"),
+    ({"growth_tracker": 10}, "loss_scaler.growth_tracker must be below "
+                             "options.loss_scale_growth_interval 10"),
+    ({"growth_tracker": 1.5}, "loss_scaler.growth_tracker must be an integer"),
+    ({"skipped_steps": 6}, "loss_scaler.skipped_steps must be at most step 5"),
+    ({"found_inf": 1}, "loss_scaler.found_inf is not part of"),
+])
+def test_a_bad_scaler_state_is_refused_naming_the_key(scaler, message):
+    with pytest.raises(ValueError) as e:
+        check_state(good_state(**scaler))
+    assert message in str(e.value)
+
+
+def test_a_scaler_state_must_be_whole_and_belong_to_dynamic_scaling():
+    state = good_state()
+    check_state(state)
+    del state["loss_scaler"]["growth_tracker"]
+    with pytest.raises(ValueError, match="loss_scaler.growth_tracker is missing"):
+        check_state(state)
+    state = good_state()
+    state["options"]["loss_scale"] = "none"
+    with pytest.raises(ValueError, match="loss_scaler is present, but options.loss_scale"):
+        check_state(state)
+
+
+def test_a_checkpoint_with_a_bad_scale_is_refused_naming_the_file_and_key(tmp_path):
+    t = make(NumpyBackend(), **dynamic())
+    path = tmp_path / "bad.gguf"
+    checkpoint.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(),
+                            t.optimizer_state(), {**t.state(), "loss_scaler": {
+                                "scale": -4.0, "growth_tracker": 0, "skipped_steps": 0}})
+    with pytest.raises(GGUFError) as e:
+        checkpoint.load_checkpoint(path)
+    assert str(path) in str(e.value) and "loss_scaler.scale must be in" in str(e.value)
+
+
+def test_a_state_written_before_loss_scaling_loads_with_its_defaults():
+    state = good_state()
+    for key in ("loss_scale", "loss_scale_init", "loss_scale_growth_interval"):
+        del state["options"][key]
+    del state["loss_scaler"]
+    check_state(state)
+    options = TrainOptions(**state["options"])
+    assert options.loss_scale == "auto" and options.precision == "f32"
+    assert make(NumpyBackend(), loss_scaler=None).scaler is None    # auto: none on f32
+    t = make(NumpyBackend(), loss_scaler=None, **dynamic(loss_scale_init=8.0))
+    assert t.scaler.state() == {"scale": 8.0, "growth_tracker": 0, "skipped_steps": 0}
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(loss_scale="static"), "option loss_scale must be one of auto, none, dynamic"),
+    (dict(loss_scale_init=1000.0), "option loss_scale_init must be a power of two"),
+    (dict(loss_scale_init=2.0 ** 127), "option loss_scale_init must be in"),
+    (dict(loss_scale_growth_interval=0), "option loss_scale_growth_interval must be in"),
+    (dict(optimizer="lbfgs", loss_scale="dynamic"),
+     "option loss_scale dynamic does not work with optimizer lbfgs"),
+])
+def test_loss_scale_options_refuse_what_they_cannot_do(options, message):
+    with pytest.raises(ValueError) as e:
+        TrainOptions(**options)
+    assert message in str(e.value)
+
+
+def test_the_training_loop_goes_on_past_overflows_and_logs_the_scale(tmp_path):
+    """--on-nan stop is for a loss that is not finite: the scaler's skips are routine."""
+    from ggwgpu_cli.training import training_loop
+    t = make(NumpyBackend(), **dynamic(loss_scale_init=2.0 ** 126))
+    log = tmp_path / "log.jsonl"
+    training_loop(t, 3, str(log), 0, lambda: None, on_nan="stop")
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(r["skipped"], r["overflow"], r["loss_scale"]) for r in records] == \
+        [(True, True, 2.0 ** (126 - i)) for i in range(3)]
+
+
+def test_two_ranks_reach_the_same_scale_decisions_as_one_process(tmp_path, mpiexec):
+    """The finite flag comes from the summed gradients, so every rank skips the same steps
+    and keeps the same scale: the same weights on both, and the scales of one process."""
+    ranks = run_worker(mpiexec, tmp_path, "numpy", 4, 2, 6, loss_scale=2.0 ** 66)
+    assert list(ranks[0]["digests"]) == list(ranks[1]["digests"])
+    assert list(ranks[0]["scales"]) == list(ranks[1]["scales"])
+    one = make_trainer(NumpyBackend(), 4, 2, None, loss_scale=2.0 ** 66)
+    records = [one.train_step() for _ in range(6)]
+    assert list(ranks[0]["scales"]) == [r["loss_scale"] for r in records]
+    assert records[0]["skipped"] and not all(r["skipped"] for r in records)
+    np.testing.assert_allclose(ranks[0]["losses"], [r["loss"] for r in records], rtol=1e-6)
+    for name, value in one.parameters().items():
+        np.testing.assert_allclose(ranks[0][name], value, rtol=0, atol=2e-5, err_msg=name)
+
+
+def test_the_train_command_resumes_a_scaled_checkpoint_with_its_scaler(tmp_path):
+    """No option turns scaling on yet; a checkpoint whose options do is resumed with its
+    scale and growth tracker, and the log shows the scale of every step."""
+    from click.testing import CliRunner
+    from ggwgpu_cli.main import cli
+    text, ckpt, log = tmp_path / "text.txt", tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    text.write_text(TEXT)
+    args = ["--backend", "numpy", "train", str(text),
+            *(f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()), "--batch", "4",
+            "--out", str(tmp_path / "out.gguf")]
+    r = CliRunner().invoke(cli, [*args, "--steps", "1", "--checkpoint-out", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    cfg, values, tok, opt_state, state = checkpoint.load_checkpoint(ckpt)
+    state["options"].update(dynamic(loss_scale_growth_interval=3))
+    state["loss_scaler"] = {"scale": 2.0 ** 10, "growth_tracker": 2, "skipped_steps": 0}
+    checkpoint.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
+    r = CliRunner().invoke(cli, [*args, "--steps", "4", "--checkpoint-in", str(ckpt),
+                                 "--checkpoint-out", str(ckpt), "--log", str(log)])
+    assert r.exit_code == 0, r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["loss_scale"] for r in records] == [2.0 ** 10] + [2.0 ** 11] * 3
+    assert checkpoint.load_checkpoint(ckpt)[4]["loss_scaler"] == {
+        "scale": 2.0 ** 12, "growth_tracker": 0, "skipped_steps": 0}   # grown after step 5
