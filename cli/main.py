@@ -73,6 +73,11 @@ class Commands(click.Group):
 @click.pass_context
 def cli(ctx, backend):
     """ggwgpu: ggml's training machinery as WGSL compute shaders on any WebGPU GPU."""
+    from ggwgpu.backends.numpy_backend import default_threads
+    try:
+        default_threads()   # a bad $GGWGPU_NUMPY_THREADS stops every command before any work
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
     ctx.obj = {"backend": backend}
 
 

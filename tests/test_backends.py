@@ -7,6 +7,7 @@ import pytest
 import ggwgpu as gg
 from ggwgpu import testing
 from ggwgpu.backends import NumpyBackend
+from ggwgpu.backends.numpy_backend import Pieces
 from ggwgpu.ops import OPS
 
 
@@ -159,6 +160,112 @@ def test_numpy_fast_kernels_equal_the_references(name, case):
             else:
                 ok, detail = testing.compare(got, ref, case.nmse or opdef.nmse)
                 assert ok, detail
+
+
+SPLIT = [(name, case) for name, case in FAST if OPS[name].split]
+
+
+def cut_nodes(plan) -> int:
+    return sum(isinstance(kernel, Pieces) for kernel, *_ in plan.steps)
+
+
+@pytest.mark.parametrize("name,case", SPLIT,
+                         ids=[f"{n}[{testing.describe(c)}]" for n, c in SPLIT])
+def test_numpy_threads_give_the_unthreaded_result_bit_for_bit(name, case):
+    """Every fast kernel its op lets cut, on each of the op's cases cut into pieces along the
+    first dim (2 and 3 threads, every size cut), against the kernel run whole: the result and
+    every leaf equal to the bit, nothing written outside them."""
+    opdef = OPS[name]
+    leaves, values, node = testing.build_case(opdef, case, np.random.default_rng(0))
+    cut = opdef.split(node.shape, *(s.shape for s in node.srcs))
+    for dtype in (np.float64, np.float32):
+        feeds = values if dtype == np.float64 else testing.as_f32(values)
+        results = []
+        for threads in (1, 2, 3):
+            plan = NumpyBackend(dtype, threads=threads, split_min=0).plan(
+                [node], sentinel=testing.SENTINEL)
+            assert cut_nodes(plan) == (threads > 1 and cut is not None and node.shape[0] > 1)
+            plan.run(feeds)
+            assert not plan.stray_writes()
+            results.append([plan.read(t) for t in (node, *leaves) if not t.is_quantized])
+        for whole, *pieces in zip(*results, strict=True):
+            for got in pieces:
+                np.testing.assert_array_equal(got, whole)
+
+
+def test_each_op_with_a_split_rule_has_a_case_that_is_cut():
+    """So that the test above proves something for every such op."""
+    for name in dict(SPLIT):
+        nodes = [testing.build_case(OPS[name], c, np.random.default_rng(0))[2]
+                 for n, c in SPLIT if n == name]
+        assert any(node.shape[0] > 1 and OPS[name].split(node.shape, *(s.shape for s in
+                                                                         node.srcs))
+                   for node in nodes), name
+
+
+def test_split_rows_cuts_what_lines_up_and_refuses_what_does_not():
+    from ggwgpu.ops.registry import split_rows
+    rule = split_rows()
+    assert rule((8, 4, 5), (8, 4, 5), (8, 1, 5)) == (0, 0)
+    assert rule((8, 4, 5), (8, 4, 5), (4, 5)) == (0, None)      # broadcast: fewer dims
+    assert rule((8, 4, 5), (8, 4, 5), (1, 4, 5)) == (0, None)   # broadcast: size 1
+    assert rule((8, 4, 5), (8, 4, 5), (2, 4, 5)) is None            # tiled 4 times: no cut
+    assert split_rows(keep=1)((6,), (6,)) is None                   # a single row
+    assert split_rows(keep=1, rows=(1,), whole=(2,))((6, 9), (6, 9), (6,), (1,)) == (
+        0, 0, None)
+    assert split_rows(whole=(1,))((8,), (8,), (8,)) == (0, None)
+
+
+def test_a_llama_step_on_threads_is_the_unthreaded_step_bit_for_bit():
+    """Whole training steps (forward, backward, clipping, AdamW) of a small llama, every node
+    that may be cut cut into pieces, give the same losses and weights as on one thread."""
+    from ggwgpu import data
+    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.train import Trainer, TrainOptions
+    cfg = LlamaConfig(n_vocab=64, n_embd=32, n_head=4, n_layer=2, n_ff=48, n_ctx=16)
+    tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.int32)
+    results = []
+    for threads in (1, 2):
+        options = TrainOptions(batch=4, lr=3e-3, warmup=2)
+        samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, 0)
+        t = Trainer(cfg, init_parameters(cfg, seed=1),
+                    NumpyBackend(threads=threads, split_min=0), options, samples)
+        assert (cut_nodes(t.plan) > 10) == (threads > 1)
+        losses = [t.train_step()["loss"] for _ in range(3)]
+        results.append((losses, t.parameters()))
+    (losses1, params1), (losses2, params2) = results
+    assert losses1 == losses2
+    for name, value in params1.items():
+        np.testing.assert_array_equal(params2[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_an_error_in_a_piece_is_the_error_of_the_whole_node(threads):
+    """An id out of range in the last rows, which a helper thread's piece reads: the run
+    raises what one thread raises, after every piece has ended."""
+    x = gg.input_tensor((8, 5), name="x")
+    ids, w = gg.input_tensor((8,), "i32", name="ids"), gg.input_tensor((8,), name="w")
+    grad = gg.cross_entropy_ids_back(x, ids, w, gg.input_tensor((1,), name="d"))
+    plan = NumpyBackend(threads=threads, split_min=0).plan([grad])
+    assert cut_nodes(plan) == (threads > 1)
+    bad = np.array([0, 1, 2, 3, 4, 0, 1, 9], np.int32)
+    with pytest.raises(IndexError, match="id 9 out of range for a table of 5 rows"):
+        plan.run({x: np.zeros((8, 5), np.float32), ids: bad, w: np.ones(8, np.float32)})
+
+
+def test_numpy_threads_come_from_the_environment_or_the_cores(monkeypatch):
+    from ggwgpu.backends.numpy_backend import THREADS_VAR, default_threads
+    monkeypatch.setenv(THREADS_VAR, "3")
+    assert default_threads() == 3 and NumpyBackend().threads == 3
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv(THREADS_VAR, bad)
+        with pytest.raises(ValueError, match=f"{THREADS_VAR} must be a positive"):
+            NumpyBackend()
+    monkeypatch.delenv(THREADS_VAR)
+    assert default_threads() >= 1
+    big, small = (gg.soft_max(gg.input_tensor((n, n)), 1.0) for n in (300, 30))
+    assert cut_nodes(NumpyBackend(threads=2).plan([big, small])) == 1    # split_min
+    assert cut_nodes(NumpyBackend(threads=1).plan([big, small])) == 0
 
 
 def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():

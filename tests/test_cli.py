@@ -814,6 +814,13 @@ def test_unexpected_errors_are_one_line_or_the_traceback_when_asked(monkeypatch)
     assert isinstance(result.exception, KeyError)
 
 
+@pytest.mark.parametrize("value", ["0", "many"])
+def test_a_bad_numpy_thread_count_is_a_usage_error(value):
+    out = no_traceback(invoke("--backend", "numpy", "bench", "train", "--no-torch",
+                              env={"GGWGPU_NUMPY_THREADS": value}), 2)
+    assert f"$GGWGPU_NUMPY_THREADS must be a positive number of threads, got '{value}'" in out
+
+
 @pytest.mark.parametrize("args, words", [
     (("train", "--n-embd", "16384", "--n-ff", "65536"), ["this model", "weights 64 GiB"]),
     (("train", "--n-ff", "1000000000"), ["this model", "gradients and optimizer moments"]),

@@ -9,10 +9,25 @@ that plans share (base.SharedConstants) share their dequantized values too.
 
 f16 element tensors are stored as float16 when the plan computes in float32, so that every
 store rounds to halves as the device's does (the two backends then agree); in float64 (the
-gradient checks) they are stored as float64, unrounded. Ops read them converted to float32."""
+gradient checks) they are stored as float64, unrounded. Ops read them converted to float32.
+
+Threads: NumPy runs its products on every core (BLAS) but everything else on one. A big node
+whose fast kernel its op lets cut (OpDef.split) runs as pieces along the result's first dim,
+on several threads at once: ufuncs and reductions release the GIL. Only ops whose pieces
+were measured to pay have a split rule: those dear per element (exp, row reductions:
+softmax, swiglu and their backward, the loss's backward); one or two passes over memory
+(add, scale, rms_norm, AdamW, rope) ran slower cut than whole, the hand-off costing more
+than a second core gave, and BLAS's own threads, which spin a while after each product,
+take that core. Each piece computes its rows as the whole kernel would, so the result is
+the same bit for bit; $GGWGPU_NUMPY_THREADS sets the number of threads (1: none), else the
+cores this process may run on. Products run alone, never beside pieces: BLAS already keeps
+every core busy. A node that reads or writes halves runs its reference, whole."""
 from __future__ import annotations
 
+import functools
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -20,6 +35,63 @@ from ..ops import OPS
 from ..quant import dequantize
 from ..tensor import Tensor
 from .base import Backend, Plan, SharedConstants, guarded_block
+
+
+THREADS_VAR = "GGWGPU_NUMPY_THREADS"
+# Results smaller than this (elements) run whole: handing a piece to a thread costs some
+# tens of microseconds, what a few passes over this many floats take.
+SPLIT_MIN = 1 << 16
+
+
+def default_threads() -> int:
+    """$GGWGPU_NUMPY_THREADS (a positive integer), else the cores this process may use."""
+    raw = os.environ.get(THREADS_VAR)
+    if raw is None:
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:   # no affinity on this OS
+            return os.cpu_count() or 1
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ValueError(f"${THREADS_VAR} must be a positive number of threads, got {raw!r}")
+    return value
+
+
+@functools.cache
+def worker_pool(workers: int) -> ThreadPoolExecutor:
+    """The process's threads that run pieces beside the calling one (made once per size)."""
+    return ThreadPoolExecutor(workers, thread_name_prefix="ggwgpu-numpy")
+
+
+class Pieces:
+    """A kernel over a node cut along its first dim: each piece's views of the result and
+    sources, made once. Called as a kernel (the whole arrays are ignored), it runs pieces on
+    the calling thread and on `helpers` threads of the pool, each taking the next piece not
+    taken, and returns when all are done. Two pieces a thread: where another process holds
+    a core, the threads that run do the pieces of the one that does not (a helper that has
+    not started is called off), rather than waiting for it."""
+
+    def __init__(self, kernel, pieces: list, pool: ThreadPoolExecutor, helpers: int):
+        self.kernel, self.pieces, self.pool, self.helpers = kernel, pieces, pool, helpers
+
+    def take(self, todo, params):
+        with np.errstate(all="ignore"):   # error state is per thread: as NumpyPlan.run's
+            for dst, srcs in todo:        # next() on a list iterator is atomic (the GIL)
+                self.kernel(dst, *srcs, **params)
+
+    def __call__(self, dst, *srcs, **params):
+        todo = iter(self.pieces)
+        helpers = [self.pool.submit(self.take, todo, params) for _ in range(self.helpers)]
+        try:
+            self.take(todo, params)
+        finally:   # never leave a piece running into the next node
+            errors = [None if f.cancel() else f.exception() for f in helpers]
+        for e in errors:
+            if e is not None:
+                raise e
 
 
 def reference_kernel(reference):
@@ -34,6 +106,7 @@ class NumpyPlan(Plan):
         super().__init__(outputs, sentinel)
         self.float_dtype = backend.float_dtype
         self.fast = backend.fast
+        self.threads, self.split_min = backend.threads, backend.split_min
         self.storage = {}
         self.dense = {}     # id(block-type storage) -> its values, as float arrays
         for root in self.roots:
@@ -60,10 +133,34 @@ class NumpyPlan(Plan):
         """Per node: its kernel, its sources' arrays, its own array and its params. Storage
         stays where it is (but for a shared constant that a write() copies): every node's
         views are made once."""
-        return [(self.kernel(node.op, self.reads_halves(node)),
-                 [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs],
-                 self.array(node), node.params)
-                for node in self.nodes]
+        steps = []
+        for node in self.nodes:
+            halves = self.reads_halves(node)
+            srcs = [self.dense_array(s) if s.is_quantized else self.array(s) for s in node.srcs]
+            dst = self.array(node)
+            kernel = (None if halves else self.pieces(node, dst, srcs)) or self.kernel(
+                node.op, halves)
+            steps.append((kernel, srcs, dst, node.params))
+        return steps
+
+    def pieces(self, node: Tensor, dst: np.ndarray, srcs: list) -> Pieces | None:
+        """node's fast kernel cut into two pieces per thread (its op's split rule), or None
+        where it runs whole: one thread, a small result, or an op or node that may not be
+        cut."""
+        opdef = OPS[node.op]
+        if (self.threads < 2 or not self.fast or opdef.fast is None or opdef.split is None
+                or node.nelements < self.split_min or dst.ndim == 0):
+            return None
+        cut = opdef.split(dst.shape, *(s.shape for s in srcs))
+        n = min(2 * self.threads, dst.shape[0])
+        if cut is None or n < 2:
+            return None
+        ends = [dst.shape[0] * i // n for i in range(n + 1)]
+        pieces = [(dst[lo:hi], [s if dim is None else s[(slice(None),) * dim + (slice(lo, hi),)]
+                                for s, dim in zip(srcs, cut, strict=True)])
+                  for lo, hi in zip(ends, ends[1:])]
+        helpers = min(self.threads, n) - 1
+        return Pieces(opdef.fast, pieces, worker_pool(self.threads - 1), helpers)
 
     def kernel(self, op: str, halves: bool = False):
         """(out, *srcs, **params) -> None for op: its fast kernel, else its reference.
@@ -157,11 +254,18 @@ class NumpyPlan(Plan):
 
 class NumpyBackend(Backend):
     """Runs graphs with the NumPy references (and the ops' fast kernels, unless fast=False);
-    float64 for gradient checks."""
+    float64 for gradient checks. `threads`: how many run the pieces of a big node (None:
+    default_threads(); 1: every node whole); `split_min`: the fewest result elements a node
+    is cut at."""
 
-    def __init__(self, float_dtype=np.float32, fast: bool = True):
+    def __init__(self, float_dtype=np.float32, fast: bool = True, threads: int | None = None,
+                 split_min: int = SPLIT_MIN):
         self.float_dtype = np.dtype(float_dtype)
         self.fast = fast
+        self.threads = default_threads() if threads is None else int(threads)
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.split_min = split_min
         self.name = "numpy" if self.float_dtype == np.float32 else f"numpy-{self.float_dtype}"
         self.constants = SharedConstants()
 

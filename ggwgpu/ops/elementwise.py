@@ -10,7 +10,7 @@ import numpy as np
 from .. import ops as O
 from ..tensor import ShapeError
 from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_float, pad4,
-                       register, same_shape, tile)
+                       register, same_shape, split_rows, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
 LARGE = WORKGROUP * 65535 + 77
@@ -208,9 +208,13 @@ def sigmoid_into(out, a):
 
 
 def swiglu_into(out, a, b):
-    """swiglu's reference (a * sigmoid(a) * b) without temporaries, same operations."""
-    sigmoid_into(out, a)
-    out *= a
+    """swiglu's reference (a * sigmoid(a) * b) without temporaries, as a / (1 + exp(-a)) * b:
+    one pass fewer than the reciprocal and a product (20 % of the op; rounding may differ
+    in the last bit)."""
+    np.negative(a, out=out)
+    np.exp(out, out=out)
+    out += 1
+    np.divide(a, out, out=out)
     out *= b
 
 
@@ -246,7 +250,7 @@ def gate_cases(n_srcs):
 
 swiglu = register(
     "swiglu", n_srcs=2, shape=gate_shape, shader="elementwise",
-    reference=lambda a, b: silu_ref(a) * b, fast=swiglu_into,
+    reference=lambda a, b: silu_ref(a) * b, fast=swiglu_into, split=split_rows(),
     # db = silu(a) * dy is this op again
     backward=lambda n, g: (O.swiglu_back(*n.srcs, g), O.swiglu(n.srcs[0], g)),
     cases=lambda: gate_cases(2),
@@ -256,7 +260,7 @@ swiglu = register(
 # and symmetric in them.
 swiglu_back = register(
     "swiglu_back", n_srcs=3, shape=gate_shape, shader="elementwise",
-    reference=swiglu_back_ref, fast=swiglu_back_into, no_grad=(0,),
+    reference=swiglu_back_ref, fast=swiglu_back_into, split=split_rows(), no_grad=(0,),
     backward=lambda n, g: (None, O.swiglu_back(n.srcs[0], n.srcs[2], g),
                            O.swiglu_back(n.srcs[0], n.srcs[1], g)),
     cases=lambda: gate_cases(3),

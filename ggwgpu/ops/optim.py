@@ -105,13 +105,16 @@ def adamw_into(out, param, grad, m, v, hp, decay):
         np.copyto(out, adamw_ref(param, grad, m, v, hp, decay))
         return
     keep = 1 - alpha * (wd if decay else 0)
+    step = np.multiply(grad, 1 - beta1)    # two scratch arrays for all the temporaries
     m *= beta1
-    m += grad * (1 - beta1)
+    m += step
+    np.multiply(grad, grad, out=step)
+    step *= 1 - beta2
     v *= beta2
-    v += grad * grad * (1 - beta2)
-    step = m * beta1h
+    v += step
+    np.multiply(m, beta1h, out=step)
     step *= alpha
-    denom = v * beta2h
+    denom = np.multiply(v, beta2h)
     np.sqrt(denom, out=denom)
     denom += eps
     step /= denom

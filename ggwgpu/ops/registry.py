@@ -4,6 +4,9 @@
     reference   -> NumPy function over the source arrays (float32 or float64)
     fast        -> optional: the NumPy backend's kernel, writing the reference's result (up
                    to float rounding) into a given array without its temporaries and copies
+    split       -> optional: how that kernel may be cut along the result's first dim, so
+                   the NumPy backend runs the pieces of a big node on several threads
+                   (split_rows)
     shader      -> WGSL file + entry point k_<name>; `dispatches` derives uniforms and grid
     backward    -> builds the gradient of each source from other registered ops (None only
                    for optimizer updates, which run after the backward and are never
@@ -117,6 +120,11 @@ class OpDef:
     # is nmse <= 2^-22 / 3 ~ 8e-8 (measured up to 1.3e-7 on lavapipe, mul_mat's small sums)
     f16_nmse: float = 1e-6
     dtype_from: tuple[int, ...] = ()  # the sources the result dtype follows (default: all)
+    # (result shape, *source shapes) -> per source the dim of it that lines up with the
+    # result's first dim, cut with it, or None: passed whole to every piece; None for the
+    # whole rule where this node may not be cut. The pieces of `fast` then give the uncut
+    # result bit for bit (split_rows)
+    split: Callable | None = None
 
     @property
     def src_names(self) -> tuple[str, ...]:
@@ -192,7 +200,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
              entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
              nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
              doc="", frozen_variant=None, variants=(), fast=None, f16=True, result="float",
-             f16_nmse=1e-6, dtype_from=()):
+             f16_nmse=1e-6, dtype_from=(), split=None):
     """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
     if result not in ("float", "f32", "own"):
@@ -205,7 +213,7 @@ def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shad
                   (entry or name) if shader else None, dispatches if shader else None,
                   backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
                   doc, frozen_variant, tuple(variants), dict(defaults or {}), fast, f16,
-                  result, f16_nmse, tuple(dtype_from))
+                  result, f16_nmse, tuple(dtype_from), split)
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
@@ -243,6 +251,33 @@ def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
         shapes = ", ".join(str(s.shape) for s in srcs)
         raise ShapeError(f"{opdef.name}({shapes}): {e}") from None
     return Tensor(shape, dtype, op=opdef.name, srcs=srcs, params=params, **extra)
+
+
+def split_rows(keep=0, whole=(), rows=()):
+    """A `split` rule for a fast kernel whose result at index i of its first dim reads the
+    sources at their index i only, or whole. `keep`: the innermost dims it needs whole (a
+    softmax row, a masked matrix, rope's tokens, which its positions index), so the result
+    must have more. Sources in `whole` are passed whole (hyper-parameters, positions, a
+    scalar); those in `rows` are cut (per-row ids and weights, of the result's leading
+    dims); any other is cut where it has the result's dims and first size, passed whole
+    where ggml tiling broadcasts it along the first dim (fewer dims, or size 1 there), and
+    the node is not cut otherwise (b of size 2 tiled over 8 would not line up).
+    Reductions over the kept dims stay whole in every piece: same rounding as uncut."""
+    def rule(out, *srcs):
+        if len(out) <= keep:
+            return None
+        cut = []
+        for i, s in enumerate(srcs):
+            if i in whole or i in rows:
+                cut.append(0 if i in rows else None)
+            elif len(s) == len(out) and s[0] == out[0]:
+                cut.append(0)
+            elif len(s) < len(out) or s[0] == 1:
+                cut.append(None)
+            else:
+                return None
+        return tuple(cut)
+    return rule
 
 
 # -- shape rules shared by several ops ------------------------------------------------------
