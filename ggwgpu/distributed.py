@@ -30,6 +30,7 @@ from .tensor import contiguous_strides, constant, input_tensor
 SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
 LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK",
                    "SLURM_LOCALID")
+ABORT_GRACE_SECONDS = 1.0   # World.abort: time for a message to reach the launcher
 INSTALL_HINT = ("pip install 'ggwgpu[mpi]' (mpi4py) with an MPI library: the system's "
                 "(Debian: openmpi-bin or mpich) or a wheel (pip install mpich)")
 
@@ -103,6 +104,10 @@ class World:
         (the real one: ranks other than 0 have theirs silenced)."""
         print(f"rank {self.rank} of {self.size}: {message}; ending all {self.size} processes",
               file=sys.__stderr__, flush=True)
+        # the launcher forwards a rank's output through its own processes, and the abort
+        # stops them: output still in flight was lost under load (MPICH's hydra), so wait
+        # for it to pass first
+        time.sleep(ABORT_GRACE_SECONDS)
         self.comm.Abort(code)
 
 
