@@ -10,10 +10,11 @@ loss and the gradients' sum of squares on the device (exponent bits, no NaN arit
 the optimizer kernels do nothing where that flag is 0. The step still counts (its batch is used up, the schedule moves on); its record
 says "skipped", and what to do next (stop or go on) is the caller's choice.
 
-With dynamic loss scaling (options.loss_scale "dynamic", LossScaler) the backward starts from
-the scale S instead of 1, so every gradient in the graph is S times the true one; the factor
-that clipping multiplies the gradients by takes 1/S too, so clipping, the gradient norm and
-the optimizer see the true gradients. S is a power of two: both multiplications are exact.
+With dynamic loss scaling (LossScaler: options.loss_scale "dynamic", or "auto", the default,
+on an f16 graph: options.precision) the backward starts from the scale S instead of 1, so
+every gradient in the graph is S times the true one; the factor that clipping multiplies the
+gradients by takes 1/S too, so clipping, the gradient norm and the optimizer see the true
+gradients. S is a power of two: both multiplications are exact.
 A step whose (scaled) gradients are not finite is skipped and halves S, as PyTorch's
 GradScaler does; such a skip does not count as an optimizer step (AdamW's bias correction).
 """
