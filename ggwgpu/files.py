@@ -51,19 +51,26 @@ def replace_problem(path) -> str | None:
                        "ggwgpu writes outputs as new files renamed into place"}.get(file_kind(path))
 
 
-def max_text_bytes() -> int:
-    """The size bound of texts: $GGWGPU_MAX_TEXT_BYTES if set (a positive integer), else
-    MAX_TEXT_BYTES."""
-    raw = os.environ.get(TEXT_LIMIT_VAR)
+def positive_env(var: str, unit: str, error=ValueError) -> int | None:
+    """The positive integer environment variable `var` holds (a limit, a thread count), None
+    where it is unset; anything else raises `error` naming it and the `unit` it counts."""
+    raw = os.environ.get(var)
     if raw is None:
-        return MAX_TEXT_BYTES
+        return None
     try:
         value = int(raw)
     except ValueError:
         value = 0
     if value <= 0:
-        raise ValueError(f"${TEXT_LIMIT_VAR} must be a positive number of bytes, got {raw!r}")
+        raise error(f"${var} must be a positive number of {unit}, got {raw!r}")
     return value
+
+
+def max_text_bytes() -> int:
+    """The size bound of texts: $GGWGPU_MAX_TEXT_BYTES if set (a positive integer), else
+    MAX_TEXT_BYTES."""
+    value = positive_env(TEXT_LIMIT_VAR, "bytes")
+    return MAX_TEXT_BYTES if value is None else value
 
 
 def read_limited(path, error=ValueError) -> bytes:

@@ -17,6 +17,7 @@ import dataclasses
 import math
 import os
 
+from .files import positive_env
 from .models.llama import LlamaConfig, parameter_shapes
 
 HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
@@ -40,15 +41,8 @@ def parameter_count(cfg: LlamaConfig) -> int:
 def host_available() -> int | None:
     """Bytes the host can still hand out: $GGWGPU_MAX_HOST_BYTES, else MemAvailable, else
     None (unknown: no check)."""
-    raw = os.environ.get(HOST_LIMIT_VAR)
-    if raw is not None:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise MemoryLimitError(f"${HOST_LIMIT_VAR} must be a positive number of bytes, "
-                                   f"got {raw!r}")
+    value = positive_env(HOST_LIMIT_VAR, "bytes", MemoryLimitError)
+    if value is not None:
         return value
     try:
         with open("/proc/meminfo") as f:

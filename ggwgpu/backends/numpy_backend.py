@@ -31,6 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from ..files import positive_env
 from ..ops import OPS
 from ..quant import dequantize
 from ..tensor import Tensor
@@ -45,19 +46,13 @@ SPLIT_MIN = 1 << 16
 
 def default_threads() -> int:
     """$GGWGPU_NUMPY_THREADS (a positive integer), else the cores this process may use."""
-    raw = os.environ.get(THREADS_VAR)
-    if raw is None:
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:   # no affinity on this OS
-            return os.cpu_count() or 1
+    value = positive_env(THREADS_VAR, "threads")
+    if value is not None:
+        return value
     try:
-        value = int(raw)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise ValueError(f"${THREADS_VAR} must be a positive number of threads, got {raw!r}")
-    return value
+        return len(os.sched_getaffinity(0))
+    except AttributeError:   # no affinity on this OS
+        return os.cpu_count() or 1
 
 
 @functools.cache
