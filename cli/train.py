@@ -140,7 +140,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     def resume_command(steps_left: int) -> str:
         args = resume_args(ctx, ["train"], checkpoint_path, steps_left) + ["--out", out]
         if predict:
-            args += ["--predict", str(predict), "--seed", str(kw["seed"])]
+            args += ["--predict", str(predict), "--seed", str(options.seed)]
         return shlex.join(args)
 
     first, last, seconds = training_loop(
@@ -159,4 +159,4 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         prompt = text.split("\n", 1)[0]
         click.echo(f"sample of {predict} tokens:")
         stream_sample(backend, cfg, trainer.parameters(), tokenizer, prompt, predict,
-                      Sampling(), kw["seed"], precision=trainer.precision)
+                      Sampling(), options.seed, precision=trainer.precision)

@@ -363,6 +363,25 @@ def test_train_predict_prints_a_sample(tmp_path):
     assert "sample of 10 tokens:\nFirst line" in r.stdout
 
 
+def test_a_resumed_train_predicts_with_the_checkpoints_seed(tmp_path):
+    """Without --seed, a resumed run samples with the seed the checkpoint fixes, as the
+    uninterrupted run did."""
+    text = tmp_path / "text.txt"
+    text.write_text("First line\n" + "some text to learn from. " * 20)
+    size = [f"--{k.replace('_', '-')}={v}" for k, v in
+            dict(n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=12).items()]
+    ckpt = tmp_path / "c.gguf"
+    first = invoke("--backend", "numpy", "train", str(text), *size, "--batch", "2", "--steps",
+                   "2", "--seed", "5", "--checkpoint-out", str(ckpt), "--out",
+                   str(tmp_path / "m.gguf"), "--predict", "12")
+    resumed = invoke("--backend", "numpy", "train", str(text), "--steps", "0",    # no more
+                     "--checkpoint-in", str(ckpt), "--out", str(tmp_path / "m2.gguf"),
+                     "--predict", "12")
+    assert first.exit_code == 0 and resumed.exit_code == 0, first.output + resumed.output
+    sample = first.stdout.split("sample of 12 tokens:\n")[1]
+    assert resumed.stdout.split("sample of 12 tokens:\n")[1] == sample
+
+
 def test_generate_command_with_a_bpe_vocabulary(tmp_path):
     # a byte-level BPE vocabulary (the 256 byte characters, two merges, three control
     # tokens): the prompt's <|im_start|> is parsed (and not printed), <|im_end|> ends it
