@@ -81,7 +81,8 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     (or Ctrl-C at the prompt) ends the session.
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
-    check_memory(ctx, f"chatting with {model}", cfg, values, decoder=True)
+    check_memory(ctx, f"chatting with {model}", cfg, values, kw["precision"],
+                 decoder=True)
     template = chat_template(tokenizer, kw.pop("chat_template"))
     backend = select_backend(ctx)
     precision = resolve_precision(backend, kw["precision"])

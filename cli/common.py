@@ -78,12 +78,14 @@ def auto_pick() -> tuple[str, str]:
         return auto_choice()
 
 
-def check_memory(ctx, what: str, cfg, values=None, **estimate):
+def check_memory(ctx, what: str, cfg, values=None, precision: str = "f32", **estimate):
     """Refuse, before it allocates, a run whose memory estimate (ggwgpu.memory: from the
-    config; `values`: loaded weights, counted as stored) exceeds the host's memory, with the
-    numbers: every command that builds a graph asks here first."""
+    config; `values`: loaded weights, counted as stored; --precision f16: activations and
+    cache in halves, auto counted as f32) exceeds the host's memory, with the numbers: every
+    command that builds a graph asks here first."""
     from ggwgpu import memory
     from ggwgpu.quant import Quantized
+    estimate["value_bytes"] = memory.F16 if precision == "f16" else memory.F32
     name, _ = backend_choice(ctx)
     device_is_host = name == "numpy" or (name == "auto" and auto_pick()[0] == "numpy")
     if values is not None:

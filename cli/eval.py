@@ -78,7 +78,8 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
                    for i in range(0, n, batch))
         what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
         packed = False
-    check_memory(ctx, f"evaluating {model}", cfg, values, batch=batch)
+    check_memory(ctx, f"evaluating {model}", cfg, values, kw["precision"],
+                 batch=batch)
     backend = select_backend(ctx)
     precision = resolve_precision(backend, kw["precision"])
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,

@@ -161,14 +161,14 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                 raise click.UsageError(str(e)) from None
             check_memory(ctx, f"finetuning {base}", with_context(model_cfg, n_ctx), values,
                          batch=options.batch, trained=lora.pair_values(cfg, pair_ranks),
-                         flash_attn=options.flash_attn)
+                         flash_attn=options.flash_attn, precision=options.precision)
             adapter = lora.init_adapter(cfg, pair_ranks, lora_alpha, kw["seed"])
 
     cfg = with_context(model_cfg, n_ctx)
     trained = (sum(v.size for v in adapter.tensors.values()) if adapter else
                sum(math.prod(v.shape) for v in values.values()))
     check_memory(ctx, f"finetuning {base}", cfg, values, batch=options.batch, trained=trained,
-                 flash_attn=options.flash_attn)
+                 flash_attn=options.flash_attn, precision=options.precision)
     validation_set = None
     if kw["data_path"]:
         samples, validation_set, digest, data_lines = finetune_examples(

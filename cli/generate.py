@@ -74,7 +74,8 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     prompt is answered as one chat turn (for scripts; `ggwgpu chat` goes on talking).
     """
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
-    check_memory(ctx, f"generating with {model}", cfg, values, decoder=True)
+    check_memory(ctx, f"generating with {model}", cfg, values, kw["precision"],
+                 decoder=True)
     if (system or chat_template) and not chat:
         raise click.UsageError("--system and --chat-template go with --chat")
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):

@@ -80,7 +80,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         options = resumed_options(ctx, state, checkpoint_in, shape)
         step = state["step"]
         check_memory(ctx, f"{checkpoint_in}", cfg, values, batch=options.batch,
-                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn,
+                     precision=options.precision)
     else:
         try:
             tokenizer = tok.load_vocab(vocab_model) if vocab_model else tok.ByteTokenizer()
@@ -99,7 +100,8 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                                    f"(n_embd / n_head): llama.cpp refuses such a llama model")
         options = train_options(kw)
         check_memory(ctx, "this model", cfg, batch=options.batch,
-                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn)
+                     trained=memory.parameter_count(cfg), flash_attn=options.flash_attn,
+                     precision=options.precision)
         values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 
     text, source = read_text(kw["texts"], kw["corpus"])

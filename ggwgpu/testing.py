@@ -256,6 +256,16 @@ def f16_cases_of(name: str, grad_only=False) -> list[Case]:
     return [c for c in cases_of(name, grad_only) if any(i.dtype == "f32" for i in c.inputs)]
 
 
+def through_checkpoint(trainer, path, tokenizer) -> tuple:
+    """A Trainer's model, optimizer state and training state written as a checkpoint at
+    `path` and read back: checkpoint.load_checkpoint's (cfg, values, tokenizer, opt_state,
+    state), what a resumed run starts from."""
+    from .checkpoint import load_checkpoint, save_checkpoint
+    save_checkpoint(path, trainer.cfg, trainer.parameters(), tokenizer,
+                    trainer.optimizer_state(), trainer.state())
+    return load_checkpoint(path)
+
+
 def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: int = 0,
                          eps: float = 1e-6, atol: float = 1e-6, rtol: float = 1e-4):
     """A whole model's gradients ({param: array}, computed by any backend) against central

@@ -11,6 +11,7 @@ from ggwgpu.graph import build_backward
 from ggwgpu import checkpoint, data, gguf_file
 from ggwgpu.lbfgs import Lbfgs, LbfgsOptions, two_loop_reference
 from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli.main import cli
@@ -137,10 +138,8 @@ def test_lbfgs_resumes_exactly_from_a_checkpoint(tmp_path, backend_name, request
     backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
     straight, records = llama_trainer(backend, steps=6)
     first, _ = llama_trainer(backend, steps=3)
-    path = tmp_path / "ckpt.gguf"
-    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
-                            first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
+    cfg, values, _, opt_state, state = through_checkpoint(first, tmp_path / "ckpt.gguf",
+                                                         ByteTokenizer())
     resumed, tail = llama_trainer(backend, steps=3, opt_state=opt_state, values=values,
                                   step=state["step"], data=state["data"])
     exact = 0 if backend_name == "numpy" else 1e-6

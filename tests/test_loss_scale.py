@@ -13,6 +13,7 @@ from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import MAX_SCALE, Trainer, TrainOptions, check_state
 
@@ -191,10 +192,8 @@ def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_na
     assert [r["loss_scale"] for r in want] == [64, 64, 32, 32, 32, 64, 64]
     first = make(backend, **o)
     run(first, 4, poison, overflow_at={1})
-    path = tmp_path / "ckpt.gguf"
-    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
-                            first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
+    cfg, values, _, opt_state, state = through_checkpoint(first, tmp_path / "ckpt.gguf",
+                                                         ByteTokenizer())
     assert state["loss_scaler"] == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
     options = TrainOptions(**state["options"])
     samples = data.Samples(ByteTokenizer().encode(TEXT), cfg.n_ctx, options.batch,

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import checkpoint, data, gguf_llama
+from ggwgpu import data, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions, schedule
 from ggwgpu_cli.main import cli
@@ -207,10 +208,8 @@ def test_resuming_from_a_checkpoint_continues_exactly(tmp_path, backend_name, re
     backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
     straight, losses = trainer(backend, steps=6)
     first, _ = trainer(backend, steps=3)
-    path = tmp_path / "ckpt.gguf"
-    checkpoint.save_checkpoint(path, first.cfg, first.parameters(), ByteTokenizer(),
-                            first.optimizer_state(), first.state())
-    cfg, values, _, opt_state, state = checkpoint.load_checkpoint(path)
+    cfg, values, _, opt_state, state = through_checkpoint(first, tmp_path / "ckpt.gguf",
+                                                         ByteTokenizer())
     resumed, tail = trainer(backend, steps=3, options=TrainOptions(**state["options"]),
                             values=values, opt_state=opt_state, step=state["step"],
                             data=state["data"])
