@@ -103,14 +103,15 @@ class Plan:
             id(r) for r in self.roots
             if r.op is None and r.value is not None and not r.is_param and id(r) not in written}
         self.constants = {}     # id(root) -> SharedConstant, for those the plan shares now
-        self._shared = set()    # storage keys that share a buffer with another block
+        self._shared = set()    # storage keys whose bytes another block reuses
         self._staged = set()    # indexes of the nodes that stage() gave out
 
-    def storage_layout(self, private=()) -> Layout:
+    def storage_layout(self, private=(), **packing) -> Layout:
         """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
-        shared buffers by liveness. Leaves and outputs live throughout: they hold values
-        between runs. With sentinels nothing is shared, so every guard stays checkable.
-        The constants of `constant_keys` are not in it: their storage is the backend's."""
+        shared buffers by liveness (alloc.pack, with `packing`'s keywords). Leaves and outputs
+        live throughout: they hold values between runs. With sentinels nothing is shared, so
+        every guard stays checkable. The constants of `constant_keys` are not in it: their
+        storage is the backend's."""
         forever = len(self.nodes) + 1
         first, last = {}, {}
         for step, node in enumerate(self.nodes):
@@ -127,7 +128,7 @@ class Plan:
                   for r in self.roots if id(r) not in self.constant_keys]
         blocks += [Block(id(t), self.nbytes(t), step, forever if self.sentinel else step)
                    for t, step in private]
-        return pack(blocks)
+        return pack(blocks, **packing)
 
     def memory(self, layout: Layout | None = None, scratch=()) -> dict:
         """The planned storage in bytes, by role: weights (params), gradients (the blocks the
