@@ -730,7 +730,7 @@ def memory_against_minimum(trainer, config: BenchConfig) -> dict:
     activations' peak, and the planner's peak of live bytes can be below the minimum."""
     from ggwgpu.models.llama import parameter_shapes
     plan = trainer.plan
-    layout = getattr(plan, "layout", None) or plan.storage_layout()
+    layout = plan.layout or plan.storage_layout()
     m = plan.memory()
     model = set(parameter_shapes(trainer.cfg))
     moments = {id(t.storage) for pair in trainer.moments.values() for t in pair}

@@ -105,6 +105,7 @@ class Plan:
         self.constants = {}     # id(root) -> SharedConstant, for those the plan shares now
         self._shared = set()    # storage keys whose bytes another block reuses
         self._staged = set()    # indexes of the nodes that stage() gave out
+        self.layout = None      # the storage layout the backend's plan made, once it made it
 
     def storage_layout(self, private=(), **packing) -> Layout:
         """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
@@ -135,11 +136,11 @@ class Plan:
         optimizer updates read), state (other leaves with a value: optimizer moments,
         constants), inputs, activations (every other block live at the peak, `scratch`
         tensors included), the peak of live bytes, `planned`, the bytes of the buffers
-        `layout` (default: storage_layout()) allocates and of the constants, and `shared`,
+        `layout` (default: the plan's, else storage_layout()) allocates and of the constants, and `shared`,
         the part of `planned` in constant storage the backend holds for all its plans
         (SharedConstants: other plans of the same values use it too); planned_bytes() adds
         several plans up counting each shared constant once."""
-        layout = layout or self.storage_layout()
+        layout = layout or self.layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
         for t in self.roots + list(scratch):

@@ -436,7 +436,7 @@ class WgpuPlan(Plan):
 
     def memory(self) -> dict:
         """Plan.memory of this plan's buffers, scratch included."""
-        return super().memory(self.layout, self.scratch)
+        return super().memory(scratch=self.scratch)
 
     def _uniforms(self, d) -> np.ndarray:
         """The Params block of dispatch `d`, as 32-bit words at PARAMS' field positions."""
