@@ -857,7 +857,8 @@ def bench_memory(ctx, config_name, layers, precisions, json_path):
         options.checkpointing, options.precision = checkpointing, precision
         values, adapter = bench_weights(config_name, cfg)
         graph = build_train_graph(cfg, values, options.batch, lora=adapter,
-                                  max_logits_bytes=logits_bound(backend),
+                                  max_logits_bytes=logits_bound(backend, checkpointing,
+                                                                adapter is None),
                                   precision=precision)
         every = max(1, round(math.sqrt(n_layer)))
         graph.checkpoints = graph.checkpoints[every - 1::every]

@@ -312,12 +312,20 @@ class LossScaler:
                 "skipped_steps": self.skipped_steps}
 
 
-def logits_bound(backend) -> int:
+def logits_bound(backend, checkpointing: bool = False, full: bool = False) -> int:
     """The most bytes of logits a training graph on `backend` holds at once
-    (build_train_graph's max_logits_bytes): the device's largest storage binding, else
-    128 MiB."""
+    (build_train_graph's max_logits_bytes): 128 MiB, or the device's largest storage
+    binding where that is less. A 49k-128k vocabulary makes a batch's logits and their
+    gradient the largest tensors of a step (Llama 3.2's 128k, 4 x 512 tokens: 1 GiB each in
+    f32), and chunks cost one more output product a step. With checkpointing a LoRA step
+    (not `full` training) gets a quarter of that: once the layers recompute, the logits
+    would be most of what stays (SmolLM2-135M, 4 x 128 tokens: 285 MiB planned in one
+    chunk, 197 in three). Full training keeps the larger chunks: the output weight's
+    gradient is summed chunk by chunk, and chunks of fewer than n_embd rows keep more of it
+    alive than they free (SmolLM2-135M: 2359 MiB in one chunk, 2468 in three)."""
     limits = getattr(backend, "storage_limits", None)
-    return min(limits.values()) if limits else MAX_LOGITS_BYTES
+    bound = min(MAX_LOGITS_BYTES, *limits.values()) if limits else MAX_LOGITS_BYTES
+    return bound // 4 if checkpointing and not full else bound
 
 
 class Trainer:
@@ -339,7 +347,9 @@ class Trainer:
         self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
         g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
-                                       lora=lora, max_logits_bytes=logits_bound(backend),
+                                       lora=lora,
+                                       max_logits_bytes=logits_bound(
+                                           backend, options.checkpointing, lora is None),
                                        packed=getattr(batch_source, "packed", False),
                                        precision=self.precision)
         self.graph = g
