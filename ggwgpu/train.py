@@ -1,7 +1,9 @@
 """Training a llama: the schedule, the planned train step, checkpoints.
 
 One training step is one planned graph, built and planned once: the forward of a batch, its
-backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter. Per step
+backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter
+(the clipping factor reaches every update as its last hyper-parameter, computed on the device:
+no pass over the gradients to scale them). Per step
 the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
 host, as in ggml) and reads back the loss and the gradient norm.
 
@@ -371,14 +373,15 @@ class Trainer:
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw, sgd or lbfgs")
         adamw = options.optimizer == "adamw"
-        # the host writes every hyper-parameter but the last, the finite flag
-        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - 1
+        # the host writes the hyper-parameters but the finite flag and the gradient factor,
+        # which the device appends; the updates multiply each gradient by that factor
+        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - len(O.DEVICE_HPARAMS)
         self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
-        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss)
+        if factor is None:
+            factor = constant(np.ones(1, np.float32), name="no gradient factor")
+        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss, factor)
         self.moments, updates = {}, []
         for p, grad in grads.items():
-            if factor is not None:
-                grad = O.mul(grad, factor)
             decay = p.ndim >= 2
             if not adamw:
                 updates.append(O.opt_step_sgd(p, grad, flagged, decay))

@@ -84,6 +84,71 @@ def test_a_scale_that_never_overflows_changes_no_bit(backend_name, optimizer, cl
     assert_same_state(plain, scaled)
 
 
+def old_formulation(t: Trainer):
+    """The step `t` makes, built by hand as the trainer built it before its optimizer steps
+    took the gradient factor: the same graph (a second copy), clip_scale's factor applied by a
+    mul op per gradient, and steps whose own factor is 1. Returns (the graph, the loss scale
+    and 1 / scale inputs (None unscaled), the hparams input, the sum of squares, the factor,
+    the updates, the moments by name)."""
+    import ggwgpu as gg
+    from ggwgpu import ops as O
+    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.train import clip_scale
+    g = build_train_graph(t.cfg, init_parameters(t.cfg, seed=1), t.options.batch)
+    seed, inv = ((gg.input_tensor(g.loss.shape), gg.input_tensor((1,))) if t.scaler
+                 else (None, None))
+    grads = gg.build_backward(g.loss, list(g.params.values()), seed=seed)
+    sumsq, factor = clip_scale(grads.values(), t.options.grad_clip, inv)
+    hp = gg.input_tensor(t.hparams.shape)
+    flagged = O.append_finite_flag(hp, sumsq, g.loss, gg.constant(np.ones(1, np.float32)))
+    updates, moments = [], {}
+    for p, grad in grads.items():
+        grad = O.mul(grad, factor)
+        if t.options.optimizer == "sgd":
+            updates.append(O.opt_step_sgd(p, grad, flagged, p.ndim >= 2))
+            continue
+        m, v = (gg.constant(np.zeros(p.shape, np.float32)) for _ in "mv")
+        moments[p.name] = m, v
+        updates.append(O.opt_step_adamw(p, grad, m, v, flagged, p.ndim >= 2))
+    return g, seed, inv, hp, sumsq, factor, updates, moments
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+@pytest.mark.parametrize("optimizer, scaling, clip", [
+    ("adamw", "dynamic", 0.05), ("adamw", "none", 0.05), ("sgd", "dynamic", 0.0)])
+def test_the_steps_take_the_gradient_factor_as_a_mul_before_them_gave_it(
+        backend_name, optimizer, scaling, clip, request):
+    """The optimizer steps multiply each gradient by the clip factor (times 1 / S) in their
+    kernels: losses, gradient norms, weights and moments stay bit for bit those of the
+    formulation before, a mul op per gradient ahead of the step."""
+    backend = backend_of(backend_name, request)
+    t = make(backend, optimizer=optimizer, loss_scale=scaling, grad_clip=clip,
+             lr=3e-3 if optimizer == "adamw" else 0.3)
+    g, seed, inv, hp, sumsq, factor, updates, moments = old_formulation(t)
+    plan = backend.plan([g.loss, sumsq, factor, *updates])
+    plan.write(g.positions, np.arange(t.cfg.n_ctx, dtype=np.int32))
+    if t.scaler:
+        plan.write(seed, np.full(seed.shape, t.scaler.scale, np.float32))
+        plan.write(inv, np.array([1 / t.scaler.scale], np.float32))
+    batches, feeds = [], t.feeds
+    t.feeds = lambda *batch: batches.append(batch) or feeds(*batch)
+    factors = []
+    for _ in range(3):
+        hp_value = t.step_hparams()[0]
+        record = t.train_step()
+        plan.run({**g.feeds(*batches[-1]), hp: hp_value})
+        loss, ss, f = plan.read_many([g.loss, sumsq, factor])
+        assert not record["skipped"]
+        assert (record["loss"], record["grad_norm"]) == (float(loss[0]), math.sqrt(float(ss[0])))
+        factors.append(float(f[0]) * (t.scaler.scale if t.scaler else 1))
+    for name, p in g.params.items():
+        assert np.array_equal(t.parameters()[name], plan.read(p)), name
+    for name, (m, v) in moments.items():
+        assert np.array_equal(t.optimizer_state()[name][0], plan.read(m)), name
+        assert np.array_equal(t.optimizer_state()[name][1], plan.read(v)), name
+    assert all(f < 1 for f in factors) if clip else factors == [1.0] * 3   # clipping acts
+
+
 @pytest.mark.parametrize("backend_name, accum", [("numpy", 1), ("numpy", 2), ("wgpu", 1)])
 def test_an_overflowing_scale_skips_steps_halving_until_it_fits(backend_name, accum, request):
     """The first steps' scaled gradients overflow: each is skipped (no weight or moment
