@@ -243,6 +243,71 @@ def run(t: Trainer, steps: int, poison=None, overflow_at=()) -> list[dict]:
     return records
 
 
+def loss_poisonable(monkeypatch, calls):
+    """Trainers made from now on add an input to their loss: NaN in the micro-batches
+    `calls` (0-based count of TrainGraph.feeds calls), 0 elsewhere. Their loss is then not
+    finite while every gradient is (the add passes the backward's seed on as it is). No batch
+    does that by itself: an infinite or NaN target weight, logit or weight that makes the
+    loss non-finite makes gradients non-finite too (or overflows their sum of squares)."""
+    import dataclasses
+    import ggwgpu as gg
+    from ggwgpu import train
+    from ggwgpu.models.llama import TrainGraph
+    poison, build, feeds = gg.input_tensor((1,), name="loss poison"), train.build_train_graph, \
+        TrainGraph.feeds
+    count = iter(range(10 ** 9))
+
+    def poisoned_graph(*args, **kwargs):
+        g = build(*args, **kwargs)
+        return dataclasses.replace(g, loss=gg.add(g.loss, poison))
+
+    def poisoned_feeds(graph, *args, **kwargs):
+        out = feeds(graph, *args, **kwargs)
+        if poison in graph.loss.srcs:      # not a graph made before
+            out[poison] = np.array([np.nan if next(count) in calls else 0.0], np.float32)
+        return out
+    monkeypatch.setattr(train, "build_train_graph", poisoned_graph)
+    monkeypatch.setattr(TrainGraph, "feeds", poisoned_feeds)
+
+
+@pytest.mark.parametrize("micro_batch", [0, 1])
+@pytest.mark.parametrize("backend_name, scaling", [("numpy", "dynamic"), ("numpy", "none"),
+                                                   ("wgpu", "dynamic")])
+def test_a_micro_batch_whose_loss_alone_is_not_finite_skips_on_device_and_host_alike(
+        backend_name, scaling, micro_batch, monkeypatch, request):
+    """Two micro-batches a step; in step 2 one of them has a NaN loss and finite gradients.
+    The device's finite flag tests the loss of every micro-batch, as the host does: the step
+    is skipped by both (no weight or moment changes; with scaling the scale backs off), and
+    step 3 is the step 3 of a run that never saw step 2's batches (no NaN stayed in a sum)."""
+    backend = backend_of(backend_name, request)
+    o = dict(batch=2, grad_accum=2, loss_scale=scaling)
+    clean = make(backend, **o)
+    loss_poisonable(monkeypatch, {2 + micro_batch})     # from here: hit's feeds calls
+    hit = make(backend, **o)
+    for t in (clean, hit):
+        assert not t.train_step()["skipped"]
+    before = hit.parameters(), hit.optimizer_state()
+    record = hit.train_step()
+    assert record["skipped"] and math.isnan(record["loss"]), record
+    assert math.isfinite(record["grad_norm"])
+    for name, value in before[0].items():
+        assert np.array_equal(hit.parameters()[name], value), name
+    for name, (m, v) in before[1].items():
+        assert np.array_equal(hit.optimizer_state()[name][0], m), name
+        assert np.array_equal(hit.optimizer_state()[name][1], v), name
+    for _ in range(2):                     # the clean run leaves step 2 out by hand
+        clean.batches.next_batch()
+    clean.step += 1
+    if clean.scaler is not None:
+        assert hit.scaler.state() == {"scale": 2.0 ** 15, "growth_tracker": 0,
+                                      "skipped_steps": 1}
+        clean.scaler.update(False)
+        clean.write_scale()
+    a, b = clean.train_step(), hit.train_step()
+    assert not b["skipped"] and (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    assert_same_state(clean, hit)
+
+
 @pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
 def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_name, request,
                                                            monkeypatch):
