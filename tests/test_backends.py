@@ -296,7 +296,7 @@ def test_memory_report_sorts_the_planned_bytes_by_role():
     memory = plan.memory()
     assert memory["weights"] == memory["gradients"] == 4 * 32
     assert memory["state"] >= 2 * 4 * 32
-    assert memory["inputs"] == 4 * (24 + 8)
+    assert memory["inputs"] == 4 * (24 + 9)
     assert 0 < memory["peak"] <= memory["planned"]
 
 
