@@ -723,13 +723,13 @@ def memory_against_minimum(trainer, config: BenchConfig) -> dict:
     and one gradient of each, the inputs, and the other activations live at the planner's
     peak (with checkpointing when the config has it). What the plan holds besides: other
     constants (the loss's seed, the clip's), and in the buffers that blocks share by
-    liveness, the gradients the clip scales into new blocks and the slack of buffers as
-    large as their largest block. Bytes, and planned / minimum. The roles need not peak
-    together: in a full step without checkpointing the gradients come after the
-    activations' peak, and the planner's peak of live bytes can be below the minimum."""
+    liveness, the gradients the clip scales into new blocks and the gaps that offsets
+    aligned for binding leave. Bytes, and planned / minimum. The roles need not peak
+    together: the gradients come after the activations' peak (a full step's without
+    checkpointing, a LoRA step's adapter gradients), so the plan can be below the minimum."""
     from ggwgpu.models.llama import parameter_shapes
     plan = trainer.plan
-    layout = getattr(plan, "layout", None) or plan.storage_layout()
+    layout = plan.layout or plan.storage_layout()
     m = plan.memory()
     model = set(parameter_shapes(trainer.cfg))
     moments = {id(t.storage) for pair in trainer.moments.values() for t in pair}

@@ -422,8 +422,9 @@ def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill()
 
 def storage_of(plan, t):
     """The backend object that holds t's storage in `plan`: a NumPy block or a wgpu buffer."""
-    return (plan.storage if isinstance(plan, gg.backends.numpy_backend.NumpyPlan)
-            else plan.buffers)[id(t.storage)]
+    if isinstance(plan, gg.backends.numpy_backend.NumpyPlan):
+        return plan.storage[id(t.storage)]
+    return plan.places[id(t.storage)][0]
 
 
 def sharing_graph(w_value, p_value):

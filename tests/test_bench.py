@@ -109,4 +109,7 @@ def test_bench_train_of_a_lora_shape_says_why_torch_has_no_peer(tmp_path, monkey
     assert "planned / minimum" in result.output and "within the lora budget 1.5" in result.output
     report = json.loads(out.read_text())
     assert report["n_layer"] == 2 and report["tokens_per_s"]["numpy"] > 0
-    assert 1 <= report["memory"]["ratio"] <= 1.5
+    memory = report["memory"]
+    # the minimum adds up roles that need not peak together (the gradients come late)
+    assert memory["peak_bytes"] <= memory["planned_bytes"] <= 1.02 * memory["peak_bytes"]
+    assert 0.9 <= memory["ratio"] <= 1.5

@@ -148,7 +148,8 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
               for k, v in tiny_values(cfg).items()}
     d = Decoder(backend, cfg, values)
     plans, graphs = (d.prefill_plan, d.step_plan), (d.prefill_graph, d.step_graph)
-    storage = [plan.storage if backend_name == "numpy" else plan.buffers for plan in plans]
+    storage = [plan.storage if backend_name == "numpy" else
+               {key: place[0] for key, place in plan.places.items()} for plan in plans]
     for name in values:
         weights = [g.params[name].storage for g in graphs]
         assert storage[0][id(weights[0])] is storage[1][id(weights[1])], name

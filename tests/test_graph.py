@@ -219,36 +219,50 @@ def test_checkpointing_gives_the_same_gradients_with_a_lower_peak(wgpu):
     assert peaks[1] < 0.85 * peaks[0], peaks
 
 
-def first_fit(blocks):
-    """pack's rule, plainly: largest first, into the lowest buffer whose blocks' lifetimes
-    all miss this one's."""
-    slot_of, spans = {}, []
-    for b in sorted(blocks, key=lambda b: (-b.nbytes, b.first)):
-        free = [all(b.last < f or l < b.first for f, l in s) for s in spans] + [True]
-        slot = free.index(True)
-        spans[slot:slot + 1] = [(spans[slot] if slot < len(spans) else []) + [(b.first, b.last)]]
-        slot_of[b.key] = slot
-    return slot_of
-
-
-def test_packed_blocks_that_share_a_buffer_never_live_at_once():
+def test_packed_blocks_that_share_bytes_never_live_at_once():
     from ggwgpu.alloc import Block, pack
     rng = np.random.default_rng(0)
-    for _ in range(500):
+    for trial in range(500):
         blocks = []
         for key in range(rng.integers(1, 14)):
             first = int(rng.integers(-1, 9))
-            blocks.append(Block(key, int(rng.choice([4, 16, 140, 400])), first,
+            blocks.append(Block(key, int(rng.choice([4, 16, 140, 400, 1000])), first,
                                 int(rng.integers(max(first, 0), 13))))
-        layout = pack(blocks)
-        assert layout.slot_of == first_fit(blocks)
+        align, cap = int(rng.choice([16, 32, 256])), int(rng.choice([1024, 2048, 10 ** 6]))
+        alone = {b.key for b in blocks if b.nbytes == 1000 and trial % 2}
+        layout = pack(blocks, align=align, max_buffer=cap, alone=alone)
+        reused = set()
         for a in blocks:
-            assert layout.slot_bytes[layout.slot_of[a.key]] >= a.nbytes
+            buf, offset, size = layout.place[a.key]
+            assert size >= a.nbytes and offset % align == 0
+            assert offset + size <= layout.buffer_bytes[buf]
+            if a.key in alone:
+                assert offset == 0 and all(layout.place[b.key][0] != buf
+                                           for b in blocks if b is not a)
+            else:
+                assert size % align == 0 and layout.buffer_bytes[buf] <= cap
             for b in blocks:
-                if a.key < b.key and layout.slot_of[a.key] == layout.slot_of[b.key]:
+                other, b_offset, b_size = layout.place[b.key]
+                if a is not b and other == buf and offset < b_offset + b_size \
+                        and b_offset < offset + size:
+                    reused.add(a.key)
                     assert a.last < b.first or b.last < a.first, (a, b)
+        assert layout.reused == reused
+        assert layout.total_bytes >= layout.peak_bytes
     with pytest.raises(ValueError, match="distinct"):
         pack([Block(1, 4, 0, 1), Block(1, 4, 0, 1)])
+
+
+def test_two_small_blocks_take_the_place_of_one_large_one():
+    """A buffer per block (sized by its largest tenant) could hold only one of the two
+    later blocks where the first one was; at byte offsets both fit: the peak, no more."""
+    from ggwgpu.alloc import Block, pack
+    blocks = [Block(0, 1024, 0, 1), Block(1, 512, 2, 3), Block(2, 500, 2, 4),
+              Block(3, 64, 5, 6)]
+    layout = pack(blocks)
+    assert layout.peak_bytes == layout.total_bytes == 1024
+    assert len(layout.buffer_bytes) == 1
+    assert layout.reused == {0, 1, 2, 3}
 
 
 def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):

@@ -307,3 +307,27 @@ def test_accumulating_two_micro_batches_equals_one_double_batch(optimizer):
     for name, value in whole.parameters().items():
         np.testing.assert_allclose(parts.parameters()[name], value, rtol=1e-5, atol=1e-7)
     assert parts.state()["samples"] == whole.state()["samples"] == 12
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(checkpointing=True, flash_attn=True, grad_accum=2),
+    dict(optimizer="sgd", precision="f16"), dict(optimizer="lbfgs", batch=2)])
+def test_numpy_storage_reuse_reads_nothing_a_kernel_did_not_write(monkeypatch, options):
+    """The NumPy plan keeps its blocks in one array, sharing bytes by liveness: a block's
+    later tenants find what the last one left. With that array filled with NaN bytes, every
+    loss and weight is the same to the bit as with zeros, so no kernel reads what it did not
+    write; and the blocks take much less than their sum."""
+    from ggwgpu.backends.numpy_backend import NumpyPlan
+    options = TrainOptions(batch=options.pop("batch", 4), lr=3e-3, warmup=5, **options)
+    runs = []
+    for fill in (0, 0xFF):
+        monkeypatch.setattr(NumpyPlan, "_arena", staticmethod(
+            lambda n, fill=fill: np.full(n, fill, np.uint8)))
+        t, losses = trainer(NumpyBackend(), steps=3, options=options)
+        runs.append((losses, t.parameters()))
+    (losses, weights), (poisoned_losses, poisoned_weights) = runs
+    assert losses == poisoned_losses and all(np.isfinite(losses))
+    for name, w in weights.items():
+        np.testing.assert_array_equal(w, poisoned_weights[name], err_msg=name)
+    plan = t.plan
+    assert plan.layout.total_bytes < 0.5 * sum(plan.nbytes(r) for r in plan.roots)

@@ -103,14 +103,16 @@ class Plan:
             id(r) for r in self.roots
             if r.op is None and r.value is not None and not r.is_param and id(r) not in written}
         self.constants = {}     # id(root) -> SharedConstant, for those the plan shares now
-        self._shared = set()    # storage keys that share a buffer with another block
+        self._shared = set()    # storage keys whose bytes another block reuses
         self._staged = set()    # indexes of the nodes that stage() gave out
+        self.layout = None      # the storage layout the backend's plan made, once it made it
 
-    def storage_layout(self, private=()) -> Layout:
+    def storage_layout(self, private=(), **packing) -> Layout:
         """Pack the plan's storage blocks (and `private`: (scratch tensor, step) pairs) into
-        shared buffers by liveness. Leaves and outputs live throughout: they hold values
-        between runs. With sentinels nothing is shared, so every guard stays checkable.
-        The constants of `constant_keys` are not in it: their storage is the backend's."""
+        shared buffers by liveness (alloc.pack, with `packing`'s keywords). Leaves and outputs
+        live throughout: they hold values between runs. With sentinels nothing is shared, so
+        every guard stays checkable. The constants of `constant_keys` are not in it: their
+        storage is the backend's."""
         forever = len(self.nodes) + 1
         first, last = {}, {}
         for step, node in enumerate(self.nodes):
@@ -127,18 +129,18 @@ class Plan:
                   for r in self.roots if id(r) not in self.constant_keys]
         blocks += [Block(id(t), self.nbytes(t), step, forever if self.sentinel else step)
                    for t, step in private]
-        return pack(blocks)
+        return pack(blocks, **packing)
 
     def memory(self, layout: Layout | None = None, scratch=()) -> dict:
         """The planned storage in bytes, by role: weights (params), gradients (the blocks the
         optimizer updates read), state (other leaves with a value: optimizer moments,
         constants), inputs, activations (every other block live at the peak, `scratch`
         tensors included), the peak of live bytes, `planned`, the bytes of the buffers
-        `layout` (default: storage_layout()) allocates and of the constants, and `shared`,
+        `layout` (default: the plan's, else storage_layout()) allocates and of the constants, and `shared`,
         the part of `planned` in constant storage the backend holds for all its plans
         (SharedConstants: other plans of the same values use it too); planned_bytes() adds
         several plans up counting each shared constant once."""
-        layout = layout or self.storage_layout()
+        layout = layout or self.layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
         for t in self.roots + list(scratch):

@@ -55,9 +55,9 @@ BINDING_LIMIT = "max-storage-buffer-binding-size"
 
 def check_storage_limits(tensors, nbytes, limits: dict, in_parts=frozenset(), part_bytes=0):
     """Refuse the first of `tensors` whose storage (nbytes(t) bytes) exceeds one of `limits`
-    ({adapter limit name: bytes}): a buffer is as large as the largest block it holds, and
-    every block is bound whole, except those in `in_parts` (ids), which may be bound as up to
-    SRC0_PARTS ranges of `part_bytes`."""
+    ({adapter limit name: bytes}): every block lies whole in one buffer and is bound whole,
+    except those in `in_parts` (ids), which may be bound as up to SRC0_PARTS ranges of
+    `part_bytes`."""
     for t in tensors:
         for key, limit in limits.items():
             if nbytes(t) <= limit or (key == BINDING_LIMIT and id(t) in in_parts
@@ -336,25 +336,27 @@ class WgpuPlan(Plan):
                 may_split[id(t.storage)] = may_split.get(id(t.storage), True) and in_parts
         check_storage_limits(self.roots + self.scratch, self.nbytes, limits,
                              {k for k, ok in may_split.items() if ok}, self.part_bytes)
-        # the blocks bound in ranges (each its own buffer: leaves share none)
+        # the blocks bound in ranges (each its own buffer)
         self.in_parts = {id(t) for t in self.roots + self.scratch
                          if binding and self.nbytes(t) > binding}
-        self.layout = self.storage_layout(private)
-        slot_buffers = [device.create_buffer(size=max(16, n), usage=STORAGE_USAGE)
-                        for n in self.layout.slot_bytes]
-        self.buffers = {key: slot_buffers[slot] for key, slot in self.layout.slot_of.items()}
-        users = {}
-        for key, slot in self.layout.slot_of.items():
-            users.setdefault(slot, []).append(key)
-        self._shared = {k for keys in users.values() if len(keys) > 1 for k in keys}
+        self.layout = self.storage_layout(
+            private, align=max(16, backend.part_alignment),
+            max_buffer=limits.get("max-buffer-size"), alone=self.in_parts)
+        buffers = [device.create_buffer(size=max(16, n), usage=STORAGE_USAGE)
+                   for n in self.layout.buffer_bytes]
+        # storage key -> (buffer, byte offset, bytes bound): where each block lies
+        self.places = {key: (buffers[b], offset, max(16, size))
+                       for key, (b, offset, size) in self.layout.place.items()}
+        self._shared = set(self.layout.reused)
         for root in self.roots:
             if id(root) in self.constant_keys:
                 shared = backend.constants.get(root, self.nbytes(root), self._upload)
                 self.constants[id(root)] = shared
-                self.buffers[id(root)] = shared.storage
+                self.places[id(root)] = (shared.storage, 0, shared.storage.size)
                 continue
             if self.sentinel:
-                device.queue.write_buffer(self.buffers[id(root)], 0, whole_words(guarded_block(
+                buf, offset, _ = self.places[id(root)]
+                device.queue.write_buffer(buf, offset, whole_words(guarded_block(
                     root.storage_len, self.sentinel, root.storage_dtype)))
             if root.value is not None:
                 self.write(root, root.value)
@@ -373,7 +375,7 @@ class WgpuPlan(Plan):
         self.host_seconds = None
 
     def _record(self, i: int) -> tuple:
-        """(pipeline, bind group, grid) of dispatch i, on the buffers of self.buffers."""
+        """(pipeline, bind group, grid) of dispatch i, on the buffer ranges of self.places."""
         backend, (stem, d) = self.backend, self.dispatches[i]
         entries = [{"binding": 0, "resource": {"buffer": self.arena,
                                                "offset": i * UNIFORM_SLOT,
@@ -381,12 +383,12 @@ class WgpuPlan(Plan):
         tensors = (d.dst,) + tuple(d.srcs)
         ranges = [(backend.dummy, 0, backend.dummy.size)] * (MAX_SRCS + SRC0_PARTS)
         for b, t in enumerate(tensors):
-            buf = self.buffers[id(t.storage)]
-            ranges[b] = (buf, 0, buf.size)
+            ranges[b] = self.places[id(t.storage)]
         split = len(tensors) > 1 and id(tensors[1].storage) in self.in_parts
         if split:  # source 0 in its binding and bindings 6 ..: ranges of part_bytes
             size = self.nbytes(tensors[1].storage)
-            parts = [(ranges[1][0], at, min(self.part_bytes, size - at))
+            buf, offset, _ = ranges[1]
+            parts = [(buf, offset + at, min(self.part_bytes, size - at))
                      for at in range(0, size, self.part_bytes)]
             ranges[1] = parts[0]
             ranges[1 + MAX_SRCS:len(parts) + MAX_SRCS] = parts[1:]
@@ -401,8 +403,9 @@ class WgpuPlan(Plan):
 
     def _upload(self, root: Tensor):
         """A new buffer holding constant `root`'s value, to share (SharedConstants)."""
-        buf = self.buffers[id(root)] = self.backend.device.create_buffer(
-            size=max(16, self.nbytes(root)), usage=STORAGE_USAGE)
+        buf = self.backend.device.create_buffer(size=max(16, self.nbytes(root)),
+                                                usage=STORAGE_USAGE)
+        self.places[id(root)] = (buf, 0, buf.size)
         self.write(root, root.value)
         return buf
 
@@ -410,7 +413,8 @@ class WgpuPlan(Plan):
         """Give this plan its own copy of a shared constant's buffer (before a write), and
         bind the copy where the shared one was bound."""
         device, shared = self.backend.device, self.constants.pop(key).storage
-        own = self.buffers[key] = device.create_buffer(size=shared.size, usage=STORAGE_USAGE)
+        own = device.create_buffer(size=shared.size, usage=STORAGE_USAGE)
+        self.places[key] = (own, 0, own.size)
         encoder = device.create_command_encoder()
         encoder.copy_buffer_to_buffer(shared, 0, own, 0, shared.size)
         device.queue.submit([encoder.finish()])
@@ -432,7 +436,7 @@ class WgpuPlan(Plan):
 
     def memory(self) -> dict:
         """Plan.memory of this plan's buffers, scratch included."""
-        return super().memory(self.layout, self.scratch)
+        return super().memory(scratch=self.scratch)
 
     def _uniforms(self, d) -> np.ndarray:
         """The Params block of dispatch `d`, as 32-bit words at PARAMS' field positions."""
@@ -525,25 +529,26 @@ class WgpuPlan(Plan):
         root = t.storage
         if id(root) in self.constants:  # other plans keep the shared value
             self._unshare(id(root))
+        buf, at, _ = self.places[id(root)]
         if t.is_quantized:  # raw blocks, padded to whole u32 words
             words = np.zeros(root.storage_len, root.storage_dtype)
             words.view(np.uint8)[:value.nbytes] = value.data
-            self.backend.device.queue.write_buffer(
-                self.buffers[id(root)], self.sentinel * words.itemsize, words)
+            self.backend.device.queue.write_buffer(buf, at + self.sentinel * words.itemsize,
+                                                   words)
         elif (t is root or (t.is_contiguous() and t.shape == root.shape)) and (
                 (self.sentinel + t.offset) * root.np_dtype.itemsize % 4 == 0
                 and t.nelements * root.np_dtype.itemsize % 4 == 0):
             data = np.ascontiguousarray(value, dtype=root.np_dtype)
             start = self.sentinel + t.offset
-            self.backend.device.queue.write_buffer(
-                self.buffers[id(root)], start * root.np_dtype.itemsize, data)
+            self.backend.device.queue.write_buffer(buf, at + start * root.np_dtype.itemsize,
+                                                   data)
         else:  # a strided view (or f16 bytes off 4-byte words): merge into its storage
             block = self.read_raw(root)
             view = np.lib.stride_tricks.as_strided(
                 block[self.sentinel + t.offset:], t.shape,
                 [s * block.itemsize for s in t.strides])
             view[...] = value
-            self.backend.device.queue.write_buffer(self.buffers[id(root)], 0, whole_words(block))
+            self.backend.device.queue.write_buffer(buf, at, whole_words(block))
 
     def _copy_back(self, encoder, copies) -> memoryview:
         """Queue `copies` ((buffer, byte offset, byte count), multiples of 4) one after
@@ -575,8 +580,9 @@ class WgpuPlan(Plan):
     def read_raw(self, root) -> np.ndarray:
         root = root.storage
         size = (root.storage_len + 2 * self.sentinel) * root.storage_dtype.itemsize
+        buf, at, _ = self.places[id(root)]
         data = self._copy_back(self.backend.device.create_command_encoder(),
-                               [(self.buffers[id(root)], 0, -(-size // 4) * 4)])
+                               [(buf, at, -(-size // 4) * 4)])
         return np.frombuffer(data, root.storage_dtype, root.storage_len + 2 * self.sentinel).copy()
 
     def read(self, t: Tensor) -> np.ndarray:
@@ -592,7 +598,8 @@ class WgpuPlan(Plan):
             first, count = self._span(t)
             lo, hi = first * size // 4 * 4, -(-(first + count) * size // 4) * 4
             where.append((sum(n for _, _, n in copies) + first * size - lo, count))
-            copies.append((self.buffers[id(t.storage)], lo, hi - lo))
+            buf, at, _ = self.places[id(t.storage)]
+            copies.append((buf, at + lo, hi - lo))
         if not copies:
             return []
         data = self._copy_back(self.backend.device.create_command_encoder(), copies)
