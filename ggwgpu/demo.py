@@ -60,8 +60,10 @@ def fit_demo(backend, steps: int = 300, lr: float = 0.02, seed: int = 0,
     history = []
     for step in range(steps):
         t = step + 1
-        finite = 1.0  # the trainer sets this flag on the device (append_finite_flag)
-        plan.run({hparams: [*O.adamw_hparams(lr, BETA1, BETA2, EPS, WEIGHT_DECAY, t), finite]})
+        # the trainer sets these two on the device (append_finite_flag): finite, no clipping
+        finite, grad_factor = 1.0, 1.0
+        plan.run({hparams: [*O.adamw_hparams(lr, BETA1, BETA2, EPS, WEIGHT_DECAY, t), finite,
+                            grad_factor]})
         if step % max(1, steps // 10) == 0 or step == steps - 1:
             history.append(float(plan.read(loss)[0]))
             log(f"step {step:4d}  loss {history[-1]:.6f}")

@@ -1,7 +1,9 @@
 """Training a llama: the schedule, the planned train step, checkpoints.
 
 One training step is one planned graph, built and planned once: the forward of a batch, its
-backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter. Per step
+backward, gradient clipping by global norm and an in-place AdamW (or SGD) update of every parameter
+(the clipping factor reaches every update as its last hyper-parameter, computed on the device:
+no pass over the gradients to scale them). Per step
 the host writes the batch and the optimizer's hyper-parameters (the schedule lives on the
 host, as in ggml) and reads back the loss and the gradient norm.
 
@@ -369,9 +371,12 @@ class Trainer:
         if options.optimizer == "lbfgs":
             self.setup_lbfgs(g, grads, backend, (opt_state or {}).get("lbfgs"))
             return
+        # the sum of the step's micro-batch losses: the host reads it, the finite flag tests it
+        self.loss_sum = g.loss
         if options.grad_accum > 1:
-            grads, accumulated = self.accumulate(grads, options.grad_accum)
-        self.exchange, loss, sent = None, g.loss, []
+            grads, self.loss_sum, accumulated = self.accumulate(grads, g.loss,
+                                                                options.grad_accum)
+        self.exchange, loss, sent = None, self.loss_sum, []
         if world is not None:   # the optimizer reads the gradients summed over the ranks
             from .distributed import GradientExchange
             self.exchange = GradientExchange(grads)
@@ -381,14 +386,15 @@ class Trainer:
         if options.optimizer not in ("adamw", "sgd"):
             raise ValueError(f"unknown optimizer {options.optimizer!r}: adamw, sgd or lbfgs")
         adamw = options.optimizer == "adamw"
-        # the host writes every hyper-parameter but the last, the finite flag
-        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - 1
+        # the host writes the hyper-parameters but the finite flag and the gradient factor,
+        # which the device appends; the updates multiply each gradient by that factor
+        n_hparams = len(O.ADAMW_HPARAMS if adamw else O.SGD_HPARAMS) - len(O.DEVICE_HPARAMS)
         self.hparams = input_tensor((n_hparams,), name=f"{options.optimizer} hparams")
-        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss)
+        if factor is None:
+            factor = constant(np.ones(1, np.float32), name="no gradient factor")
+        flagged = O.append_finite_flag(self.hparams, self.sumsq, loss, factor)
         self.moments, updates = {}, []
         for p, grad in grads.items():
-            if factor is not None:
-                grad = O.mul(grad, factor)
             decay = p.ndim >= 2
             if not adamw:
                 updates.append(O.opt_step_sgd(p, grad, flagged, decay))
@@ -439,21 +445,33 @@ class Trainer:
                 "skipped": not (math.isfinite(r["loss"]) and math.isfinite(r["grad_norm"])),
                 "evaluations": r["evaluations"], "status": r["status"]}
 
-    def accumulate(self, grads: dict, n: int):
+    def accumulate(self, grads: dict, loss, n: int):
         """Gradient accumulation inside the one planned graph: each micro-batch adds its
         gradient into a persistent sum (restarted by keep = 0 on the first micro-batch), and
-        the update sees sum / n. The micro-batches before the last run the update with
-        hyper-parameters that make it an exact no-op (see train_step). keep = 0 cannot clear
-        a NaN (NaN * 0 is NaN): train_step zeroes the sums after a non-finite step."""
+        the update sees sum / n. The loss adds up the same way, so that the finite flag sees
+        every micro-batch's loss, as the host does (it reads the sum once, after the last).
+        The micro-batches before the last run the update with hyper-parameters that make it
+        an exact no-op (see train_step). keep = 0 cannot clear a NaN (NaN * 0 is NaN):
+        train_step zeroes the sums after a non-finite step. Returns (the averaged gradients,
+        the loss sum, the nodes that write the sums)."""
         self.keep = input_tensor((1,), name="keep accumulated")
-        averaged, persist, self.grad_sums = {}, [], []
-        for p, grad in grads.items():
-            total = constant(np.zeros(p.shape, np.float32), name=f"{p.name}.grad_sum")
-            self.grad_sums.append(total)
-            new_total = O.add(O.mul(total, self.keep), grad)
+        persist, self.sums = [], []
+
+        def add_up(value, name):
+            total = constant(np.zeros(value.shape, np.float32), name=name)
+            self.sums.append(total)
+            new_total = O.add(O.mul(total, self.keep), value)
             persist.append(O.cpy(new_total, total))
-            averaged[p] = O.scale(new_total, 1.0 / n)
-        return averaged, persist
+            return new_total
+        averaged = {p: O.scale(add_up(grad, f"{p.name}.grad_sum"), 1.0 / n)
+                    for p, grad in grads.items()}
+        add_up(loss, "loss sum")
+        return averaged, persist[-1], persist     # the loss sum as its copy writes it
+
+    def clear_sums(self):
+        """Zero the accumulated sums (a NaN in them would survive the next keep = 0)."""
+        for total in self.sums:
+            self.plan.write(total, np.zeros(total.shape, np.float32))
 
     @property
     def step_tokens(self) -> int:
@@ -497,7 +515,7 @@ class Trainer:
         if self.lbfgs is not None:
             return self.lbfgs_step()
         hp, lr = self.step_hparams()
-        g, n, loss = self.graph, self.options.grad_accum, 0.0
+        n = self.options.grad_accum
         backward, optimize = self.stages
         for i in range(n):
             feeds = {**self.feeds(*self.batches.next_batch()),
@@ -505,24 +523,23 @@ class Trainer:
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)
             self.plan.run(feeds, stage=backward)
-            if i < n - 1:
-                loss += float(self.plan.read(g.loss)[0]) / n
+        # skipped below is the finite flag's decision: the loss sum and the sum of squares
+        # that it tested, read back
         record = {}
         if self.exchange is not None:   # one readback, one allreduce, one upload
-            sent, last = self.plan.read_many([self.exchange.sent, g.loss])
+            sent, loss_sum = self.plan.read_many([self.exchange.sent, self.loss_sum])
             loss, record["stop"] = self.exchange.exchange(
-                self.world, self.plan, sent, loss + float(last[0]) / n, stop)
+                self.world, self.plan, sent, float(loss_sum[0]) / n, stop)
             self.plan.run({self.hparams: hp}, stage=optimize)
             sumsq = self.plan.read(self.sumsq)
         else:
-            # the last loss and the gradient norm come back together: one wait for the device
-            last, sumsq = self.plan.read_many([g.loss, self.sumsq])
-            loss += float(last[0]) / n
+            # the loss and the gradient norm come back together: one wait for the device
+            loss_sum, sumsq = self.plan.read_many([self.loss_sum, self.sumsq])
+            loss = float(loss_sum[0]) / n
         grad_norm = math.sqrt(float(sumsq[0]))
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
-        if skipped and n > 1:  # the NaN in the gradient sums must not reach later steps
-            for total in self.grad_sums:
-                self.plan.write(total, np.zeros(total.shape, np.float32))
+        if skipped and n > 1:  # the NaN in the sums must not reach later steps
+            self.clear_sums()
         if self.scaler is not None:     # the scale this step ran with; then the next one's
             record["loss_scale"] = self.scaler.scale
             # gradients that overflowed while the loss is finite: the scaler's ordinary skip
@@ -540,7 +557,8 @@ class Trainer:
         (inputs, targets), or for a packed graph (inputs, targets, segments)), with
         the parameters left as they are: each batch runs the planned step under no-op
         hyper-parameters (lr 0, betas 1), so no second plan (and no copy of the weights) is
-        needed. Gradient sums are restarted by the next step's first micro-batch anyway."""
+        needed. The accumulated sums are restarted by the next step's first micro-batch
+        (zeroed here where a loss was not finite: keep = 0 cannot clear a NaN)."""
         g, total, count = self.graph, 0.0, 0
         if self.lbfgs is not None:   # the eval stage overwrites its gradient
             self.lbfgs.last = None
@@ -558,6 +576,8 @@ class Trainer:
             count += n
         if self.world is not None:   # each rank's loss is its share of each batch's mean
             total = float(self.world.allreduce(np.array([total]))[0])
+        if self.lbfgs is None and self.options.grad_accum > 1 and not math.isfinite(total):
+            self.clear_sums()
         return total / max(count, 1)
 
     def parameters(self) -> dict[str, np.ndarray]:

@@ -1,6 +1,7 @@
-// Optimizer steps change nothing where their finite flag (the last hyper-parameter, set by
-// append_finite_flag from the loss and the gradients' sum of squares) is 0, and leave a
-// parameter element and its moments as they are where its own gradient is not finite.
+// Optimizer steps change nothing where their finite flag (set by append_finite_flag from the
+// loss and the gradients' sum of squares) is 0, read the gradient times their gradient factor
+// (the last hyper-parameter: clipping and 1/loss scale), and leave a parameter element and its
+// moments as they are where its own scaled gradient is not finite.
 // #include common
 
 // Finite from the exponent bits: WGSL lets compilers assume no NaN or infinity, so a float
@@ -8,14 +9,18 @@
 fn is_finite(x: f32) -> bool { return (bitcast<u32>(x) & 0x7f800000u) != 0x7f800000u; }
 
 // append_finite_flag, one invocation per element of dst (contiguous, 1-D): dst = src0 (the
-// hyper-parameters, 1-D) followed by 1 when every element of src1 and src2 is finite, else 0.
-// The last invocation scans both alone: they are the loss and a sum of squares, one element
-// each, in training.
+// hyper-parameters, 1-D), then 1 when every element of src1 and src2 is finite, else 0, then
+// src3 (the gradient factor, one element). The flag's invocation scans src1 and src2 alone:
+// they are the loss and a sum of squares, one element each, in training.
 @compute @workgroup_size(WG)
 fn k_append_finite_flag(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
-    if (i + 1u < p.n) {
+    if (i + 2u < p.n) {
         dst[p.off.x + i * p.nb_d.x] = to_TD(f32(src0[p.off.y + i * p.nb_0.x]));
+        return;
+    }
+    if (i + 1u == p.n) {
+        dst[p.off.x + i * p.nb_d.x] = to_TD(f32(src3[p.off3.x]));
         return;
     }
     var finite = true;
@@ -28,8 +33,8 @@ fn k_append_finite_flag(@builtin(global_invocation_id) gid: vec3u, @builtin(num_
 
 // opt_step_adamw, one invocation per parameter element, in place:
 // dst = param (contiguous), src0 = grad (any strides), src1 = m, src2 = v (contiguous, same
-// shape), src3 = hparams [alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite]; p.u.x: decay
-// or not.
+// shape), src3 = hparams [alpha, beta1, beta2, eps, wd, beta1h, beta2h, finite,
+// grad_factor]; p.u.x: decay or not.
 @compute @workgroup_size(WG)
 fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
@@ -41,7 +46,7 @@ fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     let beta2 = f32(src3[h + 2u]);
     let eps = f32(src3[h + 3u]);
     let wd = select(0.0, f32(src3[h + 4u]), p.u.x != 0u);
-    let g = f32(src0[at_0(idx)]);
+    let g = f32(src0[at_0(idx)]) * f32(src3[h + 8u]);
     if (!is_finite(g)) { return; }
     let im = at_1(idx);
     let iv = at_2(idx);
@@ -53,8 +58,8 @@ fn k_opt_step_adamw(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     dst[d] = to_TD(f32(dst[d]) * (1.0 - alpha * wd) - alpha * (m * f32(src3[h + 5u])) / (sqrt(v * f32(src3[h + 6u])) + eps));
 }
 
-// opt_step_sgd, in place: dst = param (contiguous), src0 = grad, src1 = hparams [lr, wd, finite];
-// p.u.x: decay or not.
+// opt_step_sgd, in place: dst = param (contiguous), src0 = grad, src1 = hparams [lr, wd, finite,
+// grad_factor]; p.u.x: decay or not.
 @compute @workgroup_size(WG)
 fn k_opt_step_sgd(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
@@ -62,7 +67,7 @@ fn k_opt_step_sgd(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgr
     let idx = unravel(i, p.ne_d);
     let lr = f32(src1[p.off.z]);
     let wd = select(0.0, f32(src1[p.off.z + 1u]), p.u.x != 0u);
-    let g = f32(src0[at_0(idx)]);
+    let g = f32(src0[at_0(idx)]) * f32(src1[p.off.z + 3u]);
     if (!is_finite(g)) { return; }
     let d = at_d(idx);
     dst[d] = to_TD(f32(dst[d]) * (1.0 - lr * wd) - lr * g);

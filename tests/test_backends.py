@@ -271,14 +271,14 @@ def test_numpy_threads_come_from_the_environment_or_the_cores(monkeypatch):
 def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():
     rng = np.random.default_rng(3)
     w, grad, m, v = (gg.param(rng.uniform(0.1, 1, (4, 6)).astype(np.float32)) for _ in range(4))
-    hp = gg.input_tensor((8,), name="hparams")
+    hp = gg.input_tensor((9,), name="hparams")
     step = gg.opt_step_adamw(w, grad, m, v, hp, True)
     g = rng.normal(size=(4, 6))
     g.flat[[1, 9]] = [np.nan, np.inf]
     results = []
     for fast in (False, True):
         plan = NumpyBackend(np.float64, fast=fast).plan([step])
-        plan.run({grad: g, hp: [1e-2, 0.9, 0.999, 1e-8, 0.1, 10, 1000, 1]})
+        plan.run({grad: g, hp: [1e-2, 0.9, 0.999, 1e-8, 0.1, 10, 1000, 1, 0.5]})
         results.append([plan.read(t) for t in (w, m, v)])
     for ref, got in zip(*results, strict=True):
         np.testing.assert_array_equal(got, ref)
@@ -291,12 +291,12 @@ def test_memory_report_sorts_the_planned_bytes_by_role():
     loss = gg.sum(gg.sqr(gg.mul_mat(p, x)))
     grad = gg.graph.build_backward(loss, [p])[p]
     m, v = (gg.constant(np.zeros((4, 8), np.float32)) for _ in range(2))
-    hp = gg.input_tensor((8,), name="hparams")
+    hp = gg.input_tensor((9,), name="hparams")
     plan = NumpyBackend().plan([loss, gg.opt_step_adamw(p, grad, m, v, hp, True)])
     memory = plan.memory()
     assert memory["weights"] == memory["gradients"] == 4 * 32
     assert memory["state"] >= 2 * 4 * 32
-    assert memory["inputs"] == 4 * (24 + 8)
+    assert memory["inputs"] == 4 * (24 + 9)
     assert 0 < memory["peak"] <= memory["planned"]
 
 

@@ -273,7 +273,7 @@ def test_in_place_updates_wait_for_every_reader_of_the_old_value(wgpu):
     w1, w2 = gg.param(rng.normal(size=(5, 3)), name="w1"), gg.param(rng.normal(size=(2, 5)))
     loss = gg.sum(gg.sqr(gg.mul_mat(w2, gg.mul_mat(w1, x))))
     grads = gg.build_backward(loss)
-    lr = gg.constant(np.array([0.5, 0.0, 1.0]))   # lr, weight decay, finite flag
+    lr = gg.constant(np.array([0.5, 0.0, 1.0, 1.0]))   # lr, weight decay, finite, factor
     updates = [gg.opt_step_sgd(w, grads[w], lr, False) for w in (w2, w1)]
     expected = {w: w.value - 0.5 * g for w, g in
                 zip(grads, NumpyBackend(np.float64).compute(list(grads.values())))}
@@ -316,7 +316,7 @@ def planning_work(n_layer: int) -> int:
     sys.setprofile(count)
     try:
         grads = gg.build_backward(g.loss, list(g.params.values()), checkpoints=g.checkpoints)
-        hparams = gg.input_tensor((3,))
+        hparams = gg.input_tensor((4,))
         updates = [gg.opt_step_sgd(p, d, hparams, True) for p, d in grads.items()]
         Plan([g.loss, *updates]).storage_layout()
     finally:

@@ -53,12 +53,12 @@ def test_lbfgs_needs_fewer_evaluations_than_adam_on_a_convex_problem(wgpu):
 
     def adam_evaluations(lr):
         w, loss, _ = least_squares()
-        hp = gg.input_tensor((8,))
+        hp = gg.input_tensor((9,))
         step = O.opt_step_adamw(w, build_backward(loss, [w])[w], gg.constant(np.zeros(w.shape)),
                                 gg.constant(np.zeros(w.shape)), hp, False)
         plan = wgpu.plan([loss, step])
         for t in range(1, 2001):   # each run evaluates the loss before its update
-            plan.run({hp: [*O.adamw_hparams(lr, 0.9, 0.999, 1e-8, 0.0, t), 1.0]})
+            plan.run({hp: [*O.adamw_hparams(lr, 0.9, 0.999, 1e-8, 0.0, t), 1.0, 1.0]})
             if plan.read(loss)[0] <= target:
                 return t
         return 2001

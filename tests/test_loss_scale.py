@@ -84,6 +84,71 @@ def test_a_scale_that_never_overflows_changes_no_bit(backend_name, optimizer, cl
     assert_same_state(plain, scaled)
 
 
+def old_formulation(t: Trainer):
+    """The step `t` makes, built by hand as the trainer built it before its optimizer steps
+    took the gradient factor: the same graph (a second copy), clip_scale's factor applied by a
+    mul op per gradient, and steps whose own factor is 1. Returns (the graph, the loss scale
+    and 1 / scale inputs (None unscaled), the hparams input, the sum of squares, the factor,
+    the updates, the moments by name)."""
+    import ggwgpu as gg
+    from ggwgpu import ops as O
+    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.train import clip_scale
+    g = build_train_graph(t.cfg, init_parameters(t.cfg, seed=1), t.options.batch)
+    seed, inv = ((gg.input_tensor(g.loss.shape), gg.input_tensor((1,))) if t.scaler
+                 else (None, None))
+    grads = gg.build_backward(g.loss, list(g.params.values()), seed=seed)
+    sumsq, factor = clip_scale(grads.values(), t.options.grad_clip, inv)
+    hp = gg.input_tensor(t.hparams.shape)
+    flagged = O.append_finite_flag(hp, sumsq, g.loss, gg.constant(np.ones(1, np.float32)))
+    updates, moments = [], {}
+    for p, grad in grads.items():
+        grad = O.mul(grad, factor)
+        if t.options.optimizer == "sgd":
+            updates.append(O.opt_step_sgd(p, grad, flagged, p.ndim >= 2))
+            continue
+        m, v = (gg.constant(np.zeros(p.shape, np.float32)) for _ in "mv")
+        moments[p.name] = m, v
+        updates.append(O.opt_step_adamw(p, grad, m, v, flagged, p.ndim >= 2))
+    return g, seed, inv, hp, sumsq, factor, updates, moments
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+@pytest.mark.parametrize("optimizer, scaling, clip", [
+    ("adamw", "dynamic", 0.05), ("adamw", "none", 0.05), ("sgd", "dynamic", 0.0)])
+def test_the_steps_take_the_gradient_factor_as_a_mul_before_them_gave_it(
+        backend_name, optimizer, scaling, clip, request):
+    """The optimizer steps multiply each gradient by the clip factor (times 1 / S) in their
+    kernels: losses, gradient norms, weights and moments stay bit for bit those of the
+    formulation before, a mul op per gradient ahead of the step."""
+    backend = backend_of(backend_name, request)
+    t = make(backend, optimizer=optimizer, loss_scale=scaling, grad_clip=clip,
+             lr=3e-3 if optimizer == "adamw" else 0.3)
+    g, seed, inv, hp, sumsq, factor, updates, moments = old_formulation(t)
+    plan = backend.plan([g.loss, sumsq, factor, *updates])
+    plan.write(g.positions, np.arange(t.cfg.n_ctx, dtype=np.int32))
+    if t.scaler:
+        plan.write(seed, np.full(seed.shape, t.scaler.scale, np.float32))
+        plan.write(inv, np.array([1 / t.scaler.scale], np.float32))
+    batches, feeds = [], t.feeds
+    t.feeds = lambda *batch: batches.append(batch) or feeds(*batch)
+    factors = []
+    for _ in range(3):
+        hp_value = t.step_hparams()[0]
+        record = t.train_step()
+        plan.run({**g.feeds(*batches[-1]), hp: hp_value})
+        loss, ss, f = plan.read_many([g.loss, sumsq, factor])
+        assert not record["skipped"]
+        assert (record["loss"], record["grad_norm"]) == (float(loss[0]), math.sqrt(float(ss[0])))
+        factors.append(float(f[0]) * (t.scaler.scale if t.scaler else 1))
+    for name, p in g.params.items():
+        assert np.array_equal(t.parameters()[name], plan.read(p)), name
+    for name, (m, v) in moments.items():
+        assert np.array_equal(t.optimizer_state()[name][0], plan.read(m)), name
+        assert np.array_equal(t.optimizer_state()[name][1], plan.read(v)), name
+    assert all(f < 1 for f in factors) if clip else factors == [1.0] * 3   # clipping acts
+
+
 @pytest.mark.parametrize("backend_name, accum", [("numpy", 1), ("numpy", 2), ("wgpu", 1)])
 def test_an_overflowing_scale_skips_steps_halving_until_it_fits(backend_name, accum, request):
     """The first steps' scaled gradients overflow: each is skipped (no weight or moment
@@ -176,6 +241,71 @@ def run(t: Trainer, steps: int, poison=None, overflow_at=()) -> list[dict]:
         t.plan.write(poison, [np.inf if t.step in overflow_at else 0.0])
         records.append(t.train_step())
     return records
+
+
+def loss_poisonable(monkeypatch, calls):
+    """Trainers made from now on add an input to their loss: NaN in the micro-batches
+    `calls` (0-based count of TrainGraph.feeds calls), 0 elsewhere. Their loss is then not
+    finite while every gradient is (the add passes the backward's seed on as it is). No batch
+    does that by itself: an infinite or NaN target weight, logit or weight that makes the
+    loss non-finite makes gradients non-finite too (or overflows their sum of squares)."""
+    import dataclasses
+    import ggwgpu as gg
+    from ggwgpu import train
+    from ggwgpu.models.llama import TrainGraph
+    poison, build, feeds = gg.input_tensor((1,), name="loss poison"), train.build_train_graph, \
+        TrainGraph.feeds
+    count = iter(range(10 ** 9))
+
+    def poisoned_graph(*args, **kwargs):
+        g = build(*args, **kwargs)
+        return dataclasses.replace(g, loss=gg.add(g.loss, poison))
+
+    def poisoned_feeds(graph, *args, **kwargs):
+        out = feeds(graph, *args, **kwargs)
+        if poison in graph.loss.srcs:      # not a graph made before
+            out[poison] = np.array([np.nan if next(count) in calls else 0.0], np.float32)
+        return out
+    monkeypatch.setattr(train, "build_train_graph", poisoned_graph)
+    monkeypatch.setattr(TrainGraph, "feeds", poisoned_feeds)
+
+
+@pytest.mark.parametrize("micro_batch", [0, 1])
+@pytest.mark.parametrize("backend_name, scaling", [("numpy", "dynamic"), ("numpy", "none"),
+                                                   ("wgpu", "dynamic")])
+def test_a_micro_batch_whose_loss_alone_is_not_finite_skips_on_device_and_host_alike(
+        backend_name, scaling, micro_batch, monkeypatch, request):
+    """Two micro-batches a step; in step 2 one of them has a NaN loss and finite gradients.
+    The device's finite flag tests the loss of every micro-batch, as the host does: the step
+    is skipped by both (no weight or moment changes; with scaling the scale backs off), and
+    step 3 is the step 3 of a run that never saw step 2's batches (no NaN stayed in a sum)."""
+    backend = backend_of(backend_name, request)
+    o = dict(batch=2, grad_accum=2, loss_scale=scaling)
+    clean = make(backend, **o)
+    loss_poisonable(monkeypatch, {2 + micro_batch})     # from here: hit's feeds calls
+    hit = make(backend, **o)
+    for t in (clean, hit):
+        assert not t.train_step()["skipped"]
+    before = hit.parameters(), hit.optimizer_state()
+    record = hit.train_step()
+    assert record["skipped"] and math.isnan(record["loss"]), record
+    assert math.isfinite(record["grad_norm"])
+    for name, value in before[0].items():
+        assert np.array_equal(hit.parameters()[name], value), name
+    for name, (m, v) in before[1].items():
+        assert np.array_equal(hit.optimizer_state()[name][0], m), name
+        assert np.array_equal(hit.optimizer_state()[name][1], v), name
+    for _ in range(2):                     # the clean run leaves step 2 out by hand
+        clean.batches.next_batch()
+    clean.step += 1
+    if clean.scaler is not None:
+        assert hit.scaler.state() == {"scale": 2.0 ** 15, "growth_tracker": 0,
+                                      "skipped_steps": 1}
+        clean.scaler.update(False)
+        clean.write_scale()
+    a, b = clean.train_step(), hit.train_step()
+    assert not b["skipped"] and (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"])
+    assert_same_state(clean, hit)
 
 
 @pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])

@@ -68,7 +68,7 @@ def test_the_ops_without_an_f16_kernel_are_the_declared_ones():
                and any(i.dtype == "f32" for c in OPS[name].cases() for i in c.inputs))
     h = gg.input_tensor((4,), "f16")
     with pytest.raises(gg.ShapeError, match="opt_step_sgd.*no f16 kernel"):
-        gg.opt_step_sgd(h, h, gg.input_tensor((3,)), 0.0)
+        gg.opt_step_sgd(h, h, gg.input_tensor((4,)), 0.0)
 
 
 def test_float_results_are_f16_only_when_every_float_source_is():
