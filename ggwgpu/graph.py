@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ops as O
+from .ops.matmul import add_to_gradient
 from .ops.registry import make_node
 from .tensor import ShapeError, Tensor, constant, zeros
 
@@ -222,8 +223,10 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
     """Gradient tensors of `loss` (one element) with respect to `params`.
 
     params defaults to every leaf marked `is_param` that the loss depends on. The gradient
-    of a tensor used several times is the sum of its uses (a new add node per use, never
-    in place). Returns {param: gradient}, each gradient shaped like its param.
+    of a tensor used several times is the sum of its uses (a new node per use, never in
+    place: an add, or the product that makes the new term adding the sum in its epilogue,
+    ops.matmul.add_to_gradient). Returns {param: gradient}, each gradient shaped like its
+    param.
 
     checkpoints: forward tensors to keep for the backward (gradient checkpointing, as ggml's
     build_backward_gradient_checkpointing); every other forward value the backward needs is
@@ -255,10 +258,12 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
         raise ShapeError(f"build_backward: seed {seed.shape} differs from the loss's {loss.shape}")
     grads = {id(loss): seed if seed is not None else
              constant(np.ones(loss.shape, np.float32), name="d_loss")}
+    forward, fresh = {id(t) for t in order}, set()
     for node in reversed(order):
         g = grads.get(id(node))
         if g is None or node.op is None:
             continue
+        fresh.discard(id(g))    # the rule below may hand g on to several sources
         opdef = O.OPS[node.op]
         if opdef.backward is None:
             raise ShapeError(f"{node.op} is an optimizer update and cannot be differentiated")
@@ -276,7 +281,13 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
             if sg.dtype != src.dtype and not src.is_quantized:
                 sg = O.cast(sg, src.dtype)   # a gradient has its tensor's type (f16 graphs)
             prev = grads.get(id(src))
-            grads[id(src)] = sg if prev is None else O.add(prev, sg)
+            # a term the rule made for this sum alone (not g, no forward node, no source of
+            # another of its terms) may take the sum into its own kernel
+            if (sg is not g and id(sg) not in forward and not any(
+                    o is not None and o is not sg and sg in o.srcs for o in src_grads)):
+                fresh.add(id(sg))
+            grads[id(src)] = sg if prev is None else add_to_gradient(
+                prev, sg, id(prev) in fresh, id(sg) in fresh)
 
     out = {}
     for p in params:

@@ -4,7 +4,8 @@
 // (product_bases in product.wgsl). Out-of-range rows are clamped on load, skipped on store.
 // Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
 // k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
-// arranges, and are chosen per adapter.
+// arranges, and are chosen per adapter. Each applies product_epilogue (product.wgsl) to
+// what it stores: alpha, and mul_mat_acc's c.
 // #include product
 
 // k_mul_mat: any strides (out_prod's transposed views, K % 4 != 0). Each invocation
@@ -36,7 +37,9 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
         acc[3] += av * f32(src1[b_row.w + kb]);
     }
     for (var j = 0u; j < 4u; j++) {
-        if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
+        if (n0 + j < N) {
+            store_product4(base.x, n0 + j, m0, product_epilogue(tile.z, n0 + j, m0, acc[j]));
+        }
     }
 }
 
@@ -92,6 +95,9 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     }
     for (var j = 0u; j < 4u; j++) {
         let n = n0 + ty * 4u + j;
-        if (n < N) { store_product4(base.x, n, m0 + tx * 4u, acc[j]); }
+        if (n < N) {
+            let m = m0 + tx * 4u;
+            store_product4(base.x, n, m, product_epilogue(tile.z, n, m, acc[j]));
+        }
     }
 }

@@ -11,7 +11,7 @@
 // along K, 6 vec4 loads per invocation feed 256 multiply-adds. Named accumulators and
 // unrolled broadcasts (their lane must be a constant) keep everything in registers.
 // Needs subgroups of at least 8 invocations (lavapipe: the SIMD width, 8 or 16); the
-// backend picks this kernel only there. Operands as for k_mul_mat_tiled.
+// backend picks this kernel only there. Operands and epilogue as for k_mul_mat_tiled.
 // #include product
 
 fn times4(a: array<vec4f, 4>, b: vec4f) -> vec4f {
@@ -66,11 +66,16 @@ fn k_mul_mat_subgroup(@builtin(subgroup_invocation_id) lane: u32,
                                acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15);
     let d = base.x;
     if (p.nb_d.x == 1u && p.nb_d.y % 4u == 0u && d % 4u == 0u && m0 + 4u <= M && n0 + 16u <= N) {
-        for (var j = 0u; j < 16u; j++) { dst_v4[(d + (n0 + j) * p.nb_d.y + m0) / 4u] = to_TD4(acc[j]); }
+        for (var j = 0u; j < 16u; j++) {
+            dst_v4[(d + (n0 + j) * p.nb_d.y + m0) / 4u] =
+                to_TD4(product_epilogue(tile.z, n0 + j, m0, acc[j]));
+        }
         return;
     }
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j < N) { store_product4(d, n0 + j, m0, acc[j]); }
+        if (n0 + j < N) {
+            store_product4(d, n0 + j, m0, product_epilogue(tile.z, n0 + j, m0, acc[j]));
+        }
     }
 }
 
@@ -135,6 +140,8 @@ fn k_mul_mat_subgroup_t(@builtin(subgroup_invocation_id) lane: u32,
     let acc = array<vec4f, 16>(acc0, acc1, acc2, acc3, acc4, acc5, acc6, acc7,
                                acc8, acc9, acc10, acc11, acc12, acc13, acc14, acc15);
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j < N) { store_product4(base.x, n0 + j, m0, acc[j]); }
+        if (n0 + j < N) {
+            store_product4(base.x, n0 + j, m0, product_epilogue(tile.z, n0 + j, m0, acc[j]));
+        }
     }
 }

@@ -23,6 +23,21 @@ fn product_tile(t: u32, tm: u32, tn: u32) -> vec3u {
     return vec3u((t % bm) * tm, ((t / bm) % bn) * tn, t / (bm * bn));
 }
 
+// The products' epilogue (ops/matmul.py), on dst[n, m .. m + 3] of batch entry `batch`
+// before it is stored: times alpha (p.f.x), plus c (src2: the result's shape, its own
+// strides) where p.u.x is 1, as one fma (one rounding). Columns >= M read c's last one.
+fn product_epilogue(batch: u32, n: u32, m: u32, v: vec4f) -> vec4f {
+    if (p.u.x == 0u) { return p.f.x * v; }
+    let last = p.ne_d.x - 1u;
+    let row = p.off.w + (batch % p.ne_d.z) * p.nb_2.z + (batch / p.ne_d.z) * p.nb_2.w
+              + n * p.nb_2.y;
+    let c = vec4f(f32(src2[row + min(m, last) * p.nb_2.x]),
+                  f32(src2[row + min(m + 1u, last) * p.nb_2.x]),
+                  f32(src2[row + min(m + 2u, last) * p.nb_2.x]),
+                  f32(src2[row + min(m + 3u, last) * p.nb_2.x]));
+    return fma(vec4f(p.f.x), v, c);
+}
+
 // Writes dst[n, m .. m + 3] of a product (dst base offset d) through dst_v4: one vec4 store
 // where dst rows allow it, else element by element; columns >= M are skipped.
 fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {

@@ -28,6 +28,41 @@ def test_gradients_of_a_tensor_used_several_times_accumulate():
     np.testing.assert_allclose(g, 2 * x.value + 3)
 
 
+def gradient_nodes(grad):
+    return [n.op for n in gg.topo_order([grad]) if n.op is not None]
+
+
+def test_a_gradient_sum_folds_into_the_product_that_makes_a_term(wgpu):
+    """x feeds three products (one scaled): d x = w1' g1 + w2' g2 + 0.5 w3' g3 takes no add,
+    each later term's product adding the sum so far as it stores; on both backends the
+    same as the float64 sum of the three products."""
+    rng = np.random.default_rng(0)
+    x = gg.param(rng.uniform(-1, 1, (5, 8)), name="x")
+    ws = [gg.constant(rng.uniform(-1, 1, (m, 8)).astype(np.float32)) for m in (3, 4, 6)]
+    loss = gg.add(gg.add(gg.sum(gg.sqr(gg.mul_mat(ws[0], x))), gg.sum(gg.mul_mat(ws[1], x))),
+                  gg.sum(gg.sqr(gg.mul_mat(ws[2], x, 0.5))))
+    grad = gg.build_backward(loss, [x])[x]
+    ops = gradient_nodes(grad)
+    assert "add" not in ops and ops.count("mul_mat_acc") == 2 and grad.op == "mul_mat_acc"
+    xv, (w1, w2, w3) = x.value.astype(np.float64), (w.value.astype(np.float64) for w in ws)
+    want = 2 * (xv @ w1.T) @ w1 + np.ones((5, 4)) @ w2 + 2 * 0.25 * (xv @ w3.T) @ w3
+    for backend in (NumpyBackend(np.float64), wgpu):
+        (got,) = backend.compute([grad])
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_shared_gradient_is_summed_by_an_add_not_recomputed():
+    """g of add(y, y) is handed to both of its sources: y's gradient, a product, is read
+    twice, so the sum takes an add and no second copy of that product."""
+    x = gg.param(np.ones((2, 4)), name="x")
+    w = gg.constant(np.ones((3, 4), np.float32))
+    y = gg.mul_mat(w, x)
+    grad = gg.build_backward(gg.sum(gg.sqr(gg.add(y, y))), [x])[x]
+    assert "mul_mat_acc" not in gradient_nodes(grad)
+    (got,) = NumpyBackend(np.float64).compute([grad])
+    np.testing.assert_allclose(got, 8 * (np.ones((2, 4)) @ np.ones((4, 3))) @ np.ones((3, 4)))
+
+
 def test_only_params_get_gradients():
     x = gg.input_tensor((3,), name="x")
     w = gg.param(np.ones(3), name="w")

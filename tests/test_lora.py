@@ -75,6 +75,20 @@ def test_lora_params_are_the_adapter_and_the_base_is_frozen():
     assert set(values) <= frozen
 
 
+def test_a_lora_pair_scales_and_adds_in_its_second_product():
+    """y = W x + scale B (A x) is two products and one with an epilogue: no scale or add
+    node for any pair, forward or backward (alpha goes into the gradient products)."""
+    adapter = trained_adapter()
+    g = build_train_graph(TINY, init_parameters(TINY), BATCH, lora=adapter)
+    grads = gg.build_backward(g.loss, list(g.params.values()))
+    nodes = [n for n in topo_order([g.loss, *grads.values()]) if n.op is not None]
+    pairs = sum(1 for name in adapter.tensors if name.endswith(".lora_a"))
+    forward = [n for n in topo_order([g.loss]) if n.op == "mul_mat_acc"]
+    assert len(forward) == pairs
+    assert {n.params["alpha"] for n in forward} == {adapter.scale(n) for n in RANKS}
+    assert not [n for n in nodes if n.op == "scale"]
+
+
 def test_lora_gradients_match_finite_differences():
     backend = NumpyBackend(np.float64)
     rng = np.random.default_rng(0)

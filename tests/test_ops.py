@@ -157,7 +157,8 @@ def dispatches_of(opdef, case):
             for d in opdef.dispatches_on(node, {opdef.shader: variant})]
 
 
-MATMUL = [(name, case) for name in ("mul_mat", "out_prod") for case in testing.cases_of(name)]
+MATMUL = [(name, case) for name in ("mul_mat", "mul_mat_acc", "out_prod")
+          for case in testing.cases_of(name)]
 
 
 @pytest.mark.parametrize("half", [False, True], ids=["f32", "f16"])

@@ -110,6 +110,12 @@ def test_frozen_weights_route_mul_mat_and_get_rows_and_stay_frozen():
         gg.mul_mat(gg.transpose(w), gg.input_tensor((3, 4)))
     with pytest.raises(gg.ShapeError, match="only constants"):
         gg.input_tensor((4, 32), "q8_0")
+    # the frozen kernels have no epilogue: mul_mat's alpha must keep its default there
+    assert gg.mul_mat(w, x, 1.0).op == gg.mul_mat(w, x, alpha=1.0).op == "mul_mat_q"
+    with pytest.raises(gg.ShapeError, match="mul_mat: a frozen q4_0 weight .* no alpha"):
+        gg.mul_mat(w, x, alpha=0.5)
+    with pytest.raises(gg.ShapeError, match="mul_mat_acc.*needs f32 or f16"):
+        gg.mul_mat_acc(w, x, gg.input_tensor((3, 4)))
 
 
 def product_case(dtype, seed=0):

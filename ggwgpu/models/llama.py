@@ -189,11 +189,11 @@ def half_values(values: dict) -> dict:
 
 
 def linear(p: dict, name: str, x):
-    """x times weight `name` (mul_mat), plus B (scale * A x) for each LoRA pair on it (the
-    scale on the rank-r product: the same sum as llama.cpp's scale * B (A x), less work)."""
+    """x times weight `name` (mul_mat), plus scale * B (A x) for each LoRA pair on it, as
+    llama.cpp sums it: B's product scales and adds in its epilogue (mul_mat_acc)."""
     y = O.mul_mat(p[name], x)
     for a, b, scale in p.get(name + LORA, ()):
-        y = O.add(y, O.mul_mat(b, O.scale(O.mul_mat(a, x), scale)))
+        y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale)
     return y
 
 
@@ -206,13 +206,13 @@ def output(p: dict, x):
 
 
 def embed(p: dict, tokens, precision: str = "f32"):
-    """The token embeddings of `tokens`, plus B (scale * A[t]) for each LoRA pair on them, in
+    """The token embeddings of `tokens`, plus scale * B A[t] for each LoRA pair on them, in
     `precision` (rows of a block-type table come out f32: an f16 graph casts them)."""
     x = O.get_rows(p[TOKEN_EMBD], tokens)
     if x.dtype != precision:
         x = O.cast(x, precision)
     for a, b, scale in p.get(TOKEN_EMBD + LORA, ()):
-        x = O.add(x, O.mul_mat(b, O.scale(O.get_rows(a, tokens), scale)))
+        x = O.mul_mat_acc(b, O.get_rows(a, tokens), x, scale)
     return x
 
 
@@ -303,9 +303,11 @@ def attention(cfg, q, k, v, flash: bool, mask=None):
         out = (O.flash_attn(q, k, v, scale, True) if mask is None
                else O.flash_attn_ext(q, k, v, mask, scale))
     else:
-        kq = O.mul_mat(k, q)                                      # (batch, head, q, k)
-        probs = (O.soft_max(O.diag_mask_inf(O.scale(kq, scale), 0), 1.0) if mask is None
-                 else O.soft_max_ext(kq, mask, scale))
+        if mask is None:    # the scale in the product's epilogue
+            kq = O.mul_mat(k, q, scale)                           # (batch, head, q, k)
+            probs = O.soft_max(O.diag_mask_inf(kq, 0), 1.0)
+        else:
+            probs = O.soft_max_ext(O.mul_mat(k, q), mask, scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
 

@@ -5,6 +5,12 @@ mul_mat(a, b): a [.., M, K], b [.., N, K] -> [.., N, M], result[n, m] = sum_k a[
 -> [.., N, M], result[n, m] = sum_k a[k, m] b[k, n]. Both batch over the two outer dims; a
 is broadcast over b as ggml does it: b's batch index j reads a's batch j // (nb / na).
 out_prod runs the mul_mat kernel on transposed views, so no transpose is materialised.
+
+The epilogue: every product takes a factor `alpha` (result = alpha * product), and
+mul_mat_acc(a, b, c, alpha) adds c (the result's shape) after it, both in the product's
+kernel as it stores (one rounding, fma): a LoRA pair's W x + B (s A x), attention's
+1/sqrt(d), gradient sums need no scale or add dispatch of their own. The gradients carry
+alpha into their products (d a, d b are products with the same alpha; d c = g).
 """
 from __future__ import annotations
 
@@ -39,16 +45,27 @@ def expand_batch(a4: np.ndarray, b4: np.ndarray) -> np.ndarray:
     return np.repeat(a4, b4.shape[1] // a4.shape[1], axis=1)
 
 
-def mul_mat_ref(a, b):
+def scaled(x: np.ndarray, alpha) -> np.ndarray:
+    """alpha * x in x's float type (a Python float would not widen it; alpha 1: x itself)."""
+    return x if alpha == 1 else x * x.dtype.type(alpha)
+
+
+def mul_mat_ref(a, b, alpha=1.0):
     shape = product_shape(a.shape, b.shape, -1, -1, "mul_mat")
     a4, b4 = a.reshape(pad4(a.shape)), b.reshape(pad4(b.shape))
-    return np.matmul(b4, np.swapaxes(expand_batch(a4, b4), -1, -2)).reshape(shape)
+    return scaled(np.matmul(b4, np.swapaxes(expand_batch(a4, b4), -1, -2)).reshape(shape),
+                  alpha)
 
 
-def out_prod_ref(a, b):
+def mul_mat_acc_ref(a, b, c, alpha=1.0):
+    return mul_mat_ref(a, b, alpha) + c
+
+
+def out_prod_ref(a, b, alpha=1.0):
     shape = product_shape(a.shape, b.shape, -2, -2, "out_prod")
     a4, b4 = a.reshape(pad4(a.shape)), b.reshape(pad4(b.shape))
-    return np.matmul(np.swapaxes(b4, -1, -2), expand_batch(a4, b4)).reshape(shape)
+    return scaled(np.matmul(np.swapaxes(b4, -1, -2), expand_batch(a4, b4)).reshape(shape),
+                  alpha)
 
 
 def batch_split(a, b):
@@ -65,26 +82,43 @@ def unbatched(a: np.ndarray) -> bool:
     return all(n == 1 for n in a.shape[:-2])
 
 
-def mul_mat_into(out, a, b):
+def epilogue_into(out, alpha, c=None):
+    """out = alpha * out (+ c), in place."""
+    if alpha != 1:
+        np.multiply(out, out.dtype.type(alpha), out=out)
+    if c is not None:
+        np.add(out, c, out=out)
+
+
+def mul_mat_into(out, a, b, alpha=1.0):
     """mul_mat into out. A weight (no batch dims) times rows is one BLAS call over all of
     b's rows; a batched a broadcasts over b's batch through views, not repeated copies."""
     if unbatched(a):
         np.matmul(b.reshape(-1, b.shape[-1]), a.reshape(a.shape[-2:]).T,
                   out=out.reshape(-1, out.shape[-1]))
-        return
-    a6, b6 = batch_split(a, b)
-    np.matmul(b6, np.swapaxes(a6, -1, -2), out=out.reshape(b6.shape[:-1] + a6.shape[-2:-1]))
+    else:
+        a6, b6 = batch_split(a, b)
+        np.matmul(b6, np.swapaxes(a6, -1, -2),
+                  out=out.reshape(b6.shape[:-1] + a6.shape[-2:-1]))
+    epilogue_into(out, alpha)
 
 
-def out_prod_into(out, a, b):
+def mul_mat_acc_into(out, a, b, c, alpha=1.0):
+    mul_mat_into(out, a, b)
+    epilogue_into(out, alpha, c)
+
+
+def out_prod_into(out, a, b, alpha=1.0):
     """out_prod into out: two matrices (the weight gradients) as one BLAS call, batches
     through views as mul_mat_into."""
     if unbatched(a) and unbatched(b):
         np.matmul(b.reshape(b.shape[-2:]).T, a.reshape(a.shape[-2:]),
                   out=out.reshape(out.shape[-2:]))
-        return
-    a6, b6 = batch_split(a, b)
-    np.matmul(np.swapaxes(b6, -1, -2), a6, out=out.reshape(b6.shape[:-2] + out.shape[-2:]))
+    else:
+        a6, b6 = batch_split(a, b)
+        np.matmul(np.swapaxes(b6, -1, -2), a6,
+                  out=out.reshape(b6.shape[:-2] + out.shape[-2:]))
+    epilogue_into(out, alpha)
 
 
 def sum_batch_to(x, shape):
@@ -103,23 +137,52 @@ def sum_batch_to(x, shape):
     return O.reshape(x, shape)
 
 
-def mul_mat_grad_a(a, b, g):
-    """d(mul_mat(a, b))/da = sum over b's batch of out_prod(b, g). When a has no batch
-    (a weight) the batch folds into the token rows: one product, nothing to sum after."""
+def mul_mat_grad_a(a, b, g, alpha=1.0):
+    """d(mul_mat(a, b, alpha))/da = sum over b's batch of out_prod(b, g, alpha). When a has
+    no batch (a weight) the batch folds into the token rows: one product, nothing to sum
+    after."""
     if all(n == 1 for n in pad4(a.shape)[:2]):
         k, m = b.shape[-1], g.shape[-1]
         b2 = O.reshape_any(b, (b.nelements // k, k))
         g2 = O.reshape_any(g, (g.nelements // m, m))
-        return O.reshape(O.out_prod(b2, g2), a.shape)
-    return sum_batch_to(O.out_prod(b, g), a.shape)
+        return O.reshape(O.out_prod(b2, g2, alpha), a.shape)
+    return sum_batch_to(O.out_prod(b, g, alpha), a.shape)
 
 
-def mul_mat_shape(srcs):
+def mul_mat_backward(node, g):
+    """d a, d b of alpha * mul_mat(a, b) (+ c: d c = g)."""
+    a, b = node.srcs[:2]
+    alpha = node.params["alpha"]
+    return (mul_mat_grad_a(a, b, g, alpha), O.mul_mat(O.transpose(a), g, alpha),
+            *((g,) if node.op == "mul_mat_acc" else ()))
+
+
+def add_to_gradient(prev, sg, prev_fresh: bool, sg_fresh: bool):
+    """The gradient sum prev + sg: one mul_mat_acc when either term is a mul_mat that a
+    backward rule made for this sum alone (`*_fresh`: no other node reads it), its kernel
+    adding the other term as it stores. Else an add."""
+    for product, other, fresh in ((sg, prev, sg_fresh), (prev, sg, prev_fresh)):
+        if fresh and product.op == "mul_mat" and product.shape == other.shape:
+            summed = O.mul_mat_acc(*product.srcs, other, product.params["alpha"])
+            if summed.dtype == other.dtype == product.dtype:
+                return summed
+    return O.add(prev, sg)
+
+
+def mul_mat_shape(srcs, alpha=1.0):
     need_float(*srcs)
     return product_shape(srcs[0].shape, srcs[1].shape, -1, -1, "mul_mat"), "f32", {}
 
 
-def out_prod_shape(srcs):
+def mul_mat_acc_shape(srcs, alpha=1.0):
+    need_float(*srcs)
+    shape = product_shape(srcs[0].shape, srcs[1].shape, -1, -1, "mul_mat")
+    if srcs[2].shape != shape:
+        raise ShapeError(f"c {srcs[2].shape} must have the product's shape {shape}")
+    return shape, "f32", {}
+
+
+def out_prod_shape(srcs, alpha=1.0):
     need_float(*srcs)
     return product_shape(srcs[0].shape, srcs[1].shape, -2, -2, "out_prod"), "f32", {}
 
@@ -132,7 +195,8 @@ def vec4_ready(t) -> bool:
 
 
 def kernel_dispatch(node, a, b, variant="tiled"):
-    """The mul_mat kernel over a [.., M, K] and b [.., N, K]. Where `variant` has one, the
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K], then its epilogue: times the
+    node's alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. Where `variant` has one, the
     kernel for an `a` laid out along M (a transposed view: out_prod, and the weight in
     mul_mat's backward) reads a and b as they lie. Else when K % 4 == 0 the vec4 kernel of
     `variant` runs, after copying an operand that is not laid out for it (a transposed view,
@@ -142,11 +206,15 @@ def kernel_dispatch(node, a, b, variant="tiled"):
     batches = node.nelements // (m * n)
     entry, shader, (tile_m, tile_n), entry_t = MATMUL_KERNELS[variant]
     tiles = -(-m // tile_m) * -(-n // tile_n) * batches
+    c = node.srcs[2:]   # mul_mat_acc's c
+    epilogue = dict(f=(node.params["alpha"],), u=(len(c),))
     if (entry_t and not (vec4_ready(a) and vec4_ready(b))
             and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
-        return [Dispatch(entry_t, node, (a, b), n=tiles, workgroups=tiles, shader=shader)]
+        return [Dispatch(entry_t, node, (a, b, *c), n=tiles, workgroups=tiles, shader=shader,
+                         **epilogue)]
     if a.shape[-1] % 4:
-        return [Dispatch("mul_mat", node, (a, b), n=-(-m // BLOCK) * -(-n // BLOCK) * batches)]
+        return [Dispatch("mul_mat", node, (a, b, *c),
+                         n=-(-m // BLOCK) * -(-n // BLOCK) * batches, **epilogue)]
     copies, operands = [], []
     for t in (a, b):
         if not vec4_ready(t):
@@ -154,8 +222,8 @@ def kernel_dispatch(node, a, b, variant="tiled"):
             copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
             t = dense
         operands.append(t)
-    return copies + [Dispatch(entry, node, tuple(operands), n=tiles, workgroups=tiles,
-                              shader=shader)]
+    return copies + [Dispatch(entry, node, (*operands, *c), n=tiles, workgroups=tiles,
+                              shader=shader, **epilogue)]
 
 
 def transposed(t):
@@ -165,48 +233,74 @@ def transposed(t):
 
 
 def mm_cases():
+    """mul_mat's cases (out_prod's transposed, mul_mat_acc's with a c); some scale by alpha."""
     return [Case((Input((4, 5)), Input((3, 5)))),
-            Case((Input((7, 13)), Input((9, 13)))),
+            Case((Input((7, 13)), Input((9, 13))), {"alpha": -0.75}),
             Case((Input((1, 1)), Input((1, 1)))),
             Case((Input((2, 3, 6, 5)), Input((2, 3, 4, 5)))),
-            Case((Input((1, 2, 3, 5)), Input((3, 4, 2, 5)))),     # a broadcast over b
+            Case((Input((1, 2, 3, 5)), Input((3, 4, 2, 5))), {"alpha": 0.5}),  # a broadcast
             Case((Input((6, 5), layout="permuted"), Input((3, 5), layout="strided"))),
             Case((Input((2, 5, 3), layout="strided"), Input((2, 4, 3), layout="permuted"))),
             Case((Input((67, 129)), Input((65, 129))), grad=False),
-            Case((Input((9, 8)), Input((3, 8)))),                  # vec4 kernels
+            Case((Input((9, 8)), Input((3, 8))), {"alpha": 2.5}),   # vec4 kernels
             Case((Input((2, 1, 7, 12)), Input((2, 3, 10, 12)))),   # vec4 kernels, broadcast
-            Case((Input((67, 128)), Input((70, 128))), grad=False),
+            Case((Input((67, 128)), Input((70, 128))), {"alpha": 0.125}, grad=False),
             Case((Input((130, 20)), Input((66, 20))), grad=False),  # K not a multiple of 16
             Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
             Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False)]
 
 
+def acc_cases():
+    """mm_cases with a c of the result's shape, in turn contiguous, permuted and strided
+    (its own strides in the epilogue), each with an alpha."""
+    cases = []
+    for i, c in enumerate(mm_cases()):
+        a, b = c.inputs
+        shape = product_shape(a.shape, b.shape, -1, -1, "mul_mat")
+        layout = ("contiguous", "permuted", "strided")[i % 3]
+        cases.append(Case((a, b, Input(shape, layout=layout)),
+                          {"alpha": c.params.get("alpha", (1.0, -1.5, 0.25)[i % 3])},
+                          grad=c.grad))
+    return cases
+
+
 mul_mat = register(
-    "mul_mat", n_srcs=2, shape=mul_mat_shape, shader="matmul", reference=mul_mat_ref,
+    "mul_mat", n_srcs=2, params=("alpha",), defaults={"alpha": 1.0}, shape=mul_mat_shape,
+    shader="matmul", reference=mul_mat_ref,
     dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs, variant),
-    variants=tuple(MATMUL_KERNELS),
-    backward=lambda n, g: (mul_mat_grad_a(*n.srcs, g), O.mul_mat(O.transpose(n.srcs[0]), g)),
+    variants=tuple(MATMUL_KERNELS), backward=mul_mat_backward,
     cases=mm_cases, frozen_variant="mul_mat_q", fast=mul_mat_into,
-    doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = b @ a.T, a broadcast over "
-        "b's batch dims.")
+    doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = alpha * b @ a.T, a "
+        "broadcast over b's batch dims (alpha applied as the kernel stores).")
+
+mul_mat_acc = register(
+    "mul_mat_acc", n_srcs=3, params=("alpha",), defaults={"alpha": 1.0},
+    shape=mul_mat_acc_shape, shader="matmul", entry="mul_mat", reference=mul_mat_acc_ref,
+    dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs[:2], variant),
+    variants=tuple(MATMUL_KERNELS), backward=mul_mat_backward,
+    cases=acc_cases, fast=mul_mat_acc_into,
+    doc="mul_mat with an accumulating epilogue: a [.., M, K], b [.., N, K], c [.., N, M] -> "
+        "alpha * b @ a.T + c, c added as the kernel stores (a LoRA pair's W x + B (s A x), "
+        "gradient sums).")
 
 out_prod = register(
-    "out_prod", n_srcs=2, shape=out_prod_shape, shader="matmul", entry="mul_mat",
-    reference=out_prod_ref, fast=out_prod_into,
+    "out_prod", n_srcs=2, params=("alpha",), defaults={"alpha": 1.0}, shape=out_prod_shape,
+    shader="matmul", entry="mul_mat", reference=out_prod_ref, fast=out_prod_into,
     dispatches=lambda n, variant="tiled": kernel_dispatch(
         n, transposed(n.srcs[0]), transposed(n.srcs[1]), variant),
     variants=tuple(MATMUL_KERNELS),
-    backward=lambda n, g: (sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1]), n.srcs[0].shape),
-                           O.transpose(O.mul_mat(n.srcs[0], g))),
+    backward=lambda n, g: (
+        sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1], n.params["alpha"]), n.srcs[0].shape),
+        O.transpose(O.mul_mat(n.srcs[0], g, n.params["alpha"]))),
     cases=lambda: [Case((Input((c.inputs[0].shape[:-2] + c.inputs[0].shape[:-3:-1]),
                                layout=c.inputs[0].layout),
                          Input((c.inputs[1].shape[:-2] + c.inputs[1].shape[:-3:-1]),
-                               layout=c.inputs[1].layout)), grad=c.grad)
+                               layout=c.inputs[1].layout)), c.params, grad=c.grad)
                    for c in mm_cases()] + [
         # rows of a multiple of 4: read as they lie where the variant can (odd K, tiles cut)
-        Case((Input((37, 68)), Input((37, 20))), grad=False),
-        Case((Input((2, 1, 9, 8)), Input((2, 3, 9, 12))))],
-    doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = b.T @ a, a broadcast "
-        "over b's batch dims.")
+        Case((Input((37, 68)), Input((37, 20))), {"alpha": 3.0}, grad=False),
+        Case((Input((2, 1, 9, 8)), Input((2, 3, 9, 12))), {"alpha": -0.5})],
+    doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = alpha * b.T @ a, a "
+        "broadcast over b's batch dims (alpha applied as the kernel stores).")
 
-__all__ = ["mul_mat", "out_prod"]
+__all__ = ["mul_mat", "mul_mat_acc", "out_prod"]

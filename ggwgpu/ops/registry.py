@@ -233,7 +233,7 @@ def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
         raise TypeError(f"{opdef.name}: expects {opdef.n_srcs} tensor argument(s), got "
                         f"{[type(a).__name__ for a in args[:opdef.n_srcs]]}")
     if opdef.frozen_variant and srcs[0].is_quantized:
-        return make_node(OPS[opdef.frozen_variant], args, kwargs)
+        return make_frozen(opdef, OPS[opdef.frozen_variant], srcs, rest, kwargs)
     if len(rest) > len(opdef.param_names):
         raise TypeError(f"{opdef.name}: too many arguments")
     params = dict(zip(opdef.param_names, rest))
@@ -251,6 +251,18 @@ def make_node(opdef: OpDef, args: Sequence, kwargs: dict) -> Tensor:
         shapes = ", ".join(str(s.shape) for s in srcs)
         raise ShapeError(f"{opdef.name}({shapes}): {e}") from None
     return Tensor(shape, dtype, op=opdef.name, srcs=srcs, params=params, **extra)
+
+
+def make_frozen(opdef: OpDef, variant: OpDef, srcs, rest, kwargs) -> Tensor:
+    """The node of `variant` (opdef's frozen_variant) for a frozen source 0. Params the
+    variant lacks (mul_mat's alpha) may only hold their defaults."""
+    params = {**dict(zip(opdef.param_names, rest)), **kwargs}
+    dropped = [k for k in params if k not in variant.param_names]
+    changed = [k for k in dropped if params[k] != opdef.defaults.get(k, object())]
+    if changed:
+        raise ShapeError(f"{opdef.name}: a frozen {srcs[0].dtype} weight ({variant.name}) "
+                         f"takes no {', '.join(changed)}")
+    return make_node(variant, srcs, {k: v for k, v in params.items() if k not in dropped})
 
 
 def split_rows(keep=0, whole=(), rows=()):
