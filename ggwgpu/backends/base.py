@@ -136,10 +136,10 @@ class Plan:
         optimizer updates read), state (other leaves with a value: optimizer moments,
         constants), inputs, activations (every other block live at the peak, `scratch`
         tensors included), the peak of live bytes, `planned`, the bytes of the buffers
-        `layout` (default: the plan's, else storage_layout()) allocates and of the constants, and `shared`,
-        the part of `planned` in constant storage the backend holds for all its plans
-        (SharedConstants: other plans of the same values use it too); planned_bytes() adds
-        several plans up counting each shared constant once."""
+        `layout` (default: the plan's, else storage_layout()) allocates and of the
+        constants, and `shared`, the part of `planned` in constant storage the backend holds
+        for all its plans (SharedConstants: other plans of the same values use it too);
+        planned_bytes() adds several plans up counting each shared constant once."""
         layout = layout or self.layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
