@@ -691,10 +691,9 @@ def dispatches_per_layer(config_name: str, backend, cfg, plan=None) -> dict:
 FUSION_HINTS = (
     (("sqr", "sum"), "the clip's gradient norm, sqr + sum + an add per trained tensor: one "
                      "accumulating sum-of-squares kernel"),
-    (("scale",), "a LoRA pair's alpha / r, attention's 1/sqrt(d): a factor of the product "
-                 "beside it"),
-    (("add",), "W x + B (s A x) of each LoRA pair, the residuals and gradient sums: an "
-               "accumulating epilogue of the product that makes one term"),
+    (("add",), "the clip's sum per trained tensor; residual and gradient sums beside a "
+               "frozen weight's product: an epilogue in mul_mat_q and mul_mat_q_back"),
+    (("scale",), "a factor left outside a product (mul_mat takes alpha)"),
     (("diag_mask_inf", "soft_max", "soft_max_back"), "the causal mask and softmax: flash "
                                                      "attention fuses them with both products"),
     (("cont",), "attention's output permuted to rows: written in row order by its product"),

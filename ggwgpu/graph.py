@@ -218,6 +218,19 @@ def recompute_from(order, checkpoints=None, recompute=()) -> dict[int, Tensor]:
     return copies
 
 
+def backward_node(node: Tensor, copies) -> Tensor:
+    """The node a backward rule sees: its recomputed copy, and for a checkpoint (kept, its
+    sources recomputed) a twin that reads the recomputed sources, so that what the rule
+    reads of them (a product's operands) does not keep the forward's alive to the backward.
+    A rule that reads the node's own value then reads the twin's, computed again."""
+    if not copies:
+        return node
+    twin = copies[id(node)]
+    if twin is node and any(copies[id(s)] is not s for s in node.srcs):
+        twin = make_node(O.OPS[node.op], [copies[id(s)] for s in node.srcs], node.params)
+    return twin
+
+
 def build_backward(loss: Tensor, params=None, checkpoints=None,
                    recompute=(), seed: Tensor | None = None) -> dict[Tensor, Tensor]:
     """Gradient tensors of `loss` (one element) with respect to `params`.
@@ -267,7 +280,7 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
         opdef = O.OPS[node.op]
         if opdef.backward is None:
             raise ShapeError(f"{node.op} is an optimizer update and cannot be differentiated")
-        src_grads = opdef.backward(copies[id(node)] if copies else node, g)
+        src_grads = opdef.backward(backward_node(node, copies), g)
         for i, (src, sg) in enumerate(zip(node.srcs, src_grads)):
             if id(src) not in needs:
                 continue

@@ -63,6 +63,25 @@ def test_a_shared_gradient_is_summed_by_an_add_not_recomputed():
     np.testing.assert_allclose(got, 8 * (np.ones((2, 4)) @ np.ones((4, 3))) @ np.ones((3, 4)))
 
 
+def test_a_checkpoint_product_reads_recomputed_operands_in_the_backward():
+    """A checkpoint that is a product (a llama block's output: its residual added in the
+    epilogue) keeps its own value, not its operands: the weight's gradient reads the
+    operand recomputed from the checkpoint below, and equals the one without checkpoints."""
+    rng = np.random.default_rng(1)
+    x = gg.param(rng.uniform(-1, 1, (3, 8)), name="x")
+    w = gg.param(rng.uniform(-1, 1, (8, 8)), name="w")
+    below = gg.silu(x)
+    h = gg.silu(below)                       # recomputed from `below` in the backward
+    top = gg.mul_mat_acc(w, h, below, 0.5)
+    loss = gg.sum(top)
+    kept = gg.build_backward(loss, [x, w], checkpoints=[below, top])
+    assert h not in gg.topo_order([kept[w]])
+    plain = gg.build_backward(loss, [x, w])
+    got = NumpyBackend(np.float64).compute([kept[x], kept[w], plain[x], plain[w]])
+    np.testing.assert_allclose(got[0], got[2], rtol=1e-12)
+    np.testing.assert_allclose(got[1], got[3], rtol=1e-12)
+
+
 def test_only_params_get_gradients():
     x = gg.input_tensor((3,), name="x")
     w = gg.param(np.ones(3), name="w")

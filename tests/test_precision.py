@@ -85,8 +85,8 @@ def test_the_f16_graph_is_halves_but_its_loss_and_master_weights(packed, flash):
     # (casts back from the halves' gradients, summed where a weight is read twice)
     assert f32 <= {"cross_entropy_ids", "add", "reshape", "cast"}, f32
     assert all(n.dtype == "f16" for n in nodes
-               if n.op in ("mul_mat", "rms_norm_mul", "rope_ff", "swiglu", "get_rows",
-                           "soft_max_ext", "soft_max", "flash_attn", "flash_attn_ext",
+               if n.op in ("mul_mat", "mul_mat_acc", "rms_norm_mul", "rope_ff", "swiglu",
+                           "get_rows", "soft_max_ext", "soft_max", "flash_attn", "flash_attn_ext",
                            "cross_entropy_ids_back", "out_prod"))
     assert all(p.dtype == "f32" and grads[p].dtype == "f32" for p in params)
     halves = [n for n in nodes if n.op == "cast" and n.srcs[0].is_param]

@@ -188,13 +188,18 @@ def half_values(values: dict) -> dict:
             for name, v in values.items()}
 
 
-def linear(p: dict, name: str, x):
+def linear(p: dict, name: str, x, residual=None):
     """x times weight `name` (mul_mat), plus scale * B (A x) for each LoRA pair on it, as
-    llama.cpp sums it: B's product scales and adds in its epilogue (mul_mat_acc)."""
-    y = O.mul_mat(p[name], x)
+    llama.cpp sums it, plus `residual` when given. The sums are the products' epilogues
+    (mul_mat_acc): B's product scales and adds; a float weight's product adds the residual
+    (a frozen block-type weight's kernel has no epilogue: an add does)."""
+    w = p[name]
+    y = O.mul_mat(w, x)
+    if residual is not None and not w.is_quantized and residual.shape == y.shape:
+        y, residual = O.mul_mat_acc(w, x, residual), None
     for a, b, scale in p.get(name + LORA, ()):
         y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale)
-    return y
+    return y if residual is None else O.add(residual, y)
 
 
 def output(p: dict, x):
@@ -367,7 +372,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
             q, k, v = project_qkv(cfg, p, b, x, (batch, cfg.n_ctx), positions)
         att = O.reshape(O.cont(attention(cfg, q, k, v, flash, mask)),
                         (batch, cfg.n_ctx, cfg.q_dim))
-        x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
+        x = feed_forward(cfg, p, b, linear(p, b + "attn_output.weight", att, residual=x))
         checkpoints.append(x)
     rows = batch * cfg.n_ctx
     h = O.reshape(weighted_rms_norm(cfg, x, p["output_norm.weight"]), (rows, cfg.n_embd))
@@ -440,7 +445,7 @@ def feed_forward(cfg: LlamaConfig, p: dict, b: str, x):
     """x + the SwiGLU feed-forward of block `b` ("blk.N.") applied to ffn_norm(x)."""
     h = weighted_rms_norm(cfg, x, p[b + "ffn_norm.weight"])
     gated = O.swiglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
-    return O.add(x, linear(p, b + "ffn_down.weight", gated))
+    return linear(p, b + "ffn_down.weight", gated, residual=x)
 
 
 @dataclass
@@ -540,7 +545,7 @@ def build_decode_graph(cfg: LlamaConfig, values: dict, n_tokens: int, max_ctx: i
         probs = O.soft_max_ext(kq, mask, 1.0 / np.sqrt(cfg.head_dim))
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         att = O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
-        x = feed_forward(cfg, p, b, O.add(x, linear(p, b + "attn_output.weight", att)))
+        x = feed_forward(cfg, p, b, linear(p, b + "attn_output.weight", att, residual=x))
     x = weighted_rms_norm(cfg, O.get_rows(x, last), p["output_norm.weight"])
     logits = output(p, x)                                         # (1, n_vocab)
     weights = {k: p[k] for k in values}

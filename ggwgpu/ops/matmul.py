@@ -161,7 +161,7 @@ def add_to_gradient(prev, sg, prev_fresh: bool, sg_fresh: bool):
     """The gradient sum prev + sg: one mul_mat_acc when either term is a mul_mat that a
     backward rule made for this sum alone (`*_fresh`: no other node reads it), its kernel
     adding the other term as it stores. Else an add."""
-    for product, other, fresh in ((sg, prev, sg_fresh), (prev, sg, prev_fresh)):
+    for product, other, fresh in ((prev, sg, prev_fresh), (sg, prev, sg_fresh)):
         if fresh and product.op == "mul_mat" and product.shape == other.shape:
             summed = O.mul_mat_acc(*product.srcs, other, product.params["alpha"])
             if summed.dtype == other.dtype == product.dtype:
