@@ -81,11 +81,16 @@ def test_a_lora_finetune_of_the_135m_shape_on_q4_0_plans_within_1_5x_the_minimum
 
 def test_dispatches_per_layer_add_up_to_the_step_exactly(hand_config, wgpu):
     """rest + n * per layer is the step's count, per op, for the wgpu plan at 2, 3 and 4
-    layers; a LoRA layer has 3 scales per pair (forward, recomputed, backward) and
-    attention's 3, and one input gradient through each of its 7 frozen matrices."""
+    layers; a LoRA layer has no scale (the pairs' and attention's are products' alphas),
+    one input gradient through each of its 7 frozen matrices, and mul_mat_acc nodes for
+    its 7 pairs' B products (forward; 6 recomputed: the block's output is a checkpoint) and
+    7 gradient sums (a pair's A product takes the sum of the terms before it)."""
     cfg, _ = cli_bench.bench_model(hand_config, n_layer=4)
     d = cli_bench.dispatches_per_layer(hand_config, wgpu, cfg)
-    assert d["per_layer"]["scale"] == 3 * 7 + 3 and d["per_layer"]["mul_mat_q_back"] == 7
+    assert "scale" not in d["per_layer"] and d["per_layer"]["mul_mat_q_back"] == 7
+    nodes = {n: Counter(t.op for t in trainer(hand_config, n_layer=n).plan.nodes)
+             for n in (2, 3)}
+    assert nodes[3]["mul_mat_acc"] - nodes[2]["mul_mat_acc"] == 7 + 6 + 7
     for n_layer in (2, 3, 4):
         plan = trainer(hand_config, wgpu, n_layer=n_layer).plan
         counted = {op: d["rest"].get(op, 0) + n_layer * d["per_layer"].get(op, 0)
@@ -110,6 +115,8 @@ def test_bench_train_of_a_lora_shape_says_why_torch_has_no_peer(tmp_path, monkey
     report = json.loads(out.read_text())
     assert report["n_layer"] == 2 and report["tokens_per_s"]["numpy"] > 0
     memory = report["memory"]
-    # the minimum adds up roles that need not peak together (the gradients come late)
-    assert memory["peak_bytes"] <= memory["planned_bytes"] <= 1.02 * memory["peak_bytes"]
+    # the minimum adds up roles that need not peak together (the gradients come late); best
+    # fit leaves up to 3 % above the peak (1.032 here since gradient sums fold into products:
+    # 11.90 MB planned of a 11.53 MB peak, where an add per sum planned 12.10 of 11.99)
+    assert memory["peak_bytes"] <= memory["planned_bytes"] <= 1.04 * memory["peak_bytes"]
     assert 0.9 <= memory["ratio"] <= 1.5
