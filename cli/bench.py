@@ -689,8 +689,6 @@ def dispatches_per_layer(config_name: str, backend, cfg, plan=None) -> dict:
 # Ops a layer dispatches that a fused kernel could absorb next, and into what (printed for
 # those a layer has, most dispatches first).
 FUSION_HINTS = (
-    (("sqr", "sum"), "the clip's gradient norm, sqr + sum + an add per trained tensor: one "
-                     "accumulating sum-of-squares kernel"),
     (("scale",), "a LoRA pair's alpha / r, attention's 1/sqrt(d): a factor of the product "
                  "beside it"),
     (("add",), "W x + B (s A x) of each LoRA pair, the residuals and gradient sums: an "

@@ -122,6 +122,20 @@ add_sum_sqr = register(
     doc="acc + the sum of a * a over all elements, shape (1,), in f32: acc has one element. "
         "A chain of them sums the squares of many tensors, one dispatch each.")
 
+
+
+def sum_of_squares(tensors) -> Tensor:
+    """The sum of the squares of every element of `tensors` (at least one), shape (1,), f32:
+    sum_sqr of the first, add_sum_sqr of each other."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("sum_of_squares needs at least one tensor")
+    total = sum_sqr(tensors[0])
+    for t in tensors[1:]:
+        total = add_sum_sqr(total, t)
+    return total
+
+
 sum_rows = register(
     "sum_rows", n_srcs=1, shape=rows_shape, shader="reduce",
     reference=lambda a: np.sum(a, axis=-1, keepdims=True, dtype=a.dtype),
@@ -178,4 +192,5 @@ repeat_back = register(
                    Case((Input((300, 7)),), {"shape": (1, 7)}, grad=False)],
     doc="Sum the tiles of a into `shape`: the backward of repeat.")
 
-__all__ = ["sum", "sum_sqr", "add_sum_sqr", "sum_rows", "mean", "repeat", "repeat_back"]
+__all__ = ["sum", "sum_sqr", "add_sum_sqr", "sum_of_squares", "sum_rows", "mean", "repeat",
+           "repeat_back"]
