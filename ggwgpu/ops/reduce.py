@@ -1,4 +1,4 @@
-"""Reductions and tiling: sum, sum_rows, mean, repeat, repeat_back.
+"""Reductions and tiling: sum, sum_sqr, add_sum_sqr, sum_rows, mean, repeat, repeat_back.
 
 Shader: shaders/reduce.wgsl. Row reductions use one workgroup per row.
 """
@@ -72,7 +72,6 @@ sum = register(
     cases=lambda: reduce_cases((LARGE,)), doc="The sum of all elements, shape (1,).")
 
 
-
 # The sum of squares of a chain of tensors (the clip's gradient norm, L-BFGS's norms):
 # sum_sqr(t0), then add_sum_sqr(acc, t) for each other tensor, one dispatch each (two past
 # SUM_SPAN elements) instead of sqr, sum and an add, and no temporary of t's size. Both run
@@ -114,14 +113,13 @@ add_sum_sqr = register(
     "add_sum_sqr", n_srcs=2, shape=add_sum_sqr_shape, shader="reduce", entry="sum",
     result="f32",
     reference=lambda acc, a: acc.reshape(1) + sum_sqr_ref(a), fast=add_sum_sqr_into,
-    # a first in the dispatch: k_sum reads source 0 (bound in parts where it is large)
+    # the dispatch binds a first: k_sum sums its source 0 and adds source 1's element
     dispatches=lambda n: sum_into(n, n.srcs[1], square=True, acc=n.srcs[0]),
     backward=lambda n, g: (g if n.srcs[0].shape == g.shape else O.reshape(g, n.srcs[0].shape),
                            O.mul(n.srcs[1], O.scale(g, 2.0))),
     cases=lambda: sum_sqr_cases((Input((1,)),)) + [Case((Input((1, 1)), Input((5, 7))))],
     doc="acc + the sum of a * a over all elements, shape (1,), in f32: acc has one element. "
         "A chain of them sums the squares of many tensors, one dispatch each.")
-
 
 
 def sum_of_squares(tensors) -> Tensor:
