@@ -80,7 +80,8 @@ def auto_pick() -> tuple[str, str]:
 
 def check_memory(ctx, what: str, cfg, values=None, precision: str = "f32", **estimate):
     """Refuse, before it allocates, a run whose memory estimate (ggwgpu.memory: from the
-    config; `values`: loaded weights, counted as stored; --precision f16: activations and
+    config; `values`: loaded weights, counted as stored, and on NumPy block types again as
+    the f32 values its products read; --precision f16: activations and
     cache in halves, auto counted as f32) exceeds the host's memory, with the numbers: every
     command that builds a graph asks here first."""
     from ggwgpu import memory
@@ -91,6 +92,9 @@ def check_memory(ctx, what: str, cfg, values=None, precision: str = "f32", **est
     if values is not None:
         estimate["weight_bytes"] = sum(v.data.nbytes if isinstance(v, Quantized) else v.nbytes
                                        for v in values.values())
+        if device_is_host:  # NumPy's products read block-type weights dequantized, kept
+            estimate["dequantized"] = sum(math.prod(v.shape) for v in values.values()
+                                          if isinstance(v, Quantized))
     try:
         memory.check(memory.estimate(cfg, **estimate), what, device_is_host)
     except memory.MemoryLimitError as e:

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import ops as O
 from .ops.registry import make_node
-from .tensor import ShapeError, Tensor, constant
+from .tensor import ShapeError, Tensor, constant, zeros
 
 
 def sources(t: Tensor) -> list[Tensor]:
@@ -281,5 +281,5 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
     out = {}
     for p in params:
         g = grads.get(id(p))
-        out[p] = g if g is not None else constant(np.zeros(p.shape, np.float32), name="zeros")
+        out[p] = g if g is not None else zeros(p.shape)
     return out

@@ -24,6 +24,7 @@ an f16 kernel reads.
 from __future__ import annotations
 
 import math
+import weakref
 
 import numpy as np
 
@@ -187,3 +188,19 @@ def constant(value, dtype="f32", name=None) -> Tensor:
     if value.ndim == 0:
         value = value.reshape(1)
     return Tensor(value.shape, dtype, name=name, value=value)
+
+
+_ZEROS = weakref.WeakValueDictionary()    # shape -> the read-only zeros all such constants hold
+
+
+def zeros(shape) -> Tensor:
+    """An f32 constant of zeros (what a backward scatters a view's gradient into). All of one
+    shape hold the same read-only array while any lives, so a backend stores it once
+    however many nodes and graphs use it (SharedConstants keys on the value object): a
+    128k-vocabulary step's 32 logits chunks made 32 copies of the (rows, n_embd) zeros."""
+    shape = tuple(int(n) for n in shape)
+    value = _ZEROS.get(shape)
+    if value is None:
+        value = _ZEROS[shape] = np.zeros(shape, np.float32)
+        value.flags.writeable = False
+    return constant(value, name="zeros")

@@ -485,6 +485,32 @@ def test_plans_share_the_constants_they_never_write_and_nothing_else(backend_nam
         assert len(backend.constants) == 0
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_the_gradients_of_chunked_views_share_one_zeros_constant(backend_name, request):
+    """Each chunk's view backward scatters its gradient into zeros of the whole shape: all
+    those zeros are one array, stored once and counted once; the gradient is right."""
+    from ggwgpu.graph import build_backward
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    p = gg.param(np.arange(24, dtype=np.float32).reshape(6, 4), name="p")
+    chunks = [gg.view(p, (2, 4), (4, 1), 8 * i) for i in range(3)]
+    loss = None
+    for i, c in enumerate(chunks):
+        term = gg.sum(gg.scale(gg.sqr(c), float(i + 1)))
+        loss = term if loss is None else gg.add(loss, term)
+    grad = build_backward(loss, [p])[p]
+    plan = backend.plan([loss, grad])
+    zeros = [t for t in plan.roots if t.name == "zeros"]
+    assert len(zeros) == 3 and len({id(t.value) for t in zeros}) == 1
+    assert len({id(storage_of(plan, t)) for t in zeros}) == 1
+    m = plan.memory()
+    others = sum(plan.nbytes(t) for t in plan.roots
+                 if id(t) in plan.constant_keys and t.name != "zeros")    # the loss's seed
+    assert m["state"] == m["shared"] == 6 * 4 * 4 + others
+    plan.run()
+    weights = np.repeat([1, 2, 3], 2)[:, None]
+    np.testing.assert_allclose(plan.read(grad), 2 * weights * p.value, rtol=1e-6)
+
+
 def test_sentinels_turn_constant_sharing_off():
     backend = NumpyBackend()
     w_value = np.ones((5, 4), np.float32)

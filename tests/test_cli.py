@@ -6,6 +6,7 @@ GGWGPU_REQUIRE_ADAPTER=1 (CI must not pass on the NumPy fallback). Tests of the 
 backend check auto's rule: wgpu on a hardware adapter, NumPy on a software one or none.
 """
 import json
+import math
 import os
 import re
 import sys
@@ -856,6 +857,33 @@ def test_sizes_are_refused_with_the_numbers_before_allocation(tmp_path, args, wo
     for word in words:
         assert word in out, out
     assert peak < 256 * 2 ** 20, peak
+
+
+@pytest.mark.parametrize("backend", ["numpy", "wgpu"])
+def test_the_memory_check_counts_the_weights_numpy_holds_dequantized(tmp_path, monkeypatch,
+                                                                     backend):
+    """NumPy's products read a block-type base as f32 values it keeps beside the blocks: its
+    memory check counts them (4 bytes a value); a device reads the blocks themselves."""
+    from ggwgpu import gguf_llama, memory
+    from ggwgpu.quant import Quantized
+    if backend == "wgpu" and not has_adapter():
+        pytest.skip("no WebGPU adapter")
+    needs = []
+    monkeypatch.setattr(memory, "check", lambda need, what, device_is_host=True:
+                        needs.append((need, device_is_host)))
+    base = tiny_base(tmp_path / "base.gguf", "q8_0")
+    result = finetune(tmp_path, base, "--steps", "1", "--out", str(tmp_path / "o.gguf"),
+                      backend=("--backend", backend))
+    assert result.exit_code == 0, result.output
+    need, device_is_host = needs[0]
+    _, values, _ = gguf_llama.load_model(base, keep_quantized=True)
+    blocks = [v for v in values.values() if isinstance(v, Quantized)]
+    assert blocks       # q8_0 takes the rows of 32: ffn_down's
+    if backend == "numpy":
+        assert device_is_host
+        assert need["dequantized weights"] == 4 * sum(math.prod(v.shape) for v in blocks)
+    else:
+        assert not device_is_host and "dequantized weights" not in need
 
 
 @pytest.mark.parametrize("option, message", [

@@ -314,20 +314,25 @@ def test_accumulating_two_micro_batches_equals_one_double_batch(optimizer):
     dict(optimizer="sgd", precision="f16"), dict(optimizer="lbfgs", batch=2)])
 def test_numpy_storage_reuse_reads_nothing_a_kernel_did_not_write(monkeypatch, options):
     """The NumPy plan keeps its blocks in one array, sharing bytes by liveness: a block's
-    later tenants find what the last one left. With that array filled with NaN bytes, every
-    loss and weight is the same to the bit as with zeros, so no kernel reads what it did not
-    write; and the blocks take much less than their sum."""
+    first tenant finds what the array held, later ones what the last tenant left. With the
+    array filled with NaN bytes, every loss and weight is the same to the bit as with every
+    block on bytes of its own, zeroed: no kernel reads what it did not write. And the shared
+    blocks take much less than their sum."""
+    from ggwgpu import alloc
+    from ggwgpu.backends import base
     from ggwgpu.backends.numpy_backend import NumpyPlan
     options = TrainOptions(batch=options.pop("batch", 4), lr=3e-3, warmup=5, **options)
     runs = []
-    for fill in (0, 0xFF):
+    for reuse, fill in ((False, 0), (True, 0xFF)):
         monkeypatch.setattr(NumpyPlan, "_arena", staticmethod(
             lambda n, fill=fill: np.full(n, fill, np.uint8)))
+        monkeypatch.setattr(base, "pack", alloc.pack if reuse else lambda blocks, **kw: (
+            alloc.pack([alloc.Block(b.key, b.nbytes, -1, 2 ** 40) for b in blocks], **kw)))
         t, losses = trainer(NumpyBackend(), steps=3, options=options)
-        runs.append((losses, t.parameters()))
-    (losses, weights), (poisoned_losses, poisoned_weights) = runs
-    assert losses == poisoned_losses and all(np.isfinite(losses))
+        runs.append((losses, t.parameters(), t.plan))
+    (losses, weights, apart), (reused_losses, reused_weights, plan) = runs
+    assert losses == reused_losses and all(np.isfinite(losses))
     for name, w in weights.items():
-        np.testing.assert_array_equal(w, poisoned_weights[name], err_msg=name)
-    plan = t.plan
-    assert plan.layout.total_bytes < 0.5 * sum(plan.nbytes(r) for r in plan.roots)
+        np.testing.assert_array_equal(w, reused_weights[name], err_msg=name)
+    assert not apart.layout.reused and plan.layout.reused
+    assert plan.layout.total_bytes < 0.5 * apart.layout.total_bytes

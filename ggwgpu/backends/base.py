@@ -136,15 +136,20 @@ class Plan:
         optimizer updates read), state (other leaves with a value: optimizer moments,
         constants), inputs, activations (every other block live at the peak, `scratch`
         tensors included), the peak of live bytes, `planned`, the bytes of the buffers
-        `layout` (default: the plan's, else storage_layout()) allocates and of the constants, and `shared`,
-        the part of `planned` in constant storage the backend holds for all its plans
-        (SharedConstants: other plans of the same values use it too); planned_bytes() adds
-        several plans up counting each shared constant once."""
+        `layout` (default: the plan's, else storage_layout()) allocates and of the
+        constants, and `shared`, the part of `planned` in constant storage the backend holds
+        for all its plans (SharedConstants: other plans of the same values use it too);
+        planned_bytes() adds several plans up counting each shared constant once."""
         layout = layout or self.layout or self.storage_layout()
         grads = {id(n.srcs[1].storage) for n in self.nodes if OPS[n.op].updates}
         out = dict.fromkeys(("weights", "gradients", "state", "inputs", "activations"), 0)
+        counted = set()     # shared constant storage, counted once (zeros() of one shape)
         for t in self.roots + list(scratch):
             key = id(t)
+            if key in self.constants:
+                if id(self.constants[key]) in counted:
+                    continue
+                counted.add(id(self.constants[key]))
             if t.op is None and key in self._known:    # a leaf, not scratch
                 role = "weights" if t.is_param else "state" if t.value is not None else "inputs"
             elif key in grads:
@@ -154,8 +159,9 @@ class Plan:
             else:
                 continue
             out[role] += self.nbytes(t)
-        constants = sum(self.nbytes(r) for r in self.roots if id(r) in self.constant_keys)
-        shared = sum(self.nbytes(r) for r in self.roots if id(r) in self.constants)
+        shared = sum({id(c): c.nbytes for c in self.constants.values()}.values())
+        constants = shared + sum(self.nbytes(r) for r in self.roots
+                                 if id(r) in self.constant_keys and id(r) not in self.constants)
         out.update(peak=layout.peak_bytes + constants, planned=layout.total_bytes + constants,
                    shared=shared)
         return out

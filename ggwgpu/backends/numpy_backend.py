@@ -123,7 +123,8 @@ class NumpyPlan(Plan):
             n = root.storage_len + 2 * self.sentinel
             block = arenas[buffer][offset:offset + self.nbytes(root)].view(
                 self.storage_dtype(root))[:n]
-            block[...] = guarded_block(root.storage_len, self.sentinel, block.dtype)
+            if self.sentinel:
+                block[...] = guarded_block(root.storage_len, self.sentinel, block.dtype)
             self.storage[id(root)] = block
             if root.value is not None:
                 self.write(root, root.value)

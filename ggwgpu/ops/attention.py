@@ -30,7 +30,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, Tensor, constant, contiguous_strides
+from ..tensor import ShapeError, Tensor, contiguous_strides, zeros
 from .registry import Case, Dispatch, Input, can_repeat, need_float, pad4, register
 
 MAX_D = 256  # head dim bound: the kernels keep d-float arrays in private memory
@@ -258,8 +258,7 @@ def concat_last(a, b):
     """[a, b] along the innermost dim (a and b of one shape), built with acc."""
     shape = a.shape[:-1] + (2 * a.shape[-1],)
     strides = contiguous_strides(shape)
-    zeros = constant(np.zeros(shape, np.float32), name="zeros")
-    return O.acc(O.acc(zeros, a, strides, 0), b, strides, a.shape[-1])
+    return O.acc(O.acc(zeros(shape), a, strides, 0), b, strides, a.shape[-1])
 
 
 def attn_back_backward(node, g):
@@ -277,8 +276,8 @@ def attn_back_backward(node, g):
     fwd, back = same_attention(node)
     gq, gk, gv = split(g, q.shape, k.shape, v.shape)
     d = q.shape[-1]
-    zeros = constant(np.zeros(q.shape, np.float32), name="zeros")
-    big = back(concat_last(q, zeros), concat_last(k, v), concat_last(k, gk), concat_last(gq, q))
+    big = back(concat_last(q, zeros(q.shape)), concat_last(k, v), concat_last(k, gk),
+               concat_last(gq, q))
     shape2 = q.shape[:-1] + (2 * d,)
     from_scores = O.view(big, q.shape, contiguous_strides(shape2), d)  # second half of dQ'
     no_grads = (None,) * (4 if mask is not None else 3)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import FLOAT_DTYPES, ShapeError, check_shape, constant
+from ..tensor import FLOAT_DTYPES, ShapeError, check_shape, zeros
 from .registry import Case, Dispatch, Input, need_float, register
 from .elementwise import LARGE
 
@@ -53,8 +53,7 @@ def view_backward(node, g):
     a = node.srcs[0]
     if not a.is_contiguous():
         raise ShapeError(f"view of non-contiguous {a.shape}: gradient needs a contiguous source")
-    zeros = constant(np.zeros(a.shape, np.float32), name="zeros")
-    return (O.acc(zeros, g, node.params["strides"], node.params["offset"]),)
+    return (O.acc(zeros(a.shape), g, node.params["strides"], node.params["offset"]),)
 
 
 view = register(
