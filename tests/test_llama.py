@@ -255,7 +255,8 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
 
 
 @pytest.mark.parametrize("changes", [{}, {"tied_embeddings": True}, {"n_head_kv": 1},
-                                     {"rope_freqs": True}, {"n_layer": 0}, {"n_embd_head": 6}])
+                                     {"rope_freqs": True}, {"n_layer": 0}, {"n_embd_head": 6},
+                                     {"arch": "qwen2"}])
 def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(changes):
     from ggwgpu import memory
     cfg = LlamaConfig(**{**dict(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5),
