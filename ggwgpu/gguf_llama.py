@@ -20,11 +20,10 @@ Model file
     tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
-    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases of
-    qwen2), shapes in NumPy
-    order (gguf-py writes them reversed, as ggml's ne); f32, or a block type (F16, BF16,
-    Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen weights, ggwgpu.quant),
-    written as their raw blocks. Reading takes F32 and those block types.
+    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases
+    of qwen2), shapes in NumPy order (gguf-py writes them reversed, as ggml's ne); f32, or a
+    block type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen
+    weights, ggwgpu.quant), written as their raw blocks. Reading takes F32 and those block types.
 
 Reading checks the keys, tensor types and shapes against the hyper-parameters after the
 container's layout check; every problem is a `GGUFError` naming the file and the key or
