@@ -689,10 +689,8 @@ def dispatches_per_layer(config_name: str, backend, cfg, plan=None) -> dict:
 # Ops a layer dispatches that a fused kernel could absorb next, and into what (printed for
 # those a layer has, most dispatches first).
 FUSION_HINTS = (
-    (("sqr", "sum"), "the clip's gradient norm, sqr + sum + an add per trained tensor: one "
-                     "accumulating sum-of-squares kernel"),
-    (("add",), "the clip's sum per trained tensor; residual and gradient sums beside a "
-               "frozen weight's product: an epilogue in mul_mat_q and mul_mat_q_back"),
+    (("add",), "residual and gradient sums beside a frozen weight's product: an epilogue in "
+               "mul_mat_q and mul_mat_q_back; the residual stream's gradient sums"),
     (("scale",), "a factor left outside a product (mul_mat takes alpha)"),
     (("diag_mask_inf", "soft_max", "soft_max_back"), "the causal mask and softmax: flash "
                                                      "attention fuses them with both products"),

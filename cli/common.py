@@ -218,7 +218,8 @@ def load_model(path, lora_paths=(), n_ctx=None):
     except GGUFError as e:
         raise click.ClickException(str(e)) from None
     if n_ctx is None and cfg.n_ctx < 2:      # --n-ctx itself is at least 2
-        raise click.UsageError(f"{path}: its context length ({gguf_llama.K_CTX}) is {cfg.n_ctx}, "
+        raise click.UsageError(f"{path}: its context length "
+                               f"({gguf_llama.arch_keys(cfg.arch).ctx}) is {cfg.n_ctx}, "
                                f"but generating needs at least 2 tokens: give --n-ctx 2 or "
                                f"more")
     return with_context(cfg, n_ctx), values, tokenizer, adapters

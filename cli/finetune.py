@@ -88,8 +88,8 @@ def rank_options(command):
 @click.pass_context
 @across_ranks
 def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):
-    """Finetune BASE, a llama GGUF (f32, f16, bf16, q4_0 .. q8_0 or q2_k .. q6_k), on text
-    files (default: the bundled Shakespeare corpus), with BASE's vocabulary.
+    """Finetune BASE, a llama or qwen2 GGUF (f32, f16, bf16, q4_0 .. q8_0 or q2_k .. q6_k), on
+    text files (default: the bundled Shakespeare corpus), with BASE's vocabulary.
 
     By default this trains a LoRA adapter on the frozen base (kept in its storage type on the
     device) and writes it as a GGUF adapter for `ggwgpu generate BASE --lora OUT`,

@@ -66,7 +66,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
              **kw):
-    """Continue a prompt with a llama GGUF model (ours or llama.cpp's f32/f16 llama files).
+    """Continue a prompt with a llama or qwen2 GGUF model (ours or llama.cpp's files).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
     does: repeat penalty, top-k, top-p, min-p, temperature. When the model's context (n_ctx) is

@@ -37,10 +37,10 @@ import numpy as np
 from gguf import GGUFValueType
 
 from .gguf_file import INT_TYPES, K_ARCH, GGUFError, GGUFFile, checked_tensor, write_gguf
-from .gguf_llama import (ARCH, K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
+from .gguf_llama import (K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
                          model_metadata, read_model, read_params)
 from .lbfgs import check_scalars
-from .models.llama import LlamaConfig, parameter_shapes
+from .models.llama import ARCHS, LlamaConfig, parameter_shapes
 
 CHECKPOINT_VERSION = 1
 K_OPT_TYPE = "optimizer.type"
@@ -165,7 +165,7 @@ def load_checkpoint(path):
     f = GGUFFile(path)
     version = f.meta.get(K_CKPT_VERSION)
     if version is None:
-        if f.meta.get(K_ARCH) == ARCH:
+        if f.meta.get(K_ARCH) in ARCHS:
             raise GGUFError(f"{f.path}: is a model, not a training checkpoint (it has no "
                             f"{K_CKPT_VERSION} key); load it as a model instead")
         raise GGUFError(f"{f.path}: is not a ggwgpu training checkpoint (it has no "

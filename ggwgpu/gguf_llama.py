@@ -1,12 +1,15 @@
-"""The llama schema of GGUF files: a LlamaConfig's hyper-parameters as llama.* keys and back,
+"""The llama schema of GGUF files: a LlamaConfig's hyper-parameters as <arch>.* keys and back,
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
-that llama.cpp loads (`save_model` / `load_model`). Built on the container, ggwgpu.gguf_file;
+that llama.cpp loads (`save_model` / `load_model`). Two archs share it (LlamaConfig.arch):
+"llama" and "qwen2", whose keys are the same under the prefix "qwen2." and whose blocks add
+attn_q.bias, attn_k.bias and attn_v.bias. Built on the container, ggwgpu.gguf_file;
 checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
 Model file
-    general.architecture "llama", general.name, general.type "model", general.file_type 0
+    general.architecture "llama" or "qwen2" (<arch> below), general.name, general.type "model",
+    general.file_type 0
     (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
-    1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); llama.context_length,
+    1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); <arch>.context_length,
     .embedding_length, .block_count, .feed_forward_length, .attention.head_count,
     .attention.head_count_kv (fewer than head_count: grouped-query attention),
     .attention.key_length and .value_length (only when the head size is not
@@ -17,10 +20,10 @@ Model file
     tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
-    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors), shapes in NumPy
-    order (gguf-py writes them reversed, as ggml's ne); f32, or a block type (F16, BF16,
-    Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen weights, ggwgpu.quant),
-    written as their raw blocks. Reading takes F32 and those block types.
+    embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases
+    of qwen2), shapes in NumPy order (gguf-py writes them reversed, as ggml's ne); f32, or a
+    block type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) for `Quantized` values (frozen
+    weights, ggwgpu.quant), written as their raw blocks. Reading takes F32 and those block types.
 
 Reading checks the keys, tensor types and shapes against the hyper-parameters after the
 container's layout check; every problem is a `GGUFError` naming the file and the key or
@@ -32,6 +35,7 @@ import dataclasses
 import json
 import re
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,29 +43,46 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models.llama import OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
+from .models.llama import ARCHS, OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
 from .tokenizer import tokenizer_from_metadata
 
-ARCH = "llama"
 
-# llama.* keys, in llama.cpp's spelling (gguf-py's Keys with arch = llama).
-K_CTX = Keys.LLM.CONTEXT_LENGTH.format(arch=ARCH)
-K_EMBD = Keys.LLM.EMBEDDING_LENGTH.format(arch=ARCH)
-K_LAYERS = Keys.LLM.BLOCK_COUNT.format(arch=ARCH)
-K_FF = Keys.LLM.FEED_FORWARD_LENGTH.format(arch=ARCH)
-K_VOCAB = Keys.LLM.VOCAB_SIZE.format(arch=ARCH)
-K_HEADS = Keys.Attention.HEAD_COUNT.format(arch=ARCH)
-K_HEADS_KV = Keys.Attention.HEAD_COUNT_KV.format(arch=ARCH)
-K_KEY_LENGTH = Keys.Attention.KEY_LENGTH.format(arch=ARCH)
-K_VALUE_LENGTH = Keys.Attention.VALUE_LENGTH.format(arch=ARCH)
-K_EPS = Keys.Attention.LAYERNORM_RMS_EPS.format(arch=ARCH)
-K_ROT = Keys.Rope.DIMENSION_COUNT.format(arch=ARCH)
-K_FREQ_BASE = Keys.Rope.FREQ_BASE.format(arch=ARCH)
-K_SCALING_TYPE = Keys.Rope.SCALING_TYPE.format(arch=ARCH)
-K_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR.format(arch=ARCH)
-K_SCALE_LINEAR_OLD = f"{ARCH}.rope.scale_linear"        # llama.cpp's older name, read only
+@dataclass(frozen=True)
+class ArchKeys:
+    """The <arch>.* hyper-parameter keys of one arch, in llama.cpp's spelling (gguf-py's Keys
+    formatted with the arch): `arch_keys("qwen2").ctx` is "qwen2.context_length"."""
+    ctx: str
+    embd: str
+    layers: str
+    ff: str
+    vocab: str
+    heads: str
+    heads_kv: str
+    key_length: str
+    value_length: str
+    eps: str
+    rot: str
+    freq_base: str
+    scaling_type: str
+    scaling_factor: str
+    scale_linear_old: str       # llama.cpp's older name of the scaling factor, read only
+
+
+def arch_keys(arch: str) -> ArchKeys:
+    """The hyper-parameter keys of `arch` (one of models.llama.ARCHS)."""
+    templates = dict(
+        ctx=Keys.LLM.CONTEXT_LENGTH, embd=Keys.LLM.EMBEDDING_LENGTH, layers=Keys.LLM.BLOCK_COUNT,
+        ff=Keys.LLM.FEED_FORWARD_LENGTH, vocab=Keys.LLM.VOCAB_SIZE,
+        heads=Keys.Attention.HEAD_COUNT, heads_kv=Keys.Attention.HEAD_COUNT_KV,
+        key_length=Keys.Attention.KEY_LENGTH, value_length=Keys.Attention.VALUE_LENGTH,
+        eps=Keys.Attention.LAYERNORM_RMS_EPS, rot=Keys.Rope.DIMENSION_COUNT,
+        freq_base=Keys.Rope.FREQ_BASE, scaling_type=Keys.Rope.SCALING_TYPE,
+        scaling_factor=Keys.Rope.SCALING_FACTOR, scale_linear_old="{arch}.rope.scale_linear")
+    return ArchKeys(**{name: t.format(arch=arch) for name, t in templates.items()})
+
+
 K_TOKENS = Keys.Tokenizer.LIST
 TOKENIZER_PREFIX = "tokenizer."
 
@@ -79,7 +100,8 @@ _T = GGUFValueType
 # -- writing ----------------------------------------------------------------------------------
 
 def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | None = None):
-    """Write a llama GGUF that llama.cpp loads: the keys and tensors of the module docstring.
+    """Write a GGUF of cfg.arch that llama.cpp loads: the keys and tensors of the module
+    docstring.
 
     `params` maps every name of `parameter_shapes(cfg)` to a float array of that shape (any
     float dtype; written as f32) or a `Quantized` value (written as its GGUF type, bytes
@@ -93,7 +115,7 @@ def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | No
     tensors = checked_params(path, cfg, params)
     if cfg.rot != cfg.head_dim:
         warnings.warn(f"{path}: n_rot {cfg.rot} != head_dim {cfg.head_dim}: llama.cpp refuses "
-                      f"llama models whose rope dimension count is not the head size",
+                      f"{cfg.arch} models whose rope dimension count is not the head size",
                       stacklevel=2)
     metadata = model_metadata(path, cfg, tokenizer, extra)
     metadata[K_FILE_TYPE] = (int(_file_type(tensors)), _T.UINT32)
@@ -121,32 +143,33 @@ def checked_params(path, cfg, params) -> dict[str, np.ndarray]:
         raise GGUFError(f"{path}: cannot write: parameter {missing[0]} is missing{more}")
     unknown = [n for n in params if n not in shapes]
     if unknown:
-        raise GGUFError(f"{path}: cannot write: {unknown[0]!r} is not a parameter of a llama "
-                        f"with n_layer {cfg.n_layer}")
+        raise GGUFError(f"{path}: cannot write: {unknown[0]!r} is not a parameter of a "
+                        f"{cfg.arch} with n_layer {cfg.n_layer}")
     return {n: checked_tensor(path, n, params[n], shape, "model") for n, shape in shapes.items()}
 
 
 def _hparams(cfg: LlamaConfig) -> dict[str, tuple[object, GGUFValueType]]:
-    """The llama.* keys of `cfg`, as written (and compared when reading back)."""
+    """The <arch>.* keys of `cfg`, as written (and compared when reading back)."""
+    k = arch_keys(cfg.arch)
     keys = {
-        K_CTX: (cfg.n_ctx, _T.UINT32), K_EMBD: (cfg.n_embd, _T.UINT32),
-        K_LAYERS: (cfg.n_layer, _T.UINT32), K_FF: (cfg.n_ff, _T.UINT32),
-        K_HEADS: (cfg.n_head, _T.UINT32), K_HEADS_KV: (cfg.kv_heads, _T.UINT32),
-        K_ROT: (cfg.rot, _T.UINT32), K_FREQ_BASE: (float(cfg.rope_freq_base), _T.FLOAT32),
-        K_EPS: (float(cfg.norm_eps), _T.FLOAT32), K_VOCAB: (cfg.n_vocab, _T.UINT32),
+        k.ctx: (cfg.n_ctx, _T.UINT32), k.embd: (cfg.n_embd, _T.UINT32),
+        k.layers: (cfg.n_layer, _T.UINT32), k.ff: (cfg.n_ff, _T.UINT32),
+        k.heads: (cfg.n_head, _T.UINT32), k.heads_kv: (cfg.kv_heads, _T.UINT32),
+        k.rot: (cfg.rot, _T.UINT32), k.freq_base: (float(cfg.rope_freq_base), _T.FLOAT32),
+        k.eps: (float(cfg.norm_eps), _T.FLOAT32), k.vocab: (cfg.n_vocab, _T.UINT32),
     }
     if cfg.n_embd_head is not None:
-        keys[K_KEY_LENGTH] = keys[K_VALUE_LENGTH] = (cfg.head_dim, _T.UINT32)
+        keys[k.key_length] = keys[k.value_length] = (cfg.head_dim, _T.UINT32)
     if cfg.rope_freq_scale != 1.0:
-        keys[K_SCALING_TYPE] = (RopeScalingType.LINEAR.value, _T.STRING)
-        keys[K_SCALING_FACTOR] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
+        keys[k.scaling_type] = (RopeScalingType.LINEAR.value, _T.STRING)
+        keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
     return keys
 
 
 def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFValueType]]:
     """Every key of a model file, in writing order, as key -> (value, GGUF type)."""
-    meta = {K_ARCH: (ARCH, _T.STRING),
-            K_NAME: (f"ggwgpu llama {cfg.n_layer}x{cfg.n_embd}", _T.STRING),
+    meta = {K_ARCH: (cfg.arch, _T.STRING),
+            K_NAME: (f"ggwgpu {cfg.arch} {cfg.n_layer}x{cfg.n_embd}", _T.STRING),
             K_TYPE: ("model", _T.STRING),
             K_FILE_TYPE: (int(LlamaFileType.ALL_F32), _T.UINT32)}
     meta.update(_hparams(cfg))
@@ -169,7 +192,7 @@ def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFV
 # -- reading ----------------------------------------------------------------------------------
 
 def load_model(path, keep_quantized: bool = False):
-    """Read a llama GGUF (ours, a checkpoint, or llama.cpp's llama files in F32 and the block
+    """Read a llama or qwen2 GGUF (ours, a checkpoint, or llama.cpp's files in F32 and the block
     types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
     arrays that own their memory (block types dequantized), tokenizer from
     `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors stored in a block
@@ -185,55 +208,57 @@ def load_model(path, keep_quantized: bool = False):
 
 
 def read_model(f: GGUFFile):
-    """(cfg, tokenizer) from a file's general.*, llama.* and tokenizer.* keys."""
+    """(cfg, tokenizer) from a file's general.*, <arch>.* and tokenizer.* keys."""
     arch = f.meta.get(K_ARCH)
     if arch is None:
         raise GGUFError(f"{f.path}: required key {K_ARCH} is missing")
-    if arch != ARCH:
-        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads {ARCH!r} models only")
-    n_embd, n_head = f.int_key(K_EMBD), f.int_key(K_HEADS)
-    n_layer = f.int_key(K_LAYERS, minimum=0)
-    hp = dict(n_embd=n_embd, n_head=n_head, n_layer=n_layer,
-              n_ctx=f.int_key(K_CTX), n_ff=f.int_key(K_FF),
-              norm_eps=f.float_key(K_EPS),
-              rope_freq_base=f.float_key(K_FREQ_BASE, default=10000.0))
-    n_head_kv = f.int_key(K_HEADS_KV, default=n_head)
+    if arch not in ARCHS:
+        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads "
+                        f"{' and '.join(map(repr, ARCHS))} models only")
+    k = arch_keys(arch)
+    n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)
+    n_layer = f.int_key(k.layers, minimum=0)
+    hp = dict(arch=arch, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
+              n_ctx=f.int_key(k.ctx), n_ff=f.int_key(k.ff),
+              norm_eps=f.float_key(k.eps),
+              rope_freq_base=f.float_key(k.freq_base, default=10000.0))
+    n_head_kv = f.int_key(k.heads_kv, default=n_head)
     if n_head % n_head_kv:
-        raise GGUFError(f"{f.path}: {K_HEADS} = {n_head} is not a multiple of {K_HEADS_KV} = "
+        raise GGUFError(f"{f.path}: {k.heads} = {n_head} is not a multiple of {k.heads_kv} = "
                         f"{n_head_kv}")
     hp["n_head_kv"] = n_head_kv if n_head_kv != n_head else None
-    head_dim = f.int_key(K_KEY_LENGTH, default=None)
+    head_dim = f.int_key(k.key_length, default=None)
     if head_dim is None:
         if n_embd % n_head:
-            raise GGUFError(f"{f.path}: {K_EMBD} = {n_embd} is not divisible by {K_HEADS} = "
+            raise GGUFError(f"{f.path}: {k.embd} = {n_embd} is not divisible by {k.heads} = "
                             f"{n_head}")
         head_dim = n_embd // n_head
     elif head_dim != n_embd // n_head or n_embd % n_head:
         hp["n_embd_head"] = head_dim
-    if f.int_key(K_VALUE_LENGTH, default=head_dim) != head_dim:
-        raise GGUFError(f"{f.path}: {K_VALUE_LENGTH} = {f.meta[K_VALUE_LENGTH]} differs from "
-                        f"{K_KEY_LENGTH} = {head_dim}: ggwgpu's llama needs one head size")
-    hp["n_rot"] = f.int_key(K_ROT, default=head_dim)
+    if f.int_key(k.value_length, default=head_dim) != head_dim:
+        raise GGUFError(f"{f.path}: {k.value_length} = {f.meta[k.value_length]} differs from "
+                        f"{k.key_length} = {head_dim}: ggwgpu's llama needs one head size")
+    hp["n_rot"] = f.int_key(k.rot, default=head_dim)
     if hp["n_rot"] % 2 or hp["n_rot"] > head_dim:
-        raise GGUFError(f"{f.path}: {K_ROT} = {hp['n_rot']} must be even and at most the head "
+        raise GGUFError(f"{f.path}: {k.rot} = {hp['n_rot']} must be even and at most the head "
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
-    scaling = f.meta.get(K_SCALING_TYPE, RopeScalingType.LINEAR.value)
+    scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
     if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
-        raise GGUFError(f"{f.path}: {K_SCALING_TYPE} {scaling!r} is not supported (only "
+        raise GGUFError(f"{f.path}: {k.scaling_type} {scaling!r} is not supported (only "
                         f"'linear' and 'none')")
-    factor = f.float_key(K_SCALING_FACTOR, default=None, allow_zero=True)
+    factor = f.float_key(k.scaling_factor, default=None, allow_zero=True)
     if factor is None:
-        factor = f.float_key(K_SCALE_LINEAR_OLD, default=None, allow_zero=True)
+        factor = f.float_key(k.scale_linear_old, default=None, allow_zero=True)
     # llama.cpp: freq_scale = 1 / factor, a missing or zero factor meaning 1.
     hp["rope_freq_scale"] = 1.0 if scaling == "none" or not factor else 1.0 / factor
     if not MIN_ROPE_FACTOR <= 1.0 / hp["rope_freq_scale"] <= MAX_ROPE_FACTOR:
-        raise GGUFError(f"{f.path}: {K_SCALING_FACTOR} = {factor!r} is not a plausible rope "
+        raise GGUFError(f"{f.path}: {k.scaling_factor} = {factor!r} is not a plausible rope "
                         f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
                         f"rotation angles would overflow or vanish")
 
-    meta = {k: v for k, v in f.meta.items() if k.startswith(TOKENIZER_PREFIX)}
+    meta = {key: v for key, v in f.meta.items() if key.startswith(TOKENIZER_PREFIX)}
     if K_TOKENS not in meta:
         raise GGUFError(f"{f.path}: required key {K_TOKENS} is missing (the file has no "
                         f"vocabulary)")
@@ -241,8 +266,8 @@ def read_model(f: GGUFFile):
     if not isinstance(tokens, list):
         raise GGUFError(f"{f.path}: key {K_TOKENS} must be an array of strings")
     n_vocab = len(tokens)
-    if K_VOCAB in f.meta and f.int_key(K_VOCAB) != n_vocab:
-        raise GGUFError(f"{f.path}: vocabulary size mismatch: {K_VOCAB} = {f.meta[K_VOCAB]} "
+    if k.vocab in f.meta and f.int_key(k.vocab) != n_vocab:
+        raise GGUFError(f"{f.path}: vocabulary size mismatch: {k.vocab} = {f.meta[k.vocab]} "
                         f"but {K_TOKENS} has {n_vocab} tokens")
     try:
         tokenizer = tokenizer_from_metadata(meta)
@@ -251,25 +276,26 @@ def read_model(f: GGUFFile):
 
     # A forged block count must not make us enumerate billions of tensor names.
     if 9 * n_layer + 2 > len(f.tensors):
-        raise GGUFError(f"{f.path}: {K_LAYERS} = {n_layer} needs at least {9 * n_layer + 2} tensors, "
-                        f"the file has {len(f.tensors)}")
+        raise GGUFError(f"{f.path}: {k.layers} = {n_layer} needs at least {9 * n_layer + 2} "
+                        f"tensors, the file has {len(f.tensors)}")
     try:
         cfg = LlamaConfig(n_vocab=n_vocab, **hp)
     except ShapeError as e:
-        raise GGUFError(f"{f.path}: the llama.* hyper-parameters are inconsistent: {e}") from None
+        raise GGUFError(f"{f.path}: the {arch}.* hyper-parameters are inconsistent: {e}") from None
     return _exact_config(f, cfg), tokenizer
 
 
 def _exact_config(f: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
-    """The LlamaConfig of ggwgpu.config_json when it agrees with every llama.* key (which hold
-    floats as float32): it keeps the exact float64 hyper-parameters that resuming needs."""
+    """The LlamaConfig of ggwgpu.config_json when it agrees with every <arch>.* key (which hold
+    floats as float32): it keeps the exact float64 hyper-parameters that resuming needs. A JSON
+    from before LlamaConfig.arch has none: it is a llama's, as its keys are."""
     raw = f.meta.get(K_CONFIG_JSON)
     if not isinstance(raw, str):
         return cfg
     try:
         exact = LlamaConfig(**json.loads(raw))
         written = _hparams(exact)
-    except Exception:  # noqa: BLE001 - a stale, foreign or forged hint: the llama.* keys rule
+    except Exception:  # noqa: BLE001 - a stale, foreign or forged hint: the <arch>.* keys rule
         return cfg
     for key, (value, vtype) in written.items():
         stored = f.meta.get(key)
@@ -282,9 +308,9 @@ def _exact_config(f: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
             return cfg
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
-    # what the tensors say (tied embeddings, rope factors) and the head size rule too
-    if (exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
-            (cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
+    # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
+    if (exact.arch, exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
+            (cfg.arch, cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
         return cfg
     return exact
 
@@ -297,9 +323,9 @@ def read_params(f: GGUFFile, cfg: LlamaConfig, checkpoint: bool,
     for name in f.tensors:
         if name not in shapes and not (checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX)):
             block = re.fullmatch(r"blk\.(\d+)\..*", name)
-            why = (f"{K_LAYERS} = {cfg.n_layer} has no block {block[1]}"
+            why = (f"{arch_keys(cfg.arch).layers} = {cfg.n_layer} has no block {block[1]}"
                    if block and int(block[1]) >= cfg.n_layer
-                   else "a llama with these hyper-parameters has no such parameter")
+                   else f"a {cfg.arch} with these hyper-parameters has no such parameter")
             raise GGUFError(f"{f.path}: unexpected tensor {name}: {why}")
     params = {}
     for name, shape in shapes.items():

@@ -110,10 +110,10 @@ class Lbfgs:
         dx = [O.sub(p, x0) for p, x0 in zip(self.params, xp)]
         dg = [O.sub(gi, g0) for gi, g0 in zip(g, gp)]
         self.scalars = {"gd": total([dot(gi, di) for gi, di in zip(g, d)]),
-                        "gg": total([O.sum(O.sqr(gi)) for gi in g]),
-                        "xx": total([O.sum(O.sqr(p)) for p in self.params]),
+                        "gg": O.sum_of_squares(g),
+                        "xx": O.sum_of_squares(self.params),
                         "ys": total([dot(a, b) for a, b in zip(dx, dg)]),
-                        "yy": total([O.sum(O.sqr(b)) for b in dg])}
+                        "yy": O.sum_of_squares(dg)}
 
         # direction: the two-loop recursion over the history, newest pair first
         rho = [O.view(self.coef, (1,), (1,), j) for j in range(options.m)]
@@ -127,7 +127,7 @@ class Lbfgs:
             beta = O.mul(dot(self.Y[j], q), rho[j])
             q = O.add(q, O.mul(self.S[j], O.sub(alpha[j], beta)))
         self.direction = [O.cpy(q, self.D)]
-        self.d_scalars = {"dg": dot(q, self.G), "dd": O.sum(O.sqr(q))}
+        self.d_scalars = {"dg": dot(q, self.G), "dd": O.sum_sqr(q)}
 
         # begin, move, push
         self.begin = [O.cpy(p, v) for p, v in zip(self.params, xp)] + [O.cpy(self.G, self.GP)]

@@ -16,7 +16,8 @@ Initialisation as llama.cpp's old finetune: A normal(0, 1) clamped to [-1, 1] an
 1 / sqrt(ne0 + ne1) of A, B zero, so an untrained adapter changes nothing.
 
 Adapter file (`save_adapter` / `load_adapter`), what `llama-cli -m base.gguf --lora FILE` reads:
-    general.architecture "llama", general.type "adapter", adapter.type "lora",
+    general.architecture the base's ("llama" or "qwen2": llama.cpp refuses an adapter of
+    another arch than its model's), general.type "adapter", adapter.type "lora",
     adapter.lora.alpha (float32), ggwgpu.lora.base (the base's `model_digest`, for people),
     and the pairs as f32 tensors.
 Checkpoint of a LoRA finetune (`save_adapter_checkpoint` / `load_adapter_checkpoint`): the
@@ -40,8 +41,8 @@ from gguf import GGUFValueType
 from .checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, optimizer_tensors,
                          read_optimizer_state, read_train_state, train_state_json)
 from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tensor, write_gguf
-from .gguf_llama import ARCH, K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
-from .models.llama import LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
+from .gguf_llama import K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
+from .models.llama import ARCHS, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
 from .quant import Quantized, dequantize
 
 K_ADAPTER_TYPE = "adapter.type"
@@ -171,8 +172,8 @@ def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
 
 # -- files ------------------------------------------------------------------------------------
 
-def _adapter_metadata(adapter: Adapter, base_digest: str | None) -> dict:
-    meta = {K_ARCH: (ARCH, _T.STRING), K_NAME: ("ggwgpu LoRA adapter", _T.STRING),
+def _adapter_metadata(adapter: Adapter, cfg: LlamaConfig, base_digest: str | None) -> dict:
+    meta = {K_ARCH: (cfg.arch, _T.STRING), K_NAME: ("ggwgpu LoRA adapter", _T.STRING),
             K_TYPE: ("adapter", _T.STRING), K_ADAPTER_TYPE: ("lora", _T.STRING),
             K_ALPHA: (float(adapter.alpha), _T.FLOAT32)}
     if base_digest:
@@ -188,7 +189,7 @@ def _checked_tensors(path, tensors: dict, what: str) -> dict:
 def save_adapter(path, adapter: Adapter, cfg: LlamaConfig, base_digest: str | None = None):
     """Write `adapter` (checked against `cfg`) as a llama.cpp LoRA adapter GGUF, atomically."""
     check_adapter(adapter, cfg, path)
-    write_gguf(path, _adapter_metadata(adapter, base_digest),
+    write_gguf(path, _adapter_metadata(adapter, cfg, base_digest),
                 _checked_tensors(path, adapter.tensors, "adapter"))
 
 
@@ -198,7 +199,7 @@ def save_adapter_checkpoint(path, adapter: Adapter, cfg: LlamaConfig, opt_state:
     the JSON training state (which must hold "base", the base's digest). Atomic."""
     check_adapter(adapter, cfg, path)
     state_json = train_state_json(path, train_state)
-    meta = _adapter_metadata(adapter, train_state.get("base"))
+    meta = _adapter_metadata(adapter, cfg, train_state.get("base"))
     meta[K_CKPT_VERSION] = (CHECKPOINT_VERSION, _T.UINT32)
     meta[K_TRAIN_STATE] = (state_json, _T.STRING)
     tensors = _checked_tensors(path, adapter.tensors, "checkpoint")
@@ -215,10 +216,17 @@ def _shapes(adapter: Adapter) -> dict[str, tuple]:
 
 
 def _read_adapter(f: GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Adapter:
-    for key, want in ((K_TYPE, "adapter"), (K_ARCH, ARCH), (K_ADAPTER_TYPE, "lora")):
+    for key, want in ((K_TYPE, "adapter"), (K_ADAPTER_TYPE, "lora")):
         if f.meta.get(key) != want:
             raise GGUFError(f"{f.path}: {key} is {f.meta.get(key)!r}, a LoRA adapter of a "
                             f"llama has {want!r}")
+    arch = f.meta.get(K_ARCH)
+    if cfg is not None and arch != cfg.arch:    # llama.cpp refuses it as well
+        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}, but the base model is a "
+                        f"{cfg.arch!r}: an adapter of another model")
+    if arch not in ARCHS:
+        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads adapters of "
+                        f"{' and '.join(map(repr, ARCHS))} models only")
     alpha = f.float_key(K_ALPHA, default=0.0, allow_zero=True)   # llama.cpp: missing is 0
     tensors = {}
     for name in f.tensors:

@@ -296,24 +296,30 @@ def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope_normal(x, positions, cfg, factors):
-    """llama.cpp's rope mode 0 on x (T, heads, head_dim): adjacent pairs (2i, 2i + 1) of the
-    first n_rot dims turn by pos * freq_scale * base^(-2i / n_rot) / factor_i."""
+def _rope(x, positions, cfg, factors):
+    """llama.cpp's rope on x (T, heads, head_dim): pair i of the first n_rot dims turns by
+    pos * freq_scale * base^(-2i / n_rot) / factor_i. The pairs: llama's mode 0 takes
+    adjacent dims (2i, 2i + 1), qwen2's neox mode (i, i + n_rot / 2)."""
     out = x.copy()
     i = np.arange(cfg.rot // 2)
     theta = (positions[:, None] * cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * i / cfg.rot)
              / factors)[:, None, :]
-    a, b = x[..., 0:cfg.rot:2], x[..., 1:cfg.rot:2]
-    out[..., 0:cfg.rot:2] = a * np.cos(theta) - b * np.sin(theta)
-    out[..., 1:cfg.rot:2] = a * np.sin(theta) + b * np.cos(theta)
+    if cfg.arch == "qwen2":
+        first, second = i, i + cfg.rot // 2
+    else:
+        first, second = 2 * i, 2 * i + 1
+    a, b = x[..., first], x[..., second]
+    out[..., first] = a * np.cos(theta) - b * np.sin(theta)
+    out[..., second] = a * np.sin(theta) + b * np.cos(theta)
     return out
 
 
 def llama_reference_logits(cfg, values, tokens) -> np.ndarray:
     """The logits (T, n_vocab) of one token sequence under a llama, in float64 and plain NumPy,
     independent of ggwgpu's ops and graphs: llama.cpp's llama graph written out (grouped-query
-    attention, tied embeddings, rope mode normal with Llama 3's frequency factors). `values`
-    are float arrays (dequantize block types first)."""
+    attention, tied embeddings, rope mode normal with Llama 3's frequency factors), or with
+    cfg.arch "qwen2" llama.cpp's qwen2 graph (biases added to the Q, K and V products, rope
+    mode neox). `values` are float arrays (dequantize block types first)."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
     positions = np.arange(n, dtype=np.float64)
@@ -322,10 +328,14 @@ def llama_reference_logits(cfg, values, tokens) -> np.ndarray:
     x = w["token_embd.weight"][tokens]
     for i in range(cfg.n_layer):
         b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
+
+        def project(name):      # qwen2: h W^T + bias
+            y = h @ b(name).T
+            return y + w[f"blk.{i}.{name}.bias"] if cfg.arch == "qwen2" else y
         h = _rms_norm(x, b("attn_norm"), cfg.norm_eps)
-        q = _rope_normal((h @ b("attn_q").T).reshape(n, cfg.n_head, hd), positions, cfg, factors)
-        k = _rope_normal((h @ b("attn_k").T).reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
-        v = (h @ b("attn_v").T).reshape(n, cfg.kv_heads, hd)
+        q = _rope(project("attn_q").reshape(n, cfg.n_head, hd), positions, cfg, factors)
+        k = _rope(project("attn_k").reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
+        v = project("attn_v").reshape(n, cfg.kv_heads, hd)
         heads = []
         for j in range(cfg.n_head):
             s = q[:, j] @ k[:, j // group].T / np.sqrt(hd) + causal

@@ -262,10 +262,7 @@ def clip_scale(grads, max_norm: float, inv_scale=None):
     tensor, 1/S for gradients scaled by the loss scale S) both are of the true gradients:
     the sum of squares times 1/S twice, the factor (then never None) times 1/S; exact, as S
     is a power of two, and an inf or NaN stays one."""
-    sumsq = None
-    for g in grads:
-        s = O.sum(O.sqr(g))
-        sumsq = s if sumsq is None else O.add(sumsq, s)
+    sumsq = O.sum_of_squares(grads)
     if inv_scale is not None:
         sumsq = O.mul(O.mul(sumsq, inv_scale), inv_scale)
     if not max_norm:

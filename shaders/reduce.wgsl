@@ -1,20 +1,29 @@
 // Reductions and tiling.
 // #include row_kernels
 
-// sum: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's p.n into dst[g]
-// (dst contiguous). Sums longer than one span run twice: partial sums, then their sum
-// (a workgroup's work is bounded, see row_kernels.wgsl).
+// sum, sum_sqr, add_sum_sqr: workgroup g adds elements [g * p.u.x, (g + 1) * p.u.x) of src0's
+// p.n (squared where p.u.y = 1) into dst[g] (dst contiguous), plus src1's one element where
+// p.u.z = 1 (add_sum_sqr's accumulator). Sums longer than one span run twice: partial sums,
+// then their sum (a workgroup's work is bounded, see row_kernels.wgsl). Each invocation adds
+// every 64th element, then a tree adds the 64: as exact as a pairwise sum of depth 6 over
+// runs of up to 1024; an inf or NaN (or a square that overflows) stays one.
 @compute @workgroup_size(WG)
 fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
          @builtin(num_workgroups) nwg: vec3u) {
     let g = flat_group(wid, nwg);
     let end = min(p.n, (g + 1u) * p.u.x);
+    let square = p.u.y == 1u;
     var acc = 0.0;
     for (var i = g * p.u.x + lid.x; i < end; i += WG) {
-        acc += f32(src0[at_0(unravel(i, p.ne_0))]);
+        let v = f32(src0[at_0(unravel(i, p.ne_0))]);
+        acc += select(v, v * v, square);
     }
     let total = workgroup_sum(lid.x, acc);
-    if (lid.x == 0u) { dst[p.off.x + g] = to_TD(total); }
+    if (lid.x == 0u) {
+        var out = total;
+        if (p.u.z == 1u) { out = f32(src1[p.off.z]) + total; }
+        dst[p.off.x + g] = to_TD(out);
+    }
 }
 
 // sum_rows (mean with p.f.x = 1/ne0): one workgroup per row of src0; p.n rows.

@@ -22,15 +22,23 @@ GQA_WIDE = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=
 # Llama 3: per-pair rope frequency factors (rope_freqs.weight, random here) and a large base
 LLAMA3 = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=1, n_ff=12, n_ctx=5,
                      rope_freqs=True, rope_freq_base=500000.0)
-CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3}
+# Qwen2 (llama.cpp's arch "qwen2"): Q/K/V biases (random, non-zero here) and neox rope, with
+# grouped-query attention and tied embeddings as Qwen2.5-0.5B has them
+QWEN2 = LlamaConfig(n_vocab=11, n_embd=16, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
+                    tied_embeddings=True, arch="qwen2")
+CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
+           "qwen2": QWEN2}
 BATCH = 2
 
 
 def model_values(cfg):
     rng = np.random.default_rng(3)
     values = init_parameters(cfg, seed=1)
-    # random norm weights too, so their gradients are generic
-    return {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+    # random norm weights and biases too (init makes them 1 and 0), so their gradients
+    # are generic
+    return {k: v if v.ndim > 1 else
+            rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else (0.5, 1.5),
+                        v.shape).astype(np.float32)
             for k, v in values.items()}
 
 
@@ -247,7 +255,8 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
 
 
 @pytest.mark.parametrize("changes", [{}, {"tied_embeddings": True}, {"n_head_kv": 1},
-                                     {"rope_freqs": True}, {"n_layer": 0}, {"n_embd_head": 6}])
+                                     {"rope_freqs": True}, {"n_layer": 0}, {"n_embd_head": 6},
+                                     {"arch": "qwen2"}])
 def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(changes):
     from ggwgpu import memory
     cfg = LlamaConfig(**{**dict(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5),

@@ -13,6 +13,7 @@ from ggwgpu.kernels import (MATMUL_ENV, ROW_FAMILIES, ROW_VARIANTS, ROWWISE_MAX,
                             matmul_variant, row_module, row_variant)
 from ggwgpu.ops import OPS
 from ggwgpu.ops.registry import f32_only_ops
+from ggwgpu.ops.reduce import SUM_SPAN
 from ggwgpu.backends.numpy_backend import NumpyBackend
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
@@ -84,6 +85,34 @@ def test_float_results_are_f16_only_when_every_float_source_is():
     assert gg.cast(f, "f16").dtype == "f16" and gg.cast(h, "f32").dtype == "f32"
     with pytest.raises(gg.ShapeError, match="cast.*casts to one of f32, f16"):
         gg.cast(f, "i32")
+
+
+@pytest.mark.parametrize("n", [7, SUM_SPAN + 5], ids=["one span", "two spans"])
+def test_a_sum_of_squares_is_not_finite_when_an_element_or_its_square_is_not(wgpu, n):
+    """The trainer's finite flag reads the clip's sum of squares: an element of 1e20 (finite,
+    its square beyond f32), an infinity or a NaN, or a non-finite accumulator, must make it
+    inf or NaN on the device and on both NumPy kernels, in one dispatch and in two."""
+    a, acc = gg.input_tensor((n,)), gg.input_tensor((1,))
+    nodes = [gg.sum_sqr(a), gg.add_sum_sqr(acc, a)]
+    backends = (wgpu, NumpyBackend(), NumpyBackend(fast=False))
+    plans = [backend.plan(nodes) for backend in backends]
+    for bad, start, want in ((1e20, 1.0, np.inf), (-1e20, 1.0, np.inf), (-np.inf, 1.0, np.inf),
+                             (np.nan, 1.0, np.nan), (0.5, np.inf, None), (0.5, np.nan, None)):
+        values = np.full(n, 0.5, np.float32)
+        values[n // 2] = bad
+        for backend, plan in zip(backends, plans):
+            plan.run({a: values, acc: np.array([start], np.float32)})
+            got = [plan.read(node)[0] for node in nodes]
+            expected = [want if want is not None else n * 0.25, want if want is not None
+                        else start]
+            for node, g, e in zip(nodes, got, expected):
+                label = f"{backend.name} {node.op} of {bad} with acc {start}"
+                if np.isnan(e):
+                    assert np.isnan(g), label
+                elif np.isinf(e):
+                    assert g == np.inf, label
+                else:
+                    assert g == pytest.approx(e, rel=1e-6), label
 
 
 def test_cast_to_f16_rounds_to_nearest_even_and_overflows_to_inf(wgpu):

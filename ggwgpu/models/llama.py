@@ -6,8 +6,11 @@ residual -> rms_norm -> SwiGLU feed-forward -> residual), a final rms_norm and t
 matrix. As published models have it: fewer K/V heads than query heads (grouped-query
 attention), a head size of its own (key_length), no output matrix (tied embeddings: the
 token embedding is read instead) and per-pair rope frequency factors (Llama 3's
-rope_freqs.weight). Parameter names are llama.cpp's GGUF tensor names. Shapes in NumPy order: a weight
-that maps n_in features to n_out is stored (n_out, n_in), as GGUF stores it (ne0 = n_in).
+rope_freqs.weight). The same block is llama.cpp's "qwen2" (Qwen2, Qwen2.5): LlamaConfig.arch
+"qwen2" adds biases to the Q, K and V projections (after the product, before rope) and ropes
+in mode neox; everything else is shared. Parameter names are llama.cpp's GGUF tensor names.
+Shapes in NumPy order: a weight that maps n_in features to n_out is stored (n_out, n_in), as
+GGUF stores it (ne0 = n_in).
 
 build_train_graph is the training forward with its loss; build_decode_graph is the same
 model for inference with a KV cache (ggwgpu.generate runs and samples it).
@@ -31,6 +34,11 @@ from ..quant import Quantized
 from ..tensor import ShapeError, constant, input_tensor, param
 
 
+ARCHS = ("llama", "qwen2")   # llama.cpp's general.architecture of the models this graph is
+ROPE_MODES = {"llama": "normal", "qwen2": "neox"}   # how each arch pairs its rotated dims
+QKV_BIASES = {"llama": False, "qwen2": True}        # attn_q/k/v.bias after the products
+
+
 @dataclass(frozen=True)
 class LlamaConfig:
     n_vocab: int = 256
@@ -49,8 +57,11 @@ class LlamaConfig:
     tied_embeddings: bool = False   # no output.weight: the output projection reads token_embd
     rope_freqs: bool = False        # a rope_freqs.weight of n_rot / 2 frequency factors
                                     # (Llama 3): each rotated pair's angle divided by its own
+    arch: str = "llama"             # "qwen2": Q/K/V biases and neox rope (ARCHS)
 
     def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r} is not one of {', '.join(ARCHS)}")
         if self.n_embd_head is None and self.n_embd % self.n_head:
             raise ShapeError(f"n_embd {self.n_embd} is not divisible by n_head {self.n_head}")
         if self.n_head % self.kv_heads:
@@ -81,6 +92,17 @@ class LlamaConfig:
     def rot(self) -> int:
         return self.n_rot if self.n_rot is not None else self.head_dim
 
+    @property
+    def rope_mode(self) -> str:
+        """The rope op's mode: "normal" (adjacent pairs) for llama, "neox" (k, k + n_rot / 2)
+        for qwen2, as llama.cpp ropes each arch."""
+        return ROPE_MODES[self.arch]
+
+    @property
+    def qkv_bias(self) -> bool:
+        """Whether blocks have attn_q.bias, attn_k.bias and attn_v.bias (qwen2)."""
+        return QKV_BIASES[self.arch]
+
 
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -102,6 +124,9 @@ def parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
                        b + "attn_output.weight": (e, q), b + "ffn_norm.weight": (e,),
                        b + "ffn_gate.weight": (f, e), b + "ffn_down.weight": (e, f),
                        b + "ffn_up.weight": (f, e)})
+        if cfg.qkv_bias:
+            shapes.update({b + "attn_q.bias": (q,), b + "attn_k.bias": (kv,),
+                           b + "attn_v.bias": (kv,)})
     shapes["output_norm.weight"] = (e,)
     if not cfg.tied_embeddings:
         shapes[OUTPUT] = (cfg.n_vocab, e)
@@ -119,11 +144,13 @@ def matrix_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, int]]:
 
 def init_parameters(cfg: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """train-text-from-scratch's initialisation for matrices: normal(0, 1) clamped to
-    [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1."""
+    [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1, biases at 0."""
     rng = np.random.default_rng(seed)
     values = {}
     for name, shape in parameter_shapes(cfg).items():
-        if len(shape) == 1:
+        if name.endswith(".bias"):
+            values[name] = np.zeros(shape, np.float32)
+        elif len(shape) == 1:
             values[name] = np.ones(shape, np.float32)
         else:
             w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
@@ -425,17 +452,25 @@ def weighted_rms_norm(cfg: LlamaConfig, x, weight):
 
 def project_qkv(cfg: LlamaConfig, p: dict, b: str, x, lead, positions):
     """Block `b`'s attn_norm(x) projected to q, k (both roped) and v, split into heads:
-    q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim)."""
+    q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim). qwen2 adds its
+    attn_q/k/v.bias to the products before the split (and so before rope), as llama.cpp."""
     h = weighted_rms_norm(cfg, x, p[b + "attn_norm.weight"])
-    q, k, v = (O.reshape(linear(p, b + f"attn_{n}.weight", h), (*lead, heads, cfg.head_dim))
+
+    def project(n, heads):
+        y = linear(p, b + f"attn_{n}.weight", h)
+        if cfg.qkv_bias:
+            y = O.add(y, p[b + f"attn_{n}.bias"])
+        return O.reshape(y, (*lead, heads, cfg.head_dim))
+    q, k, v = (project(n, heads)
                for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
     return rope(cfg, p, q, positions), rope(cfg, p, k, positions), v
 
 
 def rope(cfg: LlamaConfig, p: dict, x, positions):
-    """llama.cpp's rope of the llama (mode normal: adjacent pairs, as its converter stores
-    Q and K), with Llama 3's per-pair frequency factors when the model has them."""
-    args = (cfg.rot, "normal", cfg.rope_freq_base, cfg.rope_freq_scale)
+    """llama.cpp's rope of the arch (llama: mode normal, adjacent pairs, as its converter
+    stores Q and K; qwen2: mode neox, pairs (k, k + n_rot / 2)), with Llama 3's per-pair
+    frequency factors when the model has them."""
+    args = (cfg.rot, cfg.rope_mode, cfg.rope_freq_base, cfg.rope_freq_scale)
     if ROPE_FREQS in p:
         return O.rope_ff(x, positions, p[ROPE_FREQS], *args)
     return O.rope(x, positions, *args)

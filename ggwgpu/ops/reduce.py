@@ -1,4 +1,4 @@
-"""Reductions and tiling: sum, sum_rows, mean, repeat, repeat_back.
+"""Reductions and tiling: sum, sum_sqr, add_sum_sqr, sum_rows, mean, repeat, repeat_back.
 
 Shader: shaders/reduce.wgsl. Row reductions use one workgroup per row.
 """
@@ -24,6 +24,14 @@ def sum_shape(srcs, **_):
     return (1,), "f32", {}
 
 
+def add_sum_sqr_shape(srcs, **_):
+    acc, a = srcs
+    need_float(acc, a)
+    if acc.nelements != 1:
+        raise ShapeError(f"the accumulator must have one element, has shape {acc.shape}")
+    return (1,), "f32", {}
+
+
 def rows_shape(srcs, **_):
     need_float(*srcs)
     return srcs[0].shape[:-1] + (1,), "f32", {}
@@ -32,18 +40,22 @@ def rows_shape(srcs, **_):
 SUM_SPAN = WORKGROUP * 1024  # elements one workgroup of k_sum adds
 
 
-def sum_into(dst, a) -> list[Dispatch]:
-    """Dispatches of k_sum adding all of `a` into the one-element `dst`: in two steps past
-    one span (partial sums into dispatch-private storage). Other families reuse it."""
+def sum_into(dst, a, square=False, acc=None) -> list[Dispatch]:
+    """Dispatches of k_sum adding all of `a` (squared with `square`) into the one-element
+    `dst`, plus the one element of `acc` where given: in two steps past one span (partial
+    sums into dispatch-private storage; the second adds them and acc). Other families
+    reuse it."""
+    flags = (int(square), int(acc is not None))
+    tail = () if acc is None else (acc,)
     if a.nelements <= SUM_SPAN:
-        return [Dispatch("sum", dst, (a,), n=a.nelements, workgroups=1, u=(SUM_SPAN,),
-                         shader="reduce")]
+        return [Dispatch("sum", dst, (a, *tail), n=a.nelements, workgroups=1,
+                         u=(SUM_SPAN, *flags), shader="reduce")]
     groups = -(-a.nelements // SUM_SPAN)
     partial = Tensor((groups,), name=f"{dst} partial sums")
-    return [Dispatch("sum", partial, (a,), n=a.nelements, workgroups=groups, u=(SUM_SPAN,),
-                     shader="reduce"),
-            Dispatch("sum", dst, (partial,), n=groups, workgroups=1, u=(SUM_SPAN,),
-                     shader="reduce")]
+    return [Dispatch("sum", partial, (a,), n=a.nelements, workgroups=groups,
+                     u=(SUM_SPAN, int(square), 0), shader="reduce"),
+            Dispatch("sum", dst, (partial, *tail), n=groups, workgroups=1,
+                     u=(SUM_SPAN, 0, flags[1]), shader="reduce")]
 
 
 def row_dispatch(node, scale):
@@ -58,6 +70,69 @@ sum = register(
     dispatches=lambda n: sum_into(n, n.srcs[0]),
     backward=lambda n, g: (O.repeat(g, n.srcs[0].shape),),
     cases=lambda: reduce_cases((LARGE,)), doc="The sum of all elements, shape (1,).")
+
+
+# The sum of squares of a chain of tensors (the clip's gradient norm, L-BFGS's norms):
+# sum_sqr(t0), then add_sum_sqr(acc, t) for each other tensor, one dispatch each (two past
+# SUM_SPAN elements) instead of sqr, sum and an add, and no temporary of t's size. Both run
+# k_sum; an inf or NaN in t, or a square that overflows f32 (|t| > 1.8e19), makes the result
+# one, which the trainer's finite flag relies on.
+def sum_sqr_ref(a):
+    return np.sum(np.square(a), dtype=a.dtype).reshape(1)
+
+
+def sumsq_of(a) -> np.ndarray:
+    """Sum of a * a by one BLAS dot product: one pass, no temporary (a copy only where a is
+    not contiguous)."""
+    v = a.reshape(-1)
+    return np.dot(v, v)
+
+
+def sum_sqr_into(out, a):
+    out[0] = sumsq_of(a)
+
+
+def add_sum_sqr_into(out, acc, a):
+    out[0] = acc.reshape(-1)[0] + sumsq_of(a)
+
+
+def sum_sqr_cases(extra=()):
+    """reduce_cases with `extra` inputs first (the accumulator), plus a non-finite input."""
+    return [Case((*extra, *c.inputs), grad=c.grad) for c in reduce_cases((LARGE,))] + \
+        [Case((*extra, Input((6, 11), dist="nonfinite")), grad=False)]
+
+
+sum_sqr = register(
+    "sum_sqr", n_srcs=1, shape=sum_shape, shader="reduce", entry="sum", result="f32",
+    reference=sum_sqr_ref, fast=sum_sqr_into,
+    dispatches=lambda n: sum_into(n, n.srcs[0], square=True),
+    backward=lambda n, g: (O.mul(n.srcs[0], O.scale(g, 2.0)),),
+    cases=sum_sqr_cases, doc="The sum of a * a over all elements, shape (1,), in f32.")
+
+add_sum_sqr = register(
+    "add_sum_sqr", n_srcs=2, shape=add_sum_sqr_shape, shader="reduce", entry="sum",
+    result="f32",
+    reference=lambda acc, a: acc.reshape(1) + sum_sqr_ref(a), fast=add_sum_sqr_into,
+    # the dispatch binds a first: k_sum sums its source 0 and adds source 1's element
+    dispatches=lambda n: sum_into(n, n.srcs[1], square=True, acc=n.srcs[0]),
+    backward=lambda n, g: (g if n.srcs[0].shape == g.shape else O.reshape(g, n.srcs[0].shape),
+                           O.mul(n.srcs[1], O.scale(g, 2.0))),
+    cases=lambda: sum_sqr_cases((Input((1,)),)) + [Case((Input((1, 1)), Input((5, 7))))],
+    doc="acc + the sum of a * a over all elements, shape (1,), in f32: acc has one element. "
+        "A chain of them sums the squares of many tensors, one dispatch each.")
+
+
+def sum_of_squares(tensors) -> Tensor:
+    """The sum of the squares of every element of `tensors` (at least one), shape (1,), f32:
+    sum_sqr of the first, add_sum_sqr of each other."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("sum_of_squares needs at least one tensor")
+    total = sum_sqr(tensors[0])
+    for t in tensors[1:]:
+        total = add_sum_sqr(total, t)
+    return total
+
 
 sum_rows = register(
     "sum_rows", n_srcs=1, shape=rows_shape, shader="reduce",
@@ -115,4 +190,5 @@ repeat_back = register(
                    Case((Input((300, 7)),), {"shape": (1, 7)}, grad=False)],
     doc="Sum the tiles of a into `shape`: the backward of repeat.")
 
-__all__ = ["sum", "sum_rows", "mean", "repeat", "repeat_back"]
+__all__ = ["sum", "sum_sqr", "add_sum_sqr", "sum_of_squares", "sum_rows", "mean", "repeat",
+           "repeat_back"]
