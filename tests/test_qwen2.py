@@ -142,14 +142,20 @@ def test_a_qwen2_checkpoint_round_trips_with_its_arch_and_bias_moments(tmp_path)
         load_checkpoint(qwen2_file(tmp_path / "m.gguf"))
 
 
-def test_a_lora_finetune_of_a_qwen2_writes_a_qwen2_adapter_and_keeps_the_biases(tmp_path):
+def finetune_qwen2(tmp_path, out, *options):
+    """A 2-step finetune of a qwen2 base written in tmp_path; the base's path."""
     base = qwen2_file(tmp_path / "base.gguf")
     text = tmp_path / "text.txt"
     text.write_text("To be, or not to be, that is the question.\n" * 40)
-    adapter = tmp_path / "adapter.gguf"
     r = invoke("finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2", "--warmup", "2",
-               "--steps", "2", "--n-ctx", "8", "--out", str(adapter))
+               "--steps", "2", "--n-ctx", "8", *options, "--out", str(out))
     assert r.exit_code == 0, r.output
+    return base
+
+
+def test_a_lora_finetune_of_a_qwen2_writes_a_qwen2_adapter_and_keeps_the_biases(tmp_path):
+    adapter = tmp_path / "adapter.gguf"
+    base = finetune_qwen2(tmp_path, adapter)
     reader = GGUFReader(adapter)
     assert reader.fields["general.architecture"].contents() == "qwen2"
     assert reader.fields["general.type"].contents() == "adapter"
@@ -176,13 +182,8 @@ def test_a_lora_finetune_of_a_qwen2_writes_a_qwen2_adapter_and_keeps_the_biases(
 
 
 def test_a_full_finetune_of_a_qwen2_trains_the_biases(tmp_path):
-    base = qwen2_file(tmp_path / "base.gguf")
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be, that is the question.\n" * 40)
     out = tmp_path / "full.gguf"
-    r = invoke("finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2", "--warmup", "2",
-               "--steps", "2", "--n-ctx", "8", "--full", "--out", str(out))
-    assert r.exit_code == 0, r.output
+    base = finetune_qwen2(tmp_path, out, "--full")
     cfg, values, _ = load_model(out)
     _, before, _ = load_model(base)
     assert cfg == QWEN2
