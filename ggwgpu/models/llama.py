@@ -354,7 +354,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     (a loss to evaluate, not to train) constants, with `adapters`' pairs added.
 
     The output projection and the loss run in row chunks of at most `max_logits_bytes` of
-    logits each (a vocabulary of 49k-128k makes batch * n_ctx rows of logits larger than a
+    f32 logits each (f16 chunks take as many rows, so halves halve them too; a vocabulary of 49k-128k makes batch * n_ctx rows of logits larger than a
     device binds, and than the rest of a small model's step). With more than one chunk the
     backward recomputes each chunk's logits (TrainGraph.recompute: one more output product
     per step) instead of keeping them all, so one chunk's logits and their gradient live at
@@ -405,8 +405,7 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     h = O.reshape(weighted_rms_norm(cfg, x, p["output_norm.weight"]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
-    value_bytes = 2 if precision == "f16" else 4
-    for start, n in row_chunks(rows, max(1, max_logits_bytes // (value_bytes * cfg.n_vocab))):
+    for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
         if n < rows:
             part = (O.view(h, (n, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
                     O.view(ids, (n,), (1,), start), O.view(w, (n,), (1,), start))
