@@ -35,8 +35,8 @@ import dataclasses
 import json
 import re
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
@@ -49,38 +49,23 @@ from .tensor import ShapeError
 from .tokenizer import tokenizer_from_metadata
 
 
-@dataclass(frozen=True)
-class ArchKeys:
-    """The <arch>.* hyper-parameter keys of one arch, in llama.cpp's spelling (gguf-py's Keys
-    formatted with the arch): `arch_keys("qwen2").ctx` is "qwen2.context_length"."""
-    ctx: str
-    embd: str
-    layers: str
-    ff: str
-    vocab: str
-    heads: str
-    heads_kv: str
-    key_length: str
-    value_length: str
-    eps: str
-    rot: str
-    freq_base: str
-    scaling_type: str
-    scaling_factor: str
-    scale_linear_old: str       # llama.cpp's older name of the scaling factor, read only
+# The <arch>.* hyper-parameter keys, in llama.cpp's spelling (gguf-py's Keys templates)
+ARCH_KEY_TEMPLATES = dict(
+    ctx=Keys.LLM.CONTEXT_LENGTH, embd=Keys.LLM.EMBEDDING_LENGTH, layers=Keys.LLM.BLOCK_COUNT,
+    ff=Keys.LLM.FEED_FORWARD_LENGTH, vocab=Keys.LLM.VOCAB_SIZE,
+    heads=Keys.Attention.HEAD_COUNT, heads_kv=Keys.Attention.HEAD_COUNT_KV,
+    key_length=Keys.Attention.KEY_LENGTH, value_length=Keys.Attention.VALUE_LENGTH,
+    eps=Keys.Attention.LAYERNORM_RMS_EPS, rot=Keys.Rope.DIMENSION_COUNT,
+    freq_base=Keys.Rope.FREQ_BASE, scaling_type=Keys.Rope.SCALING_TYPE,
+    scaling_factor=Keys.Rope.SCALING_FACTOR,
+    scale_linear_old="{arch}.rope.scale_linear")   # llama.cpp's older name, read only
 
 
-def arch_keys(arch: str) -> ArchKeys:
-    """The hyper-parameter keys of `arch` (one of models.llama.ARCHS)."""
-    templates = dict(
-        ctx=Keys.LLM.CONTEXT_LENGTH, embd=Keys.LLM.EMBEDDING_LENGTH, layers=Keys.LLM.BLOCK_COUNT,
-        ff=Keys.LLM.FEED_FORWARD_LENGTH, vocab=Keys.LLM.VOCAB_SIZE,
-        heads=Keys.Attention.HEAD_COUNT, heads_kv=Keys.Attention.HEAD_COUNT_KV,
-        key_length=Keys.Attention.KEY_LENGTH, value_length=Keys.Attention.VALUE_LENGTH,
-        eps=Keys.Attention.LAYERNORM_RMS_EPS, rot=Keys.Rope.DIMENSION_COUNT,
-        freq_base=Keys.Rope.FREQ_BASE, scaling_type=Keys.Rope.SCALING_TYPE,
-        scaling_factor=Keys.Rope.SCALING_FACTOR, scale_linear_old="{arch}.rope.scale_linear")
-    return ArchKeys(**{name: t.format(arch=arch) for name, t in templates.items()})
+def arch_keys(arch: str) -> SimpleNamespace:
+    """The hyper-parameter keys of `arch` (one of models.llama.ARCHS), by the names of
+    ARCH_KEY_TEMPLATES: `arch_keys("qwen2").ctx` is "qwen2.context_length"."""
+    return SimpleNamespace(**{name: t.format(arch=arch)
+                              for name, t in ARCH_KEY_TEMPLATES.items()})
 
 
 K_TOKENS = Keys.Tokenizer.LIST

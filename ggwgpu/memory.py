@@ -63,12 +63,12 @@ def estimate(cfg: LlamaConfig, *, batch: int = 0, trained: int = 0, weight_bytes
              dequantized: int = 0, flash_attn: bool = False, decoder: bool = False,
              value_bytes: int = F32) -> dict[str, int]:
     """Bytes by role. `batch`: windows of cfg.n_ctx tokens per step (0: no training or
-    evaluation graph); `trained`: values the optimizer updates (gradients and two moments
-    each, f32 whatever the precision); `weight_bytes`: the loaded weights' bytes (default:
-    f32 parameters); `dequantized`: values of block-type weights that the NumPy backend
-    also holds as f32 (its products read them so, once dequantized); `decoder`: a KV cache of cfg.n_ctx positions; `value_bytes`: bytes of
-    an activation or KV-cache value (F16 = 2 where they are f16 tensors, which both backends
-    store as halves)."""
+    evaluation graph); `trained`: values the optimizer updates (gradients and two moments each,
+    f32 whatever the precision); `weight_bytes`: the loaded weights' bytes (default: f32
+    parameters); `dequantized`: values of block-type weights that the NumPy backend also holds
+    as f32 (its products read them so, once dequantized); `decoder`: a KV cache of cfg.n_ctx
+    positions; `value_bytes`: bytes of an activation or KV-cache value (F16 = 2 where they are
+    f16 tensors, which both backends store as halves)."""
     need = {"weights": F32 * parameter_count(cfg) if weight_bytes is None else weight_bytes}
     if dequantized:
         need["dequantized weights"] = F32 * dequantized

@@ -34,9 +34,9 @@ from ..quant import Quantized
 from ..tensor import ShapeError, constant, input_tensor, param
 
 
-ARCHS = ("llama", "qwen2")   # llama.cpp's general.architecture of the models this graph is
-ROPE_MODES = {"llama": "normal", "qwen2": "neox"}   # how each arch pairs its rotated dims
-QKV_BIASES = {"llama": False, "qwen2": True}        # attn_q/k/v.bias after the products
+# llama.cpp's general.architecture of the models this graph is -> (how it pairs its rotated
+# dims: the rope mode, whether its Q/K/V products have attn_q/k/v.bias after them)
+ARCHS = {"llama": ("normal", False), "qwen2": ("neox", True)}
 
 
 @dataclass(frozen=True)
@@ -96,12 +96,12 @@ class LlamaConfig:
     def rope_mode(self) -> str:
         """The rope op's mode: "normal" (adjacent pairs) for llama, "neox" (k, k + n_rot / 2)
         for qwen2, as llama.cpp ropes each arch."""
-        return ROPE_MODES[self.arch]
+        return ARCHS[self.arch][0]
 
     @property
     def qkv_bias(self) -> bool:
         """Whether blocks have attn_q.bias, attn_k.bias and attn_v.bias (qwen2)."""
-        return QKV_BIASES[self.arch]
+        return ARCHS[self.arch][1]
 
 
 TOKEN_EMBD = "token_embd.weight"
@@ -354,8 +354,9 @@ def build_train_graph(cfg: LlamaConfig, values: dict, batch: int, flash: bool = 
     (a loss to evaluate, not to train) constants, with `adapters`' pairs added.
 
     The output projection and the loss run in row chunks of at most `max_logits_bytes` of
-    f32 logits each (f16 chunks take as many rows, so halves halve them too; a vocabulary of 49k-128k makes batch * n_ctx rows of logits larger than a
-    device binds, and than the rest of a small model's step). With more than one chunk the
+    f32 logits each (f16 chunks take as many rows, so halves halve them too; a vocabulary
+    of 49k-128k makes batch * n_ctx rows of logits larger than a device binds, and than the
+    rest of a small model's step). With more than one chunk the
     backward recomputes each chunk's logits (TrainGraph.recompute: one more output product
     per step) instead of keeping them all, so one chunk's logits and their gradient live at
     a time. The planner frees a chunk's logits gradient and its share of the output weight's

@@ -33,9 +33,10 @@ DEVICE_HPARAMS = ("finite", "grad_factor")
 
 def adamw_hparams(lr, beta1, beta2, eps, weight_decay, t) -> np.ndarray:
     """The hyper-parameters of AdamW step t (1-based) as the host writes them: all but the
-    finite flag and the gradient factor (DEVICE_HPARAMS). The bias corrections come from the float32 betas the kernel sees (its
-    1 - beta2 is 1 - float32(0.999) = 9.99987e-4); from the exact betas every step would be
-    about 6e-6 (relative) larger than the AdamW the kernel computes."""
+    finite flag and the gradient factor (DEVICE_HPARAMS). The bias corrections come from the
+    float32 betas the kernel sees (its 1 - beta2 is 1 - float32(0.999) = 9.99987e-4); from the
+    exact betas every step would be about 6e-6 (relative) larger than the AdamW the kernel
+    computes."""
     b1, b2 = (float(np.float32(b)) for b in (beta1, beta2))
     return np.array([lr, b1, b2, eps, weight_decay, 1 / (1 - b1 ** t), 1 / (1 - b2 ** t)],
                     np.float32)
