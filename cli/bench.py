@@ -36,7 +36,7 @@ BENCH_MAX_REL_ERR = 1e-4
 @dataclass(frozen=True)
 class BenchConfig:
     """A `bench train` config: a llama's shape, the samples per step and how it trains."""
-    model: dict                 # LlamaConfig fields
+    model: dict                 # ModelConfig fields
     batch: int
     base: str | None = None     # a block type: LoRA on a frozen base stored in it
     lora_rank: int = 4          # rank of every block matrix's pair (alpha = rank: scale 1)
@@ -270,12 +270,12 @@ class RandomBatches:
 
 
 def bench_model(config_name: str, **changes):
-    """(LlamaConfig, TrainOptions) of a bench config; `changes` replace model fields
+    """(ModelConfig, TrainOptions) of a bench config; `changes` replace model fields
     (n_layer=2: the same shape, fewer layers)."""
-    from ggwgpu.models.llama import LlamaConfig
+    from ggwgpu.models import ModelConfig
     from ggwgpu.train import TrainOptions
     config = BENCH_TRAIN_CONFIGS[config_name]
-    return (LlamaConfig(**{**config.model, **changes}),
+    return (ModelConfig(**{**config.model, **changes}),
             TrainOptions(batch=config.batch, lr=1e-3, checkpointing=config.checkpointing))
 
 
@@ -284,7 +284,7 @@ def bench_weights(config_name: str, cfg):
     for a LoRA config its 2-D weights in the base's block type and a fresh adapter of
     lora_rank on every block matrix (what `ggwgpu finetune` trains), else adapter None."""
     from ggwgpu import lora
-    from ggwgpu.models.llama import init_parameters
+    from ggwgpu.models import init_parameters
     from ggwgpu.quant import quantize_model
     config = BENCH_TRAIN_CONFIGS[config_name]
     values = init_parameters(cfg, 0)
@@ -361,7 +361,7 @@ def precision_list(ctx, param, value) -> list[str]:
 
 def describe_config(config_name: str, **changes) -> str:
     from ggwgpu import lora
-    from ggwgpu.models.llama import parameter_shapes
+    from ggwgpu.models import parameter_shapes
     config = BENCH_TRAIN_CONFIGS[config_name]
     cfg, options = bench_model(config_name, **changes)
     n_params = sum(math.prod(s) for s in parameter_shapes(cfg).values())
@@ -453,7 +453,7 @@ def torch_peer(cfg, options, steps: int) -> dict | None:
     """PyTorch CPU training of a bench llama (same weights and batches as the other
     backends), meant for in_own_process(): {'loss': of the warm-up step, 'seconds': mean of
     `steps` timed steps}, or None when torch is not importable."""
-    from ggwgpu.models.llama import init_parameters
+    from ggwgpu.models import init_parameters
     step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
                             RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
     if step is None:
@@ -724,7 +724,7 @@ def memory_against_minimum(trainer, config: BenchConfig) -> dict:
     aligned for binding leave. Bytes, and planned / minimum. The roles need not peak
     together: the gradients come after the activations' peak (a full step's without
     checkpointing, a LoRA step's adapter gradients), so the plan can be below the minimum."""
-    from ggwgpu.models.llama import parameter_shapes
+    from ggwgpu.models import parameter_shapes
     plan = trainer.plan
     layout = plan.layout or plan.storage_layout()
     m = plan.memory()
@@ -837,7 +837,7 @@ def bench_memory(ctx, config_name, layers, precisions, json_path):
     step (activations in halves; trained weights, gradients of params and moments f32).
     """
     from ggwgpu.backends import NumpyBackend
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     from ggwgpu.train import Trainer, logits_bound
     backend, _ = wgpu_for(ctx, "bench memory")
     backend = backend or NumpyBackend()

@@ -23,7 +23,7 @@ from .training import mpi_world
 def measure(ctx, config_name: str, steps: int) -> dict:
     """Time `steps` steps (after one warm-up) of this process's share of a data-parallel
     run in which every rank trains the config's batch (weak scaling)."""
-    from ggwgpu.models.llama import init_parameters
+    from ggwgpu.models import init_parameters
     from ggwgpu.train import Trainer
     world = mpi_world()
     size = world.size if world else 1

@@ -46,7 +46,7 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.gguf_llama import load_model
     from ggwgpu.lora import load_adapter
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     from ggwgpu.train import logits_bound
     try:
         cfg, values, tokenizer = load_model(model, keep_quantized=True)

@@ -59,7 +59,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     """
     from ggwgpu import checkpoint, gguf_llama, memory, tokenizer as tok
     from ggwgpu.gguf_file import GGUFError
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.tensor import ShapeError
     from ggwgpu.train import Trainer, unigram_entropy
 
@@ -88,7 +88,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
         except GGUFError as e:
             raise click.ClickException(str(e)) from None
         try:
-            cfg = LlamaConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
+            cfg = ModelConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
                               n_head_kv=n_head_kv, tied_embeddings=tie_embeddings,
                               n_layer=n_layer, n_ff=n_ff, n_ctx=n_ctx, n_rot=n_rot,
                               norm_eps=norm_eps, rope_freq_base=rope_freq_base,

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from .generate import Decoder
-from .models.llama import LlamaConfig, init_parameters
+from .models import ModelConfig, init_parameters
 from .train import Trainer, TrainOptions
 
-CFG = LlamaConfig(n_vocab=16, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=24)
+CFG = ModelConfig(n_vocab=16, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=24)
 PERIOD = 11.0       # tokens per wave period (not a whole number: every phase differs)
 BATCH = 24          # sequences, phases spread over one period
 

@@ -40,7 +40,7 @@ from .gguf_file import INT_TYPES, K_ARCH, GGUFError, GGUFFile, checked_tensor, w
 from .gguf_llama import (K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
                          model_metadata, read_model, read_params)
 from .lbfgs import check_scalars
-from .models.llama import ARCHS, LlamaConfig, parameter_shapes
+from .models import FAMILIES, ModelConfig, parameter_shapes
 
 CHECKPOINT_VERSION = 1
 K_OPT_TYPE = "optimizer.type"
@@ -60,7 +60,7 @@ _T = GGUFValueType
 
 # -- writing ----------------------------------------------------------------------------------
 
-def save_checkpoint(path, cfg: LlamaConfig, params: dict, tokenizer, opt_state: dict,
+def save_checkpoint(path, cfg: ModelConfig, params: dict, tokenizer, opt_state: dict,
                     train_state: dict):
     """Write a training checkpoint: the model (as `save_model`), AdamW's moments and the
     training state (module docstring). `opt_state` maps parameter names to (m, v) arrays of
@@ -165,7 +165,7 @@ def load_checkpoint(path):
     f = GGUFFile(path)
     version = f.meta.get(K_CKPT_VERSION)
     if version is None:
-        if f.meta.get(K_ARCH) in ARCHS:
+        if f.meta.get(K_ARCH) in FAMILIES:
             raise GGUFError(f"{f.path}: is a model, not a training checkpoint (it has no "
                             f"{K_CKPT_VERSION} key); load it as a model instead")
         raise GGUFError(f"{f.path}: is not a ggwgpu training checkpoint (it has no "

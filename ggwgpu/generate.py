@@ -36,7 +36,7 @@ import numpy as np
 
 from .backends import precision_for
 from .backends.base import planned_bytes
-from .models.llama import LlamaConfig, build_decode_graph, half_values
+from .models import ModelConfig, build_decode_graph, half_values
 from .tokenizer import VocabError
 
 
@@ -142,7 +142,7 @@ class Decoder:
     `precision` (backends.precision_for: auto, f32, f16): f16 keeps float weights,
     activations and the cache in halves."""
 
-    def __init__(self, backend, cfg: LlamaConfig, values: dict, max_ctx: int | None = None,
+    def __init__(self, backend, cfg: ModelConfig, values: dict, max_ctx: int | None = None,
                  adapters=(), precision: str = "f32"):
         self.cfg = cfg
         self.max_ctx = int(max_ctx or cfg.n_ctx)
@@ -297,7 +297,7 @@ class TextStream:
         return new
 
 
-def generate(backend, cfg: LlamaConfig, values: dict, tokenizer, prompt: str, n: int,
+def generate(backend, cfg: ModelConfig, values: dict, tokenizer, prompt: str, n: int,
              temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
              decoder: Decoder | None = None, min_p: float = 0.05) -> str:

@@ -1,6 +1,6 @@
-"""The llama schema of GGUF files: a LlamaConfig's hyper-parameters as <arch>.* keys and back,
+"""The llama schema of GGUF files: a ModelConfig's hyper-parameters as <arch>.* keys and back,
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
-that llama.cpp loads (`save_model` / `load_model`). Two archs share it (LlamaConfig.arch):
+that llama.cpp loads (`save_model` / `load_model`). Two archs share it (ModelConfig.arch):
 "llama" and "qwen2", whose keys are the same under the prefix "qwen2." and whose blocks add
 attn_q.bias, attn_k.bias and attn_v.bias. Built on the container, ggwgpu.gguf_file;
 checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
@@ -17,7 +17,7 @@ Model file
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when
     rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
     1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor); the tokenizer's
-    tokenizer.ggml.* keys; ggwgpu.config_json, the LlamaConfig as JSON, so that float
+    tokenizer.ggml.* keys; ggwgpu.config_json, the ModelConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
     embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases
@@ -43,7 +43,8 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models.llama import ARCHS, OUTPUT, ROPE_FREQS, LlamaConfig, parameter_shapes
+from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ModelConfig, arch_list,
+                     parameter_shapes)
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
 from .tokenizer import tokenizer_from_metadata
@@ -62,7 +63,7 @@ ARCH_KEY_TEMPLATES = dict(
 
 
 def arch_keys(arch: str) -> SimpleNamespace:
-    """The hyper-parameter keys of `arch` (one of models.llama.ARCHS), by the names of
+    """The hyper-parameter keys of `arch` (one of models.FAMILIES), by the names of
     ARCH_KEY_TEMPLATES: `arch_keys("qwen2").ctx` is "qwen2.context_length"."""
     return SimpleNamespace(**{name: t.format(arch=arch)
                               for name, t in ARCH_KEY_TEMPLATES.items()})
@@ -71,7 +72,7 @@ def arch_keys(arch: str) -> SimpleNamespace:
 K_TOKENS = Keys.Tokenizer.LIST
 TOKENIZER_PREFIX = "tokenizer."
 
-# ggwgpu's own key: the exact LlamaConfig.
+# ggwgpu's own key: the exact ModelConfig.
 K_CONFIG_JSON = "ggwgpu.config_json"
 # A checkpoint (ggwgpu.checkpoint) is a model file marked by this key, with optimizer.*
 # tensors beside the parameters: `load_model` reads it as the model it holds.
@@ -79,12 +80,13 @@ K_CKPT_VERSION = "ggwgpu.checkpoint.version"
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
+FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
 
 
 # -- writing ----------------------------------------------------------------------------------
 
-def save_model(path, cfg: LlamaConfig, params: dict, tokenizer, extra: dict | None = None):
+def save_model(path, cfg: ModelConfig, params: dict, tokenizer, extra: dict | None = None):
     """Write a GGUF of cfg.arch that llama.cpp loads: the keys and tensors of the module
     docstring.
 
@@ -118,8 +120,8 @@ def _file_type(tensors) -> LlamaFileType:
 
 def checked_params(path, cfg, params) -> dict[str, np.ndarray]:
     """The parameters as contiguous f32 arrays in `parameter_shapes` order, each checked."""
-    if not isinstance(cfg, LlamaConfig):
-        raise GGUFError(f"{path}: cannot write: cfg must be a LlamaConfig, got "
+    if not isinstance(cfg, ModelConfig):
+        raise GGUFError(f"{path}: cannot write: cfg must be a ModelConfig, got "
                         f"{type(cfg).__name__}")
     shapes = parameter_shapes(cfg)
     missing = [n for n in shapes if n not in params]
@@ -133,7 +135,7 @@ def checked_params(path, cfg, params) -> dict[str, np.ndarray]:
     return {n: checked_tensor(path, n, params[n], shape, "model") for n, shape in shapes.items()}
 
 
-def _hparams(cfg: LlamaConfig) -> dict[str, tuple[object, GGUFValueType]]:
+def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
     """The <arch>.* keys of `cfg`, as written (and compared when reading back)."""
     k = arch_keys(cfg.arch)
     keys = {
@@ -148,6 +150,11 @@ def _hparams(cfg: LlamaConfig) -> dict[str, tuple[object, GGUFValueType]]:
     if cfg.rope_freq_scale != 1.0:
         keys[k.scaling_type] = (RopeScalingType.LINEAR.value, _T.STRING)
         keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
+    for field, template in cfg.family.keys.items():     # those it has, where not neutral
+        value = getattr(cfg, field)
+        if value != FIELD_DEFAULTS[field]:
+            keys[template.format(arch=cfg.arch)] = \
+                (value, _T.UINT32 if isinstance(value, int) else _T.FLOAT32)
     return keys
 
 
@@ -197,9 +204,9 @@ def read_model(f: GGUFFile):
     arch = f.meta.get(K_ARCH)
     if arch is None:
         raise GGUFError(f"{f.path}: required key {K_ARCH} is missing")
-    if arch not in ARCHS:
+    if arch not in FAMILIES:
         raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads "
-                        f"{' and '.join(map(repr, ARCHS))} models only")
+                        f"{arch_list()} models only")
     k = arch_keys(arch)
     n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)
     n_layer = f.int_key(k.layers, minimum=0)
@@ -243,6 +250,13 @@ def read_model(f: GGUFFile):
                         f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
                         f"rotation angles would overflow or vanish")
 
+    for field, template in FAMILIES[arch].keys.items():
+        key = template.format(arch=arch)
+        if isinstance(FIELD_DEFAULTS[field], int):
+            hp[field] = f.int_key(key, default=FIELD_DEFAULTS[field], minimum=0)
+        else:
+            hp[field] = f.float_key(key, default=FIELD_DEFAULTS[field], allow_zero=True)
+
     meta = {key: v for key, v in f.meta.items() if key.startswith(TOKENIZER_PREFIX)}
     if K_TOKENS not in meta:
         raise GGUFError(f"{f.path}: required key {K_TOKENS} is missing (the file has no "
@@ -264,21 +278,21 @@ def read_model(f: GGUFFile):
         raise GGUFError(f"{f.path}: {k.layers} = {n_layer} needs at least {9 * n_layer + 2} "
                         f"tensors, the file has {len(f.tensors)}")
     try:
-        cfg = LlamaConfig(n_vocab=n_vocab, **hp)
+        cfg = ModelConfig(n_vocab=n_vocab, **hp)
     except ShapeError as e:
         raise GGUFError(f"{f.path}: the {arch}.* hyper-parameters are inconsistent: {e}") from None
     return _exact_config(f, cfg), tokenizer
 
 
-def _exact_config(f: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
-    """The LlamaConfig of ggwgpu.config_json when it agrees with every <arch>.* key (which hold
+def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
+    """The ModelConfig of ggwgpu.config_json when it agrees with every <arch>.* key (which hold
     floats as float32): it keeps the exact float64 hyper-parameters that resuming needs. A JSON
-    from before LlamaConfig.arch has none: it is a llama's, as its keys are."""
+    from before ModelConfig.arch has none: it is a llama's, as its keys are."""
     raw = f.meta.get(K_CONFIG_JSON)
     if not isinstance(raw, str):
         return cfg
     try:
-        exact = LlamaConfig(**json.loads(raw))
+        exact = ModelConfig(**json.loads(raw))
         written = _hparams(exact)
     except Exception:  # noqa: BLE001 - a stale, foreign or forged hint: the <arch>.* keys rule
         return cfg
@@ -297,10 +311,13 @@ def _exact_config(f: GGUFFile, cfg: LlamaConfig) -> LlamaConfig:
     if (exact.arch, exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
             (cfg.arch, cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
         return cfg
+    if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)
+           for n in cfg.family.keys):       # the family's keys, neutral ones not written
+        return cfg
     return exact
 
 
-def read_params(f: GGUFFile, cfg: LlamaConfig, checkpoint: bool,
+def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
                 keep_quantized: bool = False) -> dict[str, np.ndarray | Quantized]:
     """The parameters of `cfg` from `f` (`load_model` says in what form), each checked; any
     other tensor is refused, but for a checkpoint's optimizer.* tensors."""

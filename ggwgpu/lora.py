@@ -9,7 +9,7 @@ llama.cpp's adapter loader validates them:
     token_embd.weight (n_vocab, n_embd): lora_a (n_vocab, r)   lora_b (n_embd, r)
 
 The layer computes W x + scale * B (A x); the embedding of token t is E[t] + scale * B A[t]
-(models/llama.py). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
+(models/blocks.py). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
 alpha 0 means scale 1), so pairs of different ranks in one adapter each have their own.
 
 Initialisation as llama.cpp's old finetune: A normal(0, 1) clamped to [-1, 1] and scaled by
@@ -42,7 +42,8 @@ from .checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, optim
                          read_optimizer_state, read_train_state, train_state_json)
 from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tensor, write_gguf
 from .gguf_llama import K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
-from .models.llama import ARCHS, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, LlamaConfig, matrix_shapes
+from .models import (FAMILIES, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, ModelConfig, arch_list,
+                     matrix_shapes)
 from .quant import Quantized, dequantize
 
 K_ADAPTER_TYPE = "adapter.type"
@@ -76,7 +77,7 @@ class Adapter:
         return self.alpha / self.rank(weight) if self.alpha else 1.0
 
 
-def pair_shapes(cfg: LlamaConfig, weight: str, rank: int) -> tuple[tuple, tuple]:
+def pair_shapes(cfg: ModelConfig, weight: str, rank: int) -> tuple[tuple, tuple]:
     """(lora_a shape, lora_b shape) of a rank-`rank` pair on `weight` (module docstring)."""
     n_out, n_in = matrix_shapes(cfg)[weight]
     if weight == TOKEN_EMBD:
@@ -84,7 +85,7 @@ def pair_shapes(cfg: LlamaConfig, weight: str, rank: int) -> tuple[tuple, tuple]
     return (rank, n_in), (n_out, rank)
 
 
-def lora_ranks(cfg: LlamaConfig, r: int = 4, ranks: dict | None = None,
+def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
                layers=None) -> dict[str, int]:
     """{weight name: rank} of a LoRA finetune: every weight of TARGETS with rank r unless
     `ranks` (TARGETS key -> rank) says otherwise; rank 0 leaves a weight alone. `layers`
@@ -124,13 +125,13 @@ def lora_ranks(cfg: LlamaConfig, r: int = 4, ranks: dict | None = None,
     return out
 
 
-def pair_values(cfg: LlamaConfig, ranks: dict[str, int]) -> int:
+def pair_values(cfg: ModelConfig, ranks: dict[str, int]) -> int:
     """Values of the LoRA pairs `ranks` asks for (A and B together), before making them."""
     return sum(math.prod(a) + math.prod(b) for a, b in
                (pair_shapes(cfg, weight, rank) for weight, rank in ranks.items()))
 
 
-def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,
+def init_adapter(cfg: ModelConfig, ranks: dict[str, int], alpha: float,
                  seed: int = 0) -> Adapter:
     """A fresh adapter with pairs of the given ranks: A random (old finetune's init), B 0."""
     rng = np.random.default_rng(seed)
@@ -145,7 +146,7 @@ def init_adapter(cfg: LlamaConfig, ranks: dict[str, int], alpha: float,
     return Adapter(float(alpha), tensors)
 
 
-def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
+def check_adapter(adapter: Adapter, cfg: ModelConfig, where) -> None:
     """Raise GGUFError (naming `where` and the tensor) unless every tensor of `adapter` is
     half of a complete pair on a matrix of `cfg` with llama.cpp's shapes."""
     shapes = matrix_shapes(cfg)
@@ -172,7 +173,7 @@ def check_adapter(adapter: Adapter, cfg: LlamaConfig, where) -> None:
 
 # -- files ------------------------------------------------------------------------------------
 
-def _adapter_metadata(adapter: Adapter, cfg: LlamaConfig, base_digest: str | None) -> dict:
+def _adapter_metadata(adapter: Adapter, cfg: ModelConfig, base_digest: str | None) -> dict:
     meta = {K_ARCH: (cfg.arch, _T.STRING), K_NAME: ("ggwgpu LoRA adapter", _T.STRING),
             K_TYPE: ("adapter", _T.STRING), K_ADAPTER_TYPE: ("lora", _T.STRING),
             K_ALPHA: (float(adapter.alpha), _T.FLOAT32)}
@@ -186,14 +187,14 @@ def _checked_tensors(path, tensors: dict, what: str) -> dict:
             for name, value in tensors.items()}
 
 
-def save_adapter(path, adapter: Adapter, cfg: LlamaConfig, base_digest: str | None = None):
+def save_adapter(path, adapter: Adapter, cfg: ModelConfig, base_digest: str | None = None):
     """Write `adapter` (checked against `cfg`) as a llama.cpp LoRA adapter GGUF, atomically."""
     check_adapter(adapter, cfg, path)
     write_gguf(path, _adapter_metadata(adapter, cfg, base_digest),
                 _checked_tensors(path, adapter.tensors, "adapter"))
 
 
-def save_adapter_checkpoint(path, adapter: Adapter, cfg: LlamaConfig, opt_state: dict,
+def save_adapter_checkpoint(path, adapter: Adapter, cfg: ModelConfig, opt_state: dict,
                             train_state: dict):
     """Write a LoRA finetune checkpoint: the adapter, AdamW's (m, v) per adapter tensor and
     the JSON training state (which must hold "base", the base's digest). Atomic."""
@@ -215,7 +216,7 @@ def _shapes(adapter: Adapter) -> dict[str, tuple]:
     return {name: value.shape for name, value in adapter.tensors.items()}
 
 
-def _read_adapter(f: GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Adapter:
+def _read_adapter(f: GGUFFile, cfg: ModelConfig | None, checkpoint: bool) -> Adapter:
     for key, want in ((K_TYPE, "adapter"), (K_ADAPTER_TYPE, "lora")):
         if f.meta.get(key) != want:
             raise GGUFError(f"{f.path}: {key} is {f.meta.get(key)!r}, a LoRA adapter of a "
@@ -224,9 +225,9 @@ def _read_adapter(f: GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Ada
     if cfg is not None and arch != cfg.arch:    # llama.cpp refuses it as well
         raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}, but the base model is a "
                         f"{cfg.arch!r}: an adapter of another model")
-    if arch not in ARCHS:
+    if arch not in FAMILIES:
         raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads adapters of "
-                        f"{' and '.join(map(repr, ARCHS))} models only")
+                        f"{arch_list()} models only")
     alpha = f.float_key(K_ALPHA, default=0.0, allow_zero=True)   # llama.cpp: missing is 0
     tensors = {}
     for name in f.tensors:
@@ -243,7 +244,7 @@ def _read_adapter(f: GGUFFile, cfg: LlamaConfig | None, checkpoint: bool) -> Ada
     return adapter
 
 
-def load_adapter(path, cfg: LlamaConfig | None = None) -> Adapter:
+def load_adapter(path, cfg: ModelConfig | None = None) -> Adapter:
     """Read a LoRA adapter GGUF (ours or llama.cpp's: f32, f16 or q8_0 tensors, read as f32),
     validated as llama.cpp does and, given `cfg`, against the base's shapes. Raises GGUFError
     naming the file and the key or tensor."""
@@ -254,7 +255,7 @@ def load_adapter(path, cfg: LlamaConfig | None = None) -> Adapter:
     return _read_adapter(f, cfg, checkpoint=False)
 
 
-def load_adapter_checkpoint(path, cfg: LlamaConfig):
+def load_adapter_checkpoint(path, cfg: ModelConfig):
     """Read `save_adapter_checkpoint`'s file: (adapter, opt_state, train_state)."""
     f = GGUFFile(path)
     if f.meta.get(K_CKPT_VERSION) != CHECKPOINT_VERSION:
@@ -266,7 +267,7 @@ def load_adapter_checkpoint(path, cfg: LlamaConfig):
 
 # -- merging and identity ---------------------------------------------------------------------
 
-def merge(cfg: LlamaConfig, values: dict, adapters) -> tuple[LlamaConfig, dict]:
+def merge(cfg: ModelConfig, values: dict, adapters) -> tuple[ModelConfig, dict]:
     """(cfg, values) of the base with every adapter's pairs added: W + scale * B A, and
     E + scale * A B^T for the token embedding; f32 (sums in float64), quantized weights
     dequantized. A pair on either side of tied embeddings unties them: the merged model gets
@@ -286,7 +287,7 @@ def merge(cfg: LlamaConfig, values: dict, adapters) -> tuple[LlamaConfig, dict]:
     return cfg, merged
 
 
-def model_digest(cfg: LlamaConfig, values: dict) -> str:
+def model_digest(cfg: ModelConfig, values: dict) -> str:
     """Identifies a base model (its config and every weight's bytes): a finetune checkpoint
     records it so that resuming onto another base is refused."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())

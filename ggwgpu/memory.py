@@ -18,7 +18,7 @@ import math
 import os
 
 from .files import positive_env
-from .models.llama import LlamaConfig, parameter_shapes
+from .models import ModelConfig, parameter_shapes
 
 HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
 F32, F16 = 4, 2    # bytes per value
@@ -28,7 +28,7 @@ class MemoryLimitError(ValueError):
     """A configuration that needs more memory than there is; the message has the numbers."""
 
 
-def parameter_count(cfg: LlamaConfig) -> int:
+def parameter_count(cfg: ModelConfig) -> int:
     """Values of the model's parameters, without listing every layer (n_layer may be a
     forged or mistyped billion): the shapes of a 0- and a 1-layer model."""
     def count(n_layer):
@@ -59,7 +59,7 @@ def host_available() -> int | None:
     return None
 
 
-def estimate(cfg: LlamaConfig, *, batch: int = 0, trained: int = 0, weight_bytes=None,
+def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes=None,
              dequantized: int = 0, flash_attn: bool = False, decoder: bool = False,
              value_bytes: int = F32) -> dict[str, int]:
     """Bytes by role. `batch`: windows of cfg.n_ctx tokens per step (0: no training or

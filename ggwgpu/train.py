@@ -31,7 +31,7 @@ from . import ops as O
 from .backends import precision_for
 from .graph import build_backward
 from .lbfgs import LINESEARCHES, ON_FAIL, Lbfgs, LbfgsOptions
-from .models.llama import MAX_LOGITS_BYTES, PRECISIONS, LlamaConfig, build_train_graph
+from .models import MAX_LOGITS_BYTES, PRECISIONS, ModelConfig, build_train_graph
 from .tensor import constant, input_tensor
 
 
@@ -330,7 +330,7 @@ def logits_bound(backend, checkpointing: bool = False, full: bool = False) -> in
 class Trainer:
     """A llama and its optimizer state, planned on a backend, stepping through batches."""
 
-    def __init__(self, cfg: LlamaConfig, values: dict, backend, options: TrainOptions,
+    def __init__(self, cfg: ModelConfig, values: dict, backend, options: TrainOptions,
                  batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
                  lora=None, world=None, loss_scaler: dict | None = None):
         """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are

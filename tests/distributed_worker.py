@@ -15,7 +15,7 @@ import numpy as np
 from ggwgpu import data, distributed
 from ggwgpu.backends import get_backend
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 
@@ -37,7 +37,7 @@ class MaskedSamples(data.Samples):
 def make_trainer(backend, batch, grad_accum, world, loss_scale=None):
     """A trainer of global batch `batch` (every rank's rows together)."""
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     scaling = dict(loss_scale="dynamic", loss_scale_init=loss_scale,
                    loss_scale_growth_interval=2) if loss_scale else {}
     options = TrainOptions(batch=batch, grad_accum=grad_accum, lr=3e-3, warmup=2, **scaling)

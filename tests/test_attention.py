@@ -252,11 +252,11 @@ def test_flash_attn_ext_shape_rules_and_mask_without_gradient():
 
 
 def test_llama_attention_takes_a_mask_on_both_paths():
-    """models.llama.attention(mask=...): flash_attn_ext on the flash path, soft_max_ext
+    """models.attention(mask=...): flash_attn_ext on the flash path, soft_max_ext
     otherwise; a causal mask gives the unmasked causal result, a document mask the same on
     both paths."""
     from types import SimpleNamespace
-    from ggwgpu.models.llama import attention
+    from ggwgpu.models import attention
     rng = np.random.default_rng(11)
     cfg = SimpleNamespace(head_dim=4)
     q, k, v = (gg.input_tensor(s) for s in ((2, 6, 4, 4), (2, 6, 2, 4), (2, 6, 2, 4)))

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from ggwgpu.backends import ENV_VAR, NumpyBackend
-from ggwgpu.models.llama import parameter_shapes
+from ggwgpu.models import parameter_shapes
 from ggwgpu_cli import bench as cli_bench
 from ggwgpu_cli import main as cli_main
 

@@ -240,9 +240,9 @@ def test_a_padded_batch_has_the_loss_of_its_examples_one_at_a_time():
     """Rows of different lengths and masks in one batch: the loss per trained token equals
     the token-weighted mean of each example alone (padding and other rows change nothing)."""
     from ggwgpu.backends.numpy_backend import NumpyBackend
-    from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+    from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
     vocab, template = Vocab(), ChatTemplate(SMOLLM2)
-    cfg = LlamaConfig(n_vocab=len(vocab.tokens), n_embd=8, n_head=2, n_layer=1, n_ff=12,
+    cfg = ModelConfig(n_vocab=len(vocab.tokens), n_embd=8, n_head=2, n_layer=1, n_ff=12,
                       n_ctx=120)
     values = init_parameters(cfg, seed=3)
     examples = [encode_example({"messages": CHAT[:n]}, vocab, template, mask_prompt=True)
@@ -316,7 +316,7 @@ def sums(vocab, n=12):
 
 
 def test_packed_rows_hold_whole_examples_from_position_0_and_never_predict_the_next():
-    from ggwgpu.models.llama import packed_inputs
+    from ggwgpu.models import packed_inputs
     vocab = Vocab()
     examples = sums(vocab) + [encode_example({"prompt": "p" * 20, "completion": "c" * 40},
                                              vocab, ChatTemplate(CHATML), mask_prompt=True)]
@@ -377,8 +377,8 @@ PACK_CFG = dict(n_embd=8, n_head=4, n_head_kv=2, n_layer=2, n_ff=12, n_ctx=48)
 
 
 def pack_model(vocab):
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
-    cfg = LlamaConfig(n_vocab=len(vocab.tokens), **PACK_CFG)
+    from ggwgpu.models import ModelConfig, init_parameters
+    cfg = ModelConfig(n_vocab=len(vocab.tokens), **PACK_CFG)
     rng = np.random.default_rng(4)
     values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
               for k, v in init_parameters(cfg, seed=2).items()}
@@ -387,7 +387,7 @@ def pack_model(vocab):
 
 def loss_and_gradients(backend, cfg, values, rows, packed, flash=False):
     import ggwgpu as gg
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     g = build_train_graph(cfg, values, len(rows[0]), flash=flash, packed=packed)
     grads = gg.build_backward(g.loss, list(g.params.values()))
     plan = backend.plan([g.loss, *grads.values()])
@@ -431,7 +431,7 @@ def test_a_packed_batch_has_the_loss_and_gradients_of_its_examples_one_at_a_time
 @pytest.mark.parametrize("flash", [False, True])
 def test_no_packed_example_sees_another_and_each_has_its_logits_alone(flash):
     from ggwgpu.backends.numpy_backend import NumpyBackend
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     backend = NumpyBackend(np.float64)
     vocab = Vocab()
     cfg, values = pack_model(vocab)
@@ -466,7 +466,7 @@ def test_no_packed_example_sees_another_and_each_has_its_logits_alone(flash):
 
 
 def test_a_packed_graph_refuses_unpacked_feeds_and_the_unpacked_graph_keeps_its_ops():
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     vocab = Vocab()
     cfg, values = pack_model(vocab)
     tokens = np.zeros((2, cfg.n_ctx), np.int32)

@@ -11,14 +11,14 @@ from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.chat import ChatTemplate, rendered_ids
 from ggwgpu.generate import ChatSession, Decoder, Sampling, TextStream
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli.main import cli
 
 # one letter per role, so a byte vocabulary's conversations stay short
 TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% endfor %}"
             "{% if add_generation_prompt %}a:{% endif %}")
-CFG = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
+CFG = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
                   n_ctx=48)
 GREEDY = Sampling(temperature=0.0)
 

@@ -340,10 +340,10 @@ def test_bench_memory_plans_with_and_without_checkpointing(tmp_path):
 def tiny_base(path, dtype=None, n_embd=16, n_ff=32, seed=1):
     """A byte-vocabulary llama GGUF at `path` (matrices in `dtype` when given)."""
     from ggwgpu import gguf_llama
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.quant import quantize_model
     from ggwgpu.tokenizer import ByteTokenizer
-    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=n_embd, n_head=2, n_layer=2,
+    cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=n_embd, n_head=2, n_layer=2,
                       n_ff=n_ff, n_ctx=16)
     values = init_parameters(cfg, seed)
     gguf_llama.save_model(path, cfg, quantize_model(values, dtype) if dtype else values,
@@ -452,9 +452,9 @@ def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(
     """Finite weights (the reader refuses others) can still overflow in the forward: eval
     and generate say so and exit 1, rather than printing perplexity nan (or an
     OverflowError) or sampling from NaN."""
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.tokenizer import ByteTokenizer
-    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=2,
+    cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=2,
                       n_ff=32, n_ctx=16)
     values = init_parameters(cfg, 1)
     values["output.weight"] = np.sign(values["output.weight"]) * np.float32(3e38)
@@ -751,11 +751,11 @@ def test_a_chat_line_that_is_not_utf8_is_not_sent_and_the_chat_goes_on(tmp_path)
 
 
 def test_a_vocabulary_without_byte_tokens_cannot_train_on_text_it_lacks(tmp_path):
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.tokenizer import CONTROL, NORMAL, UNKNOWN, SentencePieceVocab
     vocab = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b"], [0.0] * 6,
                                [UNKNOWN, CONTROL, CONTROL, NORMAL, NORMAL, NORMAL])
-    cfg = LlamaConfig(n_vocab=6, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=16)
+    cfg = ModelConfig(n_vocab=6, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=16)
     gguf_llama.save_model(tmp_path / "v.gguf", cfg, init_parameters(cfg, 0), vocab)
     text = tmp_path / "t.txt"
     text.write_text("To be, or not to be\n" * 20)
@@ -910,9 +910,9 @@ def test_no_float_option_takes_a_value_float32_cannot_hold(value):
 
 
 def test_generating_from_a_model_with_a_one_token_context_is_a_usage_error(tmp_path):
-    from ggwgpu.models.llama import LlamaConfig, init_parameters
+    from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.tokenizer import ByteTokenizer
-    cfg = LlamaConfig(n_vocab=259, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=1)
+    cfg = ModelConfig(n_vocab=259, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=1)
     gguf_llama.save_model(tmp_path / "m.gguf", cfg, init_parameters(cfg, 0), ByteTokenizer())
     for command in ("generate", "chat"):
         out = no_traceback(invoke("--backend", "numpy", command, str(tmp_path / "m.gguf"),

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.lora import init_adapter, lora_ranks, save_adapter
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli import main as cli_main
 
@@ -79,7 +79,7 @@ COMMANDS = dict(command_paths())
 
 
 def tiny_model(path, n_ctx=16):
-    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=32,
+    cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=32,
                       n_ctx=n_ctx)
     gguf_llama.save_model(path, cfg, init_parameters(cfg, 0), ByteTokenizer())
     return cfg

@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from ggwgpu import checkpoint, data, gguf_file, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.backends.wgpu_backend import DeviceLimitError, WgpuBackend
-from ggwgpu.models.llama import LlamaConfig, TrainGraph, init_parameters
+from ggwgpu.models import ModelConfig, TrainGraph, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
 from ggwgpu_cli import main as cli_main
@@ -84,7 +84,7 @@ def checkpoint_step(path) -> int:
 
 def tiny_trainer(backend, options, values=None):
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, options.batch, options.seed, tok.bos_id)
     return Trainer(cfg, values or init_parameters(cfg, seed=1), backend, options, samples)
 
@@ -388,7 +388,7 @@ def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, 
 def base_model(path):
     """A tiny byte-vocabulary llama GGUF (a finetune's BASE)."""
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     gguf_llama.save_model(path, cfg, init_parameters(cfg, seed=1), tok)
     return path
 
@@ -607,7 +607,7 @@ def test_temp_files_of_killed_writes_are_removed_by_the_next_write_of_that_file(
     for name in names:
         (tmp_path / name).write_bytes(b"partial")
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     gguf_llama.save_model(tmp_path / "ckpt.gguf", cfg, init_parameters(cfg), tok)
     for name, kept in names.items():
         assert (tmp_path / name).exists() == kept, name

@@ -13,13 +13,13 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, generate_tokens,
                              min_p_filter, prompt_tokens, sample_token, top_k_filter,
                              top_p_filter, window)
-from ggwgpu.models.llama import (LlamaConfig, build_decode_graph, build_train_graph,
+from ggwgpu.models import (ModelConfig, build_decode_graph, build_train_graph,
                                  init_parameters)
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli.main import cli
 
-TINY = LlamaConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=8, n_rot=4)
-BYTES = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
+TINY = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=8, n_rot=4)
+BYTES = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
                     n_ctx=12)
 
 
@@ -393,7 +393,7 @@ def test_generate_command_with_a_bpe_vocabulary(tmp_path):
     vocab = BPEVocab(tokens, ["Ġ t", "h e"], [1] * 258 + [3] * 3, pre="qwen2", eos_id=258)
     assert sorted(vocab.eog_ids) == [258, 260] and not vocab.add_bos
     assert prompt_tokens(vocab, "<|im_start|>the") == [259, ord("t"), 257]
-    cfg = LlamaConfig(n_vocab=vocab.n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=16)
+    cfg = ModelConfig(n_vocab=vocab.n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=24, n_ctx=16)
     path = tmp_path / "bpe.gguf"
     gguf_llama.save_model(path, cfg, init_parameters(cfg, seed=1), vocab)
     r = invoke("--backend", "numpy", "generate", str(path), "--prompt", "<|im_start|>the",

@@ -23,7 +23,7 @@ from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.lora import Adapter, init_adapter, load_adapter, lora_ranks, save_adapter
-from ggwgpu.models.llama import LORA_A, LORA_B, LlamaConfig, init_parameters, parameter_shapes
+from ggwgpu.models import LORA_A, LORA_B, ModelConfig, init_parameters, parameter_shapes
 from ggwgpu.quant import dequantize, quantize, quantize_model
 from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, SentencePieceVocab, VocabError,
                               load_vocab)
@@ -34,8 +34,8 @@ EXAMPLES = int(os.environ.get("GGWGPU_FUZZ_EXAMPLES", 500))
 FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None,
                 deadline=timedelta(seconds=2))
 
-CFG = LlamaConfig(n_vocab=9, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=4)
-QCFG = LlamaConfig(n_vocab=9, n_embd=32, n_head=2, n_layer=1, n_ff=32, n_ctx=4)
+CFG = ModelConfig(n_vocab=9, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=4)
+QCFG = ModelConfig(n_vocab=9, n_embd=32, n_head=2, n_layer=1, n_ff=32, n_ctx=4)
 VOCAB = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "<0x0A>", "<0x41>"],
                            [0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -0.5, 0.0, 0.0],
                            [UNKNOWN, CONTROL, CONTROL, NORMAL, NORMAL, NORMAL, NORMAL, BYTE, BYTE])
@@ -192,7 +192,7 @@ def check_vocab(tok):
 
 def check_model(result):
     cfg, params, tok = result
-    assert isinstance(cfg, LlamaConfig)
+    assert isinstance(cfg, ModelConfig)
     shapes = parameter_shapes(cfg)
     assert list(params) == list(shapes)
     for name, shape in shapes.items():

@@ -13,11 +13,11 @@ from ggwgpu import gguf_file, gguf_llama
 from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
-from ggwgpu.models.llama import LlamaConfig, init_parameters, parameter_shapes
+from ggwgpu.models import ModelConfig, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
 from conftest import train_state
 
-TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
 T = GGUFValueType
 
 
@@ -124,7 +124,7 @@ def test_saved_model_reads_back_bit_exact_with_gguf_reader(tmp_path):
 
 
 def test_rope_freq_scale_is_written_as_llama_cpp_linear_scaling_factor(tmp_path):
-    cfg = LlamaConfig(**{**TINY.__dict__, "rope_freq_scale": 0.25})
+    cfg = ModelConfig(**{**TINY.__dict__, "rope_freq_scale": 0.25})
     save_model(tmp_path / "m.gguf", cfg, model(cfg=cfg), TinyVocab())
     meta, _ = fields(tmp_path / "m.gguf")
     assert meta["llama.rope.scaling.type"] == ("linear", T.STRING)
@@ -146,7 +146,7 @@ def test_extra_keys_are_written_and_cannot_replace_model_keys(tmp_path):
 
 @pytest.mark.parametrize("cfg, tok", [
     (TINY, TinyVocab()),
-    (LlamaConfig(n_vocab=259, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, norm_eps=1e-6,
+    (ModelConfig(n_vocab=259, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, norm_eps=1e-6,
                  rope_freq_base=5000.5, rope_freq_scale=0.3), ByteTokenizer()),
 ])
 def test_load_model_round_trip_is_exact(tmp_path, cfg, tok):
@@ -191,7 +191,7 @@ def test_f16_tensors_are_converted_and_a_missing_output_is_tied(tmp_path):
 def test_published_model_shapes_round_trip(tmp_path):
     """Grouped-query attention, a head size other than n_embd / n_head, tied embeddings and
     Llama 3's rope factors: written with llama.cpp's keys, read back to the same config."""
-    cfg = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_embd_head=6, n_layer=1,
+    cfg = ModelConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_embd_head=6, n_layer=1,
                       n_ff=12, n_ctx=5, tied_embeddings=True, rope_freqs=True)
     params = model(cfg=cfg)
     params["rope_freqs.weight"] = np.array([1.0, 2.5, 8.0], np.float32)
@@ -430,7 +430,7 @@ def test_unsupported_tensor_type(tmp_path):
     raises_naming(path, "blk.0.attn_q.weight", "I32")
     # a quantized type ggwgpu does not read: IQ4_NL, blocks of 32 values in 18 bytes (n_embd
     # 32 for whole blocks)
-    cfg = LlamaConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+    cfg = ModelConfig(n_vocab=11, n_embd=32, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     path = tmp_path / "q.gguf"
     writer = GGUFWriter(path, "llama")
     for key, (value, vtype) in gguf_llama.model_metadata(path, cfg, TinyVocab(), None).items():
@@ -704,7 +704,7 @@ def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtyp
     """A NaN or infinity in a weight (an f32 value, or an f16/bf16 scale of a block type)
     would only show later as a NaN loss: loading refuses it."""
     from ggwgpu.quant import TYPES, Quantized, quantize, random_blocks
-    cfg = LlamaConfig(n_vocab=11, n_embd=256, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+    cfg = ModelConfig(n_vocab=11, n_embd=256, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     name = "blk.0.attn_q.weight"
     bad = model(cfg=cfg)[name]
     if dtype is None:

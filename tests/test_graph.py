@@ -359,8 +359,8 @@ def planning_work(n_layer: int) -> int:
     training step of a tiny llama with n_layer layers is differentiated with checkpoints,
     given in-place updates, ordered and packed into buffers: the work, counted, not timed."""
     from ggwgpu.backends.base import Plan
-    from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
-    cfg = LlamaConfig(n_vocab=16, n_embd=8, n_head=2, n_layer=n_layer, n_ff=8, n_ctx=4)
+    from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
+    cfg = ModelConfig(n_vocab=16, n_embd=8, n_head=2, n_layer=n_layer, n_ff=8, n_ctx=4)
     g = build_train_graph(cfg, init_parameters(cfg), batch=1)
     events = 0
 

@@ -10,7 +10,7 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.graph import build_backward
 from ggwgpu import checkpoint, data, gguf_file
 from ggwgpu.lbfgs import Lbfgs, LbfgsOptions, two_loop_reference
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions
@@ -108,7 +108,7 @@ def test_on_fail_reset_drops_the_history_and_retries_along_the_gradient():
 
 def llama_trainer(backend, steps=0, opt_state=None, **state):
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     options = TrainOptions(optimizer="lbfgs", batch=2, lbfgs_m=3)
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, options.batch, options.seed, tok.bos_id)
     if "data" in state:
@@ -163,7 +163,7 @@ def test_train_command_stops_on_a_failed_line_search_with_a_checkpoint(tmp_path)
     assert "step 1: the L-BFGS line search failed (no step met" in result.output
     assert (tmp_path / "m.checkpoint.gguf").exists() and not out.exists()
     _, values, _, opt_state, state = checkpoint.load_checkpoint(tmp_path / "m.checkpoint.gguf")
-    cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, **TINY)
     for name, value in init_parameters(cfg, 0).items():
         np.testing.assert_array_equal(values[name], value)    # the weights went back
     assert not np.any(opt_state["lbfgs"]["memory_s"])        # and no pair was added

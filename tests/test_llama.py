@@ -9,22 +9,22 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters, parameter_shapes
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
 from ggwgpu.testing import llama_reference_logits, spot_check_gradients
 
-TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
+TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
 # grouped-query attention (4 query heads over 2 K/V heads) with tied embeddings, and heads
 # wider than n_embd / n_head (key_length as stored) over a single K/V head
-GQA_TIED = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
+GQA_TIED = ModelConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
                        tied_embeddings=True)
-GQA_WIDE = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
+GQA_WIDE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
                        n_ff=12, n_ctx=5)
 # Llama 3: per-pair rope frequency factors (rope_freqs.weight, random here) and a large base
-LLAMA3 = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=1, n_ff=12, n_ctx=5,
+LLAMA3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=1, n_ff=12, n_ctx=5,
                      rope_freqs=True, rope_freq_base=500000.0)
 # Qwen2 (llama.cpp's arch "qwen2"): Q/K/V biases (random, non-zero here) and neox rope, with
 # grouped-query attention and tied embeddings as Qwen2.5-0.5B has them
-QWEN2 = LlamaConfig(n_vocab=11, n_embd=16, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
+QWEN2 = ModelConfig(n_vocab=11, n_embd=16, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
                     tied_embeddings=True, arch="qwen2")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2}
@@ -105,7 +105,7 @@ def test_checkpointing_a_training_step_keeps_activations_near_sqrt_of_the_layers
     llama, checkpointing every 3rd block: activations live at the peak must fall well below
     those of the plain step, and the buffers the planner allocates stay within 5 % of it."""
     from ggwgpu.train import Trainer, TrainOptions
-    cfg = LlamaConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=9, n_ff=64, n_ctx=32)
+    cfg = ModelConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=9, n_ff=64, n_ctx=32)
     values = init_parameters(cfg, seed=1)
 
     class NoBatches:
@@ -141,7 +141,7 @@ def test_a_checkpointed_lora_step_adds_only_a_block_output_per_layer():
 
     activations = {}
     for n_layer in (2, 6):
-        cfg = LlamaConfig(n_vocab=64, n_embd=64, n_head=4, n_head_kv=2, n_layer=n_layer,
+        cfg = ModelConfig(n_vocab=64, n_embd=64, n_head=4, n_head_kv=2, n_layer=n_layer,
                           n_ff=128, n_ctx=16, tied_embeddings=True)
         values = quantize_model(init_parameters(cfg, seed=1), "q4_0")
         adapter = init_adapter(cfg, lora_ranks(cfg, 4), 4.0, seed=1)
@@ -157,7 +157,7 @@ def test_checkpointing_recomputes_nothing_after_the_last_checkpoint():
     """The backward starts with the head (final norm, logits, loss) right after the forward
     made it: with a checkpoint after the last block, the logits product (a 49k vocabulary's
     is the largest of the step) runs once, while each block's products run twice."""
-    cfg = LlamaConfig(n_vocab=40, n_embd=16, n_head=2, n_layer=2, n_ff=24, n_ctx=8)
+    cfg = ModelConfig(n_vocab=40, n_embd=16, n_head=2, n_layer=2, n_ff=24, n_ctx=8)
     g = build_train_graph(cfg, init_parameters(cfg, seed=1), BATCH)
     grads = gg.build_backward(g.loss, list(g.params.values()), checkpoints=g.checkpoints)
     nodes = NumpyBackend().plan([g.loss, *grads.values()]).nodes
@@ -220,7 +220,7 @@ def test_a_logits_bound_keeps_every_tensor_under_it_and_lowers_the_planned_bytes
     tensor of the planned training step stays within it, and the step plans in far fewer
     bytes: each chunk's logits and their gradient die before the next chunk's exist."""
     from ggwgpu.train import Trainer, TrainOptions
-    cfg = LlamaConfig(n_vocab=49152, n_embd=64, n_head=2, n_layer=2, n_ff=128, n_ctx=128)
+    cfg = ModelConfig(n_vocab=49152, n_embd=64, n_head=2, n_layer=2, n_ff=128, n_ctx=128)
     values = init_parameters(cfg, seed=0)
 
     class NoBatches:
@@ -259,7 +259,7 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
                                      {"arch": "qwen2"}])
 def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(changes):
     from ggwgpu import memory
-    cfg = LlamaConfig(**{**dict(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5),
+    cfg = ModelConfig(**{**dict(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5),
                          **changes})
     assert memory.parameter_count(cfg) == sum(math.prod(s) for s in parameter_shapes(cfg).values())
     huge = dataclasses.replace(cfg, n_layer=10 ** 9)        # counted, not listed
@@ -271,7 +271,7 @@ def test_the_memory_estimate_counts_the_parameters_without_listing_every_layer(c
 
 def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value():
     from ggwgpu import memory
-    cfg = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5)
+    cfg = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=3, n_ff=12, n_ctx=5)
     f32 = memory.estimate(cfg, batch=2, trained=7, decoder=True)
     f16 = memory.estimate(cfg, batch=2, trained=7, decoder=True, value_bytes=memory.F16)
     assert f16["activations"] * 2 == f32["activations"]

@@ -12,12 +12,12 @@ from ggwgpu.graph import topo_order
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import (Adapter, init_adapter, load_adapter, load_adapter_checkpoint,
                          lora_ranks, merge, save_adapter, save_adapter_checkpoint)
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
 from ggwgpu.quant import quantize_model
 from ggwgpu.tokenizer import ByteTokenizer
 from conftest import train_state
 
-TINY = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, n_rot=4)
+TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5, n_rot=4)
 BATCH = 2
 # every kind of target, two ranks, one block only: pairs on some weights, not on others
 RANKS = lora_ranks(TINY, r=2, ranks={"tok_embd": 3, "wk": 0, "ffn_down": 1}, layers=[1])
@@ -149,11 +149,11 @@ def test_an_adapter_file_round_trips_with_llama_cpp_shapes_and_keys(tmp_path):
 def test_adapter_files_are_validated_against_the_base(tmp_path):
     path = tmp_path / "adapter.gguf"
     save_adapter(path, trained_adapter(), TINY)
-    wider = LlamaConfig(n_vocab=11, n_embd=12, n_head=2, n_layer=2, n_ff=12, n_ctx=5)
+    wider = ModelConfig(n_vocab=11, n_embd=12, n_head=2, n_layer=2, n_ff=12, n_ctx=5)
     with pytest.raises(GGUFError, match=r"adapter\.gguf: LoRA pair of token_embd\.weight has "
                                         r"shapes"):
         load_adapter(path, wider)
-    shallow = LlamaConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
+    shallow = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     with pytest.raises(GGUFError, match=r"blk\.1\.attn_q\.weight\.lora_a adapts "
                                         r"blk\.1\.attn_q\.weight, which is not a matrix"):
         load_adapter(path, shallow)
@@ -162,7 +162,7 @@ def test_adapter_files_are_validated_against_the_base(tmp_path):
     with pytest.raises(GGUFError, match=r"output\.weight\.lora_a has no output\.weight\.lora_b"):
         save_adapter(tmp_path / "half.gguf", half, TINY)
     model = tmp_path / "model.gguf"
-    byte_cfg = LlamaConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=8, n_head=2, n_layer=1,
+    byte_cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=8, n_head=2, n_layer=1,
                            n_ff=8, n_ctx=4)
     gguf_llama.save_model(model, byte_cfg, init_parameters(byte_cfg), ByteTokenizer())
     with pytest.raises(GGUFError, match=r"model\.gguf: general\.type is 'model'"):
@@ -226,7 +226,7 @@ def test_the_decoder_applies_adapters_as_merging_them_does():
 
 
 def test_an_untrained_adapter_on_a_q4_0_base_decodes_as_the_base(wgpu):
-    cfg = LlamaConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=1, n_ff=64, n_ctx=6)
+    cfg = ModelConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=1, n_ff=64, n_ctx=6)
     base = quantize_model(init_parameters(cfg, seed=3), "q4_0")
     adapter = init_adapter(cfg, lora_ranks(cfg), 4.0)
     tokens = [1, 5, 9]
@@ -236,7 +236,7 @@ def test_an_untrained_adapter_on_a_q4_0_base_decodes_as_the_base(wgpu):
 
 # grouped-query attention with tied embeddings: K and V pairs are narrower than Q's, and a
 # pair on the output adapts token_embd read as the output matrix
-GQA_TIED = LlamaConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12,
+GQA_TIED = ModelConfig(n_vocab=11, n_embd=8, n_head=4, n_head_kv=2, n_layer=1, n_ff=12,
                        n_ctx=5, tied_embeddings=True)
 
 

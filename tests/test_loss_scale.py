@@ -12,7 +12,7 @@ from ggwgpu import checkpoint, data
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import MAX_SCALE, Trainer, TrainOptions, check_state
@@ -29,7 +29,7 @@ CONSTANT_LR = dict(batch=4, lr=3e-3, warmup=0, cos_decay_min=1.0)
 def make(backend, loss_scaler=None, lora=False, **options):
     """A tiny llama's trainer (with lora: a LoRA finetune of it)."""
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     o = TrainOptions(**{**CONSTANT_LR, **options})
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, o.batch, o.seed, tok.bos_id)
     adapter = init_adapter(cfg, lora_ranks(cfg, r=2), 4.0, seed=2) if lora else None
@@ -92,7 +92,7 @@ def old_formulation(t: Trainer):
     the updates, the moments by name)."""
     import ggwgpu as gg
     from ggwgpu import ops as O
-    from ggwgpu.models.llama import build_train_graph
+    from ggwgpu.models import build_train_graph
     from ggwgpu.train import clip_scale
     g = build_train_graph(t.cfg, init_parameters(t.cfg, seed=1), t.options.batch)
     seed, inv = ((gg.input_tensor(g.loss.shape), gg.input_tensor((1,))) if t.scaler
@@ -252,7 +252,7 @@ def loss_poisonable(monkeypatch, calls):
     import dataclasses
     import ggwgpu as gg
     from ggwgpu import train
-    from ggwgpu.models.llama import TrainGraph
+    from ggwgpu.models import TrainGraph
     poison, build, feeds = gg.input_tensor((1,), name="loss poison"), train.build_train_graph, \
         TrainGraph.feeds
     count = iter(range(10 ** 9))

@@ -15,7 +15,7 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import Decoder
 from ggwgpu.graph import build_backward, topo_order
 from ggwgpu.lora import init_adapter, lora_ranks
-from ggwgpu.models.llama import LlamaConfig, build_train_graph, init_parameters
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
 from ggwgpu.quant import quantize
 from ggwgpu.tensor import ShapeError
 from ggwgpu.testing import nmse
@@ -25,7 +25,7 @@ from ggwgpu.train import Trainer, TrainOptions
 from test_cli import invoke
 
 # a 1-layer llama with what published models have: GQA, tied embeddings, rope factors
-ONE_LAYER = LlamaConfig(n_vocab=96, n_embd=32, n_head=4, n_head_kv=2, n_layer=1, n_ff=48,
+ONE_LAYER = ModelConfig(n_vocab=96, n_embd=32, n_head=4, n_head_kv=2, n_layer=1, n_ff=48,
                         n_ctx=16, tied_embeddings=True, rope_freqs=True)
 # the same 256 wide, as block types need (rows of whole blocks)
 ONE_LAYER_256 = dataclasses.replace(ONE_LAYER, n_vocab=256, n_embd=256, n_head=4, n_ff=256,
@@ -136,7 +136,7 @@ TEXT = data.bundled_corpus()[:30000]
 
 def trainer(backend, precision, lora=False, base=None, steps_options=None):
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     o = TrainOptions(batch=4, lr=3e-3, warmup=5, precision=precision, **(steps_options or {}))
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, o.batch, o.seed, tok.bos_id)
     values = base or init_parameters(cfg, seed=1)
@@ -164,7 +164,7 @@ def test_f16_training_follows_f32_with_dynamic_loss_scaling(wgpu):
 def test_lora_on_a_frozen_base_follows_f32(wgpu, base_type):
     """A LoRA finetune on a base stored as halves (a published F16 file) or in blocks."""
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     base = {name: quantize(v, base_type) if v.ndim == 2 else v
             for name, v in init_parameters(cfg, seed=1).items()}
     t32 = trainer(wgpu, "f32", lora=True, base=base)

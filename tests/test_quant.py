@@ -15,8 +15,8 @@ from ggwgpu import gguf_file, gguf_llama, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
-from ggwgpu.models.llama import (ROPE_FREQS, LlamaConfig, attention, feed_forward,
-                                 init_parameters, output, project_qkv, weighted_rms_norm)
+from ggwgpu.models import ROPE_FREQS, ModelConfig, attention, init_parameters
+from ggwgpu.models.blocks import Sequence, output, rms_norm
 from ggwgpu.backends.wgpu_backend import shader_source
 from ggwgpu.quant import (QUANT_TYPES, QUANTIZABLE, TYPES, Quantized, dequantize, quantize,
                           quantize_model, random_blocks)
@@ -25,7 +25,7 @@ from ggwgpu_cli import main as cli_main
 
 NMSE = 1e-7     # kernel against NumPy: both products see the same dequantized values
 # n_embd and n_ff multiples of 32: every matrix is quantized; byte vocabulary as `train`
-TINY = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=64, n_head=2, n_layer=2, n_ff=96,
+TINY = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=64, n_head=2, n_layer=2, n_ff=96,
                    n_ctx=8)
 
 
@@ -179,18 +179,20 @@ def test_embeddings_from_a_quantized_table(request, on):
 
 
 def llama_forward(cfg, leaves: dict, batch: int):
-    """The training forward of models/llama.py over given leaves (params or constants)."""
+    """The training forward of models/transformer.py over given leaves (params or
+    constants): the family's blocks over one unpacked batch."""
     tokens = gg.input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     positions = gg.input_tensor((cfg.n_ctx,), "i32", name="positions")
     targets = gg.input_tensor((batch * cfg.n_ctx,), "i32", name="targets")
+
+    def attend(i, q, k, v, scale, window):
+        out = attention(cfg, q, k, v, False, scale=scale)
+        return gg.reshape(gg.cont(out), (batch, cfg.n_ctx, cfg.q_dim))
+    seq = Sequence((batch, cfg.n_ctx), positions, attend)
     x = gg.get_rows(leaves["token_embd.weight"], tokens)
     for i in range(cfg.n_layer):
-        b = f"blk.{i}."
-        q, k, v = project_qkv(cfg, leaves, b, x, (batch, cfg.n_ctx), positions)
-        att = gg.reshape(gg.cont(attention(cfg, q, k, v, False)), (batch, cfg.n_ctx, cfg.q_dim))
-        x = feed_forward(cfg, leaves, b, gg.add(x, gg.mul_mat(leaves[b + "attn_output.weight"],
-                                                               att)))
-    logits = output(leaves, weighted_rms_norm(cfg, x, leaves["output_norm.weight"]))
+        x = cfg.family.block(cfg, leaves, i, x, seq)
+    logits = output(cfg, leaves, rms_norm(cfg, x, leaves["output_norm.weight"]))
     weights = gg.constant(np.full(batch * cfg.n_ctx, 1 / (batch * cfg.n_ctx), np.float32))
     loss = gg.cross_entropy_ids(gg.reshape(logits, (batch * cfg.n_ctx, cfg.n_vocab)), targets,
                                 weights)
@@ -286,7 +288,7 @@ def write_llama(path, cfg, tensors: dict):
 
 # a published model's shape (grouped-query attention, tied embeddings, Llama 3 rope factors)
 # with rows of 256 values: every matrix can take every type
-WIDE = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=4, n_head_kv=2,
+WIDE = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=4, n_head_kv=2,
                    n_layer=2, n_ff=256, n_ctx=8, tied_embeddings=True, rope_freqs=True,
                    rope_freq_base=500000.0)
 
@@ -338,7 +340,7 @@ def test_a_gguf_file_mixing_every_type_loads_each_in_its_type(wgpu, tmp_path):
 
 
 def test_unsupported_tensor_types_are_named(tmp_path):
-    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=32, n_head=2, n_layer=1, n_ff=32,
+    cfg = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=32, n_head=2, n_layer=1, n_ff=32,
                       n_ctx=4)
     path = tmp_path / "iq4.gguf"
     tensors = dict(init_parameters(cfg))
@@ -468,7 +470,7 @@ def test_a_tied_llama_whose_embedding_is_over_the_binding_limit_gives_the_same_n
     """The tied embedding (259 x 256) is read by get_rows_q, by the output projection
     (mul_mat_q) and, for the gradients, by mul_mat_q_back; under a binding limit of a
     quarter of it plus a little, it and every other matrix are bound in ranges."""
-    cfg = LlamaConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=2, n_layer=1,
+    cfg = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=256, n_head=2, n_layer=1,
                       n_ff=256, n_ctx=8, tied_embeddings=True)
     values = quantize_model(init_parameters(cfg, seed=4), dtype)
     embd = values["token_embd.weight"]

@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from ggwgpu import data, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models.llama import LlamaConfig, init_parameters
+from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu.train import Trainer, TrainOptions, schedule
@@ -23,7 +23,7 @@ TEXT = data.bundled_corpus()[:20000]
 
 def trainer(backend, steps=0, options=None, **state):
     tok = ByteTokenizer()
-    cfg = LlamaConfig(n_vocab=tok.n_vocab, **TINY)
+    cfg = ModelConfig(n_vocab=tok.n_vocab, **TINY)
     options = options or TrainOptions(batch=4, lr=3e-3, warmup=5)
     samples = data.Samples(tok.encode(TEXT), cfg.n_ctx, options.batch, options.seed, tok.bos_id)
     if "data" in state:

@@ -92,7 +92,7 @@ def get_backend(name: str | None = None) -> Backend:
 
 
 def precision_for(backend, choice: str = "auto") -> str:
-    """The element type of a graph's activations on `backend` (models/llama.py
+    """The element type of a graph's activations on `backend` (models/transformer.py
     model_weights): "f32" or "f16" as asked, or for "auto" f16 where the device runs f16
     kernels (a wgpu adapter with shader-f16) and f32 elsewhere; the NumPy backend stores f16
     tensors as halves too, so f16 there is for comparing with a device, never chosen by auto.

@@ -1,1 +1,27 @@
-"""Model graphs built from the registered ops."""
+"""Model families, one module each (llama.cpp's src/models/<arch>.cpp), built from the pieces
+of blocks.py on the base block of family.py; transformer.py makes their graphs.
+
+FAMILIES maps llama.cpp's general.architecture to its family."""
+from . import llama, qwen2, qwen3
+
+FAMILIES = {m.FAMILY.arch: m.FAMILY for m in (llama, qwen2, qwen3)}
+
+
+def arch_list() -> str:
+    """The archs ggwgpu reads, for messages: "'llama', 'qwen2' and 'qwen3'"."""
+    names = [repr(a) for a in FAMILIES]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+from .blocks import LORA, LORA_A, LORA_B, OUTPUT, ROPE_FREQS, TOKEN_EMBD, attention  # noqa: E402
+from .config import ModelConfig  # noqa: E402
+from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, DecodeGraph,  # noqa: E402
+                          TrainGraph, build_decode_graph, build_train_graph, half_values,
+                          init_parameters, matrix_shapes, model_weights, packed_inputs,
+                          parameter_shapes)
+
+__all__ = ["FAMILIES", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph", "build_train_graph",
+           "build_decode_graph", "init_parameters", "parameter_shapes", "matrix_shapes",
+           "model_weights", "half_values", "packed_inputs", "attention", "FROZEN",
+           "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT", "ROPE_FREQS",
+           "TOKEN_EMBD"]

@@ -338,7 +338,7 @@ cross_entropy_loss_back = register(
 # Training targets are token ids, not probability rows: no one-hot of batch x n_vocab floats
 # to upload. A row weight input w makes the mean: the caller puts 1 / (counted rows of the
 # whole batch) on counted rows, so a batch split into row chunks still averages over all of
-# it (ggwgpu.models.llama.TrainGraph.feeds). Ignored rows (negative id) give 0 and a zero
+# it (ggwgpu.models.TrainGraph.feeds). Ignored rows (negative id) give 0 and a zero
 # gradient whatever their weight and logits.
 
 def check_ce_ids(srcs):

@@ -1,0 +1,136 @@
+"""The pieces model families are built from, as llama.cpp builds its graphs (build_norm,
+build_lora_mm, build_attn, build_ffn): weights with their LoRA pairs, norms, rope,
+attention over a `Sequence` (a training batch or a decoder's run), gated feed-forwards, the
+token embedding and the output projection.
+
+Parameter names are llama.cpp's GGUF tensor names; `p` maps each to its leaf (models.weights).
+Shapes in NumPy order: a weight that maps n_in features to n_out is stored (n_out, n_in), as
+GGUF stores it (ne0 = n_in).
+
+LoRA (llama.cpp's build_lora_mm and token-embedding LoRA): an adapter adds to a weight W
+(n_out, n_in) a pair lora_a (r, n_in), lora_b (n_out, r), and the layer computes
+W x + scale * B (A x), scale = alpha / r. The token embedding E (n_vocab, n_embd) is the
+exception: lora_a (n_vocab, r) is a table read with get_rows and lora_b is (n_embd, r), so its
+rows become E[t] + scale * B A[t]. p[name + LORA] lists the pairs (a, b, scale) on `name`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .. import ops as O
+
+TOKEN_EMBD = "token_embd.weight"
+OUTPUT = "output.weight"
+OUTPUT_NORM = "output_norm.weight"
+ROPE_FREQS = "rope_freqs.weight"
+LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffix (llama.cpp)
+LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
+
+
+def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
+    """`residual` + alpha * (x times weight `name` (mul_mat), plus scale * B (A x) for each
+    LoRA pair on it), as llama.cpp sums it; no residual: just the scaled product. The sums
+    are the products' epilogues (mul_mat_acc): B's product scales and adds; a float weight's
+    product adds the residual (a frozen block-type weight's kernel has no epilogue: a scale
+    and an add do)."""
+    w = p[name]
+    pairs = p.get(name + LORA, ())
+    if w.is_quantized:
+        y = O.mul_mat(w, x)
+        for a, b, scale in pairs:
+            y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale)
+        y = y if alpha == 1.0 else O.scale(y, alpha)
+        return y if residual is None else O.add(residual, y)
+    fused = residual is not None and residual.shape == x.shape[:-1] + w.shape[:1]
+    y = O.mul_mat_acc(w, x, residual, alpha) if fused else O.mul_mat(w, x, alpha)
+    for a, b, scale in pairs:
+        y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale * alpha)
+    return y if residual is None or fused else O.add(residual, y)
+
+
+def rms_norm(cfg, x, weight):
+    """rms_norm(x) * weight over x's last dim (one fused op): llama.cpp's LLM_NORM_RMS."""
+    return O.rms_norm_mul(x, weight, cfg.norm_eps)
+
+
+def embed(p: dict, tokens, precision: str = "f32", scale: float = 1.0):
+    """The token embeddings of `tokens`, plus scale * B A[t] for each LoRA pair on them, in
+    `precision` (rows of a block-type table come out f32: an f16 graph casts them), times
+    `scale` (gemma3's sqrt(n_embd), granite's embedding_scale)."""
+    x = O.get_rows(p[TOKEN_EMBD], tokens)
+    if x.dtype != precision:
+        x = O.cast(x, precision)
+    for a, b, s in p.get(TOKEN_EMBD + LORA, ()):
+        x = O.mul_mat_acc(b, O.get_rows(a, tokens), x, s)
+    return x if scale == 1.0 else O.scale(x, scale)
+
+
+def output(cfg, p: dict, x):
+    """The logits of x (after the final norm): the output matrix, or with tied embeddings
+    the token embedding (as llama.cpp does; LoRA pairs on output.weight apply either way),
+    divided by logit_scale (granite) and soft-capped (final_logit_softcap, gemma)."""
+    leaves = p if OUTPUT in p else {**p, OUTPUT: p[TOKEN_EMBD]}
+    cap = cfg.final_logit_softcap
+    y = linear(leaves, OUTPUT, x, alpha=1.0 / cfg.logit_scale / (cap or 1.0))
+    return O.scale(O.tanh(y), cap) if cap else y
+
+
+def rope(cfg, p: dict, x, positions, freq_base: float | None = None):
+    """llama.cpp's rope of the family (mode normal: adjacent pairs, as its converter stores a
+    llama's Q and K; neox: pairs (k, k + n_rot / 2)) at base `freq_base` (default the
+    model's), with Llama 3's per-pair frequency factors when the model has them."""
+    args = (cfg.rot, cfg.rope_mode, freq_base or cfg.rope_freq_base, cfg.rope_freq_scale)
+    if ROPE_FREQS in p:
+        return O.rope_ff(x, positions, p[ROPE_FREQS], *args)
+    return O.rope(x, positions, *args)
+
+
+@dataclass
+class Sequence:
+    """The tokens a block's attention sees: a training batch or one run of a decoder.
+    q, k and v are made with leading shape `lead` (the rows rope takes, one `positions`
+    entry each); `attend(layer, q, k, v, scale, window)` gives attention's output, one row
+    of q_dim per token, shaped as the block's input rows."""
+    lead: tuple
+    positions: object
+    attend: Callable
+
+
+def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):
+    """Causal self-attention of q (batch, n_ctx, n_head, head_dim) over k, v (batch, n_ctx,
+    n_head_kv, head_dim): query head h reads K/V head h // (n_head / n_head_kv), which is how
+    mul_mat and flash_attn broadcast the narrower operand (grouped-query attention). A
+    `mask` (f32, 0 or -inf; (n_ctx, n_ctx) or (batch, 1, n_ctx, n_ctx)) replaces the
+    causal rule and is added to the scores (document masks of packed rows, sliding
+    windows). The scores are scaled by `scale` (default 1/sqrt(head_dim))."""
+    q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
+    scale = 1.0 / np.sqrt(cfg.head_dim) if scale is None else scale
+    if flash:
+        out = (O.flash_attn(q, k, v, scale, True) if mask is None
+               else O.flash_attn_ext(q, k, v, mask, scale))
+    else:
+        if mask is None:    # the scale in the product's epilogue
+            kq = O.mul_mat(k, q, scale)                           # (batch, head, q, k)
+            probs = O.soft_max(O.diag_mask_inf(kq, 0), 1.0)
+        else:
+            probs = O.soft_max_ext(O.mul_mat(k, q), mask, scale)
+        out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
+    return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
+
+
+def split_heads(t, lead, heads: int, head_dim: int):
+    """Rows of heads * head_dim features -> (*lead, heads, head_dim)."""
+    return O.reshape(t, (*lead, heads, head_dim))
+
+
+def swiglu(p: dict, b: str, h):
+    """llama's feed-forward of block `b` on h: ffn_down(silu(ffn_gate h) * ffn_up h)."""
+    return O.swiglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
+
+
+def geglu(p: dict, b: str, h):
+    """Gemma's feed-forward gate on h: gelu(ffn_gate h) * ffn_up h (gelu with tanh)."""
+    return O.geglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))

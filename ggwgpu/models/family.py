@@ -1,0 +1,127 @@
+"""A model family: what llama.cpp's src/models/<arch>.cpp and its tensor and key tables say
+about one general.architecture, as a short description the graph builders, files, LoRA and
+the memory estimate read.
+
+The base class is the pre-norm transformer block most families share, llama's:
+
+    x = x + attn_output(attention(rope(q), rope(k), v))     q, k, v from attn_norm(x)
+    x = x + ffn_down(gate(ffn_gate h, ffn_up h))            h = ffn_norm(x)
+
+and a family states how it differs: Q/K/V biases, per-head Q/K norms, norms after each
+branch (sandwich), a GeGLU gate, layers without rope or with a sliding window, scales.
+A family whose blocks are not attention (short convolutions, linear attention) overrides
+`block_shapes` and `block`.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from . import blocks as B
+
+
+class Family:
+    arch = "llama"
+    rope_mode = "normal"      # llama.cpp's rope type of the arch: "normal" or "neox"
+    qkv_bias = False          # attn_q/k/v.bias added to the products, before rope (qwen2)
+    qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
+    post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
+    gate = staticmethod(B.swiglu)     # the feed-forward's gate: B.swiglu or B.geglu
+    # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
+    # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
+    keys: dict = {}
+    # Tensors outside the blocks that are never trained, even in a full finetune.
+    frozen = (B.ROPE_FREQS,)
+
+    def __repr__(self):
+        return f"<family {self.arch}>"
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def shapes(self, cfg) -> dict[str, tuple[int, ...]]:
+        """Every tensor of the model, GGUF name -> shape (NumPy order), in file order."""
+        shapes = {B.TOKEN_EMBD: (cfg.n_vocab, cfg.n_embd)}
+        if cfg.rope_freqs:
+            shapes[B.ROPE_FREQS] = (cfg.rot // 2,)
+        for i in range(cfg.n_layer):
+            shapes.update({f"blk.{i}.{n}": s for n, s in self.block_shapes(cfg, i).items()})
+        shapes[B.OUTPUT_NORM] = (cfg.n_embd,)
+        if not cfg.tied_embeddings:
+            shapes[B.OUTPUT] = (cfg.n_vocab, cfg.n_embd)
+        return shapes
+
+    def block_shapes(self, cfg, i: int) -> dict[str, tuple[int, ...]]:
+        """The tensors of block i, name within the block ("attn_q.weight") -> shape."""
+        e, f, q, kv, hd = cfg.n_embd, cfg.n_ff, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+        shapes = {"attn_norm.weight": (e,), "attn_q.weight": (q, e), "attn_k.weight": (kv, e),
+                  "attn_v.weight": (kv, e), "attn_output.weight": (e, q)}
+        if self.qkv_bias:
+            shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+        if self.qk_norm:
+            shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
+        if self.post_norms:
+            shapes["post_attention_norm.weight"] = (e,)
+        shapes.update({"ffn_norm.weight": (e,), "ffn_gate.weight": (f, e),
+                       "ffn_down.weight": (e, f), "ffn_up.weight": (f, e)})
+        if self.post_norms:
+            shapes["post_ffw_norm.weight"] = (e,)
+        return shapes
+
+    # -- per-layer rules -------------------------------------------------------------------
+
+    def ropes(self, cfg, i: int) -> bool:
+        """Whether layer i ropes its Q and K."""
+        return True
+
+    def window(self, cfg, i: int) -> int:
+        """Layer i's sliding window (0: it attends to every earlier position)."""
+        return 0
+
+    def freq_base(self, cfg, i: int) -> float:
+        """Layer i's rope base."""
+        return cfg.rope_freq_base
+
+    def attention_scale(self, cfg) -> float:
+        """The scale of the attention scores (llama.cpp's kq_scale)."""
+        return cfg.attention_scale or 1.0 / np.sqrt(cfg.head_dim)
+
+    def input_scale(self, cfg) -> float:
+        """What the token embeddings are multiplied by before the first block."""
+        return cfg.embedding_scale
+
+    # -- the graph -------------------------------------------------------------------------
+
+    def block(self, cfg, p: dict, i: int, x, seq: B.Sequence):
+        """Block i applied to x (rows of n_embd)."""
+        b = f"blk.{i}."
+        att = self.attend(cfg, p, i, B.rms_norm(cfg, x, p[b + "attn_norm.weight"]), seq)
+        x = self.residual(cfg, p, b, "attn_output.weight", att, x, "post_attention_norm.weight")
+        gated = self.gate(p, b, B.rms_norm(cfg, x, p[b + "ffn_norm.weight"]))
+        return self.residual(cfg, p, b, "ffn_down.weight", gated, x, "post_ffw_norm.weight")
+
+    def residual(self, cfg, p: dict, b: str, weight: str, h, x, post_norm: str):
+        """x + block b's branch: its `weight` times h (times residual_scale), or with
+        post_norms that product's `post_norm`."""
+        if not self.post_norms:
+            return B.linear(p, b + weight, h, residual=x, alpha=cfg.residual_scale)
+        return O.add(x, B.rms_norm(cfg, B.linear(p, b + weight, h), p[b + post_norm]))
+
+    def attend(self, cfg, p: dict, i: int, h, seq: B.Sequence):
+        """Self-attention of block i on h (its attn_norm): q, k, v projected, split into
+        heads, biased, normed and roped as the family does, attended over `seq`."""
+        b = f"blk.{i}."
+
+        def project(n, heads):
+            y = B.linear(p, b + f"attn_{n}.weight", h)
+            if self.qkv_bias:
+                y = O.add(y, p[b + f"attn_{n}.bias"])
+            y = B.split_heads(y, seq.lead, heads, cfg.head_dim)
+            if self.qk_norm and n != "v":
+                y = B.rms_norm(cfg, y, p[b + f"attn_{n}_norm.weight"])
+            if n != "v" and self.ropes(cfg, i):
+                y = B.rope(cfg, p, y, seq.positions, self.freq_base(cfg, i))
+            return y
+        q, k, v = (project(n, heads)
+                   for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
+        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
+

@@ -1,0 +1,428 @@
+"""The graphs of a model of any family (models.family): the training forward with its loss,
+and inference with a KV cache (ggwgpu.generate runs and samples it). Token embedding,
+n_layer blocks of the family, a final rms_norm and the output matrix.
+
+build_train_graph is the training forward with its loss; build_decode_graph is the same
+model for inference with a KV cache. Both take adapters (ggwgpu.lora.Adapter); with
+train="lora" only the adapter's pairs are params and the base is frozen (constants, which may
+be in a block type: ggwgpu.quant).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import ops as O
+from ..quant import Quantized
+from ..tensor import ShapeError, constant, input_tensor, param
+from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, OUTPUT_NORM, TOKEN_EMBD, Sequence,
+                     attention, embed, output, rms_norm)
+from .config import ModelConfig
+
+# values that are never trained, even in a full finetune: rope frequency factors
+FROZEN = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+PRECISIONS = ("f32", "f16")  # the element type of activations (model_weights)
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model, GGUF name -> shape (NumPy order), in file order."""
+    return cfg.family.shapes(cfg)
+
+
+def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """The matrices a LoRA pair can adapt, name -> (n_out, n_in), in file order: every 2-D
+    weight, and output.weight also when the embeddings are tied (token_embd read as the
+    output matrix: a pair on it adapts the output projection alone)."""
+    shapes = {n: s for n, s in parameter_shapes(cfg).items() if len(s) == 2}
+    shapes.setdefault(OUTPUT, (cfg.n_vocab, cfg.n_embd))
+    return shapes
+
+
+def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """train-text-from-scratch's initialisation for matrices: normal(0, 1) clamped to
+    [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1, biases at 0."""
+    rng = np.random.default_rng(seed)
+    values = {}
+    for name, shape in parameter_shapes(cfg).items():
+        if name.endswith(".bias"):
+            values[name] = np.zeros(shape, np.float32)
+        elif len(shape) == 1:
+            values[name] = np.ones(shape, np.float32)
+        else:
+            w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
+            values[name] = w.astype(np.float32)
+    return values
+
+
+
+def model_weights(values: dict, adapters=(), train: str | None = "base",
+                  precision: str = "f32"):
+    """The leaves of a model's weights, as the graph builders read them, and its params.
+
+    `values` (GGUF name -> float array, or a frozen `Quantized`) become params when
+    train == "base", else constants. Each adapter (`tensors`: <name>.lora_a/.lora_b -> array,
+    `scale(name)`) puts its pair for weight `name` in p[name + LORA]: params named as the
+    adapter's tensors when train == "lora" (one adapter), else constants. train=None freezes
+    everything. Returns (p, {name: param}).
+
+    precision "f16": the builders read every float weight as halves, so the whole graph
+    computes on f16 activations (the dtype rule of ops/registry.py): a param stays an f32
+    master that a cast feeds to the graph (its gradient comes back as f32 through the
+    cast), a frozen float array becomes an f16 constant; block-type weights stay as they
+    are (their kernels take f16 activations), and so do the rope frequency factors."""
+    if train not in ("base", "lora", None):
+        raise ValueError(f"train must be 'base', 'lora' or None, got {train!r}")
+    if train == "lora" and len(adapters) != 1:
+        raise ValueError(f"a LoRA finetune trains one adapter, got {len(adapters)}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    params = {}
+
+    def leaf(value, name, trained):
+        half = precision == "f16" and name not in FROZEN
+        if not trained:
+            if half and not isinstance(value, Quantized):
+                return constant(value, "f16", name=name)
+            return constant(value, name=name)
+        params[name] = param(value, name=name)
+        return O.cast(params[name], "f16") if half else params[name]
+
+    p = {name: leaf(v, name, train == "base" and name not in FROZEN)
+         for name, v in values.items()}
+    for adapter in adapters:
+        for name in adapter.tensors:
+            if name.endswith(LORA_A):
+                base = name[:-len(LORA_A)]
+                pair = (leaf(adapter.tensors[name], name, train == "lora"),
+                        leaf(adapter.tensors[base + LORA_B], base + LORA_B, train == "lora"),
+                        adapter.scale(base))
+                p.setdefault(base + LORA, []).append(pair)
+    return p, params
+
+
+def half_values(values: dict) -> dict:
+    """`values` with each float array that an f16 graph reads as halves (model_weights)
+    converted to float16 once: graphs built from the result share those arrays, and so
+    their constants' storage on a backend (base.SharedConstants)."""
+    return {name: v if isinstance(v, Quantized) or name in FROZEN else np.asarray(v, np.float16)
+            for name, v in values.items()}
+
+
+MAX_LOGITS_BYTES = 128 << 20   # WebGPU's default (and lavapipe's) max storage binding
+
+
+@dataclass
+class TrainGraph:
+    tokens: object            # i32 input (batch, n_ctx)
+    positions: object         # i32 input (n_ctx,), or packed (batch, n_ctx)
+    targets: object           # i32 input (batch, n_ctx): target ids, negative ones ignored
+    weights: object           # f32 input (batch, n_ctx): 1 / counted targets, 0 on ignored
+    logits: list              # row chunks of the (batch * n_ctx, n_vocab) logits, in order
+    loss: object              # (1,): mean cross-entropy per counted target, in nats
+    params: dict              # name -> param tensor (the adapter's tensors in a LoRA finetune)
+    checkpoints: list         # each block's output, for gradient checkpointing
+    recompute: list           # what the backward recomputes (build_backward's recompute): the
+                              # logits chunks' nodes, when there is more than one chunk
+    mask: object = None       # packed: f32 input (batch, 1, n_ctx, n_ctx), 0 where a query
+                              # sees a key, -inf elsewhere
+    window: int = 0           # the sliding window of the layers that have one (0: none)
+    window_mask: object = None  # packed with a window: the mask of those layers, as `mask`
+
+    @property
+    def packed(self) -> bool:
+        """Whether a row holds several sequences (positions and mask are per batch)."""
+        return self.mask is not None
+
+    def feeds(self, tokens, targets, segments=None, counted: int | None = None) -> dict:
+        """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
+        negative target id leaves its position out of the loss and of the mean. `counted`
+        is the number of targets the mean divides by, when the batch is a rank's part of a
+        larger one (default: the counted targets of this batch). A packed
+        graph also takes `segments` (batch, n_ctx): which sequence of its row each position
+        belongs to (`packed_inputs`), from which the positions and the mask are made; an
+        unpacked one takes none (its positions are 0 .. n_ctx - 1, written once)."""
+        if (segments is None) == self.packed:
+            raise ValueError("a packed training graph needs the segments of its rows"
+                             if self.packed else "segments need a packed training graph "
+                             "(build_train_graph(..., packed=True))")
+        targets = np.asarray(targets, np.int32).reshape(self.targets.shape)
+        n_vocab = self.logits[0].shape[-1]
+        if (targets >= n_vocab).any():
+            raise ValueError(f"target id {int(targets.max())} out of range for a vocabulary "
+                             f"of {n_vocab}")
+        mask = targets >= 0
+        counted = int(mask.sum()) if counted is None else counted
+        weights = np.where(mask, np.float32(1.0 / max(1, counted)), 0)
+        feeds = {self.tokens: np.asarray(tokens, np.int32), self.targets: targets,
+                 self.weights: weights.astype(np.float32)}
+        if segments is not None:
+            segments = np.reshape(segments, self.targets.shape)
+            positions, mask = packed_inputs(segments)
+            feeds.update({self.positions: positions, self.mask: mask})
+            if self.window_mask is not None:
+                feeds[self.window_mask] = packed_inputs(segments, self.window)[1]
+        return feeds
+
+    def read_logits(self, plan) -> np.ndarray:
+        """The logits (batch, n_ctx, n_vocab), from a plan with every chunk among its
+        outputs (plan(graph.logits))."""
+        rows = np.concatenate([plan.read(t) for t in self.logits])
+        return rows.reshape(self.tokens.shape + rows.shape[-1:])
+
+
+def packed_inputs(segments, window: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """The positions (batch, n_ctx) i32 and the additive attention mask (batch, 1, n_ctx,
+    n_ctx) f32 of rows that hold several sequences, one after another: `segments` (batch,
+    n_ctx) gives each position's sequence, a run of equal values. Each run's positions start
+    at 0, and query i sees key j (mask 0, else -inf) when both are in one run and j <= i,
+    so no sequence attends to another (llama.cpp's batch of several sequences); with a
+    sliding `window`, also only when i - j < window."""
+    segments = np.asarray(segments)
+    n = segments.shape[-1]
+    starts = np.ones(segments.shape, bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    run = np.cumsum(starts, axis=1)                       # the run of each position
+    at = np.arange(n)
+    first = np.maximum.accumulate(np.where(starts, at, 0), axis=1)
+    seen = (run[:, :, None] == run[:, None, :]) & causal(n, window)
+    return (at - first).astype(np.int32), additive(seen)[:, None]
+
+
+def layers_window(cfg: ModelConfig) -> int:
+    """The sliding window of the layers that have one (0: no layer has); the graphs make
+    one mask for them, so every such layer must have the same."""
+    windows = {cfg.family.window(cfg, i) for i in range(cfg.n_layer)} - {0}
+    if len(windows) > 1:
+        raise ShapeError(f"layers of {len(windows)} different sliding windows")
+    return windows.pop() if windows else 0
+
+
+def causal(n: int, window: int = 0, past: int = 0) -> np.ndarray:
+    """(n, past + n) bool: whether query i (at position past + i) sees key j: j <= past + i,
+    and with a sliding window past + i - j < window (llama.cpp's is_masked_swa)."""
+    ahead = (past + np.arange(n))[:, None] - np.arange(past + n)[None, :]
+    return (ahead >= 0) & ((ahead < window) if window else True)
+
+
+def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = False,
+                      lora=None, adapters=(), frozen: bool = False,
+                      max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False,
+                      precision: str = "f32"):
+    """The forward graph of one training batch with its cross-entropy loss. With `lora`
+    (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
+    tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
+    (a loss to evaluate, not to train) constants, with `adapters`' pairs added.
+
+    The output projection and the loss run in row chunks of at most `max_logits_bytes` of
+    f32 logits each (f16 chunks take as many rows, so halves halve them too; a vocabulary
+    of 49k-128k makes batch * n_ctx rows of logits larger than a device binds, and than the
+    rest of a small model's step). With more than one chunk the
+    backward recomputes each chunk's logits (TrainGraph.recompute: one more output product
+    per step) instead of keeping them all, so one chunk's logits and their gradient live at
+    a time. The planner frees a chunk's logits gradient and its share of the output weight's
+    gradient at once only when the chunk has at least n_embd rows (the share then costs
+    less than the gradient it frees): so when the bound is at least twice the output weight
+    (chunks have at least half the rows the bound allows). Feed a batch with
+    TrainGraph.feeds.
+
+    `packed`: a row holds several sequences (examples packed one after another), each at
+    positions from 0 and attending to itself only: positions become an input per row
+    (batch, n_ctx), roped as one run of batch * n_ctx tokens (as llama.cpp ropes a batch of
+    several sequences), and an additive mask input (TrainGraph.mask) replaces the causal
+    one (soft_max_ext, or with flash flash_attn_ext).
+
+    `precision` "f16": activations, logits and the attention mask are halves, the loss f32
+    (model_weights says how the weights get there); the backward's gradients then have
+    their tensors' types, so the params' come back f32."""
+    if lora is not None:
+        p, params = model_weights(values, (lora,), "lora", precision)
+    else:
+        p, params = model_weights(values, adapters, None if frozen else "base", precision)
+    tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
+    targets = input_tensor((batch, cfg.n_ctx), "i32", name="targets")
+    weights = input_tensor((batch, cfg.n_ctx), name="target weights")
+    family, n, window = cfg.family, cfg.n_ctx, layers_window(cfg)
+    mask = window_mask = None
+    if packed:
+        positions = input_tensor((batch, n), "i32", name="positions")
+        mask = input_tensor((batch, 1, n, n), precision, name="attention mask")
+        if window:
+            window_mask = input_tensor((batch, 1, n, n), precision, name="window mask")
+        seq_positions, lead = O.reshape(positions, (batch * n,)), (batch * n,)
+    else:
+        positions = input_tensor((n,), "i32", name="positions")
+        if window:
+            window_mask = constant(additive(causal(n, window)), precision, name="window mask")
+        seq_positions, lead = positions, (batch, n)
+
+    def attend(i, q, k, v, scale, layer_window):
+        if packed:  # roped as one run of tokens, each at its own position; back to rows
+            q, k, v = (O.reshape(t, (batch, n) + t.shape[1:]) for t in (q, k, v))
+        out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
+        return O.reshape(O.cont(out), (batch, n, cfg.q_dim))
+
+    seq = Sequence(lead, seq_positions, attend)
+    x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
+    checkpoints = []
+    for i in range(cfg.n_layer):
+        x = family.block(cfg, p, i, x, seq)
+        checkpoints.append(x)
+    rows = batch * n
+    h = O.reshape(rms_norm(cfg, x, p[OUTPUT_NORM]), (rows, cfg.n_embd))
+    ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
+    logits, loss, recompute = [], None, []
+    for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
+        if n < rows:
+            part = (O.view(h, (n, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
+                    O.view(ids, (n,), (1,), start), O.view(w, (n,), (1,), start))
+            logits.append(output(cfg, p, part[0]))
+            # kept for the backward, every chunk's logits would be alive at once
+            recompute += nodes_between(part[0], logits[-1])
+        else:
+            part = (h, ids, w)
+            logits.append(output(cfg, p, h))
+        term = O.cross_entropy_ids(logits[-1], *part[1:])
+        # (term, loss), not (loss, term): the backward then adds the output weight's
+        # gradient chunk by chunk in the order the planner computes the chunks, so each
+        # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
+        loss = term if loss is None else O.add(term, loss)
+    return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
+                      recompute, mask, window, window_mask)
+
+
+def additive(seen: np.ndarray) -> np.ndarray:
+    """The attention mask of `seen` (where a query sees a key): 0 there, -inf elsewhere."""
+    return np.where(seen, np.float32(0), np.float32(-np.inf))
+
+
+def nodes_between(x, y) -> list:
+    """The nodes that compute y from x: y's sources back to x, stopping at leaves (the
+    weights; LoRA pairs on the output add their products)."""
+    found, todo = {}, [y]
+    while todo:
+        t = todo.pop()
+        if t is not x and t.op is not None and id(t) not in found:
+            found[id(t)] = t
+            todo += t.srcs
+    return list(found.values())
+
+
+def row_chunks(rows: int, most: int) -> list[tuple[int, int]]:
+    """(start, length) of the fewest chunks of at most `most` rows, lengths within one."""
+    n = -(-rows // most)
+    return [(i * rows // n, (i + 1) * rows // n - i * rows // n) for i in range(n)]
+
+
+@dataclass
+class DecodeGraph:
+    """The graph of `build_decode_graph`; `feeds(tokens, past)` gives its per-run inputs."""
+    n_tokens: int             # tokens per run (a run may use fewer: the rest is padding)
+    max_ctx: int              # cache rows: positions 0 .. max_ctx - 1
+    tokens: object            # i32 input (n_tokens,)
+    positions: object         # i32 input (n_tokens,)
+    slots: object             # i32 input (max_ctx,): the row of [new | cache] each cache row takes
+    mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
+    last: object              # i32 input (1,): the token whose logits are computed
+    logits: object            # (1, n_vocab): the logits of token `last`
+    kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, kv_dim)
+    params: dict              # name -> weight leaf (frozen constants)
+    window: int = 0           # the sliding window of the layers that have one (0: none)
+    window_mask: object = None  # with a window: those layers' mask input, as `mask`
+
+    def feeds(self, tokens, past: int) -> dict:
+        """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
+        past + 1, ... to a cache holding positions 0 .. past - 1; returns the logits of the
+        last of them."""
+        tokens = np.asarray(tokens, np.int32).reshape(-1)
+        n, past = len(tokens), int(past)
+        if not 1 <= n <= self.n_tokens:
+            raise ShapeError(f"a run takes 1 to {self.n_tokens} tokens, got {n}")
+        if past < 0 or past + n > self.max_ctx:
+            raise ShapeError(f"positions {past} .. {past + n - 1} do not fit a cache of "
+                             f"{self.max_ctx}")
+        ids = np.zeros(self.n_tokens, np.int32)
+        ids[:n] = tokens
+        rows = np.arange(self.n_tokens)
+        slots = np.arange(self.max_ctx, dtype=np.int32) + self.n_tokens   # keep every row ...
+        slots[past:past + n] = rows[:n]                                   # ... but the new ones
+        ahead = (past + rows)[:, None] - np.arange(self.max_ctx)[None, :]
+        feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
+                 self.slots: slots, self.mask: additive(ahead >= 0),
+                 self.last: np.array([n - 1], np.int32)}
+        if self.window_mask is not None:
+            feeds[self.window_mask] = additive((ahead >= 0) & (ahead < self.window))
+        return feeds
+
+
+def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
+                       name: str = "kv cache", adapters=(), precision: str = "f32") -> DecodeGraph:
+    """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
+    gives the logits of one of them. Plan it once (one graph of n_tokens = max_ctx for
+    prompts, one of n_tokens = 1 for each sampled token) and run it per step.
+
+    The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
+    V of positions 0 .. max_ctx - 1, one row of kv_dim (n_head_kv * head_dim) each, after
+    n_tokens rows of scratch:
+        kv[2 * layer + (0 for K, 1 for V)] = [n_tokens new rows | max_ctx cache rows]
+
+    Writing the new rows at position `past` is the catch: a view's offset is fixed when the
+    graph is built, but `past` changes every run. So a run writes its new K/V rows to the
+    fixed scratch rows (cpy into a static view), then rebuilds the cache rows with get_rows
+    over [scratch | cache] through the i32 input `slots` (slot r = r + n_tokens keeps cache
+    row r, slot i < n_tokens takes new row i), and cpy writes that back over the cache rows.
+    Every run thus copies the whole cache twice (2 * max_ctx * kv_dim floats per layer, for K
+    and V) and attends to all max_ctx rows, with a mask input (-inf on rows past a query's
+    position) through soft_max_ext instead of the static diag_mask_inf. For the small models
+    this trains (n_ctx 64 .. 512) that costs less than the projections of one token; the
+    alternatives are one graph per position (a plan per token) or a new op that writes rows
+    at i32 positions (ggml's set_rows), which would make the copies and the padding go away.
+
+    Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
+    a token equal the training graph's logits at its position (tests/test_generate.py).
+    The weights are frozen constants (f32 or block types), with `adapters`' LoRA pairs added.
+    `precision` "f16": float weights, activations, the mask and the cache in halves
+    (model_weights); the logits too.
+    """
+    max_ctx = int(max_ctx or cfg.n_ctx)
+    n_tokens = int(n_tokens)
+    if not 1 <= n_tokens <= max_ctx:
+        raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
+    e, rows = cfg.kv_dim, n_tokens + max_ctx
+    p, _ = model_weights(values, adapters, train=None, precision=precision)
+    tokens = input_tensor((n_tokens,), "i32", name="tokens")
+    positions = input_tensor((n_tokens,), "i32", name="positions")
+    slots = input_tensor((max_ctx,), "i32", name="cache slots")
+    mask = input_tensor((n_tokens, max_ctx), precision, name="attention mask")
+    last = input_tensor((1,), "i32", name="last token")
+    kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), precision, name=name)
+
+    def cached(index, new):
+        """Write `new` (1, n_tokens, n_head_kv, head_dim) into the cache rows chosen by slots;
+        the updated cache rows, (1, max_ctx, n_head_kv, head_dim)."""
+        base = index * rows * e
+        staged = O.cpy(new, O.view(kv, (n_tokens, e), (e, 1), base))
+        table = O.view(staged, (rows, e), (e, 1), 0)      # [new | cache], after the write
+        cache = O.cpy(O.get_rows(table, slots), O.view(kv, (max_ctx, e), (e, 1),
+                                                       base + n_tokens * e))
+        return O.reshape(cache, (1, max_ctx, cfg.kv_heads, cfg.head_dim))
+
+    window = layers_window(cfg)
+    window_mask = input_tensor((n_tokens, max_ctx), precision, name="window mask") if window else None
+
+    def attend(i, q, k, v, scale, layer_window):
+        q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, cached(2 * i, k), cached(2 * i + 1, v)))
+        kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
+        probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
+        att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
+        return O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
+
+    seq = Sequence((1, n_tokens), positions, attend)
+    x = embed(p, tokens, precision, cfg.family.input_scale(cfg))  # (n_tokens, embd)
+    for i in range(cfg.n_layer):
+        x = cfg.family.block(cfg, p, i, x, seq)
+    x = rms_norm(cfg, O.get_rows(x, last), p[OUTPUT_NORM])
+    logits = output(cfg, p, x)                                    # (1, n_vocab)
+    weights = {k: p[k] for k in values}
+    return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
+                       weights, window, window_mask)
