@@ -150,9 +150,9 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
     if cfg.rope_freq_scale != 1.0:
         keys[k.scaling_type] = (RopeScalingType.LINEAR.value, _T.STRING)
         keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
-    for field, template in cfg.family.keys.items():     # those it has, where not neutral
+    for field, template in cfg.family.keys.items():     # where set (models.family)
         value = getattr(cfg, field)
-        if value != FIELD_DEFAULTS[field]:
+        if value != FIELD_DEFAULTS[field] or field in cfg.family.required:
             keys[template.format(arch=cfg.arch)] = \
                 (value, _T.UINT32 if isinstance(value, int) else _T.FLOAT32)
     return keys
@@ -250,12 +250,15 @@ def read_model(f: GGUFFile):
                         f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
                         f"rotation angles would overflow or vanish")
 
-    for field, template in FAMILIES[arch].keys.items():
+    family = FAMILIES[arch]
+    for field, template in family.keys.items():     # 0 or absent: unset (models.family)
         key = template.format(arch=arch)
+        default = ... if field in family.required else FIELD_DEFAULTS[field]
         if isinstance(FIELD_DEFAULTS[field], int):
-            hp[field] = f.int_key(key, default=FIELD_DEFAULTS[field], minimum=0)
+            value = f.int_key(key, default=default, minimum=0)
         else:
-            hp[field] = f.float_key(key, default=FIELD_DEFAULTS[field], allow_zero=True)
+            value = f.float_key(key, default=default, allow_zero=True)
+        hp[field] = value or FIELD_DEFAULTS[field]
 
     meta = {key: v for key, v in f.meta.items() if key.startswith(TOKENIZER_PREFIX)}
     if K_TOKENS not in meta:

@@ -61,9 +61,12 @@ def decoded_logits(backend, cfg, values, tokens, n_prompt):
 GQA = dataclasses.replace(TINY, n_head_kv=1, tied_embeddings=True)
 # the same as llama.cpp's qwen2: Q/K/V biases (random here) and neox rope, cached after rope
 QWEN2 = dataclasses.replace(GQA, arch="qwen2")
+# qwen3: per-head Q/K norms before rope, heads wider than n_embd / n_head
+QWEN3 = dataclasses.replace(GQA, arch="qwen3", n_embd_head=6, n_rot=None)
+FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3}
 
 
-@pytest.mark.parametrize("cfg", [TINY, GQA, QWEN2], ids=["mha", "gqa-tied", "qwen2"])
+@pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)
 @pytest.mark.parametrize("n_prompt", [1, 3, TINY.n_ctx])
 def test_kv_cache_logits_equal_the_training_forward_in_float64(n_prompt, cfg):
     backend = NumpyBackend(np.float64)
@@ -125,7 +128,7 @@ def test_sync_on_the_device_equals_the_training_forward(wgpu):
     assert np.abs(np.array(got) - ref[[5, 6, 7]]).max() <= 1e-5 * np.abs(ref).max()
 
 
-@pytest.mark.parametrize("cfg", [TINY, GQA, QWEN2], ids=["mha", "gqa-tied", "qwen2"])
+@pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)
 def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu, cfg):
     values = tiny_values(cfg)
     tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, cfg.n_ctx)

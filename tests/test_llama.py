@@ -26,8 +26,11 @@ LLAMA3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=1, n_f
 # grouped-query attention and tied embeddings as Qwen2.5-0.5B has them
 QWEN2 = ModelConfig(n_vocab=11, n_embd=16, n_head=4, n_head_kv=2, n_layer=1, n_ff=12, n_ctx=5,
                     tied_embeddings=True, arch="qwen2")
+# Qwen3: each head of Q and K RMS-normed before neox rope, heads wider than n_embd / n_head
+QWEN3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
+                    n_ff=12, n_ctx=5, tied_embeddings=True, arch="qwen3")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
-           "qwen2": QWEN2}
+           "qwen2": QWEN2, "qwen3": QWEN3}
 BATCH = 2
 
 

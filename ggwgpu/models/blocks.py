@@ -78,11 +78,12 @@ def output(cfg, p: dict, x):
     return O.scale(O.tanh(y), cap) if cap else y
 
 
-def rope(cfg, p: dict, x, positions, freq_base: float | None = None):
+def rope(cfg, p: dict, x, positions, freq_base: float, freq_scale: float):
     """llama.cpp's rope of the family (mode normal: adjacent pairs, as its converter stores a
-    llama's Q and K; neox: pairs (k, k + n_rot / 2)) at base `freq_base` (default the
-    model's), with Llama 3's per-pair frequency factors when the model has them."""
-    args = (cfg.rot, cfg.rope_mode, freq_base or cfg.rope_freq_base, cfg.rope_freq_scale)
+    llama's Q and K; neox: pairs (k, k + n_rot / 2)) at `freq_base` and `freq_scale` (the
+    layer's: models.family), with Llama 3's per-pair frequency factors when the model has
+    them."""
+    args = (cfg.rot, cfg.rope_mode, freq_base, freq_scale)
     if ROPE_FREQS in p:
         return O.rope_ff(x, positions, p[ROPE_FREQS], *args)
     return O.rope(x, positions, *args)

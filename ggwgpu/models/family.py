@@ -29,7 +29,11 @@ class Family:
     gate = staticmethod(B.swiglu)     # the feed-forward's gate: B.swiglu or B.geglu
     # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
+    # A family key that is 0 or absent is unset: the field keeps its neutral default, and
+    # is not written, unless the family lists it as required (llama.cpp refuses files
+    # without it).
     keys: dict = {}
+    required: tuple = ()
     # Tensors outside the blocks that are never trained, even in a full finetune.
     frozen = (B.ROPE_FREQS,)
 
@@ -77,9 +81,9 @@ class Family:
         """Layer i's sliding window (0: it attends to every earlier position)."""
         return 0
 
-    def freq_base(self, cfg, i: int) -> float:
-        """Layer i's rope base."""
-        return cfg.rope_freq_base
+    def rope_base_scale(self, cfg, i: int) -> tuple[float, float]:
+        """Layer i's rope base and frequency scale."""
+        return cfg.rope_freq_base, cfg.rope_freq_scale
 
     def attention_scale(self, cfg) -> float:
         """The scale of the attention scores (llama.cpp's kq_scale)."""
@@ -119,7 +123,7 @@ class Family:
             if self.qk_norm and n != "v":
                 y = B.rms_norm(cfg, y, p[b + f"attn_{n}_norm.weight"])
             if n != "v" and self.ropes(cfg, i):
-                y = B.rope(cfg, p, y, seq.positions, self.freq_base(cfg, i))
+                y = B.rope(cfg, p, y, seq.positions, *self.rope_base_scale(cfg, i))
             return y
         q, k, v = (project(n, heads)
                    for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))

@@ -1,0 +1,194 @@
+"""Every model family beyond llama (models/<arch>.py) through the files and commands: its GGUF
+keys and tensors as llama.cpp's converter writes them, read back exactly (and without
+ggwgpu's config JSON), a missing tensor refused by name, checkpoints, a LoRA adapter whose
+step 0 is the base, finetune (LoRA and --full), merge and quantize keeping the arch.
+Logits against the float64 reference and gradients are in test_llama.py's matrix; the KV
+cache against the training forward in test_generate.py."""
+import dataclasses
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from gguf import GGUFReader
+
+from ggwgpu import gguf_file, gguf_llama, lora
+from ggwgpu.backends import ENV_VAR
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.gguf_file import GGUFError
+from ggwgpu.gguf_llama import load_model, save_model
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
+from ggwgpu.tokenizer import ByteTokenizer
+from ggwgpu_cli.main import cli
+from conftest import train_state
+
+BYTES = dict(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_ff=32, n_ctx=16, norm_eps=1e-6)
+# Tiny models shaped as each family's small published sizes.
+FAMILIES = {
+    # Qwen3-0.6B: 16 query heads of 128 over 8 K/V heads (wider than n_embd / n_head), tied
+    "qwen3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
+                         tied_embeddings=True, rope_freq_base=1e6, arch="qwen3"),
+    # Gemma-3-270M: five sliding-window layers of six with their own rope base, tied; a
+    # softcap as Gemma 2 files have it
+    "gemma3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=8, n_layer=6,
+                          tied_embeddings=True, rope_freq_base=1e6, sliding_window=4,
+                          rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma3"),
+    # SmolLM3-3B: no rope on every fourth layer
+    "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
+                           rope_freq_base=5e6, arch="smollm3"),
+    # Granite 3.x: the four scales, untied
+    "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
+                           residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
+                           arch="granite"),
+}
+# the tensors only that family has (a file without one is refused)
+OWN_TENSORS = {"qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight"}
+
+
+def family_values(cfg, seed=1):
+    """init_parameters with random norm weights and biases (init makes them 1 and 0)."""
+    rng = np.random.default_rng(seed)
+    return {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+            for k, v in init_parameters(cfg, seed).items()}
+
+
+def family_file(path, cfg, values=None, config_json=True):
+    """A model file of `cfg`; without config_json as llama.cpp's converter writes it."""
+    values = family_values(cfg) if values is None else values
+    if config_json:
+        save_model(path, cfg, values, ByteTokenizer())
+    else:
+        meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
+        del meta[gguf_llama.K_CONFIG_JSON]
+        gguf_file.write_gguf(path, meta, values)
+    return path
+
+
+def invoke(*args):
+    return CliRunner().invoke(cli, ["--backend", "numpy", *args], env={ENV_VAR: None})
+
+
+def float32_fields(cfg):
+    """cfg's fields with floats as the file's float32 keys hold them (n_rot as a number)."""
+    return {k: np.float32(v) if isinstance(v, float) else v
+            for k, v in dataclasses.asdict(dataclasses.replace(cfg, n_rot=cfg.rot)).items()}
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_family_file_has_its_keys_and_tensors_and_reads_back_exactly(arch, tmp_path):
+    cfg = FAMILIES[arch]
+    values = family_values(cfg)
+    path = family_file(tmp_path / "m.gguf", cfg, values)
+    reader = GGUFReader(path)
+    assert reader.fields["general.architecture"].contents() == arch
+    keys = set(reader.fields)
+    assert f"{arch}.embedding_length" in keys and "llama.embedding_length" not in keys
+    for field, template in cfg.family.keys.items():     # every one set here is written
+        assert template.format(arch=arch) in keys, field
+    assert {t.name for t in reader.tensors} == set(parameter_shapes(cfg))
+    got_cfg, got, _ = load_model(path)
+    assert got_cfg == cfg and got.keys() == values.keys()
+    for name, value in values.items():
+        np.testing.assert_array_equal(got[name], value, err_msg=name)
+    # as llama.cpp's converter writes it: the <arch>.* keys say it all (floats as float32)
+    plain, _, _ = load_model(family_file(tmp_path / "plain.gguf", cfg, values, False))
+    assert float32_fields(plain) == float32_fields(cfg)
+
+
+@pytest.mark.parametrize("arch", OWN_TENSORS)
+def test_a_family_file_without_its_own_tensor_is_refused_naming_it(arch, tmp_path):
+    cfg = FAMILIES[arch]
+    name = f"blk.1.{OWN_TENSORS[arch]}"
+    values = {k: v for k, v in family_values(cfg).items() if k != name}
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, values)
+    with pytest.raises(GGUFError, match=f"tensor {name} is missing"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_a_granite_file_without_its_logit_scale_is_refused_as_llama_cpp_refuses_it(tmp_path):
+    cfg = FAMILIES["granite"]
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta["granite.logit_scale"], meta[gguf_llama.K_CONFIG_JSON]
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    with pytest.raises(GGUFError, match="required key granite.logit_scale is missing"):
+        load_model(tmp_path / "m.gguf")
+    # a scale of 0 is unset, as llama.cpp reads it: the logits are not divided
+    meta["granite.logit_scale"] = (0.0, meta["granite.residual_scale"][1])
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    assert load_model(tmp_path / "m.gguf")[0].logit_scale == 1.0
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_family_checkpoint_round_trips(arch, tmp_path):
+    cfg = FAMILIES[arch]
+    values = family_values(cfg)
+    moments = {name: (np.full_like(v, 0.5), np.full_like(v, 0.25)) for name, v in values.items()}
+    save_checkpoint(tmp_path / "c.gguf", cfg, values, ByteTokenizer(), moments, train_state(3))
+    got_cfg, got, _, opt_state, state = load_checkpoint(tmp_path / "c.gguf")
+    assert got_cfg == cfg and state["step"] == 3 and got.keys() == values.keys()
+    for name in values:
+        np.testing.assert_array_equal(got[name], values[name], err_msg=name)
+        np.testing.assert_array_equal(opt_state[name][1], moments[name][1], err_msg=name)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_fresh_lora_adapter_leaves_every_family_s_logits_as_the_base_s(arch):
+    cfg = dataclasses.replace(FAMILIES[arch], n_ctx=8)
+    values = family_values(cfg)
+    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0)
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, cfg.n_ctx))
+    logits = []
+    for kw in ({}, {"lora": adapter}):
+        g = build_train_graph(cfg, values, 2, **kw)
+        plan = NumpyBackend().plan(g.logits)
+        plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+        logits.append(g.read_logits(plan))
+    np.testing.assert_array_equal(logits[1], logits[0])
+
+
+def finetune(tmp_path, cfg, out, *options):
+    """A 2-step finetune of a base of `cfg` written in tmp_path; the base's path."""
+    base = family_file(tmp_path / "base.gguf", cfg)
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    r = invoke("finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2", "--warmup", "2",
+               "--steps", "2", "--n-ctx", "8", *options, "--out", str(out))
+    assert r.exit_code == 0, r.output
+    return base
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_family_finetunes_with_lora_and_merges_and_quantizes_keeping_its_arch(arch, tmp_path):
+    cfg = FAMILIES[arch]
+    adapter = tmp_path / "adapter.gguf"
+    base = finetune(tmp_path, cfg, adapter)
+    assert GGUFReader(adapter).fields["general.architecture"].contents() == arch
+    loaded = lora.load_adapter(adapter, cfg)
+    assert any(np.abs(t).max() > 0 for n, t in loaded.tensors.items() if n.endswith(".lora_b"))
+    merged = tmp_path / "merged.gguf"
+    r = invoke("merge", str(base), str(adapter), "--out", str(merged))
+    assert r.exit_code == 0, r.output
+    merged_cfg, values, _ = load_model(merged)
+    _, base_values, _ = load_model(base)
+    assert merged_cfg == cfg
+    for name, value in base_values.items():      # norms are frozen: not adapted, not changed
+        if value.ndim == 1:
+            np.testing.assert_array_equal(values[name], value, err_msg=name)
+    quantized = tmp_path / "q8.gguf"
+    r = invoke("quantize", str(merged), str(quantized), "--type", "q8_0")
+    assert r.exit_code == 0, r.output
+    q_cfg, q_values, _ = load_model(quantized, keep_quantized=True)
+    assert q_cfg == cfg and q_values["blk.0.ffn_down.weight"].dtype == "q8_0"   # rows of 32
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_full_finetune_of_a_family_trains_its_own_weights(arch, tmp_path):
+    cfg = FAMILIES[arch]
+    out = tmp_path / "full.gguf"
+    base = finetune(tmp_path, cfg, out, "--full")
+    got_cfg, values, _ = load_model(out)
+    _, before, _ = load_model(base)
+    assert got_cfg == cfg
+    for name in (f"blk.0.{OWN_TENSORS[arch]}",) if arch in OWN_TENSORS else ():
+        assert np.abs(values[name] - before[name]).max() > 1e-4, name
