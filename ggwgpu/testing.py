@@ -289,22 +289,25 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
                 f"{p.name}{list(i)}: backward {grad[i]} vs finite differences {numeric}"
 
 
-# -- a llama in plain NumPy -------------------------------------------------------------------
+# -- the model families in plain NumPy ----------------------------------------------------------
+# Written from llama.cpp's graphs (src/models/<arch>.cpp), not from ggwgpu's: an independent
+# float64 reference for the logits of every family.
+
+NEOX = ("qwen2", "qwen3", "gemma3")          # llama.cpp's rope type NEOX; the others NORM
 
 
 def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, cfg, factors):
+def _rope(x, positions, cfg, factors, base, scale):
     """llama.cpp's rope on x (T, heads, head_dim): pair i of the first n_rot dims turns by
-    pos * freq_scale * base^(-2i / n_rot) / factor_i. The pairs: llama's mode 0 takes
-    adjacent dims (2i, 2i + 1), qwen2's neox mode (i, i + n_rot / 2)."""
+    pos * scale * base^(-2i / n_rot) / factor_i. The pairs: mode NORM takes adjacent dims
+    (2i, 2i + 1), mode NEOX (i, i + n_rot / 2)."""
     out = x.copy()
     i = np.arange(cfg.rot // 2)
-    theta = (positions[:, None] * cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * i / cfg.rot)
-             / factors)[:, None, :]
-    if cfg.arch == "qwen2":
+    theta = (positions[:, None] * scale * base ** (-2.0 * i / cfg.rot) / factors)[:, None, :]
+    if cfg.arch in NEOX:
         first, second = i, i + cfg.rot // 2
     else:
         first, second = 2 * i, 2 * i + 1
@@ -314,36 +317,86 @@ def _rope(x, positions, cfg, factors):
     return out
 
 
-def llama_reference_logits(cfg, values, tokens) -> np.ndarray:
-    """The logits (T, n_vocab) of one token sequence under a llama, in float64 and plain NumPy,
-    independent of ggwgpu's ops and graphs: llama.cpp's llama graph written out (grouped-query
-    attention, tied embeddings, rope mode normal with Llama 3's frequency factors), or with
-    cfg.arch "qwen2" llama.cpp's qwen2 graph (biases added to the Q, K and V products, rope
-    mode neox). `values` are float arrays (dequantize block types first)."""
+def _gelu(x):     # ggml's gelu: the tanh approximation
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
+
+
+def _layer_rules(cfg, i):
+    """(ropes, window, rope base, rope scale) of layer i, as llama.cpp's hparams set them."""
+    if cfg.arch == "smollm3":          # n_no_rope_layer_step = 4
+        return (i + 1) % 4 != 0, 0, cfg.rope_freq_base, cfg.rope_freq_scale
+    if cfg.arch == "gemma3" and cfg.sliding_window and i % 6 < 5:    # swa pattern 6
+        return True, cfg.sliding_window, cfg.rope_freq_base_swa or 10000.0, 1.0
+    return True, 0, cfg.rope_freq_base, cfg.rope_freq_scale
+
+
+def reference_logits(cfg, values, tokens) -> np.ndarray:
+    """The logits (T, n_vocab) of one token sequence, in float64 and plain NumPy, independent
+    of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch written out. llama: grouped-
+    query attention, tied embeddings, rope NORM with Llama 3's frequency factors. qwen2:
+    Q/K/V biases, rope NEOX. qwen3: per-head RMS norms of Q and K before rope. gemma3: inputs
+    times sqrt(n_embd), QK norms, a norm after attention and after the feed-forward before
+    each residual add, GeGLU, Q scaled by 1/sqrt(head_dim), sliding window on five layers of
+    six (a key p_k is masked from a query p_q when p_q - p_k >= window) roped at
+    rope_freq_base_swa with scale 1, final logits c * tanh(logits / c). smollm3: no rope on
+    every fourth layer. granite: inputs times embedding_scale, branches times
+    residual_scale, scores times attention_scale, logits divided by logit_scale. `values`
+    are float arrays (dequantize block types first)."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
     positions = np.arange(n, dtype=np.float64)
     factors = w.get("rope_freqs.weight", np.ones(cfg.rot // 2))
-    causal = np.triu(np.full((n, n), -np.inf), 1)
+    ahead = positions[:, None] - positions[None, :]            # p_q - p_k
+    granite = cfg.arch == "granite"
+    branch = cfg.residual_scale if granite else 1.0
+    if cfg.arch == "gemma3":
+        kq_scale = 1 / np.sqrt(cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else hd)
+    else:
+        kq_scale = (cfg.attention_scale if granite and cfg.attention_scale
+                    else 1 / np.sqrt(hd))
     x = w["token_embd.weight"][tokens]
+    if cfg.arch == "gemma3":
+        x = x * np.sqrt(cfg.n_embd)
+    elif granite:
+        x = x * cfg.embedding_scale
     for i in range(cfg.n_layer):
         b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
+        ropes, window, base, scale = _layer_rules(cfg, i)
 
-        def project(name):      # qwen2: h W^T + bias
+        def project(name, heads):
             y = h @ b(name).T
-            return y + w[f"blk.{i}.{name}.bias"] if cfg.arch == "qwen2" else y
+            if cfg.arch == "qwen2":
+                y = y + w[f"blk.{i}.{name}.bias"]
+            y = y.reshape(n, heads, hd)
+            if cfg.arch in ("qwen3", "gemma3") and name != "attn_v":
+                y = _rms_norm(y, b(name + "_norm"), cfg.norm_eps)
+            if ropes and name != "attn_v":
+                y = _rope(y, positions, cfg, factors, base, scale)
+            return y
         h = _rms_norm(x, b("attn_norm"), cfg.norm_eps)
-        q = _rope(project("attn_q").reshape(n, cfg.n_head, hd), positions, cfg, factors)
-        k = _rope(project("attn_k").reshape(n, cfg.kv_heads, hd), positions, cfg, factors)
-        v = project("attn_v").reshape(n, cfg.kv_heads, hd)
+        q, k, v = (project(name, heads) for name, heads in
+                   (("attn_q", cfg.n_head), ("attn_k", cfg.kv_heads), ("attn_v", cfg.kv_heads)))
+        masked = (ahead < 0) | ((ahead >= window) if window else False)
         heads = []
         for j in range(cfg.n_head):
-            s = q[:, j] @ k[:, j // group].T / np.sqrt(hd) + causal
+            s = np.where(masked, -np.inf, q[:, j] @ k[:, j // group].T * kq_scale)
             p = np.exp(s - s.max(axis=1, keepdims=True))
             heads.append(p / p.sum(axis=1, keepdims=True) @ v[:, j // group])
-        x = x + np.concatenate(heads, axis=1) @ b("attn_output").T
+        att = np.concatenate(heads, axis=1) @ b("attn_output").T
+        if cfg.arch == "gemma3":
+            att = _rms_norm(att, b("post_attention_norm"), cfg.norm_eps)
+        x = x + branch * att
         h = _rms_norm(x, b("ffn_norm"), cfg.norm_eps)
         gate = h @ b("ffn_gate").T
-        x = x + (gate / (1 + np.exp(-gate)) * (h @ b("ffn_up").T)) @ b("ffn_down").T
+        act = _gelu(gate) if cfg.arch == "gemma3" else gate / (1 + np.exp(-gate))
+        ffn = (act * (h @ b("ffn_up").T)) @ b("ffn_down").T
+        if cfg.arch == "gemma3":
+            ffn = _rms_norm(ffn, b("post_ffw_norm"), cfg.norm_eps)
+        x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])
-    return _rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T
+    logits = _rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T
+    if granite:
+        logits = logits / cfg.logit_scale
+    if cfg.final_logit_softcap:
+        logits = cfg.final_logit_softcap * np.tanh(logits / cfg.final_logit_softcap)
+    return logits

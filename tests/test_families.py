@@ -28,9 +28,9 @@ FAMILIES = {
     # Qwen3-0.6B: 16 query heads of 128 over 8 K/V heads (wider than n_embd / n_head), tied
     "qwen3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                          tied_embeddings=True, rope_freq_base=1e6, arch="qwen3"),
-    # Gemma-3-270M: five sliding-window layers of six with their own rope base, tied; a
-    # softcap as Gemma 2 files have it
-    "gemma3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=8, n_layer=6,
+    # Gemma-3-270M: heads wider than n_embd / n_head, five sliding-window layers of six
+    # with their own rope base, tied; a softcap as Gemma 2 files have it
+    "gemma3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=6,
                           tied_embeddings=True, rope_freq_base=1e6, sliding_window=4,
                           rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma3"),
     # SmolLM3-3B: no rope on every fourth layer

@@ -63,7 +63,15 @@ GQA = dataclasses.replace(TINY, n_head_kv=1, tied_embeddings=True)
 QWEN2 = dataclasses.replace(GQA, arch="qwen2")
 # qwen3: per-head Q/K norms before rope, heads wider than n_embd / n_head
 QWEN3 = dataclasses.replace(GQA, arch="qwen3", n_embd_head=6, n_rot=None)
-FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3}
+# gemma3: six layers, five with a sliding window of 3 (shorter than the prompts), a softcap
+GEMMA3 = dataclasses.replace(QWEN3, arch="gemma3", n_layer=6, sliding_window=3,
+                             rope_freq_base_swa=1e4, final_logit_softcap=5.0)
+# smollm3: the fourth layer without rope; granite: its four scales
+SMOLLM3 = dataclasses.replace(GQA, arch="smollm3", n_layer=4, n_rot=None)
+GRANITE = dataclasses.replace(TINY, arch="granite", n_rot=None, embedding_scale=3.0,
+                              residual_scale=0.5, attention_scale=0.25, logit_scale=2.0)
+FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
+            "smollm3": SMOLLM3, "granite": GRANITE}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

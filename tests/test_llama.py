@@ -10,7 +10,7 @@ import pytest
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
-from ggwgpu.testing import llama_reference_logits, spot_check_gradients
+from ggwgpu.testing import reference_logits, spot_check_gradients
 
 TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
 # grouped-query attention (4 query heads over 2 K/V heads) with tied embeddings, and heads
@@ -29,8 +29,22 @@ QWEN2 = ModelConfig(n_vocab=11, n_embd=16, n_head=4, n_head_kv=2, n_layer=1, n_f
 # Qwen3: each head of Q and K RMS-normed before neox rope, heads wider than n_embd / n_head
 QWEN3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=1,
                     n_ff=12, n_ctx=5, tied_embeddings=True, arch="qwen3")
+# Gemma 3: sqrt(n_embd) input scale, QK norms, sandwich norms, GeGLU, a softcap; six layers:
+# five with a sliding window of 3 and their own rope base, the sixth global
+GEMMA3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=6,
+                     n_ff=12, n_ctx=5, tied_embeddings=True, sliding_window=3,
+                     rope_freq_base=1e6, rope_freq_base_swa=1e4, final_logit_softcap=2.0,
+                     arch="gemma3")
+# SmolLM3: the fourth layer without rope
+SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
+                      arch="smollm3")
+# Granite: embedding, residual, attention and logit scales
+GRANITE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5,
+                      embedding_scale=3.0, residual_scale=0.5, attention_scale=0.25,
+                      logit_scale=2.0, arch="granite")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
-           "qwen2": QWEN2, "qwen3": QWEN3}
+           "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
+           "granite": GRANITE}
 BATCH = 2
 
 
@@ -253,7 +267,7 @@ def test_logits_equal_the_float64_reference(model, backend_name, request):
     plan.run({g.tokens: feeds[g.tokens], g.positions: feeds[g.positions]})
     got = g.read_logits(plan)
     for row, tokens in enumerate(feeds[g.tokens]):
-        want = llama_reference_logits(cfg, model_values(cfg), tokens)
+        want = reference_logits(cfg, model_values(cfg), tokens)
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-5)
 
 

@@ -335,7 +335,7 @@ def test_a_gguf_file_mixing_every_type_loads_each_in_its_type(wgpu, tmp_path):
     numpy_tokens, numpy_logits, _ = llama_outputs(NumpyBackend(), WIDE, kept)
     for got in (logits, numpy_logits):
         for row, ids in zip(got.reshape(len(tokens), WIDE.n_ctx, -1), tokens):
-            want = testing.llama_reference_logits(WIDE, dense, ids)
+            want = testing.reference_logits(WIDE, dense, ids)
             assert testing.nmse(row, want) < 1e-9
 
 

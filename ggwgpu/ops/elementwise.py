@@ -165,6 +165,8 @@ silu = unary("silu", silu_ref, lambda n, g: (O.silu_back(n.srcs[0], g),), "a * s
              lo=-4.0, hi=4.0)
 gelu = unary("gelu", gelu_ref, lambda n, g: (O.gelu_back(n.srcs[0], g),),
              "gelu(a), tanh approximation as ggml", lo=-4.0, hi=4.0)
+# the backward from the output: 1 - tanh(a)^2 = 1 - y^2
+tanh = unary("tanh", np.tanh, lambda n, g: (O.tanh_back(n, g),), "tanh(a)", lo=-4.0, hi=4.0)
 
 
 def act_back(name, ref, fwd):
@@ -191,6 +193,14 @@ def back_shape(srcs, **_):
 
 silu_back = act_back("silu_back", silu_back_ref, "silu")
 gelu_back = act_back("gelu_back", gelu_back_ref, "gelu")
+tanh_back = register(
+    "tanh_back", n_srcs=2, shape=back_shape, shader="elementwise",
+    reference=lambda y, dy: dy * (1 - y * y), no_grad=(0,),
+    backward=lambda n, g: (None, O.tanh_back(n.srcs[0], g)),
+    cases=lambda: [Case((Input((1,)), Input((1,)))), Case((Input((5, 7)), Input((5, 7)))),
+                   Case((Input((3, 5), layout="permuted"), Input((3, 5), layout="strided"))),
+                   Case((Input((LARGE,)), Input((LARGE,))), grad=False)],
+    doc="dy * (1 - y * y): the backward of tanh from its output y = tanh(x). Inputs y, dy.")
 
 
 # SwiGLU's gate fused: silu(a) * b in one pass, and its backward without the silu(a) or
@@ -266,9 +276,74 @@ swiglu_back = register(
     cases=lambda: gate_cases(3),
     doc="da of swiglu: dy * b * silu'(a). Inputs a, b, dy.")
 
+
+# GeGLU's gate (Gemma) fused as SwiGLU's is: gelu(a) * b, and its backward.
+def geglu_back_ref(a, b, dy):
+    return gelu_back_ref(a, dy * b)
+
+
+def gelu_arg_into(out, a):
+    """out = sqrt(2 / pi) * a * (1 + GELU_A * a * a), the argument of gelu's tanh."""
+    np.multiply(a, a, out=out)
+    out *= GELU_A
+    out += 1
+    out *= a
+    out *= SQRT_2_OVER_PI
+
+
+def geglu_into(out, a, b):
+    """geglu's reference (0.5 * a * (1 + t) * b, t the tanh of gelu's argument) without
+    temporaries."""
+    gelu_arg_into(out, a)
+    np.tanh(out, out=out)
+    out += 1
+    out *= a
+    out *= 0.5
+    out *= b
+
+
+def geglu_back_into(out, a, b, dy):
+    """geglu_back's reference (dy * b * (0.5 * (1 + t) + k * (1 - t * t)), k = 0.5 * a *
+    sqrt(2 / pi) * (1 + 3 * GELU_A * a * a)), with two temporaries."""
+    t, k = np.empty_like(out), np.empty_like(out)
+    np.multiply(a, a, out=k)
+    k *= 3 * GELU_A
+    k += 1
+    k *= a
+    k *= 0.5 * SQRT_2_OVER_PI
+    gelu_arg_into(t, a)
+    np.tanh(t, out=t)
+    np.multiply(t, t, out=out)
+    np.subtract(1, out, out=out)
+    out *= k
+    t += 1
+    t *= 0.5
+    out += t
+    out *= dy
+    out *= b
+
+
+geglu = register(
+    "geglu", n_srcs=2, shape=gate_shape, shader="elementwise",
+    reference=lambda a, b: gelu_ref(a) * b, fast=geglu_into, split=split_rows(),
+    # db = gelu(a) * dy is this op again
+    backward=lambda n, g: (O.geglu_back(*n.srcs, g), O.geglu(n.srcs[0], g)),
+    cases=lambda: gate_cases(2),
+    doc="gelu(a) * b (gelu's tanh approximation), the gate of a GeGLU feed-forward, in one "
+        "pass. a and b of one shape.")
+
+# As swiglu_back: a takes no gradient, the op is linear in b and in dy, symmetric in them.
+geglu_back = register(
+    "geglu_back", n_srcs=3, shape=gate_shape, shader="elementwise",
+    reference=geglu_back_ref, fast=geglu_back_into, split=split_rows(), no_grad=(0,),
+    backward=lambda n, g: (None, O.geglu_back(n.srcs[0], n.srcs[2], g),
+                           O.geglu_back(n.srcs[0], n.srcs[1], g)),
+    cases=lambda: gate_cases(3),
+    doc="da of geglu: dy * b * gelu'(a). Inputs a, b, dy.")
+
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
-           "sqr", "sqrt", "log", "exp", "silu", "gelu", "silu_back", "gelu_back", "swiglu",
-           "swiglu_back"]
+           "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "silu_back", "gelu_back",
+           "tanh_back", "swiglu", "swiglu_back", "geglu", "geglu_back"]
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
@@ -279,11 +354,14 @@ WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
         "scale": "a * p.f.x", "neg": "-a", "abs": "abs(a)", "sgn": "sign(a)",
         "step": "select(0.0, 1.0, a > 0.0)", "relu": "max(a, 0.0)", "sqr": "a * a",
         "sqrt": "sqrt(a)", "log": "log(a)", "exp": "exp(a)", "silu": "silu(a)",
-        "gelu": "gelu(a)",
+        "gelu": "gelu(a)", "tanh": "tanh(clamp(a, -10.0, 10.0))",   # clamped: see gelu_tanh
         "silu_back": "silu_grad(a, b)",          # a = x, b = dy
         "gelu_back": "b * gelu_grad(a)",
+        "tanh_back": "b * (1.0 - a * a)",        # a = y, b = dy
         "swiglu": "silu(a) * b",
-        "swiglu_back": "silu_grad(a, c * b)"}    # a, b, c = dy
+        "swiglu_back": "silu_grad(a, c * b)",    # a, b, c = dy
+        "geglu": "gelu(a) * b",
+        "geglu_back": "c * b * gelu_grad(a)"}
 
 # One template serves every entry point: the bounds check, the element's 4-D index, one
 # load per source.
