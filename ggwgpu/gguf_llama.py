@@ -43,8 +43,8 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ModelConfig, arch_list,
-                     parameter_shapes)
+from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ModelConfig, arch_list, parameter_shapes,
+                     phi3)
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
 from .tokenizer import tokenizer_from_metadata
@@ -80,6 +80,7 @@ K_CKPT_VERSION = "ggwgpu.checkpoint.version"
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
+LONGROPE = (phi3.LONG, phi3.SHORT)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
 
@@ -100,7 +101,7 @@ def save_model(path, cfg: ModelConfig, params: dict, tokenizer, extra: dict | No
     """
     path = Path(path)
     tensors = checked_params(path, cfg, params)
-    if cfg.rot != cfg.head_dim:
+    if cfg.rot != cfg.head_dim and not cfg.family.partial_rope:
         warnings.warn(f"{path}: n_rot {cfg.rot} != head_dim {cfg.head_dim}: llama.cpp refuses "
                       f"{cfg.arch} models whose rope dimension count is not the head size",
                       stacklevel=2)
@@ -236,6 +237,7 @@ def read_model(f: GGUFFile):
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
+    hp["longrope"] = LONGROPE[0] in f.tensors or LONGROPE[1] in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
     if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
         raise GGUFError(f"{f.path}: {k.scaling_type} {scaling!r} is not supported (only "
@@ -277,8 +279,9 @@ def read_model(f: GGUFFile):
         raise GGUFError(f"{f.path}: bad vocabulary: {e}") from None
 
     # A forged block count must not make us enumerate billions of tensor names.
-    if 9 * n_layer + 2 > len(f.tensors):
-        raise GGUFError(f"{f.path}: {k.layers} = {n_layer} needs at least {9 * n_layer + 2} "
+    least = len(family.block_shapes(ModelConfig(arch=arch), 0)) * n_layer
+    if least > len(f.tensors):
+        raise GGUFError(f"{f.path}: {k.layers} = {n_layer} needs at least {least} "
                         f"tensors, the file has {len(f.tensors)}")
     try:
         cfg = ModelConfig(n_vocab=n_vocab, **hp)
@@ -311,8 +314,8 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
-    if (exact.arch, exact.tied_embeddings, exact.rope_freqs, exact.head_dim) != \
-            (cfg.arch, cfg.tied_embeddings, cfg.rope_freqs, cfg.head_dim):
+    if (exact.arch, exact.tied_embeddings, exact.rope_freqs, exact.longrope, exact.head_dim) != \
+            (cfg.arch, cfg.tied_embeddings, cfg.rope_freqs, cfg.longrope, cfg.head_dim):
         return cfg
     if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)
            for n in cfg.family.keys):       # the family's keys, neutral ones not written
@@ -342,6 +345,7 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
         params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
-    if ROPE_FREQS in params and not np.all(params[ROPE_FREQS] > 0):    # they divide angles
-        raise GGUFError(f"{f.path}: tensor {ROPE_FREQS} must hold positive frequency factors")
+    for name in (ROPE_FREQS, *LONGROPE):
+        if name in params and not np.all(params[name] > 0):    # they divide angles
+            raise GGUFError(f"{f.path}: tensor {name} must hold positive frequency factors")
     return params

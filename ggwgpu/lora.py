@@ -51,9 +51,11 @@ K_ALPHA = "adapter.lora.alpha"
 K_BASE = "ggwgpu.lora.base"
 
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
+# "wqkv": the fused Q/K/V matrix of families that have one (phi3). A model gets the targets
+# it has.
 TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
-           "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
+           "wqkv": "attn_qkv.weight", "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
            "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
@@ -94,13 +96,23 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
     With tied embeddings llama.cpp reads token_embd.weight as the output matrix too and
     cannot apply a pair on either (it has no output.weight to adapt, and would apply the
     token_embd pair to the output as well), so tok_embd and out get no pair unless `ranks`
-    asks for one; such an adapter works in ggwgpu and in a merged model only."""
-    defaults = {kind: 0 if cfg.tied_embeddings and kind in GLOBAL_TARGETS else r
-                for kind in TARGETS}
-    ranks = defaults | {k: v for k, v in (ranks or {}).items() if v is not None}
-    unknown = set(ranks) - set(TARGETS)
+    asks for one; such an adapter works in ggwgpu and in a merged model only. A target the
+    family lacks (wq of a phi3, whose Q, K and V are one fused wqkv) gets no pair, and
+    asking for it is an error."""
+    shapes = matrix_shapes(cfg)
+    present = {kind for kind, weight in TARGETS.items()
+               if weight in shapes or f"blk.0.{weight}" in shapes or cfg.n_layer == 0}
+    defaults = {kind: 0 if (cfg.tied_embeddings and kind in GLOBAL_TARGETS)
+                or kind not in present else r for kind in TARGETS}
+    asked = {k: v for k, v in (ranks or {}).items() if v is not None}
+    unknown = set(asked) - set(TARGETS)
     if unknown:
         raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
+    absent = [k for k, v in asked.items() if v and k not in present]
+    if absent:
+        raise ValueError(f"a {cfg.arch} has no {TARGETS[absent[0]]} for a LoRA pair "
+                         f"({absent[0]}); its targets: {', '.join(sorted(present))}")
+    ranks = defaults | asked
     layers = range(cfg.n_layer) if layers is None else sorted(set(layers))
     bad = [i for i in layers if not 0 <= i < cfg.n_layer]
     if bad:
@@ -115,7 +127,7 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
         names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
             [f"blk.{i}.{TARGETS[kind]}" for i in layers]
         if names:       # a rank above the matrix's smaller side adds nothing but memory
-            n_out, n_in = matrix_shapes(cfg)[names[0]]
+            n_out, n_in = shapes[names[0]]
             if rank > min(n_out, n_in):
                 raise ValueError(f"rank {rank} of {kind} is more than {names[0]} "
                                  f"({n_out} x {n_in}) can use: at most {min(n_out, n_in)}")

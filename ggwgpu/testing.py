@@ -290,113 +290,140 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 
 
 # -- the model families in plain NumPy ----------------------------------------------------------
-# Written from llama.cpp's graphs (src/models/<arch>.cpp), not from ggwgpu's: an independent
-# float64 reference for the logits of every family.
+# Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
+# ggwgpu's: an independent float64 reference for the logits of every family.
 
-NEOX = ("qwen2", "qwen3", "gemma3")          # llama.cpp's rope type NEOX; the others NORM
+NEOX = ("qwen2", "qwen3", "gemma3", "phi3")   # llama_model_rope_type NEOX; the others NORM
+ROPE_FACTORS = ("llama", "granite")     # the graphs that pass rope_freqs.weight to the rope
 
 
 def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, cfg, factors, base, scale):
-    """llama.cpp's rope on x (T, heads, head_dim): pair i of the first n_rot dims turns by
-    pos * scale * base^(-2i / n_rot) / factor_i. The pairs: mode NORM takes adjacent dims
-    (2i, 2i + 1), mode NEOX (i, i + n_rot / 2)."""
-    out = x.copy()
-    i = np.arange(cfg.rot // 2)
-    theta = (positions[:, None] * scale * base ** (-2.0 * i / cfg.rot) / factors)[:, None, :]
-    if cfg.arch in NEOX:
-        first, second = i, i + cfg.rot // 2
-    else:
-        first, second = 2 * i, 2 * i + 1
+def _rope(x, positions, n_rot, neox, base, scale, factors, mscale=1.0):
+    """ggml_rope_ext on x (T, heads, head_dim): pair i of the first n_rot dims turns by
+    pos * scale * base^(-2i / n_rot) / factors[i], its cos and sin times mscale (the
+    attn_factor); the rest pass. The pairs: mode NORM takes adjacent dims (2i, 2i + 1),
+    mode NEOX (i, i + n_rot / 2)."""
+    i = np.arange(n_rot // 2)
+    theta = (positions[:, None] * scale * base ** (-2.0 * i / n_rot) / factors)[:, None, :]
+    first, second = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
     a, b = x[..., first], x[..., second]
-    out[..., first] = a * np.cos(theta) - b * np.sin(theta)
-    out[..., second] = a * np.sin(theta) + b * np.cos(theta)
+    out = x.copy()
+    cos, sin = mscale * np.cos(theta), mscale * np.sin(theta)
+    out[..., first] = a * cos - b * sin
+    out[..., second] = a * sin + b * cos
     return out
+
+
+def _attention(q, k, v, kq_scale, window=0):
+    """softmax(q k^T * kq_scale + mask) v, heads concatenated: q (T, n_head, d), k and v
+    (T, n_kv, d), query head j reading K/V head j // (n_head / n_kv). Query p_q masks key p_k
+    when p_k > p_q, and with a window when p_q - p_k >= window (is_masked_swa, STANDARD)."""
+    ahead = np.arange(len(q))[:, None] - np.arange(len(k))[None, :]           # p_q - p_k
+    masked = (ahead < 0) | (ahead >= window if window else False)
+    group = q.shape[1] // k.shape[1]
+    k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    s = np.where(masked, -np.inf, np.einsum("qhd,khd->hqk", q, k) * kq_scale)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    return np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v).reshape(len(q), -1)
+
+
+def _silu(x):
+    return x / (1 + np.exp(-x))
 
 
 def _gelu(x):     # ggml's gelu: the tanh approximation
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
 
 
-def _layer_rules(cfg, i):
-    """(ropes, window, rope base, rope scale) of layer i, as llama.cpp's hparams set them."""
-    if cfg.arch == "smollm3":          # n_no_rope_layer_step = 4
-        return (i + 1) % 4 != 0, 0, cfg.rope_freq_base, cfg.rope_freq_scale
-    if cfg.arch == "gemma3" and cfg.sliding_window and i % 6 < 5:    # swa pattern 6
-        return True, cfg.sliding_window, cfg.rope_freq_base_swa or 10000.0, 1.0
-    return True, 0, cfg.rope_freq_base, cfg.rope_freq_scale
+def _glu(h, gate, up, down, act):
+    """build_ffn with a parallel gate: (act(h gate^T) * h up^T) down^T; act _silu: SwiGLU,
+    _gelu: GeGLU."""
+    return (act(h @ gate.T) * (h @ up.T)) @ down.T
 
 
 def reference_logits(cfg, values, tokens) -> np.ndarray:
-    """The logits (T, n_vocab) of one token sequence, in float64 and plain NumPy, independent
-    of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch written out. llama: grouped-
-    query attention, tied embeddings, rope NORM with Llama 3's frequency factors. qwen2:
-    Q/K/V biases, rope NEOX. qwen3: per-head RMS norms of Q and K before rope. gemma3: inputs
-    times sqrt(n_embd), QK norms, a norm after attention and after the feed-forward before
-    each residual add, GeGLU, Q scaled by 1/sqrt(head_dim), sliding window on five layers of
-    six (a key p_k is masked from a query p_q when p_q - p_k >= window) roped at
-    rope_freq_base_swa with scale 1, final logits c * tanh(logits / c). smollm3: no rope on
-    every fourth layer. granite: inputs times embedding_scale, branches times
-    residual_scale, scores times attention_scale, logits divided by logit_scale. `values`
-    are float arrays (dequantize block types first)."""
+    """The logits (T, n_vocab) of one token sequence at positions 0..T-1, in float64 and
+    plain NumPy, independent of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch
+    written out. All: RMS norms, grouped-query causal attention, SwiGLU, Q/K/V biases where
+    given, output.weight or else token_embd.weight. llama: rope NORM with Llama 3's
+    frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
+    gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
+    forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
+    n_head) at 62 layers) and scores times 1, and with a sliding window, five layers of six
+    windowed and roped at rope_freq_base_swa (llama.cpp's 10000 when unset) with scale 1;
+    logits c * tanh(logits / c). smollm3: no rope on every fourth layer. granite: rope with
+    frequency factors, inputs times embedding_scale, both branches times residual_scale,
+    scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
+    phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
+    gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
+    rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor.
+    `values` are float arrays (dequantize block types first)."""
+    arch, eps = cfg.arch, cfg.norm_eps
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3"):
+        raise ValueError(f"no reference for arch {arch!r}")
+    gemma, granite = arch == "gemma3", arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
-    n, hd, group = len(tokens), cfg.head_dim, cfg.n_head // cfg.kv_heads
+    n, hd = len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
-    factors = w.get("rope_freqs.weight", np.ones(cfg.rot // 2))
-    ahead = positions[:, None] - positions[None, :]            # p_q - p_k
-    granite = cfg.arch == "granite"
-    branch = cfg.residual_scale if granite else 1.0
-    if cfg.arch == "gemma3":
-        kq_scale = 1 / np.sqrt(cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else hd)
-    else:
-        kq_scale = (cfg.attention_scale if granite and cfg.attention_scale
-                    else 1 / np.sqrt(hd))
+    factors = w.get("rope_freqs.weight") if arch in ROPE_FACTORS else None
+    mscale = 1.0
+    if arch == "phi3" and "rope_factors_long.weight" in w:     # LongRoPE
+        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
+        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+        mscale = cfg.rope_attn_factor
+    factors = np.ones(cfg.rot // 2) if factors is None else factors
+    q_scale, kq_scale = 1.0, 1 / np.sqrt(hd)
+    if gemma:
+        q_scale, kq_scale = 1 / np.sqrt(cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else hd), 1.0
+    elif granite and cfg.attention_scale:
+        kq_scale = cfg.attention_scale
+    branch = cfg.residual_scale if granite and cfg.residual_scale else 1.0
     x = w["token_embd.weight"][tokens]
-    if cfg.arch == "gemma3":
+    if gemma:
         x = x * np.sqrt(cfg.n_embd)
-    elif granite:
+    elif granite and cfg.embedding_scale:
         x = x * cfg.embedding_scale
-    for i in range(cfg.n_layer):
-        b = lambda name: w[f"blk.{i}.{name}.weight"]          # noqa: E731
-        ropes, window, base, scale = _layer_rules(cfg, i)
-
-        def project(name, heads):
-            y = h @ b(name).T
-            if cfg.arch == "qwen2":
-                y = y + w[f"blk.{i}.{name}.bias"]
-            y = y.reshape(n, heads, hd)
-            if cfg.arch in ("qwen3", "gemma3") and name != "attn_v":
-                y = _rms_norm(y, b(name + "_norm"), cfg.norm_eps)
-            if ropes and name != "attn_v":
-                y = _rope(y, positions, cfg, factors, base, scale)
-            return y
-        h = _rms_norm(x, b("attn_norm"), cfg.norm_eps)
-        q, k, v = (project(name, heads) for name, heads in
-                   (("attn_q", cfg.n_head), ("attn_k", cfg.kv_heads), ("attn_v", cfg.kv_heads)))
-        masked = (ahead < 0) | ((ahead >= window) if window else False)
-        heads = []
-        for j in range(cfg.n_head):
-            s = np.where(masked, -np.inf, q[:, j] @ k[:, j // group].T * kq_scale)
-            p = np.exp(s - s.max(axis=1, keepdims=True))
-            heads.append(p / p.sum(axis=1, keepdims=True) @ v[:, j // group])
-        att = np.concatenate(heads, axis=1) @ b("attn_output").T
-        if cfg.arch == "gemma3":
-            att = _rms_norm(att, b("post_attention_norm"), cfg.norm_eps)
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        local = gemma and cfg.sliding_window > 0 and il % 6 < 5
+        base, scale = ((cfg.rope_freq_base_swa or 10000.0, 1.0) if local
+                       else (cfg.rope_freq_base, cfg.rope_freq_scale))
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        if arch == "phi3":
+            qkv = h @ p("attn_qkv.weight").T
+            q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+        else:
+            q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
+                       for m in "qkv")
+        q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
+        if arch in ("qwen3", "gemma3"):
+            q = _rms_norm(q, p("attn_q_norm.weight"), eps)
+            k = _rms_norm(k, p("attn_k_norm.weight"), eps)
+        if not (arch == "smollm3" and (il + 1) % 4 == 0):
+            q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
+                    for y in (q, k))
+        att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0)
+        att = att @ p("attn_output.weight").T
+        if gemma:
+            att = _rms_norm(att, p("post_attention_norm.weight"), eps)
         x = x + branch * att
-        h = _rms_norm(x, b("ffn_norm"), cfg.norm_eps)
-        gate = h @ b("ffn_gate").T
-        act = _gelu(gate) if cfg.arch == "gemma3" else gate / (1 + np.exp(-gate))
-        ffn = (act * (h @ b("ffn_up").T)) @ b("ffn_down").T
-        if cfg.arch == "gemma3":
-            ffn = _rms_norm(ffn, b("post_ffw_norm"), cfg.norm_eps)
+        h = _rms_norm(x, p("ffn_norm.weight"), eps)
+        if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
+            gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
+            ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
+        else:
+            ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
+                       _gelu if gemma else _silu)
+        if gemma:
+            ffn = _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])
-    logits = _rms_norm(x, w["output_norm.weight"], cfg.norm_eps) @ out.T
+    logits = _rms_norm(x, w["output_norm.weight"], eps) @ out.T
     if granite:
         logits = logits / cfg.logit_scale
-    if cfg.final_logit_softcap:
+    if gemma and cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * np.tanh(logits / cfg.final_logit_softcap)
     return logits

@@ -25,6 +25,9 @@ from conftest import train_state
 BYTES = dict(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_ff=32, n_ctx=16, norm_eps=1e-6)
 # Tiny models shaped as each family's small published sizes.
 FAMILIES = {
+    # Llama 3.2: rope frequency factors (a frozen table a full finetune writes back)
+    "llama3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                          rope_freqs=True, rope_freq_base=5e5),
     # Qwen3-0.6B: 16 query heads of 128 over 8 K/V heads (wider than n_embd / n_head), tied
     "qwen3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                          tied_embeddings=True, rope_freq_base=1e6, arch="qwen3"),
@@ -36,13 +39,20 @@ FAMILIES = {
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
+    # Phi-4-mini: fused Q/K/V and gate/up, partial rotary (3/4), LongRoPE factors (the long
+    # ones past an original context of 8) and attn_factor, tied
+    "phi3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_rot=6, n_layer=2,
+                        tied_embeddings=True, longrope=True, rope_orig_ctx=8,
+                        rope_attn_factor=1.19, arch="phi3"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
                            arch="granite"),
 }
 # the tensors only that family has (a file without one is refused)
-OWN_TENSORS = {"qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight"}
+OWN_TENSORS = {"qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
+               "phi3": "attn_qkv.weight"}
+TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight"}
 
 
 def family_values(cfg, seed=1):
@@ -80,11 +90,12 @@ def test_a_family_file_has_its_keys_and_tensors_and_reads_back_exactly(arch, tmp
     values = family_values(cfg)
     path = family_file(tmp_path / "m.gguf", cfg, values)
     reader = GGUFReader(path)
-    assert reader.fields["general.architecture"].contents() == arch
+    assert reader.fields["general.architecture"].contents() == cfg.arch
     keys = set(reader.fields)
-    assert f"{arch}.embedding_length" in keys and "llama.embedding_length" not in keys
+    assert f"{cfg.arch}.embedding_length" in keys
+    assert cfg.arch == "llama" or "llama.embedding_length" not in keys
     for field, template in cfg.family.keys.items():     # every one set here is written
-        assert template.format(arch=arch) in keys, field
+        assert template.format(arch=cfg.arch) in keys, field
     assert {t.name for t in reader.tensors} == set(parameter_shapes(cfg))
     got_cfg, got, _ = load_model(path)
     assert got_cfg == cfg and got.keys() == values.keys()
@@ -163,7 +174,7 @@ def test_a_family_finetunes_with_lora_and_merges_and_quantizes_keeping_its_arch(
     cfg = FAMILIES[arch]
     adapter = tmp_path / "adapter.gguf"
     base = finetune(tmp_path, cfg, adapter)
-    assert GGUFReader(adapter).fields["general.architecture"].contents() == arch
+    assert GGUFReader(adapter).fields["general.architecture"].contents() == cfg.arch
     loaded = lora.load_adapter(adapter, cfg)
     assert any(np.abs(t).max() > 0 for n, t in loaded.tensors.items() if n.endswith(".lora_b"))
     merged = tmp_path / "merged.gguf"
@@ -192,3 +203,5 @@ def test_a_full_finetune_of_a_family_trains_its_own_weights(arch, tmp_path):
     assert got_cfg == cfg
     for name in (f"blk.0.{OWN_TENSORS[arch]}",) if arch in OWN_TENSORS else ():
         assert np.abs(values[name] - before[name]).max() > 1e-4, name
+    if arch in TABLES:      # frozen rope factors come back unchanged
+        np.testing.assert_array_equal(values[TABLES[arch]], before[TABLES[arch]])

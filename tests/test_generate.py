@@ -70,8 +70,11 @@ GEMMA3 = dataclasses.replace(QWEN3, arch="gemma3", n_layer=6, sliding_window=3,
 SMOLLM3 = dataclasses.replace(GQA, arch="smollm3", n_layer=4, n_rot=None)
 GRANITE = dataclasses.replace(TINY, arch="granite", n_rot=None, embedding_scale=3.0,
                               residual_scale=0.5, attention_scale=0.25, logit_scale=2.0)
+# phi3: fused Q/K/V and gate/up, partial rope with LongRoPE's long factors and attn_factor
+PHI3 = dataclasses.replace(GQA, arch="phi3", n_rot=2, longrope=True, rope_orig_ctx=4,
+                           rope_attn_factor=1.25)
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
-            "smollm3": SMOLLM3, "granite": GRANITE}
+            "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

@@ -42,9 +42,15 @@ SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_
 GRANITE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5,
                       embedding_scale=3.0, residual_scale=0.5, attention_scale=0.25,
                       logit_scale=2.0, arch="granite")
+# Phi-4-mini: fused Q/K/V and gate/up, partial neox rope, LongRoPE: n_ctx 5 past the original
+# context of 4 takes the long factors, and the rotated dims times the attn_factor
+PHI3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2, n_layer=1, n_ff=12,
+                   n_ctx=5, tied_embeddings=True, longrope=True, rope_orig_ctx=4,
+                   rope_attn_factor=1.25, arch="phi3")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
-           "granite": GRANITE}
+           "granite": GRANITE, "phi3": PHI3,
+           "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None)}
 BATCH = 2
 
 

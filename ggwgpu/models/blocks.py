@@ -78,14 +78,14 @@ def output(cfg, p: dict, x):
     return O.scale(O.tanh(y), cap) if cap else y
 
 
-def rope(cfg, p: dict, x, positions, freq_base: float, freq_scale: float):
+def rope(cfg, x, positions, freq_base: float, freq_scale: float, factors=None):
     """llama.cpp's rope of the family (mode normal: adjacent pairs, as its converter stores a
     llama's Q and K; neox: pairs (k, k + n_rot / 2)) at `freq_base` and `freq_scale` (the
-    layer's: models.family), with Llama 3's per-pair frequency factors when the model has
-    them."""
+    layer's: models.family), with per-pair frequency `factors` (Llama 3's rope_freqs,
+    Phi-3's LongRoPE) when given."""
     args = (cfg.rot, cfg.rope_mode, freq_base, freq_scale)
-    if ROPE_FREQS in p:
-        return O.rope_ff(x, positions, p[ROPE_FREQS], *args)
+    if factors is not None:
+        return O.rope_ff(x, positions, factors, *args)
     return O.rope(x, positions, *args)
 
 
@@ -120,6 +120,22 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):
             probs = O.soft_max_ext(O.mul_mat(k, q), mask, scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
+
+
+def columns(t, widths, head_dim: int | None = None):
+    """Views of consecutive column ranges of contiguous t's last dim, of the given `widths`
+    (or an int: that many equal parts), each split into heads of `head_dim` when given
+    (*lead, width / head_dim, head_dim): a fused product's parts (phi3's q | k | v,
+    gate | up)."""
+    if isinstance(widths, int):
+        widths = (t.shape[-1] // widths,) * widths
+    strides = tuple(int(np.prod(t.shape[d + 1:])) for d in range(t.ndim))
+    starts = np.cumsum((0,) + tuple(widths[:-1]))
+    if head_dim is None:
+        return tuple(O.view(t, t.shape[:-1] + (w,), strides, int(s))
+                     for s, w in zip(starts, widths))
+    return tuple(O.view(t, t.shape[:-1] + (w // head_dim, head_dim), strides[:-1] +
+                        (head_dim, 1), int(s)) for s, w in zip(starts, widths))
 
 
 def split_heads(t, lead, heads: int, head_dim: int):

@@ -39,6 +39,10 @@ class ModelConfig:
     residual_scale: float = 1.0     # granite: each block's branch times this before its add
     attention_scale: float = 0.0    # the scores' scale (0: the family's own, 1/sqrt(head_dim))
     logit_scale: float = 1.0        # granite: the logits divided by this
+    longrope: bool = False          # phi3: rope_factors_long/short.weight, LongRoPE's factors
+    rope_orig_ctx: int = 0          # phi3: the long factors apply when n_ctx exceeds this (0:
+                                    # never)
+    rope_attn_factor: float = 1.0   # phi3: the rotated dims of Q and K times this (LongRoPE)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module

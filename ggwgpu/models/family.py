@@ -27,6 +27,10 @@ class Family:
     qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
     post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
     gate = staticmethod(B.swiglu)     # the feed-forward's gate: B.swiglu or B.geglu
+    # Whether llama.cpp's graph of the family passes a rope_freqs.weight (Llama 3's
+    # frequency factors, ModelConfig.rope_freqs) to its rope.
+    reads_rope_freqs = False
+    partial_rope = False      # whether llama.cpp's graph allows n_rot < head_dim (it asserts not)
     # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
     # A family key that is 0 or absent is unset: the field keeps its neutral default, and
@@ -34,9 +38,6 @@ class Family:
     # without it).
     keys: dict = {}
     required: tuple = ()
-    # Tensors outside the blocks that are never trained, even in a full finetune.
-    frozen = (B.ROPE_FREQS,)
-
     def __repr__(self):
         return f"<family {self.arch}>"
 
@@ -45,8 +46,7 @@ class Family:
     def shapes(self, cfg) -> dict[str, tuple[int, ...]]:
         """Every tensor of the model, GGUF name -> shape (NumPy order), in file order."""
         shapes = {B.TOKEN_EMBD: (cfg.n_vocab, cfg.n_embd)}
-        if cfg.rope_freqs:
-            shapes[B.ROPE_FREQS] = (cfg.rot // 2,)
+        shapes.update({name: (cfg.rot // 2,) for name in self.rope_tables(cfg)})
         for i in range(cfg.n_layer):
             shapes.update({f"blk.{i}.{n}": s for n, s in self.block_shapes(cfg, i).items()})
         shapes[B.OUTPUT_NORM] = (cfg.n_embd,)
@@ -70,6 +70,10 @@ class Family:
         if self.post_norms:
             shapes["post_ffw_norm.weight"] = (e,)
         return shapes
+
+    def rope_tables(self, cfg) -> tuple[str, ...]:
+        """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
+        return (B.ROPE_FREQS,) if cfg.rope_freqs and self.reads_rope_freqs else ()
 
     # -- per-layer rules -------------------------------------------------------------------
 
@@ -111,21 +115,30 @@ class Family:
         return O.add(x, B.rms_norm(cfg, B.linear(p, b + weight, h), p[b + post_norm]))
 
     def attend(self, cfg, p: dict, i: int, h, seq: B.Sequence):
-        """Self-attention of block i on h (its attn_norm): q, k, v projected, split into
-        heads, biased, normed and roped as the family does, attended over `seq`."""
+        """Self-attention of block i on h (its attn_norm): q, k, v projected and split into
+        heads, q and k normed and roped as the family does, attended over `seq`."""
         b = f"blk.{i}."
+        q, k, v = self.project_qkv(cfg, p, b, h, seq.lead)
+        if self.qk_norm:
+            q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"]) for n, t in zip("qk", (q, k)))
+        if self.ropes(cfg, i):
+            q, k = (self.rope(cfg, p, i, t, seq.positions) for t in (q, k))
+        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
 
+    def project_qkv(self, cfg, p: dict, b: str, h, lead):
+        """Block b's q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim) of h,
+        with their biases where the family has them."""
         def project(n, heads):
             y = B.linear(p, b + f"attn_{n}.weight", h)
             if self.qkv_bias:
                 y = O.add(y, p[b + f"attn_{n}.bias"])
-            y = B.split_heads(y, seq.lead, heads, cfg.head_dim)
-            if self.qk_norm and n != "v":
-                y = B.rms_norm(cfg, y, p[b + f"attn_{n}_norm.weight"])
-            if n != "v" and self.ropes(cfg, i):
-                y = B.rope(cfg, p, y, seq.positions, *self.rope_base_scale(cfg, i))
-            return y
-        q, k, v = (project(n, heads)
-                   for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
-        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
+            return B.split_heads(y, lead, heads, cfg.head_dim)
+        return tuple(project(n, heads)
+                     for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
+
+    def rope(self, cfg, p: dict, i: int, x, positions):
+        """Layer i's rope of x (q or k): its base and scale, the model's factor table."""
+        tables = self.rope_tables(cfg)
+        return B.rope(cfg, x, positions, *self.rope_base_scale(cfg, i),
+                      p[tables[0]] if tables else None)
 

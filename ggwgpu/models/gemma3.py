@@ -20,6 +20,7 @@ SWA_FREQ_BASE = 10000.0     # llama.cpp's rope_freq_base_train_swa when the file
 class Gemma3(Family):
     arch = "gemma3"
     rope_mode = "neox"
+    partial_rope = True
     qk_norm = True
     post_norms = True
     gate = staticmethod(B.geglu)

@@ -10,6 +10,7 @@ from .family import Family
 
 class Granite(Family):
     arch = "granite"
+    reads_rope_freqs = True
     keys = {"embedding_scale": Keys.LLM.EMBEDDING_SCALE,
             "residual_scale": Keys.LLM.RESIDUAL_SCALE,
             "attention_scale": Keys.Attention.SCALE,

@@ -7,6 +7,7 @@ from .family import Family
 
 class Llama(Family):
     arch = "llama"
+    reads_rope_freqs = True
 
 
 FAMILY = Llama()
