@@ -38,6 +38,17 @@ fn product_epilogue(batch: u32, n: u32, m: u32, v: vec4f) -> vec4f {
     return fma(vec4f(p.f.x), v, c);
 }
 
+// dst[n, m .. m + 3] of a product (dst base offset d), as store_product4 writes them (0 for
+// columns >= M): what a dispatch that adds to an earlier one's sums starts from.
+fn load_product4(d: u32, n: u32, m: u32) -> vec4f {
+    var v = vec4f();
+    for (var r = 0u; r < 4u; r++) {
+        let i = d + n * p.nb_d.y + (m + r) * p.nb_d.x;
+        if (m + r < p.ne_d.x) { v[r] = f32(dst_v4[i / 4u][i % 4u]); }
+    }
+    return v;
+}
+
 // Writes dst[n, m .. m + 3] of a product (dst base offset d) through dst_v4: one vec4 store
 // where dst rows allow it, else element by element; columns >= M are skipped.
 fn store_product4(d: u32, n: u32, m: u32, v: vec4f) {

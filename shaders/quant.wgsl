@@ -50,7 +50,8 @@ fn k_mul_mat_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroup
 // [.., N, K], dst[n, k] = sum_m g[n, m] w[m, k] (the gradient of mul_mat_q w.r.t. x).
 // ggml order: ne_0 = (K, M, w2, w3), ne_1 = (M, N, g2, g3), ne_d = (K, N, g2, g3). Each
 // invocation computes one quad of k x 8 tokens: per weight row, one dequantized quad feeds 8
-// tokens.
+// tokens. A dispatch sums the rows m in [p.u.y, p.u.z), and with p.u.w = 1 adds to dst (the
+// sum of the rows before): long sums are cut into dispatches (ops/quant.py).
 @compute @workgroup_size(WG)
 fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let t = flat_id(gid, nwg); if (t >= p.n) { return; }
@@ -66,13 +67,17 @@ fn k_mul_mat_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_work
     var g_row: array<u32, 8>;
     for (var j = 0u; j < 8u; j++) { g_row[j] = g_base + min(n0 + j, N - 1u) * p.nb_1.y; }
     var acc: array<vec4f, 8>;  // acc[n][k0 ..]
-    for (var m = 0u; m < M; m++) {
+    for (var m = p.u.y; m < min(M, p.u.z); m++) {
         let wv = quad(p.u.x, w_base + m * K);
         let gm = m * p.nb_1.x;
         for (var j = 0u; j < 8u; j++) { acc[j] += f32(src1[g_row[j] + gm]) * wv; }
     }
+    let d = p.off.x + offsets.x;
     for (var j = 0u; j < 8u; j++) {
-        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
+        if (n0 + j < N) {
+            if (p.u.w == 1u) { acc[j] += load_product4(d, n0 + j, k0); }
+            store_product4(d, n0 + j, k0, acc[j]);
+        }
     }
 }
 

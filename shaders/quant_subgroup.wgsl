@@ -175,7 +175,8 @@ fn mul_mat_q_subgroup(t: u32, lane: u32, g: u32) {
 // 32 values of k (one block of the weight's rows, or an eighth of a k-quant's) x 16 tokens:
 // lane `lane` owns k0 .. k0 + 3 and loads g of tokens n0 + lane and n0 + 8 + lane. Per weight
 // row m a lane reads 2 words of the block (its 4 values; q4_0 and q8_0 take d from lane 0's
-// first word); per 4 rows 2 vec4s of g, for 256 multiply-adds.
+// first word); per 4 rows 2 vec4s of g, for 256 multiply-adds. Rows m in [p.u.y, p.u.z),
+// added to dst when p.u.w = 1, as k_mul_mat_q_back.
 // #include mul_mat_q_back_subgroup_entries
 
 // The 4 values k0 .. k0 + 3 of the weight row starting at value e, block kb .. kb + 31 of
@@ -244,8 +245,9 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
     // 4 rows at a time, g read as vec4s along m where its layout allows (p.u.x == 1), then
     // the rows left one at a time. (One loop for both, rows past M against a g of 0, compiled
     // up to twice as fast on lavapipe but ran 7 % slower.)
-    let m4 = select(0u, M / 4u, p.u.x == 1u) * 4u;
-    for (var m = 0u; m < m4; m += 4u) {
+    let m_end = min(M, p.u.z);
+    let m4 = p.u.y + select(0u, (m_end - p.u.y) / 4u, p.u.x == 1u) * 4u;
+    for (var m = p.u.y; m < m4; m += 4u) {
         let w0 = back_quad(t, lane, w_base + m * K, kb, k0);
         let w1 = back_quad(t, lane, w_base + (m + 1u) * K, kb, k0);
         let w2 = back_quad(t, lane, w_base + (m + 2u) * K, kb, k0);
@@ -254,7 +256,7 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
         let gb = vec4f(src1_v4[(g1 + m) / 4u]);
         mac4x16(&acc, w0, w1, w2, w3, ga, gb);
     }
-    for (var m = m4; m < M; m++) {
+    for (var m = m4; m < m_end; m++) {
         let wq = back_quad(t, lane, w_base + m * K, kb, k0);
         let ia = g0 + m * p.nb_1.x;
         let ib = g1 + m * p.nb_1.x;
@@ -263,7 +265,11 @@ fn mul_mat_q_back_subgroup(t: u32, lane: u32, g: u32) {
                 vec4f(f32(src1_v4[ib / 4u][ib % 4u]), 0.0, 0.0, 0.0));
     }
     if (kb + lane * 4u >= K) { return; }                 // past the end of an f16 row
+    let d = p.off.x + offsets.x;
     for (var j = 0u; j < 16u; j++) {
-        if (n0 + j < N) { store_product4(p.off.x + offsets.x, n0 + j, k0, acc[j]); }
+        if (n0 + j < N) {
+            if (p.u.w == 1u) { acc[j] += load_product4(d, n0 + j, k0); }
+            store_product4(d, n0 + j, k0, acc[j]);
+        }
     }
 }

@@ -205,3 +205,37 @@ def test_a_full_finetune_of_a_family_trains_its_own_weights(arch, tmp_path):
         assert np.abs(values[name] - before[name]).max() > 1e-4, name
     if arch in TABLES:      # frozen rope factors come back unchanged
         np.testing.assert_array_equal(values[TABLES[arch]], before[TABLES[arch]])
+
+
+def test_gemma_3_s_262144_token_q8_0_embedding_finetunes_on_the_device_as_on_numpy(wgpu):
+    """Gemma-3-270M's tied embedding, 262 144 x 640 in q8_0 (178 MB: more than one 128 MiB
+    binding, read in parts), under a LoRA step: logits in chunks, the loss and every
+    gradient as the NumPy backend's (the output product's backward sums 262 144 rows, more
+    than one lavapipe loop runs: ops/quant.py cuts it)."""
+    import ggwgpu as gg
+    from ggwgpu.quant import quantize
+    cfg = ModelConfig(n_vocab=262144, n_embd=640, n_head=1, n_head_kv=1, n_embd_head=64,
+                      n_layer=1, n_ff=64, n_ctx=4, tied_embeddings=True, sliding_window=512,
+                      arch="gemma3")
+    rng = np.random.default_rng(0)
+    values = {n: quantize((rng.standard_normal(s) * 0.02).astype(np.float32), "q8_0")
+              if len(s) == 2 else rng.uniform(0.5, 1.5, s).astype(np.float32)
+              for n, s in parameter_shapes(cfg).items()}
+    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0)
+    for name, t in adapter.tensors.items():
+        if name.endswith(".lora_b"):
+            adapter.tensors[name] = rng.uniform(-0.01, 0.01, t.shape).astype(np.float32)
+    tokens, targets = rng.integers(0, cfg.n_vocab, (2, 1, cfg.n_ctx))
+    results = []
+    for backend in (NumpyBackend(), wgpu):
+        g = build_train_graph(cfg, values, 1, lora=adapter,
+                              max_logits_bytes=4 * cfg.n_vocab * 2)
+        grads = gg.build_backward(g.loss, list(g.params.values()), recompute=g.recompute)
+        plan = backend.plan([g.loss, *grads.values()])
+        plan.run({**g.feeds(tokens, targets), g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+        results.append((plan.read(g.loss)[0], {p.name: plan.read(d) for p, d in grads.items()}))
+    (loss, ref), (dev_loss, dev) = results
+    assert len(g.logits) == 2 and abs(dev_loss - loss) <= 1e-5 * loss
+    for name in ref:
+        err = np.sum((dev[name] - ref[name]) ** 2) / np.sum(ref[name] ** 2)
+        assert err < 1e-8, f"{name}: nmse {err:.2e}"

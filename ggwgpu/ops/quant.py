@@ -27,7 +27,7 @@ from functools import partial
 import numpy as np
 
 from .. import ops as O
-from ..kernels import QUANT_KERNELS, TYPE_CODE, type_codes_wgsl
+from ..kernels import QUANT_KERNELS, SUM_ROWS_MAX, TYPE_CODE, type_codes_wgsl
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
@@ -140,16 +140,22 @@ def mul_mat_q_back_shape(srcs):
 
 
 def mul_mat_q_back_dispatch(node, variant="portable"):
+    """One dispatch per SUM_ROWS_MAX rows of the weight, each after the first adding to the
+    sums before it (u.y .. u.z: its rows, u.w: 1 to add): an invocation's loop over a
+    vocabulary of 262 144 rows would pass what lavapipe runs of one (kernels.py)."""
     w, g = node.srcs
-    k, n = node.shape[-1], node.shape[-2]
+    k, n, m = node.shape[-1], node.shape[-2], w.shape[-2]
     batches = node.nelements // (k * n)
     shader, _, (tile_k, tile_n) = QUANT_KERNELS[variant]
     groups = tiles(k, tile_k) * tiles(n, tile_n) * batches
+    parts = [(lo, min(m, lo + SUM_ROWS_MAX), int(lo > 0)) for lo in range(0, m, SUM_ROWS_MAX)]
     if variant == "portable":  # one invocation per tile
-        return [Dispatch("mul_mat_q_back", node, (w, g), n=groups, u=(TYPE_CODE[w.dtype],))]
+        return [Dispatch("mul_mat_q_back", node, (w, g), n=groups, u=(TYPE_CODE[w.dtype], *u))
+                for u in parts]
     # u.x = 1: g can be read as vec4s along M
     return [Dispatch(f"mul_mat_q_back_subgroup_{w.dtype}", node, (w, g), n=groups,
-                     workgroups=groups, u=(int(vec4_ready(g)),), shader=shader)]
+                     workgroups=groups, u=(int(vec4_ready(g)), *u), shader=shader)
+            for u in parts]
 
 
 mul_mat_q_back = register(
@@ -170,7 +176,9 @@ mul_mat_q_back = register(
         ((67, 128), Input((2, 37, 67))),
         ((68, 96), Input((2, 19, 68))),                       # g read as vec4s
         ((3, 256), Input((1, 3))),                            # k-quants
-        ((36, 512), Input((2, 17, 36)))]),
+        ((36, 512), Input((2, 17, 36))),
+        ((2 * SUM_ROWS_MAX + 6, 32), Input((3, 2 * SUM_ROWS_MAX + 6))),   # 3 dispatches
+        ((SUM_ROWS_MAX + 4, 32), Input((2, SUM_ROWS_MAX + 4), layout="strided"))]),
     doc="The gradient of mul_mat_q w.r.t. x: w [.., M, K] frozen, g [.., N, M] f32 -> "
         "[.., N, K] = g @ w, dequantized inside the kernel; w broadcast over g's batch dims.")
 
