@@ -49,9 +49,9 @@ ROW_FAMILIES = ("norm", "softmax")
 # one over 28672 is right). Longer rows take the workgroup kernel: each of its invocations
 # loops over a 64th of the row.
 ROWWISE_MAX = 16384
-# mul_mat_q_back sums over the weight's rows in one loop per invocation: a dispatch takes at
-# most this many rows (a multiple of 4), and the next ones add to its sums (Gemma 3's 262 144
-# rows gave wrong gradients in one).
+# A product sums over its contraction (mul_mat's K, mul_mat_q_back's weight rows) in one
+# loop per invocation: a dispatch takes at most this many (a multiple of 4), and the next
+# ones add to its sums (Gemma 3's 262 144-token vocabulary gave wrong gradients in one).
 SUM_ROWS_MAX = 32768
 
 # p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES.

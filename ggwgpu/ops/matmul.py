@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..kernels import MATMUL_KERNELS
+from ..kernels import MATMUL_KERNELS, SUM_ROWS_MAX
 from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_float, pad4, register
 
@@ -195,6 +195,24 @@ def vec4_ready(t) -> bool:
 
 
 def kernel_dispatch(node, a, b, variant="tiled"):
+    """The product's dispatches (kernel_dispatch_whole), one per SUM_ROWS_MAX of K where K is
+    longer: each later one reads column views of a and b and adds to the sums before it (dst
+    as its epilogue's c). One invocation's loop over a K of 262 144 (Gemma 3's vocabulary in
+    the output product's backward) would pass what lavapipe runs of one (kernels.py)."""
+    k = a.shape[-1]
+    if k <= SUM_ROWS_MAX:
+        return kernel_dispatch_whole(node, a, b, node.srcs[2:], variant)
+    out = []
+    for lo in range(0, k, SUM_ROWS_MAX):
+        width = min(k, lo + SUM_ROWS_MAX) - lo
+        a_part, b_part = (t.layout(t.shape[:-1] + (width,), t.strides,
+                                   t.offset + lo * t.strides[-1]) for t in (a, b))
+        c = node.srcs[2:] if lo == 0 else (node,)
+        out += kernel_dispatch_whole(node, a_part, b_part, c, variant)
+    return out
+
+
+def kernel_dispatch_whole(node, a, b, c, variant):
     """The mul_mat kernel over a [.., M, K] and b [.., N, K], then its epilogue: times the
     node's alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. Where `variant` has one, the
     kernel for an `a` laid out along M (a transposed view: out_prod, and the weight in
@@ -206,7 +224,7 @@ def kernel_dispatch(node, a, b, variant="tiled"):
     batches = node.nelements // (m * n)
     entry, shader, (tile_m, tile_n), entry_t = MATMUL_KERNELS[variant]
     tiles = -(-m // tile_m) * -(-n // tile_n) * batches
-    c = node.srcs[2:]   # mul_mat_acc's c
+    # c: mul_mat_acc's, or the sums of the columns before (kernel_dispatch)
     epilogue = dict(f=(node.params["alpha"],), u=(len(c),))
     if (entry_t and not (vec4_ready(a) and vec4_ready(b))
             and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
@@ -247,7 +265,12 @@ def mm_cases():
             Case((Input((67, 128)), Input((70, 128))), {"alpha": 0.125}, grad=False),
             Case((Input((130, 20)), Input((66, 20))), grad=False),  # K not a multiple of 16
             Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
-            Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False)]
+            Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False),
+            # K cut into dispatches that add up (kernel_dispatch): vec4 and any-strides kernels
+            Case((Input((3, SUM_ROWS_MAX + 8)), Input((5, SUM_ROWS_MAX + 8))), {"alpha": 0.5},
+                 grad=False),
+            Case((Input((2, 2 * SUM_ROWS_MAX + 3)), Input((3, 2 * SUM_ROWS_MAX + 3))),
+                 grad=False)]
 
 
 def acc_cases():
