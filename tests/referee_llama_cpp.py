@@ -1,0 +1,171 @@
+"""ggwgpu against llama.cpp (llama-cpp-python, never a dependency of ggwgpu) on random tiny
+files of each family, written as llama.cpp's converter writes them: logits of 64 tokens
+(float64 reference, NumPy, and with --wgpu the WebGPU backend) against llama.cpp's with an f32
+KV cache, greedy generation token for token, a random LoRA adapter that llama.cpp applies,
+and the merged file llama.cpp evaluates. Prints one line per check (relative RMS).
+
+Not a test (pytest does not collect it): it needs llama-cpp-python in a throwaway venv, e.g.
+
+    python3 -m venv /tmp/referee
+    CMAKE_ARGS="-DGGML_NATIVE=OFF" /tmp/referee/bin/pip install llama-cpp-python==0.3.36 \
+        'wgpu>=0.32,<0.33' gguf click regex jinja2
+    PYTHONPATH=. /tmp/referee/bin/python tests/referee_llama_cpp.py [--wgpu] [config ...]
+
+llama.cpp's CPU gelu reads an f16 table (GGML_GELU_FP16 in ggml-cpu/vec.h): gemma3 then
+differs by ~4e-4 from the exact tanh gelu both ggwgpu and llama.cpp's model define; with
+that define removed from the sdist before building, gemma3 agrees as the others do."""
+import dataclasses
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import llama_cpp
+
+from ggwgpu import gguf_file, gguf_llama, lora
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.generate import Decoder
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
+from ggwgpu.testing import reference_logits
+from ggwgpu.tokenizer import ByteTokenizer
+
+N = 64
+BASE = dict(n_vocab=ByteTokenizer.n_vocab, n_embd=64, n_ff=96, n_ctx=N, norm_eps=1e-6)
+CONFIGS = {
+    "llama": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2),
+    "qwen2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                         rope_freq_base=1e6, arch="qwen2"),
+    "qwen3": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
+                         tied_embeddings=True, rope_freq_base=1e6, arch="qwen3"),
+    "gemma3": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=32, n_layer=6,
+                          tied_embeddings=True, rope_freq_base=1e6, sliding_window=16,
+                          rope_freq_base_swa=1e4, arch="gemma3"),
+    "gemma3-softcap": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=32, n_layer=6,
+                                  rope_freq_base=1e6, sliding_window=16,
+                                  rope_freq_base_swa=1e4, final_logit_softcap=3.0,
+                                  arch="gemma3"),
+    "smollm3": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
+                           rope_freq_base=5e6, arch="smollm3"),
+    "phi3-long": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=12, n_layer=2,
+                             longrope=True, rope_orig_ctx=32, rope_attn_factor=1.19,
+                             arch="phi3"),
+    "phi3-short": ModelConfig(**BASE, n_head=4, n_head_kv=4, n_layer=2, tied_embeddings=True,
+                              longrope=True, rope_orig_ctx=4096, rope_attn_factor=1.19,
+                              arch="phi3"),
+    "phi3-plain": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, arch="phi3"),
+    "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
+                           residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
+                           arch="granite"),
+}
+
+
+def values_of(cfg, seed=1):
+    rng = np.random.default_rng(seed)
+    v = {k: x if x.ndim > 1 else rng.uniform(0.5, 1.5, x.shape).astype(np.float32)
+         for k, x in init_parameters(cfg, seed).items()}
+    v["output.weight" if "output.weight" in v else "token_embd.weight"] *= 4
+    for k in v:
+        if k.endswith(".bias"):
+            v[k] = rng.uniform(-0.5, 0.5, v[k].shape).astype(np.float32)
+    return v
+
+
+def write_plain(path, cfg, values):
+    """As llama.cpp's converter writes it: no ggwgpu.config_json."""
+    # llama.cpp looks up </s> in a vocabulary whose model name says phi3: a byte vocabulary
+    # has none, so the name must not say it
+    meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), {"general.name": "tiny"})
+    del meta[gguf_llama.K_CONFIG_JSON]
+    gguf_file.write_gguf(path, meta, values)
+
+
+def ggwgpu_logits(backend, cfg, values, tokens, adapters=()):
+    g = build_train_graph(cfg, values, 1, adapters=adapters, frozen=True)
+    plan = backend.plan(g.logits)
+    plan.run({g.tokens: np.asarray(tokens, np.int32)[None],
+              g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    return g.read_logits(plan)[0]
+
+
+def llama_cpp_model(path, lora_path=None):
+    return llama_cpp.Llama(str(path), n_ctx=N, logits_all=True, type_k=0, type_v=0,
+                           n_threads=2, verbose=False, lora_path=lora_path and str(lora_path),
+                           n_batch=N, n_ubatch=N)
+
+
+def llama_cpp_logits(llm, tokens):
+    llm.reset()
+    llm.eval(list(map(int, tokens)))
+    return np.array(llm.scores[:len(tokens)], np.float64)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def greedy_ggwgpu(backend, cfg, values, prompt, n):
+    d = Decoder(backend, cfg, values)
+    out, logits = [], d.prefill(prompt)
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = d.step(out[-1])
+    return out
+
+
+def greedy_llama_cpp(llm, prompt, n):
+    llm.reset()
+    llm.eval(list(map(int, prompt)))
+    out = []
+    for _ in range(n):
+        out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([out[-1]])
+    return out
+
+
+def compare(name, backends):
+    cfg = CONFIGS[name]
+    values = values_of(cfg)
+    tmp = Path(tempfile.mkdtemp())
+    write_plain(tmp / "m.gguf", cfg, values)
+    tokens = np.random.default_rng(7).integers(3, cfg.n_vocab, N)
+    llm = llama_cpp_model(tmp / "m.gguf")
+    theirs = llama_cpp_logits(llm, tokens)
+    rows = {"ref64 vs llama.cpp": rel(reference_logits(cfg, values, tokens), theirs)}
+    for bname, backend in backends.items():
+        rows[f"{bname} vs llama.cpp"] = rel(ggwgpu_logits(backend, cfg, values, tokens), theirs)
+    prompt = tokens[:8]
+    mine = greedy_ggwgpu(backends["numpy"], cfg, values, prompt, 24)
+    rows["greedy tokens equal (of 24)"] = sum(a == b for a, b in
+                                              zip(mine, greedy_llama_cpp(llm, prompt, 24)))
+    del llm
+    # a LoRA adapter with random non-zero pairs
+    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 4), 8.0, seed=3)
+    rng = np.random.default_rng(4)
+    for k, t in adapter.tensors.items():
+        if k.endswith(".lora_b"):
+            adapter.tensors[k] = rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
+    lora.save_adapter(tmp / "a.gguf", adapter, cfg)
+    adapted_llm = llama_cpp_model(tmp / "m.gguf", tmp / "a.gguf")
+    theirs_a = llama_cpp_logits(adapted_llm, tokens)
+    mine_a = ggwgpu_logits(backends["numpy"], cfg, values, tokens, (adapter,))
+    rows["adapter moves llama.cpp's logits"] = rel(theirs_a, theirs)
+    rows["adapter: numpy vs llama.cpp --lora"] = rel(mine_a, theirs_a)
+    del adapted_llm
+    mcfg, merged = lora.merge(cfg, values, [adapter])
+    write_plain(tmp / "merged.gguf", mcfg, merged)
+    merged_llm = llama_cpp_model(tmp / "merged.gguf")
+    rows["merged: llama.cpp vs ggwgpu adapted"] = rel(llama_cpp_logits(merged_llm, tokens),
+                                                       mine_a)
+    for k, v in rows.items():
+        print(f"{name:15s} {k:38s} {v:.3g}" if isinstance(v, float) else
+              f"{name:15s} {k:38s} {v}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    backends = {"numpy": NumpyBackend()}
+    if "--wgpu" in sys.argv:
+        from ggwgpu.backends import shared_wgpu_backend
+        backends["wgpu"] = shared_wgpu_backend()
+    for name in [a for a in sys.argv[1:] if not a.startswith("--")] or CONFIGS:
+        compare(name, backends)
