@@ -258,7 +258,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
 
     def attend(i, q, k, v, scale, layer_window):
         if packed:  # roped as one run of tokens, each at its own position; back to rows
-            q, k, v = (O.reshape(t, (batch, n) + t.shape[1:]) for t in (q, k, v))
+            q, k, v = (O.reshape(t if t.is_contiguous() else O.cont(t), (batch, n) + t.shape[1:])
+                       for t in (q, k, v))     # (phi3's v is a view of its fused product)
         out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
         return O.reshape(O.cont(out), (batch, n, cfg.q_dim))
 
