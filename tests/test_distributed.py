@@ -182,6 +182,28 @@ def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_pat
     assert one[-1]["loss"] != one[0]["loss"]
 
 
+@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+def test_a_lora_finetune_of_another_family_over_two_ranks_matches_one_process(tmp_path, mpiexec,
+                                                                              arch):
+    """gemma3 (sliding windows, sandwich norms) and phi3 (fused matrices, LongRoPE)."""
+    from test_families import FAMILIES, family_file
+    base = family_file(tmp_path / "base.gguf", FAMILIES[arch])
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    args = ["--backend", "numpy", "finetune", str(base), str(text), "--n-ctx", "16", "--steps",
+            "3", "--warmup", "2", "--lr", "1e-2"]
+    r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
+                                 "--out", str(tmp_path / "one.gguf")])
+    assert r.exit_code == 0, r.output
+    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
+                "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
+    assert r.returncode == 0, r.stdout + r.stderr
+    one, two = ([json.loads(line)["loss"] for line in (tmp_path / f"{k}.jsonl").read_text()
+                 .splitlines()] for k in ("one", "two"))
+    np.testing.assert_allclose(two, one, rtol=1e-5)
+    assert one[-1] != one[0]
+
+
 def test_processes_on_a_machine_take_one_gpu_each():
     from ggwgpu.backends import adapter_for_rank
 

@@ -143,8 +143,11 @@ def test_a_family_checkpoint_round_trips(arch, tmp_path):
         np.testing.assert_array_equal(opt_state[name][1], moments[name][1], err_msg=name)
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_a_fresh_lora_adapter_leaves_every_family_s_logits_as_the_base_s(arch):
+def test_a_fresh_lora_adapter_leaves_every_family_s_logits_as_the_base_s(arch, backend_name,
+                                                                         request):
+    backend = request.getfixturevalue("wgpu") if backend_name == "wgpu" else NumpyBackend()
     cfg = dataclasses.replace(FAMILIES[arch], n_ctx=8)
     values = family_values(cfg)
     adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0)
@@ -152,7 +155,7 @@ def test_a_fresh_lora_adapter_leaves_every_family_s_logits_as_the_base_s(arch):
     logits = []
     for kw in ({}, {"lora": adapter}):
         g = build_train_graph(cfg, values, 2, **kw)
-        plan = NumpyBackend().plan(g.logits)
+        plan = backend.plan(g.logits)
         plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
         logits.append(g.read_logits(plan))
     np.testing.assert_array_equal(logits[1], logits[0])
