@@ -299,3 +299,29 @@ def test_packed_sequences_each_get_the_reference_logits_of_their_own(arch):
     for part in (slice(0, 7), slice(7, cfg.n_ctx)):     # (phi3's factors: by n_ctx, not
         want = reference_logits(cfg, values, tokens[0, part])   # by the sequence's length)
         np.testing.assert_allclose(got[part], want, rtol=1e-6, atol=1e-7)   # phi3: an f32 1.19
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])
+@pytest.mark.parametrize("arch", ["llama3", "gemma3", "phi3"])
+def test_a_family_finetune_resumed_from_its_checkpoint_equals_an_uninterrupted_run(
+        arch, full, tmp_path):
+    """Checkpoints keep the run (a full one's frozen rope tables included)."""
+    import json
+    cfg = FAMILIES[arch]
+    base = family_file(tmp_path / "base.gguf", cfg)
+    text = tmp_path / "text.txt"
+    text.write_text("To be, or not to be, that is the question.\n" * 40)
+    options = ["finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2", "--warmup",
+               "2", "--n-ctx", "8", *(["--full"] if full else [])]
+
+    def losses(log):
+        return [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    r = invoke(*options, "--steps", "4", "--log", str(tmp_path / "straight.jsonl"),
+               "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0, r.output
+    ckpt, log = tmp_path / "ckpt.gguf", tmp_path / "log.jsonl"
+    for args in (("--checkpoint-out", str(ckpt)), ("--checkpoint-in", str(ckpt))):
+        r = invoke(*options, *args, "--steps", "2", "--log", str(log),
+                   "--out", str(tmp_path / "b.gguf"))
+        assert r.exit_code == 0, r.output
+    assert losses(log) == losses(tmp_path / "straight.jsonl")
