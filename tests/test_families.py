@@ -28,6 +28,9 @@ FAMILIES = {
     # Llama 3.2: rope frequency factors (a frozen table a full finetune writes back)
     "llama3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                           rope_freqs=True, rope_freq_base=5e5),
+    # Qwen2.5-0.5B: Q/K/V biases, tied
+    "qwen2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
+                         rope_freq_base=1e6, arch="qwen2"),
     # Qwen3-0.6B: 16 query heads of 128 over 8 K/V heads (wider than n_embd / n_head), tied
     "qwen3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                          tied_embeddings=True, rope_freq_base=1e6, arch="qwen3"),
@@ -50,7 +53,7 @@ FAMILIES = {
                            arch="granite"),
 }
 # the tensors only that family has (a file without one is refused)
-OWN_TENSORS = {"qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
+OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight"}
 
@@ -180,6 +183,10 @@ def test_a_family_finetunes_with_lora_and_merges_and_quantizes_keeping_its_arch(
     assert GGUFReader(adapter).fields["general.architecture"].contents() == cfg.arch
     loaded = lora.load_adapter(adapter, cfg)
     assert any(np.abs(t).max() > 0 for n, t in loaded.tensors.items() if n.endswith(".lora_b"))
+    assert not any(n.endswith(".bias.lora_a") for n in loaded.tensors)   # matrices only
+    other = "qwen3" if cfg.arch == "llama" else "llama"   # llama.cpp refuses it as well
+    with pytest.raises(GGUFError, match=f"is '{cfg.arch}', but the base model is a '{other}'"):
+        lora.load_adapter(adapter, dataclasses.replace(cfg, arch=other))
     merged = tmp_path / "merged.gguf"
     r = invoke("merge", str(base), str(adapter), "--out", str(merged))
     assert r.exit_code == 0, r.output

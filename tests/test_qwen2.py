@@ -1,24 +1,21 @@
 """Qwen2 / Qwen2.5 (llama.cpp's arch "qwen2"): the llama block with Q/K/V biases and neox rope,
-its keys under "qwen2.". Files, checkpoints, LoRA adapters, merge, quantize and finetune keep
-the arch. The logits against the float64 reference and the gradients (biases included) are
-in test_llama.py's matrix (CONFIGS["qwen2"]); the KV cache against the full forward in
-test_generate.py."""
+its keys under "qwen2.". Files and checkpoints keep the arch; finetune (LoRA and --full),
+adapters, merge and quantize are test_families.py's, as every family's. The logits against
+the float64 reference and the gradients (biases included) are in test_llama.py's matrix
+(CONFIGS["qwen2"]); the KV cache against the full forward in test_generate.py."""
 import dataclasses
 import json
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
 from gguf import GGUFReader
 
-from ggwgpu import gguf_file, gguf_llama, lora
-from ggwgpu.backends import ENV_VAR
+from ggwgpu import gguf_file, gguf_llama
 from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ModelConfig, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu_cli.main import cli
 from conftest import train_state
 
 # as Qwen2.5-0.5B: grouped-query attention, tied embeddings, n_rot = head_dim (8)
@@ -39,10 +36,6 @@ def qwen2_values(cfg=QWEN2, seed=1):
 def qwen2_file(path, cfg=QWEN2, values=None):
     save_model(path, cfg, qwen2_values(cfg) if values is None else values, ByteTokenizer())
     return path
-
-
-def invoke(*args):
-    return CliRunner().invoke(cli, ["--backend", "numpy", *args], env={ENV_VAR: None})
 
 
 def biases(values):
@@ -140,52 +133,3 @@ def test_a_qwen2_checkpoint_round_trips_with_its_arch_and_bias_moments(tmp_path)
     # a qwen2 model is a model, not a checkpoint, as a llama is
     with pytest.raises(GGUFError, match="is a model, not a training checkpoint"):
         load_checkpoint(qwen2_file(tmp_path / "m.gguf"))
-
-
-def finetune_qwen2(tmp_path, out, *options):
-    """A 2-step finetune of a qwen2 base written in tmp_path; the base's path."""
-    base = qwen2_file(tmp_path / "base.gguf")
-    text = tmp_path / "text.txt"
-    text.write_text("To be, or not to be, that is the question.\n" * 40)
-    r = invoke("finetune", str(base), str(text), "--batch", "2", "--lr", "1e-2", "--warmup", "2",
-               "--steps", "2", "--n-ctx", "8", *options, "--out", str(out))
-    assert r.exit_code == 0, r.output
-    return base
-
-
-def test_a_lora_finetune_of_a_qwen2_writes_a_qwen2_adapter_and_keeps_the_biases(tmp_path):
-    adapter = tmp_path / "adapter.gguf"
-    base = finetune_qwen2(tmp_path, adapter)
-    reader = GGUFReader(adapter)
-    assert reader.fields["general.architecture"].contents() == "qwen2"
-    assert reader.fields["general.type"].contents() == "adapter"
-    assert not any(t.name.endswith(".bias.lora_a") for t in reader.tensors)
-    loaded = lora.load_adapter(adapter, QWEN2)
-    assert any(np.abs(t).max() > 0 for n, t in loaded.tensors.items() if n.endswith(".lora_b"))
-    # llama.cpp refuses an adapter of another arch; so does ggwgpu
-    with pytest.raises(GGUFError, match="is 'qwen2', but the base model is a 'llama'"):
-        lora.load_adapter(adapter, dataclasses.replace(QWEN2, arch="llama"))
-
-    merged = tmp_path / "merged.gguf"
-    r = invoke("merge", str(base), str(adapter), "--out", str(merged))
-    assert r.exit_code == 0, r.output
-    cfg, values, _ = load_model(merged)
-    _, base_values, _ = load_model(base)
-    assert cfg.arch == "qwen2"
-    for name, bias in biases(base_values).items():      # frozen: not adapted, not changed
-        np.testing.assert_array_equal(values[name], bias, err_msg=name)
-    quantized = tmp_path / "q8.gguf"
-    r = invoke("quantize", str(merged), str(quantized), "--type", "q8_0")
-    assert r.exit_code == 0, r.output
-    cfg, values, _ = load_model(quantized, keep_quantized=True)
-    assert cfg.arch == "qwen2" and values["blk.0.attn_q.bias"].dtype == np.float32
-
-
-def test_a_full_finetune_of_a_qwen2_trains_the_biases(tmp_path):
-    out = tmp_path / "full.gguf"
-    base = finetune_qwen2(tmp_path, out, "--full")
-    cfg, values, _ = load_model(out)
-    _, before, _ = load_model(base)
-    assert cfg == QWEN2
-    for name, bias in biases(before).items():
-        assert np.abs(values[name] - bias).max() > 1e-4, name

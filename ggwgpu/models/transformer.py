@@ -16,8 +16,8 @@ import numpy as np
 from .. import ops as O
 from ..quant import Quantized
 from ..tensor import ShapeError, constant, input_tensor, param
-from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, OUTPUT_NORM, TOKEN_EMBD, Sequence,
-                     attention, embed, output, rms_norm)
+from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, OUTPUT_NORM, Sequence, attention, embed,
+                     output, rms_norm)
 from .config import ModelConfig
 
 # values that are never trained, even in a full finetune: rope frequency factors
