@@ -191,11 +191,7 @@ class Decoder:
         if len(tokens) == 1:
             return self.step(tokens[0])
         if self.past:       # the prefill plan attends to the cache the steps wrote
-            g = self.prefill_graph
-            cache = self.step_plan.read(self.step_graph.kv)[:, self.step_graph.n_tokens:]
-            kv = np.zeros(g.kv.shape, cache.dtype)
-            kv[:, g.n_tokens:] = cache
-            self.prefill_plan.write(g.kv, kv)
+            move_caches(self.step_plan, self.step_graph, self.prefill_plan, self.prefill_graph)
         return self._run_prefill(tokens)
 
     def sync(self, tokens) -> np.ndarray:
@@ -213,12 +209,19 @@ class Decoder:
         tokens = [int(t) for t in np.atleast_1d(tokens)]
         self.prefill_plan.run(g.feeds(tokens, self.past))
         logits = self.prefill_plan.read(g.logits)[0]
-        kv = self.prefill_plan.read(g.kv)                         # [scratch | cache] per layer
-        step_kv = np.zeros(self.step_graph.kv.shape, kv.dtype)
-        step_kv[:, self.step_graph.n_tokens:] = kv[:, g.n_tokens:]
-        self.step_plan.write(self.step_graph.kv, step_kv)
+        move_caches(self.prefill_plan, g, self.step_plan, self.step_graph)
         self.tokens = self.tokens + tokens
         return logits
+
+
+def move_caches(plan, graph, to_plan, to_graph):
+    """Hand the cache rows of `graph` run by `plan` (its kv and convolution caches:
+    [scratch | cache] per layer) to `to_graph`'s in `to_plan`."""
+    for leaf, to_leaf in zip(graph.caches, to_graph.caches):
+        cache = plan.read(leaf)[:, graph.n_tokens:]
+        value = np.zeros(to_leaf.shape, cache.dtype)
+        value[:, to_graph.n_tokens:] = cache
+        to_plan.write(to_leaf, value)
 
 
 def window(context: list[int], bos_id, max_ctx: int) -> list[int]:

@@ -81,6 +81,7 @@ OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 LONGROPE = (phi3.LONG, phi3.SHORT)
+MIN_BLOCK_TENSORS = 6       # no family's block has fewer (phi3's, fused)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
 
@@ -146,6 +147,9 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         k.rot: (cfg.rot, _T.UINT32), k.freq_base: (float(cfg.rope_freq_base), _T.FLOAT32),
         k.eps: (float(cfg.norm_eps), _T.FLOAT32), k.vocab: (cfg.n_vocab, _T.UINT32),
     }
+    if cfg.conv_layers:     # lfm2: K/V heads per layer, 0 for a convolution
+        keys[k.heads_kv] = ([0 if i in cfg.conv_layers else cfg.kv_heads
+                             for i in range(cfg.n_layer)], _T.ARRAY)
     if cfg.n_embd_head is not None:
         keys[k.key_length] = keys[k.value_length] = (cfg.head_dim, _T.UINT32)
     if cfg.rope_freq_scale != 1.0:
@@ -215,7 +219,17 @@ def read_model(f: GGUFFile):
               n_ctx=f.int_key(k.ctx), n_ff=f.int_key(k.ff),
               norm_eps=f.float_key(k.eps),
               rope_freq_base=f.float_key(k.freq_base, default=10000.0))
-    n_head_kv = f.int_key(k.heads_kv, default=n_head)
+    n_head_kv = f.meta.get(k.heads_kv, n_head)
+    if isinstance(n_head_kv, list):     # per layer (lfm2): 0 where a block convolves
+        kinds = set(n_head_kv) - {0}
+        if len(n_head_kv) != n_layer or len(kinds) != 1 or \
+                not all(isinstance(v, int) and 0 <= v < 2 ** 31 for v in n_head_kv):
+            raise GGUFError(f"{f.path}: {k.heads_kv} must hold {n_layer} counts, one per "
+                            f"layer, 0 or one other value, got {n_head_kv[:8]}")
+        hp["conv_layers"] = tuple(i for i, v in enumerate(n_head_kv) if v == 0)
+        n_head_kv = kinds.pop()
+    else:
+        n_head_kv = f.int_key(k.heads_kv, default=n_head)
     if n_head % n_head_kv:
         raise GGUFError(f"{f.path}: {k.heads} = {n_head} is not a multiple of {k.heads_kv} = "
                         f"{n_head_kv}")
@@ -279,7 +293,7 @@ def read_model(f: GGUFFile):
         raise GGUFError(f"{f.path}: bad vocabulary: {e}") from None
 
     # A forged block count must not make us enumerate billions of tensor names.
-    least = len(family.block_shapes(ModelConfig(arch=arch), 0)) * n_layer
+    least = MIN_BLOCK_TENSORS * n_layer
     if least > len(f.tensors):
         raise GGUFError(f"{f.path}: {k.layers} = {n_layer} needs at least {least} "
                         f"tensors, the file has {len(f.tensors)}")

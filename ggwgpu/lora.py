@@ -51,12 +51,13 @@ K_ALPHA = "adapter.lora.alpha"
 K_BASE = "ggwgpu.lora.base"
 
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
-# "wqkv": the fused Q/K/V matrix of families that have one (phi3). A model gets the targets
-# it has.
+# "wqkv": the fused Q/K/V matrix of families that have one (phi3); "conv_in", "conv_out":
+# lfm2's short-convolution projections. A model gets the targets its blocks have.
 TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
            "wqkv": "attn_qkv.weight", "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
-           "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight"}
+           "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight",
+           "conv_in": "shortconv.in_proj.weight", "conv_out": "shortconv.out_proj.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
 
@@ -100,8 +101,9 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
     family lacks (wq of a phi3, whose Q, K and V are one fused wqkv) gets no pair, and
     asking for it is an error."""
     shapes = matrix_shapes(cfg)
+    blocks = {name.split(".", 2)[2] for name in shapes if name.startswith("blk.")}
     present = {kind for kind, weight in TARGETS.items()
-               if weight in shapes or f"blk.0.{weight}" in shapes or cfg.n_layer == 0}
+               if weight in shapes or weight in blocks or cfg.n_layer == 0}
     defaults = {kind: 0 if (cfg.tied_embeddings and kind in GLOBAL_TARGETS)
                 or kind not in present else r for kind in TARGETS}
     asked = {k: v for k, v in (ranks or {}).items() if v is not None}
@@ -125,7 +127,7 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
         if rank == 0:
             continue
         names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
-            [f"blk.{i}.{TARGETS[kind]}" for i in layers]
+            [n for n in (f"blk.{i}.{TARGETS[kind]}" for i in layers) if n in shapes]
         if names:       # a rank above the matrix's smaller side adds nothing but memory
             n_out, n_in = shapes[names[0]]
             if rank > min(n_out, n_in):

@@ -34,6 +34,8 @@ def parameter_count(cfg: ModelConfig) -> int:
     def count(n_layer):
         shapes = parameter_shapes(dataclasses.replace(cfg, n_layer=n_layer))
         return sum(math.prod(s) for s in shapes.values())
+    if cfg.conv_layers:     # blocks of two kinds, as the file lists them layer by layer
+        return count(cfg.n_layer)
     base = count(0)
     return base + cfg.n_layer * (count(1) - base)
 

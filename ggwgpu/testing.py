@@ -293,7 +293,7 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
-NEOX = ("qwen2", "qwen3", "gemma3", "phi3")   # llama_model_rope_type NEOX; the others NORM
+NEOX = ("qwen2", "qwen3", "gemma3", "phi3", "lfm2")  # llama_model_rope_type NEOX; others NORM
 ROPE_FACTORS = ("llama", "granite")     # the graphs that pass rope_freqs.weight to the rope
 
 
@@ -330,6 +330,14 @@ def _attention(q, k, v, kq_scale, window=0):
     return np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v).reshape(len(q), -1)
 
 
+def _causal_conv(x, w):
+    """ggml_ssm_conv with a zero state: y[t, c] = sum_j x[t - (L - 1 - j), c] w[c, j], x (T, C)
+    and w (C, L), rows before 0 being 0."""
+    length = w.shape[1]
+    padded = np.concatenate([np.zeros((length - 1, x.shape[1])), x])
+    return sum(padded[j:j + len(x)] * w[:, j] for j in range(length))
+
+
 def _silu(x):
     return x / (1 + np.exp(-x))
 
@@ -359,10 +367,13 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
     gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
-    rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor.
-    `values` are float arrays (dequantize block types first)."""
+    rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor. lfm2: the
+    blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
+    causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
+    neox rope; the final norm is token_embd_norm. `values` are float arrays (dequantize
+    block types first)."""
     arch, eps = cfg.arch, cfg.norm_eps
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch == "gemma3", arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -392,24 +403,29 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         base, scale = ((cfg.rope_freq_base_swa or 10000.0, 1.0) if local
                        else (cfg.rope_freq_base, cfg.rope_freq_scale))
         h = _rms_norm(x, p("attn_norm.weight"), eps)
-        if arch == "phi3":
-            qkv = h @ p("attn_qkv.weight").T
-            q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+        if il in cfg.conv_layers:       # lfm2's short convolution
+            b, c, xx = np.split(h @ p("shortconv.in_proj.weight").T, 3, axis=1)
+            y = _causal_conv(b * xx, p("shortconv.conv.weight"))
+            x = x + (c * y) @ p("shortconv.out_proj.weight").T
         else:
-            q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
-                       for m in "qkv")
-        q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
-        if arch in ("qwen3", "gemma3"):
-            q = _rms_norm(q, p("attn_q_norm.weight"), eps)
-            k = _rms_norm(k, p("attn_k_norm.weight"), eps)
-        if not (arch == "smollm3" and (il + 1) % 4 == 0):
-            q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
-                    for y in (q, k))
-        att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0)
-        att = att @ p("attn_output.weight").T
-        if gemma:
-            att = _rms_norm(att, p("post_attention_norm.weight"), eps)
-        x = x + branch * att
+            if arch == "phi3":
+                qkv = h @ p("attn_qkv.weight").T
+                q, k, v = np.split(qkv, [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+            else:
+                q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
+                           for m in "qkv")
+            q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
+            if arch in ("qwen3", "gemma3", "lfm2"):
+                q = _rms_norm(q, p("attn_q_norm.weight"), eps)
+                k = _rms_norm(k, p("attn_k_norm.weight"), eps)
+            if not (arch == "smollm3" and (il + 1) % 4 == 0):
+                q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
+                        for y in (q, k))
+            att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0)
+            att = att @ p("attn_output.weight").T
+            if gemma:
+                att = _rms_norm(att, p("post_attention_norm.weight"), eps)
+            x = x + branch * att
         h = _rms_norm(x, p("ffn_norm.weight"), eps)
         if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
@@ -421,7 +437,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             ffn = _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])
-    logits = _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+    norm = w["token_embd_norm.weight" if arch == "lfm2" else "output_norm.weight"]
+    logits = _rms_norm(x, norm, eps) @ out.T
     if granite:
         logits = logits / cfg.logit_scale
     if gemma and cfg.final_logit_softcap:

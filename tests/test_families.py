@@ -47,6 +47,9 @@ FAMILIES = {
     "phi3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_rot=6, n_layer=2,
                         tied_embeddings=True, longrope=True, rope_orig_ctx=8,
                         rope_attn_factor=1.19, arch="phi3"),
+    # LFM2-350M: short convolutions (kernel 3) with attention blocks between, tied
+    "lfm2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, tied_embeddings=True,
+                        conv_layers=(0, 1, 3), conv_kernel=3, rope_freq_base=1e6, arch="lfm2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -54,7 +57,7 @@ FAMILIES = {
 }
 # the tensors only that family has (a file without one is refused)
 OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
-               "phi3": "attn_qkv.weight"}
+               "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight"}
 
 
@@ -332,3 +335,18 @@ def test_a_family_finetune_resumed_from_its_checkpoint_equals_an_uninterrupted_r
                    "--out", str(tmp_path / "b.gguf"))
         assert r.exit_code == 0, r.output
     assert losses(log) == losses(tmp_path / "straight.jsonl")
+
+
+def test_lora_targets_are_the_matrices_each_block_has():
+    """lfm2's convolution blocks get pairs on in_proj and out_proj (conv_in, conv_out), its
+    attention blocks on Q, K, V and the output; phi3 on its fused attn_qkv; a target a
+    family lacks is refused by name."""
+    ranks = lora.lora_ranks(FAMILIES["lfm2"], 2)
+    assert {n for n in ranks if n.startswith("blk.1.")} == {
+        f"blk.1.{w}.weight" for w in ("shortconv.in_proj", "shortconv.out_proj", "ffn_gate",
+                                      "ffn_down", "ffn_up")}
+    assert {n for n in ranks if n.startswith("blk.2.attn")} == {
+        f"blk.2.attn_{w}.weight" for w in ("q", "k", "v", "output")}
+    assert "blk.0.attn_qkv.weight" in lora.lora_ranks(FAMILIES["phi3"], 2)
+    with pytest.raises(ValueError, match="a phi3 has no attn_q.weight for a LoRA pair"):
+        lora.lora_ranks(FAMILIES["phi3"], 2, {"wq": 4})

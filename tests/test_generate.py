@@ -73,8 +73,11 @@ GRANITE = dataclasses.replace(TINY, arch="granite", n_rot=None, embedding_scale=
 # phi3: fused Q/K/V and gate/up, partial rope with LongRoPE's long factors and attn_factor
 PHI3 = dataclasses.replace(GQA, arch="phi3", n_rot=2, longrope=True, rope_orig_ctx=4,
                            rope_attn_factor=1.25)
+# lfm2: short convolutions (their inputs cached by position) around attention blocks
+LFM2 = dataclasses.replace(GQA, arch="lfm2", n_layer=4, n_rot=None, conv_layers=(0, 1, 3),
+                           conv_kernel=3)
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
-            "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3}
+            "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

@@ -47,10 +47,13 @@ GRANITE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=
 PHI3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2, n_layer=1, n_ff=12,
                    n_ctx=5, tied_embeddings=True, longrope=True, rope_orig_ctx=4,
                    rope_attn_factor=1.25, arch="phi3")
+# LFM2: short-convolution blocks (kernel 3) around an attention block with QK norms
+LFM2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n_ff=12, n_ctx=5,
+                   tied_embeddings=True, conv_layers=(0, 2), conv_kernel=3, arch="lfm2")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
-           "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None)}
+           "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2}
 BATCH = 2
 
 

@@ -43,6 +43,8 @@ class ModelConfig:
     rope_orig_ctx: int = 0          # phi3: the long factors apply when n_ctx exceeds this (0:
                                     # never)
     rope_attn_factor: float = 1.0   # phi3: the rotated dims of Q and K times this (LongRoPE)
+    conv_layers: tuple = ()         # lfm2: the blocks whose mixer is a short convolution
+    conv_kernel: int = 0            # lfm2: the convolution's length (shortconv.l_cache)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -57,6 +59,12 @@ class ModelConfig:
             raise ShapeError(f"n_rot {self.rot} must be even and <= head_dim {self.head_dim}")
         if self.sliding_window < 0:
             raise ShapeError(f"sliding_window {self.sliding_window} must be >= 0")
+        object.__setattr__(self, "conv_layers", tuple(int(i) for i in self.conv_layers))
+        if any(not 0 <= i < self.n_layer for i in self.conv_layers):
+            raise ShapeError(f"conv_layers {self.conv_layers} must be blocks 0 .. "
+                             f"{self.n_layer - 1}")
+        if self.conv_layers and self.conv_kernel < 2:
+            raise ShapeError(f"conv_kernel {self.conv_kernel} must be at least 2")
 
     @property
     def family(self):

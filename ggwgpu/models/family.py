@@ -30,6 +30,7 @@ class Family:
     # Whether llama.cpp's graph of the family passes a rope_freqs.weight (Llama 3's
     # frequency factors, ModelConfig.rope_freqs) to its rope.
     reads_rope_freqs = False
+    output_norm = B.OUTPUT_NORM   # the final norm's tensor (lfm2 names it token_embd_norm)
     partial_rope = False      # whether llama.cpp's graph allows n_rot < head_dim (it asserts not)
     # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
@@ -49,7 +50,7 @@ class Family:
         shapes.update({name: (cfg.rot // 2,) for name in self.rope_tables(cfg)})
         for i in range(cfg.n_layer):
             shapes.update({f"blk.{i}.{n}": s for n, s in self.block_shapes(cfg, i).items()})
-        shapes[B.OUTPUT_NORM] = (cfg.n_embd,)
+        shapes[self.output_norm] = (cfg.n_embd,)
         if not cfg.tied_embeddings:
             shapes[B.OUTPUT] = (cfg.n_vocab, cfg.n_embd)
         return shapes
@@ -100,12 +101,18 @@ class Family:
     # -- the graph -------------------------------------------------------------------------
 
     def block(self, cfg, p: dict, i: int, x, seq: B.Sequence):
-        """Block i applied to x (rows of n_embd)."""
+        """Block i applied to x (rows of n_embd): its mixer (attention), then the
+        feed-forward, each with its residual."""
         b = f"blk.{i}."
-        att = self.attend(cfg, p, i, B.rms_norm(cfg, x, p[b + "attn_norm.weight"]), seq)
-        x = self.residual(cfg, p, b, "attn_output.weight", att, x, "post_attention_norm.weight")
+        x = self.mix(cfg, p, i, x, seq)
         gated = self.gate(p, b, B.rms_norm(cfg, x, p[b + "ffn_norm.weight"]))
         return self.residual(cfg, p, b, "ffn_down.weight", gated, x, "post_ffw_norm.weight")
+
+    def mix(self, cfg, p: dict, i: int, x, seq: B.Sequence):
+        """x + block i's token mixer (self-attention) of attn_norm(x)."""
+        b = f"blk.{i}."
+        att = self.attend(cfg, p, i, B.rms_norm(cfg, x, p[b + "attn_norm.weight"]), seq)
+        return self.residual(cfg, p, b, "attn_output.weight", att, x, "post_attention_norm.weight")
 
     def residual(self, cfg, p: dict, b: str, weight: str, h, x, post_norm: str):
         """x + block b's branch: its `weight` times h (times residual_scale), or with

@@ -15,9 +15,9 @@ import numpy as np
 
 from .. import ops as O
 from ..quant import Quantized
-from ..tensor import ShapeError, constant, input_tensor, param
-from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, OUTPUT_NORM, Sequence, attention, embed,
-                     output, rms_norm)
+from ..tensor import ShapeError, constant, input_tensor, param, zeros
+from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
+                     rms_norm)
 from .config import ModelConfig
 
 # values that are never trained, even in a full finetune: rope frequency factors
@@ -128,6 +128,9 @@ class TrainGraph:
                               # sees a key, -inf elsewhere
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # packed with a window: the mask of those layers, as `mask`
+    conv_mask: object = None  # packed with convolutions: (batch, n_ctx, conv_kernel), tap j of
+                              # a token 1 where its n_kernel - 1 - j positions back are in
+                              # its sequence, else 0
 
     @property
     def packed(self) -> bool:
@@ -162,6 +165,10 @@ class TrainGraph:
             feeds.update({self.positions: positions, self.mask: mask})
             if self.window_mask is not None:
                 feeds[self.window_mask] = packed_inputs(segments, self.window)[1]
+            if self.conv_mask is not None:
+                length = self.conv_mask.shape[-1]
+                feeds[self.conv_mask] = (positions[..., None] >= length - 1 - np.arange(length)
+                                         ).astype(np.float32)
         return feeds
 
     def read_logits(self, plan) -> np.ndarray:
@@ -263,14 +270,29 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
         return O.reshape(O.cont(out), (batch, n, cfg.q_dim))
 
-    seq = Sequence(lead, seq_positions, attend)
+    conv_mask = None    # packed: 1 where a tap is within the token's sequence (TrainGraph)
+    if packed and cfg.conv_layers:
+        conv_mask = input_tensor((batch, n, cfg.conv_kernel), precision, name="conv mask")
+
+    def taps(i, x, length):
+        c, padded_rows = x.shape[-1], n + length - 1
+        strides = (padded_rows * c, c, 1)
+        padded = O.acc(zeros((batch, padded_rows, c)), x, strides, (length - 1) * c)
+        padded = padded if padded.dtype == x.dtype else O.cast(padded, x.dtype)
+        out = [O.view(padded, x.shape, strides, j * c) for j in range(length)]
+        if conv_mask is not None:
+            out = [O.mul(t, O.view(conv_mask, (batch, n, 1), (n * length, length, 1), j))
+                   for j, t in enumerate(out)]
+        return out
+
+    seq = Sequence(lead, seq_positions, attend, taps)
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
         x = family.block(cfg, p, i, x, seq)
         checkpoints.append(x)
     rows = batch * n
-    h = O.reshape(rms_norm(cfg, x, p[OUTPUT_NORM]), (rows, cfg.n_embd))
+    h = O.reshape(rms_norm(cfg, x, p[family.output_norm]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
     for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
@@ -289,7 +311,7 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
-                      recompute, mask, window, window_mask)
+                      recompute, mask, window, window_mask, conv_mask)
 
 
 def additive(seen: np.ndarray) -> np.ndarray:
@@ -330,6 +352,15 @@ class DecodeGraph:
     params: dict              # name -> weight leaf (frozen constants)
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
+    conv: object = None       # convolutions' cache, a leaf (conv layers, n_tokens + max_ctx,
+                              # n_embd): their inputs by position, as kv
+    conv_rows: object = None  # i32 input (conv_kernel, n_tokens): tap j's cache row of each token
+    conv_mask: object = None  # input (n_tokens, conv_kernel): 0 where tap j is before position 0
+
+    @property
+    def caches(self) -> list:
+        """The leaves that keep their rows from run to run: kv, and conv where it exists."""
+        return [self.kv] + ([self.conv] if self.conv is not None else [])
 
     def feeds(self, tokens, past: int) -> dict:
         """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
@@ -353,6 +384,11 @@ class DecodeGraph:
                  self.last: np.array([n - 1], np.int32)}
         if self.window_mask is not None:
             feeds[self.window_mask] = additive((ahead >= 0) & (ahead < self.window))
+        if self.conv is not None:   # tap j: position - (length - 1 - j), in the cache's rows
+            length = self.conv_rows.shape[0]
+            back = (past + rows)[None, :] - (length - 1 - np.arange(length))[:, None]
+            feeds[self.conv_rows] = np.maximum(back, 0).astype(np.int32)
+            feeds[self.conv_mask] = (back >= 0).T.astype(np.float32)
         return feeds
 
 
@@ -398,32 +434,49 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     last = input_tensor((1,), "i32", name="last token")
     kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), precision, name=name)
 
-    def cached(index, new):
-        """Write `new` (1, n_tokens, n_head_kv, head_dim) into the cache rows chosen by slots;
-        the updated cache rows, (1, max_ctx, n_head_kv, head_dim)."""
-        base = index * rows * e
-        staged = O.cpy(new, O.view(kv, (n_tokens, e), (e, 1), base))
-        table = O.view(staged, (rows, e), (e, 1), 0)      # [new | cache], after the write
-        cache = O.cpy(O.get_rows(table, slots), O.view(kv, (max_ctx, e), (e, 1),
-                                                       base + n_tokens * e))
-        return O.reshape(cache, (1, max_ctx, cfg.kv_heads, cfg.head_dim))
+    def cached(leaf, index, new):
+        """Write `new` (n_tokens rows of leaf's width) into the cache rows chosen by slots;
+        the updated cache rows, (max_ctx, width)."""
+        width = leaf.shape[-1]
+        base = index * rows * width
+        staged = O.cpy(new, O.view(leaf, (n_tokens, width), (width, 1), base))
+        table = O.view(staged, (rows, width), (width, 1), 0)   # [new | cache], after the write
+        return O.cpy(O.get_rows(table, slots), O.view(leaf, (max_ctx, width), (width, 1),
+                                                      base + n_tokens * width))
 
     window = layers_window(cfg)
     window_mask = input_tensor((n_tokens, max_ctx), precision, name="window mask") if window else None
 
+    def kv_cached(index, new):
+        return O.reshape(cached(kv, index, new), (1, max_ctx, cfg.kv_heads, cfg.head_dim))
+
     def attend(i, q, k, v, scale, layer_window):
-        q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, cached(2 * i, k), cached(2 * i + 1, v)))
+        q, k, v = (O.permute(t, (0, 2, 1, 3))
+                   for t in (q, kv_cached(2 * i, k), kv_cached(2 * i + 1, v)))
         kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
         probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
 
-    seq = Sequence((1, n_tokens), positions, attend)
+    conv = conv_rows = conv_mask = None     # the convolutions' inputs, cached by position
+    if cfg.conv_layers:
+        length = cfg.conv_kernel
+        conv = constant(np.zeros((len(cfg.conv_layers), rows, cfg.n_embd), np.float32),
+                        precision, name=f"{name}: convolution inputs")
+        conv_rows = input_tensor((length, n_tokens), "i32", name="convolution taps")
+        conv_mask = input_tensor((n_tokens, length), precision, name="convolution tap mask")
+
+    def taps(i, x, length):
+        cache = cached(conv, cfg.conv_layers.index(i), x)
+        return [O.mul(O.get_rows(cache, O.view(conv_rows, (n_tokens,), (1,), j * n_tokens)),
+                      O.view(conv_mask, (n_tokens, 1), (length, 1), j)) for j in range(length)]
+
+    seq = Sequence((1, n_tokens), positions, attend, taps)
     x = embed(p, tokens, precision, cfg.family.input_scale(cfg))  # (n_tokens, embd)
     for i in range(cfg.n_layer):
         x = cfg.family.block(cfg, p, i, x, seq)
-    x = rms_norm(cfg, O.get_rows(x, last), p[OUTPUT_NORM])
+    x = rms_norm(cfg, O.get_rows(x, last), p[cfg.family.output_norm])
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
-                       weights, window, window_mask)
+                       weights, window, window_mask, conv, conv_rows, conv_mask)
