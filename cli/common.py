@@ -256,6 +256,6 @@ def chat_template(tokenizer, path=None):
         source = None
         if path:            # UnicodeDecodeError is a ValueError too
             source = read_limited(path, ValueError).decode("utf-8")
-        return ChatTemplate.of(tokenizer, source)
+        return ChatTemplate.of(tokenizer, source, path and f"--chat-template {path}")
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

@@ -25,6 +25,10 @@ is an error naming the example).
 from __future__ import annotations
 
 import json
+import signal
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
@@ -128,13 +132,23 @@ def _need_string(example, key):
 
 # -- chat templates ---------------------------------------------------------------------------
 
-class ChatTemplate:
-    """A Jinja chat template, rendered as transformers and llama.cpp render it."""
+# A template comes from the model file, so it is hostile input: a render is bounded.
+RENDER_SECONDS = 10.0           # wall time of one render
+RENDER_CHARS = 1 << 24          # its text, and a string or list its operators may make
+RENDER_STEPS = 1_000_000        # loop iterations and operator calls of one render
 
-    def __init__(self, source: str, bos_token: str = "", eos_token: str = ""):
+
+class ChatTemplate:
+    """A Jinja chat template, rendered as transformers and llama.cpp render it, in jinja2's
+    immutable sandbox with bounds (RENDER_*): whatever fails in a template, from a syntax
+    error, an include or a recursion to a loop that would not end, is a DataError "the chat
+    template (`origin`) failed: ...". `origin` says where it came from (a model file, a
+    --chat-template file)."""
+
+    def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
+                 origin: str = "ChatML"):
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message):
             raise TemplateError(message)
@@ -143,35 +157,48 @@ class ChatTemplate:
             return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                            extensions=[loopcontrols])
+        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self.origin, self.budget = origin, RenderBudget()
+        env = bounded_environment(self.budget)(trim_blocks=True, lstrip_blocks=True,
+                                               extensions=[loopcontrols])
         env.filters["tojson"] = tojson
-        env.globals.update(raise_exception=raise_exception,
+        env.globals.update(raise_exception=raise_exception, range=self.budget.range,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
         try:
             self.template = env.from_string(source)
-        except TemplateError as e:
-            raise DataError(f"the chat template does not parse: {e}") from None
-        self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        except Exception as e:     # noqa: BLE001 - any failure of a hostile template
+            raise DataError(f"the chat template ({origin}) does not parse: "
+                            f"{type(e).__name__}: {e}") from None
 
     @classmethod
-    def of(cls, tokenizer, source: str | None = None) -> "ChatTemplate":
-        """The template `source`, else the tokenizer's own (tokenizer.chat_template in its
-        GGUF), else ChatML; bos_token and eos_token are the tokenizer's."""
+    def of(cls, tokenizer, source: str | None = None, origin: str | None = None
+           ) -> "ChatTemplate":
+        """The template `source` (from `origin`), else the tokenizer's own
+        (tokenizer.chat_template in its GGUF), else ChatML; bos_token and eos_token are the
+        tokenizer's."""
         from .tokenizer import CHAT_TEMPLATE
-        source = source or tokenizer.gguf_metadata().get(CHAT_TEMPLATE) or CHATML
+        own = tokenizer.gguf_metadata().get(CHAT_TEMPLATE)
+        if source is None:
+            source, origin = (own, f"the model's {CHAT_TEMPLATE}") if own else (CHATML, "ChatML")
         text = lambda i: tokenizer.tokens[i] if i is not None else ""   # noqa: E731
         return cls(source, text(getattr(tokenizer, "bos_id", None)),
-                   text(getattr(tokenizer, "eos_id", None)))
+                   text(getattr(tokenizer, "eos_id", None)), origin or "a given template")
 
     def render(self, messages, add_generation_prompt: bool = False) -> str:
-        from jinja2 import TemplateError
+        self.budget.start()
         try:
-            return self.template.render(messages=messages,
-                                        add_generation_prompt=add_generation_prompt,
-                                        bos_token=self.bos_token, eos_token=self.eos_token)
-        except TemplateError as e:
-            raise DataError(f"the chat template failed: {e}") from None
+            with time_limit(RENDER_SECONDS):
+                parts, size = [], 0
+                for part in self.template.generate(
+                        messages=messages, add_generation_prompt=add_generation_prompt,
+                        bos_token=self.bos_token, eos_token=self.eos_token):
+                    size += len(part)
+                    self.budget.tick(size)
+                    parts.append(part)
+                return "".join(parts)
+        except Exception as e:     # noqa: BLE001 - any failure of a hostile template
+            raise DataError(f"the chat template ({self.origin}) failed: "
+                            f"{type(e).__name__}: {e}") from None
 
     def turns(self, messages) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, is_assistant) pieces: each assistant
@@ -190,6 +217,93 @@ class ChatTemplate:
                 pieces.append((text[len(done):], trained))
                 done = text
         return [(t, trained) for t, trained in pieces if t]
+
+
+class RenderTimeout(Exception):
+    def __str__(self):
+        return f"it runs longer than {RENDER_SECONDS:g} s"
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Raise RenderTimeout in the block after `seconds` of wall time, by SIGALRM: in the
+    main thread where the platform has setitimer (elsewhere RenderBudget's own checks of the
+    clock bound a render, at its loops and operators only). A timer set before (the CLI
+    walk's) is put back, less the time spent here."""
+    if threading.current_thread() is not threading.main_thread() or \
+            not hasattr(signal, "setitimer"):
+        yield
+        return
+
+    def expire(signum, frame):
+        raise RenderTimeout()
+    before = signal.signal(signal.SIGALRM, expire)
+    delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
+    start = time.monotonic()
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, before)
+        if delay:
+            signal.setitimer(signal.ITIMER_REAL,
+                             max(delay - (time.monotonic() - start), 1e-3), interval)
+
+
+class RenderBudget:
+    """The bounds of one render (RENDER_*), counted by the template's loops over range() and
+    its operators; past one, TemplateError."""
+
+    def __init__(self):
+        self.start()
+
+    def start(self):
+        self.steps, self.deadline = 0, time.monotonic() + RENDER_SECONDS
+
+    def tick(self, chars: int = 0):
+        from jinja2 import TemplateError
+        self.steps += 1
+        if chars > RENDER_CHARS:
+            raise TemplateError(f"its text passes {RENDER_CHARS} characters")
+        if self.steps > RENDER_STEPS:
+            raise TemplateError(f"it takes more than {RENDER_STEPS} steps")
+        if self.steps % 4096 == 0 and time.monotonic() > self.deadline:
+            raise TemplateError(f"it runs longer than {RENDER_SECONDS:g} s")
+
+    def range(self, *args):
+        """jinja2's sandboxed range (at most MAX_RANGE items), each item a step."""
+        from jinja2.sandbox import safe_range
+        for i in safe_range(*args):
+            self.tick()
+            yield i
+
+
+def bounded_environment(budget: RenderBudget):
+    """jinja2's immutable sandbox whose operators count against `budget` and refuse results
+    past RENDER_CHARS ("x" * 10**9) or powers past a few thousand bits before computing
+    them."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**", "+"])
+
+        def call_binop(self, context, operator, left, right):
+            budget.tick()
+            sized = (str, list, tuple)
+            if operator == "*" and isinstance(left, sized) != isinstance(right, sized):
+                seq, n = (left, right) if isinstance(left, sized) else (right, left)
+                if isinstance(n, int) and len(seq) * n > RENDER_CHARS:
+                    raise TemplateError(f"a repetition of {n} passes {RENDER_CHARS} items")
+            if operator == "**" and isinstance(left, int) and isinstance(right, int) and \
+                    right > 0 and abs(left) > 1 and right * abs(left).bit_length() > 1 << 16:
+                raise TemplateError(f"{left} ** {right} has more than {1 << 16} bits")
+            if operator == "+" and isinstance(left, sized) and isinstance(right, sized) and \
+                    len(left) + len(right) > RENDER_CHARS:
+                raise TemplateError(f"a sum passes {RENDER_CHARS} items")
+            return super().call_binop(context, operator, left, right)
+
+    return Bounded
 
 
 def adds_bos(tokenizer, rendered: str) -> bool:

@@ -96,6 +96,65 @@ def test_template_errors_are_data_errors():
                      ).render(CHAT)
 
 
+# Templates come from model files: every way they fail is the user's "the chat template
+# (origin) failed" message, and no render runs, or grows, without bound.
+HOSTILE = {
+    "loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+    "output": "{% for i in range(100000) %}{% for j in range(100) %}xxxxxxxxxxxx{% endfor %}"
+              "{% endfor %}",
+    "time": "{% set s = 'x' * 100000 %}{% for a in s %}{% for b in s %}{% endfor %}{% endfor %}",
+    "repeat": "{{ 'x' * 1000000000 }}",
+    "power": "{{ 7 ** 100000000 }}",
+    "include": "{% include 'other.j2' %}",
+    "import": "{% import 'macros.j2' as m %}",
+    "extends": "{% extends 'base.j2' %}",
+    "recursion": "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+    "zero": "{{ 1 / 0 }}",
+    "range": "{{ range(100000000) | list }}",
+    "types": "{{ [1] + 1 }}",
+    "sandbox": "{{ ''.__class__.__subclasses__() }}",
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE)
+def test_a_hostile_template_fails_with_the_chat_template_message_and_a_bound(name, monkeypatch):
+    import time
+    from ggwgpu import chat
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 1.0)
+    template = ChatTemplate(HOSTILE[name], origin="the model's tokenizer.chat_template")
+    start = time.monotonic()
+    with pytest.raises(DataError, match=r"^the chat template \(the model's tokenizer.chat_"
+                                        r"template\) failed: \w+"):
+        template.render(CHAT)
+    assert time.monotonic() - start < 10
+
+
+def test_a_template_that_escaped_jinja2_s_sandbox_before_3_1_6_renders_nothing_of_the_host():
+    """CVE-2025-27516: |attr("format") reached str.format; jinja2 >= 3.1.6 (the floor)
+    refuses it."""
+    import os
+    os.environ["GGWGPU_TEST_SECRET"] = "secret-value"
+    escape = ('{{ ("{0.__globals__[Path].__new__.__globals__[os].environ}"|attr("format"))'
+              '(raise_exception) }}')
+    try:
+        text = ChatTemplate(escape).render(CHAT)
+    except DataError:
+        text = ""
+    assert "secret-value" not in text
+
+
+def test_a_timer_set_before_a_render_is_put_back():
+    """The render's SIGALRM bound restores an alarm set outside it (the CLI walk's)."""
+    import signal
+    signal.setitimer(signal.ITIMER_REAL, 30.0)
+    try:
+        ChatTemplate(CHATML).render(CHAT)
+        left, _ = signal.getitimer(signal.ITIMER_REAL)
+        assert 25.0 < left <= 30.0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
 def test_tojson_keeps_non_ascii():
     template = ChatTemplate("{{ messages[0] | tojson }}")
     assert json.loads(template.render([{"role": "user", "content": "é"}]))["content"] == "é"
