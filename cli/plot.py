@@ -40,10 +40,13 @@ def plot(log, out):
     def number(value):
         return isinstance(value, (int, float)) and not isinstance(value, bool) \
             and math.isfinite(value)
-    if not records or not all(isinstance(r, dict) and number(r.get("step"))
-                              and number(r.get("loss")) for r in records):
-        raise click.ClickException(f"{log} has no training records (step and loss, numbers "
-                                   f"on every line)")
+    if not all(isinstance(r, dict) and number(r.get("step")) for r in records):
+        raise click.ClickException(f"{log} has no training records (a step number on every "
+                                   f"line)")
+    # a step whose loss was not finite has none (null): it is not drawn
+    records = [r for r in records if number(r.get("loss"))]
+    if not records:
+        raise click.ClickException(f"{log} has no training records with a finite loss")
     records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
                else {"step": r["step"], "loss": r["loss"]} for r in records]
     try:          # after the log is checked: a bad log is refused without it

@@ -71,6 +71,18 @@ def device_errors() -> tuple:
     return (wgpu.GPUError, MemoryError)
 
 
+def strict_json(value):
+    """`value` with every float that is not finite replaced by None (JSON null), as strict
+    JSON readers need (json.dumps writes NaN and Infinity)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 class StopSignals:
     """SIGINT and SIGTERM during training. The first asks for a stop at the next step
     boundary; a second one during a step stops at once (KeyboardInterrupt) without saving;
@@ -337,7 +349,7 @@ class RunLog:
         if self.file is None:
             return
         try:
-            self.file.write(json.dumps(record) + "\n")
+            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
             self.file.flush()
         except OSError as e:
             click.echo(f"\n--log {self.path}: writing failed ({os_problem(e, self.path)}); "
@@ -392,7 +404,8 @@ def training_options(steps: int, warmup: int, seed_help: str):
         click.option("--save-every", cls=Repeated, default=100, show_default=True,
                      type=positive()),
         click.option("--log", "log_path", cls=Repeated, type=click.Path(dir_okay=False),
-                     callback=existing_directory, help="Append a JSON line per step here."),
+                     callback=existing_directory, help="Append a JSON line per step here (a number that is not finite, as "
+                          "a NaN loss, is written null: strict JSON)."),
         click.option("--on-nan", cls=Repeated, default="stop", show_default=True,
                      type=click.Choice(["stop", "skip"]),
                      help="A step with a non-finite loss or gradient never updates the "

@@ -165,7 +165,7 @@ def load_checkpoint(path):
     f = GGUFFile(path)
     version = f.meta.get(K_CKPT_VERSION)
     if version is None:
-        if f.meta.get(K_ARCH) in FAMILIES:
+        if f.str_key(K_ARCH, None) in FAMILIES:
             raise GGUFError(f"{f.path}: is a model, not a training checkpoint (it has no "
                             f"{K_CKPT_VERSION} key); load it as a model instead")
         raise GGUFError(f"{f.path}: is not a ggwgpu training checkpoint (it has no "

@@ -277,6 +277,15 @@ class GGUFFile:
             raise GGUFError(f"{self.path}: required key {key} is missing")
         return default
 
+    def str_key(self, key, default=...) -> str:
+        """String key `key`, or `default` when the file lacks it."""
+        if key not in self.meta:
+            return self._missing(key, default)
+        if self.kind(key) != _T.STRING:
+            raise GGUFError(f"{self.path}: key {key} must be a string, got a value of GGUF "
+                            f"type {self.kind(key).name}")
+        return self.meta[key]
+
     def int_key(self, key, default=..., minimum=1) -> int:
         """Integer key `key` in [minimum, 2^31), or `default` when the file lacks it."""
         if key not in self.meta:

@@ -206,9 +206,7 @@ def load_model(path, keep_quantized: bool = False):
 
 def read_model(f: GGUFFile):
     """(cfg, tokenizer) from a file's general.*, <arch>.* and tokenizer.* keys."""
-    arch = f.meta.get(K_ARCH)
-    if arch is None:
-        raise GGUFError(f"{f.path}: required key {K_ARCH} is missing")
+    arch = f.str_key(K_ARCH)
     if arch not in FAMILIES:
         raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads "
                         f"{arch_list()} models only")

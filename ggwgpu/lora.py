@@ -235,7 +235,7 @@ def _read_adapter(f: GGUFFile, cfg: ModelConfig | None, checkpoint: bool) -> Ada
         if f.meta.get(key) != want:
             raise GGUFError(f"{f.path}: {key} is {f.meta.get(key)!r}, a LoRA adapter of a "
                             f"llama has {want!r}")
-    arch = f.meta.get(K_ARCH)
+    arch = f.str_key(K_ARCH, None)
     if cfg is not None and arch != cfg.arch:    # llama.cpp refuses it as well
         raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}, but the base model is a "
                         f"{cfg.arch!r}: an adapter of another model")

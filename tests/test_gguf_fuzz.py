@@ -373,6 +373,19 @@ def test_hostile_metadata_values_load_or_raise_gguf_error(kind, bases, summary, 
     run()
 
 
+@pytest.mark.parametrize("kind", [k for k in LOADERS if k != "vocab"])   # (it reads no arch)
+def test_an_architecture_stored_as_an_array_is_refused_by_name(kind, bases, tmp_path):
+    """The one crash the fuzzers found: general.architecture as an array of strings."""
+    base = bases[kind]
+    at = next(i for i, (start, type_at, _) in enumerate(base.kvs)
+              if base.data[start:type_at].endswith(b"general.architecture"))
+    value = array(int(_T.STRING), [u64(5) + b"llama"] * 2)
+    path = tmp_path / "array-arch.gguf"
+    path.write_bytes(restructure(base, [("retype", at, value)]))
+    with pytest.raises(GGUFError, match="general.architecture must be a string"):
+        LOADERS[kind][0](path)
+
+
 @pytest.mark.parametrize("kind", LOADERS)
 def test_unmutated_bases_load(kind, bases, tmp_path):
     """The fuzzer starts from files that load: the mutations, not the bases, are refused."""

@@ -295,6 +295,24 @@ def test_plot_writes_a_png_or_says_what_it_needs(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "pip install 'ggwgpu[plot]'" in r.output
 
 
+def test_the_log_is_strict_json_a_nan_loss_null_and_plot_draws_the_finite_steps(tmp_path):
+    from ggwgpu_cli.training import RunLog
+    log = tmp_path / "log.jsonl"
+    steps = RunLog(log)
+    for i, loss in enumerate([5.0, float("nan"), 4.5, float("inf"), 4.0], 1):
+        steps.write({"step": i, "loss": loss, "grad_norm": [loss, 1.0]})
+    steps.close()
+    strict = [json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in the log"))
+              for line in log.read_text().splitlines()]
+    assert [r["loss"] for r in strict] == [5.0, None, 4.5, None, 4.0]
+    assert strict[1]["grad_norm"] == [None, 1.0]
+    r = CliRunner().invoke(cli, ["plot", str(log)])
+    assert r.exit_code == 0, r.output
+    log.write_text(json.dumps({"step": 1, "loss": None}) + "\n")
+    r = CliRunner().invoke(cli, ["plot", str(log)])
+    assert r.exit_code == 1 and "no training records with a finite loss" in r.output
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_accumulating_two_micro_batches_equals_one_double_batch(optimizer):
     lr = 3e-3 if optimizer == "adamw" else 0.3
