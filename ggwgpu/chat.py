@@ -82,7 +82,9 @@ def read_jsonl(path) -> list[dict]:
     except UnicodeDecodeError as e:
         raise DataError(f"{path}: not valid UTF-8 at byte offset {e.start}") from None
     examples = []
-    for number, line in enumerate(text.splitlines(), 1):
+    # "\n" ends a line, as JSONL says: str.splitlines would also cut at U+2028, U+2029 and
+    # U+0085, which JSON strings may hold raw (json.dumps(..., ensure_ascii=False) writes them)
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         try:

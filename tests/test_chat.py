@@ -539,3 +539,14 @@ def test_a_packed_graph_refuses_unpacked_feeds_and_the_unpacked_graph_keeps_its_
     ops = {t.op for t in topo_order([plain.loss])}
     assert "diag_mask_inf" in ops and "soft_max_ext" not in ops
     assert plain.positions.shape == (cfg.n_ctx,) and plain.mask is None
+
+
+def test_jsonl_lines_end_at_newlines_only_not_at_unicode_line_separators(tmp_path):
+    """U+2028, U+2029 and U+0085 are valid raw in JSON strings (json.dumps with
+    ensure_ascii=False writes them); a line ends at "\\n" (and a "\\r" before it is blank)."""
+    from ggwgpu.chat import read_jsonl
+    texts = ["a\u2028b", "c\u2029d", "e\u0085f"]
+    path = tmp_path / "u.jsonl"
+    path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\r\n" for t in texts),
+                    encoding="utf-8")
+    assert [e["text"] for e in read_jsonl(path)] == texts
