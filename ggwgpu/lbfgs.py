@@ -133,6 +133,7 @@ class Lbfgs:
         self.begin = [O.cpy(p, v) for p, v in zip(self.params, xp)] + [O.cpy(self.G, self.GP)]
         self.move = [O.cpy(O.add(x0, O.mul(di, self.step_in)), p)
                      for x0, di, p in zip(xp, d, self.params)]
+
         # a stage of its own: the graph orders a write into a view of S_{m-1} after the
         # readers of its views only, not after the shift that reads all of S_{m-1}
         self.shift = [O.cpy(h[j + 1], h[j]) for h in (self.S, self.Y)
@@ -255,8 +256,13 @@ class Lbfgs:
                        f"evaluations"), step, None
 
     def restore(self):
-        """x := the line search's start."""
-        self.plan.run({self.step_in: np.zeros(1, np.float32)}, stage=self.stages["move"])
+        """x := the line search's start, copied back through the host: a move of step 0
+        would be NaN where the direction is not finite (a second writer of the weights in
+        the graph would make it cyclic). A failed search is rare; its copy is one read and
+        one write of the weights."""
+        start = self.plan.read(self.XP)
+        for p, offset in zip(self.params, self.offsets):
+            self.plan.write(p, start[offset:offset + p.nelements].reshape(p.shape))
 
     def converged(self, s: dict) -> str:
         """ggml's tests after an iteration: the gradient, the relative decrease over `past`

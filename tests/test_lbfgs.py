@@ -231,3 +231,17 @@ def test_baby_llama_png_never_replaces_a_device_or_a_directory(tmp_path):
                                           "--seconds", "0.1", "--png", str(target)])
         assert result.exit_code == 2 and why in result.output, result.output
     assert os.path.exists(tmp_path / "fifo.png") and not os.path.isfile(tmp_path / "fifo.png")
+
+
+def test_a_non_finite_direction_leaves_the_weights_as_before_the_step():
+    """The line search fails on a direction of NaN (a history whose scalars overflowed):
+    the weights are copied back, not moved by NaN * 0, and stay as the message says."""
+    w, loss, _ = least_squares()
+    lb = lbfgs_plan(NumpyBackend(), w, loss)
+    for _ in range(3):
+        assert lb.iterate()["status"] == "ok"
+    before = lb.plan.read(w).copy()
+    lb.rho[-1] = np.inf                                   # a NaN direction
+    record = lb.iterate()
+    assert record["status"].startswith("failed: not a descent direction"), record
+    np.testing.assert_array_equal(lb.plan.read(w), before)
