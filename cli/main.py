@@ -34,12 +34,14 @@ TRACEBACK_VAR = "GGWGPU_TRACEBACK"
 class Commands(click.Group):
     """The ggwgpu group. Errors a command did not turn into a message of its own end it
     with one line and exit code 1, never a traceback: ggwgpu's errors for bad input
-    (GGUFError, VocabError, DataError: they name the file and the problem), the operating
+    (GGUFError, VocabError, DataError: they name the file and the problem; DeviceLimitError:
+    a tensor over what the device binds, named with the numbers), the operating
     system's (OSError: a full or read-only disk, a vanished file) and MemoryError. Anything
     else is a bug in ggwgpu: one line saying so, or the traceback with $GGWGPU_TRACEBACK=1
     (the tests set it, so that such bugs fail them)."""
 
     def invoke(self, ctx):
+        from ggwgpu.backends.base import DeviceLimitError
         from ggwgpu.data import DataError
         from ggwgpu.generate import NonFiniteLogits
         from ggwgpu.gguf_file import GGUFError
@@ -47,7 +49,7 @@ class Commands(click.Group):
             return super().invoke(ctx)
         except (click.ClickException, click.exceptions.Exit, click.Abort):
             raise
-        except (GGUFError, DataError, NonFiniteLogits) as e:
+        except (GGUFError, DataError, NonFiniteLogits, DeviceLimitError) as e:
             raise click.ClickException(str(e)) from None
         except OSError as e:
             where = f"{e.filename}: " if e.filename else ""

@@ -343,6 +343,23 @@ def test_a_tensor_over_the_device_limits_is_refused_when_planning(wgpu, monkeypa
     assert "tensor " in str(e.value)
 
 
+@pytest.mark.parametrize("command", [["eval", "--corpus", "tempest", "--samples", "2"],
+                                     ["generate", "-p", "To be", "-n", "2"]])
+def test_eval_and_generate_over_the_device_limits_say_so_in_one_line(wgpu, monkeypatch,
+                                                                     tmp_path, command):
+    """DeviceLimitError is the user's message in every command (train and finetune mapped
+    it; eval, generate and chat said "internal error")."""
+    from test_families import FAMILIES, family_file
+    model = family_file(tmp_path / "m.gguf", FAMILIES["qwen3"])
+    monkeypatch.setattr(wgpu, "storage_limits",
+                        {**wgpu.storage_limits, "max-storage-buffer-binding-size": 4096})
+    monkeypatch.setenv(cli_main.TRACEBACK_VAR, "0")
+    r = CliRunner().invoke(cli_main.cli, ["--backend", "wgpu", command[0], str(model),
+                                          *command[1:], "--n-ctx", "8"])
+    assert r.exit_code == 1 and "internal error" not in r.output, r.output
+    assert "max-storage-buffer-binding-size" in r.output and "tensor " in r.output, r.output
+
+
 def test_logits_over_the_binding_limit_train_in_row_chunks_that_fit(wgpu, monkeypatch):
     """4 x 16 rows of 259 logits are 66 KiB; under a 32 KiB binding limit the step splits
     them into 3 chunks and trains as the unsplit step does (to float32 noise)."""

@@ -11,6 +11,11 @@ from ..ops import OPS
 from ..quant import Quantized, storage_bytes
 from ..tensor import ShapeError, Tensor
 
+
+class DeviceLimitError(ShapeError):
+    """A tensor is larger than the device allows; raised while planning, before any buffer
+    is made or anything dispatched."""
+
 # Guard elements: NaNs with payloads that no kernel produces, by element size in bytes.
 SENTINEL_BITS = {2: 0x7EEF, 4: 0x7FC0BEEF, 8: 0x7FF80000DEADBEEF}
 

@@ -28,7 +28,7 @@ from ..ops import OPS
 from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
 from . import wgpu_direct
-from .base import Backend, Plan, SharedConstants, guarded_block
+from .base import Backend, DeviceLimitError, Plan, SharedConstants, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 MAX_SRCS = 4
@@ -43,11 +43,6 @@ STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.Buff
 
 class NoAdapterError(RuntimeError):
     """No WebGPU adapter could be had on this machine."""
-
-
-class DeviceLimitError(ShapeError):
-    """A tensor is larger than the device allows; raised while planning, before any buffer
-    is made or anything dispatched."""
 
 
 BINDING_LIMIT = "max-storage-buffer-binding-size"
