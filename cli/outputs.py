@@ -9,13 +9,15 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
-import tempfile
+from pathlib import Path
 
 import click
 
 from ggwgpu.files import replace_problem
+from ggwgpu.gguf_file import temp_path
 
 try:
     import fcntl
@@ -56,16 +58,24 @@ def check_outputs(inputs, outputs, may_be=()):
 
 def check_writable(what, path):
     """The output's directory takes a new file (write permission, not a read-only file
-    system): checked by creating one, before any work."""
+    system, a name within the file system's limit): checked before any work by creating
+    and removing the temporary file the write will make (gguf_file.temp_path), the longest
+    name it writes."""
     problem = replace_problem(path)
     if problem:
         raise click.UsageError(f"{what} {path} {problem}")
-    directory = os.path.dirname(os.path.abspath(path))
+    probe = temp_path(Path(os.path.abspath(path)))
     try:
-        with tempfile.TemporaryFile(dir=directory, prefix=".ggwgpu-probe-"):
-            pass
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
     except OSError as e:
-        raise click.UsageError(f"{what} {path}: cannot write in {directory} "
+        if e.errno == errno.ENAMETOOLONG:
+            raise click.UsageError(
+                f"{what} {path}: the name is too long for the file system once ggwgpu "
+                f"writes it as {probe.name[:12]}...{probe.name[-24:]} before renaming it "
+                f"(it adds {len(probe.name) - len(Path(path).name)} bytes): choose a "
+                f"shorter name") from None
+        raise click.UsageError(f"{what} {path}: cannot write in {probe.parent} "
                                f"({e.strerror or e})") from None
 
 

@@ -515,10 +515,15 @@ def guard_outputs(ctx, inputs, out: str, checkpoint_path: str, kw: dict, more=()
     none of its `inputs` nor one another (the checkpoint may be --checkpoint-in: a run goes
     on from its own), their directories can be written, an existing --log is a log; then
     OUT and the checkpoint are locked until the command ends."""
-    from .outputs import RunLock, check_log, check_outputs
+    from .outputs import RunLock, check_log, check_outputs, same_file
     if not is_root():       # under mpirun rank 0 writes every file
         return
     checkpoint = "--checkpoint-out" if kw["checkpoint_out"] else "--checkpoint-out (default)"
+    resumed = any(same_file(path, checkpoint_path) for _, path in inputs if path is not None)
+    if not kw["checkpoint_out"] and not resumed and os.path.exists(checkpoint_path):
+        click.echo(f"warning: {checkpoint_path} exists (an earlier run's checkpoint?); if this "
+                   f"run stops before its end it replaces it: resume that run with "
+                   f"--checkpoint-in {checkpoint_path}, or give --checkpoint-out", err=True)
     check_outputs(inputs, [("--out", out), (checkpoint, checkpoint_path),
                            ("--log", kw["log_path"]), *more],
                   may_be={(checkpoint, "--checkpoint-in")})

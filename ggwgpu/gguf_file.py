@@ -158,7 +158,7 @@ def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
     if not directory.is_dir():
         raise GGUFError(f"{path}: cannot write: directory {directory} does not exist")
     remove_stale_temps(path)
-    tmp = directory / f".{path.name}.{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
+    tmp = temp_path(path)
     try:
         # O_EXCL: never clobber another file; mode 0o666 less the umask, like open().
         os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
@@ -200,6 +200,12 @@ def write_gguf(path, metadata: dict, tensors: dict[str, np.ndarray]):
 
 
 TEMP_MARK = "ggwgpu"      # in every temporary file's name: .NAME.ggwgpu-PID-HEX.tmp
+
+
+def temp_path(path: Path) -> Path:
+    """A new temporary name beside `path`, what write_gguf writes before renaming it:
+    .NAME.ggwgpu-PID-HEX.tmp (27 bytes and more past NAME)."""
+    return path.parent / f".{path.name}.{TEMP_MARK}-{os.getpid()}-{secrets.token_hex(4)}.tmp"
 
 
 def remove_stale_temps(path):

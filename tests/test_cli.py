@@ -359,6 +359,33 @@ def finetune(tmp_path, base, *args, backend=("--backend", "numpy")):
                   "--warmup", "2", *args)
 
 
+@pytest.mark.parametrize("length", [200, 235])
+def test_an_out_name_too_long_once_written_is_refused_before_the_first_step(tmp_path, length):
+    """NAME_MAX is 255 bytes; the write's temporary name adds 27 and more (and the default
+    checkpoint's .checkpoint 11): a 235-byte --out trained the whole run and wrote nothing."""
+    base = tiny_base(tmp_path / "base.gguf")
+    out = tmp_path / ("a" * (length - 5) + ".gguf")
+    r = finetune(tmp_path, base, "--steps", "1", "--n-ctx", "8", "--out", str(out))
+    if length == 200:
+        assert r.exit_code == 0 and out.exists(), r.output
+    else:
+        assert r.exit_code == 2 and "the name is too long" in r.output, r.output
+        assert "training" not in r.output.split("Error")[0] and not out.exists()
+
+
+def test_a_run_that_may_replace_an_earlier_default_checkpoint_says_so(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    out = tmp_path / "a.gguf"
+    earlier = tmp_path / "a.checkpoint.gguf"
+    earlier.write_bytes(b"an earlier run's checkpoint")
+    r = finetune(tmp_path, base, "--steps", "1", "--n-ctx", "8", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert f"warning: {earlier} exists" in r.output and "--checkpoint-in" in r.output
+    r = finetune(tmp_path, base, "--steps", "1", "--n-ctx", "8", "--out", str(out),
+                 "--checkpoint-out", str(tmp_path / "c.gguf"))
+    assert "warning" not in r.output and earlier.read_bytes() == b"an earlier run's checkpoint"
+
+
 def log_losses(path):
     return [json.loads(line)["loss"] for line in path.read_text().splitlines()]
 
