@@ -229,19 +229,29 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                      f"{resume_command(0)}")
         return hint
 
+    def rescue() -> str:
+        """The checkpoint saved where it can be (the trained weights must not go with a
+        run that stops), and what to do next; else why it was not."""
+        try:
+            return save_and_resume_hint()
+        except click.ClickException as e:
+            return e.message
+
     def write():
         if write_result is None:
             return
         try:
             write_result()
-            return
         except (GGUFError, *device_errors()) as e:
-            problem = f"{result_path} was not written ({e})"
-        try:             # the trained weights must not go with it
-            hint = save_and_resume_hint()
-        except click.ClickException as e:
-            hint = e.message
-        raise click.ClickException(f"{problem}; {hint}")
+            raise click.ClickException(f"{result_path} was not written ({e}); "
+                                       f"{rescue()}") from None
+
+    def validate(record, last_step) -> dict | None:
+        try:        # the best weights' write fails as --out's does: the run is kept
+            return validation and validation.check(record["step"], last_step)
+        except (GGUFError, *device_errors()) as e:
+            raise click.ClickException(f"step {record['step']}: the best weights were not "
+                                       f"written ({e}); {rescue()}") from None
 
     log = RunLog(log_path if is_root() else None)     # one log, by rank 0
     try:
@@ -265,8 +275,7 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                                  f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
                 if "loss_scale" in record:
                     shown["text"] += f" scale 2^{math.log2(record['loss_scale']):.0f}"
-                val = validation and validation.check(record["step"],
-                                                      record["step"] - start == steps)
+                val = validate(record, record["step"] - start == steps)
                 if val:
                     record["val_loss"] = val["val_loss"]
                     shown["val"] = f" val {val['val_loss']:.3f}"
@@ -277,26 +286,18 @@ def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoin
                             f"norm {record['grad_norm']:.4g}: not finite, so its update was "
                             f"skipped")
                     if on_nan == "stop":
-                        try:
-                            hint = save_and_resume_hint()
-                        except click.ClickException as e:
-                            hint = e.message
                         raise on_every_rank(click.ClickException(
                             f"{what} and training stops (--on-nan stop; --on-nan skip goes "
                             f"on without such steps). A learning rate that is too high is "
-                            f"the usual cause. {hint}"))
+                            f"the usual cause. {rescue()}"))
                     click.echo(f"\n{what} (--on-nan skip)", err=True)
                 status = record.get("status", "ok")      # L-BFGS's
                 if status.startswith("failed") and not record["skipped"]:
-                    try:
-                        hint = save_and_resume_hint()
-                    except click.ClickException as e:
-                        hint = e.message
                     raise click.ClickException(
                         f"step {record['step']}: the L-BFGS line search failed "
                         f"({status[8:]}); the "
                         f"weights are as before that step. --lbfgs-on-fail reset retries "
-                        f"along the gradient. {hint}")
+                        f"along the gradient. {rescue()}")
                 if save_every and record["step"] % save_every == 0:
                     save()
                 bar.update(1)

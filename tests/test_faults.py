@@ -555,6 +555,34 @@ def test_a_final_write_on_a_full_disk_keeps_the_weights_in_a_checkpoint(tmp_path
         assert np.array_equal(got[name], value), name
 
 
+def test_a_best_weights_write_on_a_full_disk_keeps_the_run_in_a_checkpoint(tmp_path,
+                                                                          monkeypatch):
+    """OUT.best.gguf's write fails with ENOSPC: as --out's, the run saves its checkpoint
+    (that disk has room) and prints the command that continues it."""
+    from gguf import GGUFWriter
+    from test_cli import tiny_base
+    real = GGUFWriter.write_tensors_to_file
+
+    def full_disk(self, *args, **kwargs):
+        if self.path.name.startswith(".a.best.gguf."):     # the best adapter's only
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(GGUFWriter, "write_tensors_to_file", full_disk)
+    base = tiny_base(tmp_path / "base.gguf")
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1=", "completion": str(i + 1)}) + "\n"
+                            for i in range(20)))
+    r = run_cli(["--backend", "numpy", "finetune", str(base), "--data", str(data), "--n-ctx",
+                 "16", "--batch", "2", "--steps", "4", "--val-split", "0.25", "--val-every",
+                 "2", "--out", str(tmp_path / "a.gguf")])
+    assert r.exit_code == 1
+    assert "step 2: the best weights were not written" in r.output, r.output
+    ckpt = tmp_path / "a.checkpoint.gguf"
+    assert f"checkpoint of step 2 saved to {ckpt}" in r.output and ckpt.exists()
+    command = command_line(r.output)
+    assert command[command.index("--steps") + 1] == "2"
+
+
 def test_the_command_after_a_stop_on_the_last_step_is_valid(tmp_path, monkeypatch):
     """A non-finite last step stops the run with 0 steps left: the printed command (once
     --steps 0, which was refused) writes the model from the checkpoint."""
