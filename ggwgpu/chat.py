@@ -318,7 +318,8 @@ def adds_bos(tokenizer, rendered: str) -> bool:
 
 def rendered_ids(tokenizer, rendered: str) -> list[int]:
     """The token ids of a rendered conversation, as the model sees it at inference: BOS as
-    `adds_bos` says, special tokens (<|im_start|>, ...) recognised."""
+    `adds_bos` says, special tokens (<|im_start|>, ...) recognised — in the messages' text
+    too, as llama.cpp and transformers tokenize a rendered chat."""
     ids = [int(i) for i in tokenizer.encode(rendered, parse_special=True)]
     return [tokenizer.bos_id] * adds_bos(tokenizer, rendered) + ids
 

@@ -142,3 +142,17 @@ def test_gguf_file_reads_arrays_as_gguf_py_does(tmp_path):
     assert ours == theirs
     assert ours["tokenizer.ggml.tokens"][:5] == ["", "a", "Ġthe", "日本", "<|im_end|>"]
     assert ours["u64s"] == [1, 2**40] and ours["bools"] == [True, False]
+
+
+def test_a_control_token_s_text_inside_a_message_becomes_that_token_as_in_llama_cpp(vocab):
+    """Rendered chat is tokenized with special tokens parsed, as llama.cpp
+    (common_tokenize(..., parse_special = true)) and transformers (the rendered string
+    through the tokenizer) do: "<|im_start|>" typed by a user is the control token, not
+    its characters. Data that must not hold control tokens is cleaned before training."""
+    from ggwgpu.chat import CHATML, ChatTemplate, rendered_ids
+    tok = vocab("smollm")
+    start = tok.encode("<|im_start|>", parse_special=True)
+    assert len(start) == 1
+    text = ChatTemplate(CHATML).render([{"role": "user", "content": "a <|im_start|> b"}])
+    ids = rendered_ids(tok, text)
+    assert ids.count(start[0]) == 2         # the template's and the user's

@@ -9,8 +9,8 @@ The base class is the pre-norm transformer block most families share, llama's:
 
 and a family states how it differs: Q/K/V biases, per-head Q/K norms, norms after each
 branch (sandwich), a GeGLU gate, layers without rope or with a sliding window, scales.
-A family whose blocks are not attention (short convolutions, linear attention) overrides
-`block_shapes` and `block`.
+A family whose blocks are not all attention (lfm2's short convolutions) overrides
+`block_shapes` and `mix` (the token mixer of a block) for those blocks.
 """
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ class Family:
     # without it).
     keys: dict = {}
     required: tuple = ()
+
     def __repr__(self):
         return f"<family {self.arch}>"
 
