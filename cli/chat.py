@@ -86,6 +86,10 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, **kw):
     template = chat_template(tokenizer, kw.pop("chat_template"))
     backend = select_backend(ctx)
     precision = resolve_precision(backend, kw["precision"])
+    if sys.stdin is None or sys.stdin.closed:     # e.g. started with 0<&-
+        raise click.ClickException("chat reads your messages from standard input, which is "
+                                   "closed: run it in a terminal, or `ggwgpu generate MODEL "
+                                   "--chat -p TEXT` for one answer")
     click.echo(f"chat on {describe_backend(backend)} in {precision}: {model}, n_ctx "
                f"{cfg.n_ctx}, seed {kw['seed']}; Ctrl-C stops an answer, Ctrl-D ends", err=True)
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling_of(kw),

@@ -104,6 +104,9 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                      precision=options.precision)
         values, opt_state, state, step = init_parameters(cfg, kw["seed"]), None, None, 0
 
+    if predict and cfg.n_ctx < 2:    # known now, not after the run
+        raise click.UsageError(f"--predict needs a context of at least 2 tokens to sample "
+                               f"in; the model's is {cfg.n_ctx}")
     text, source = read_text(kw["texts"], kw["corpus"])
     tokens, digest, samples = training_samples(text, tokenizer, cfg, options,
                                                kw["samples_after_nl"], state, checkpoint_in)

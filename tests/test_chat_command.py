@@ -194,3 +194,22 @@ def test_ctrl_c_at_the_prompt_ends_the_session(files):
     assert r.exit_code == 0, r.output
     assert r.stdout.startswith("> Hi?\n") and r.stdout.endswith("> \n")
     assert r.stdout.count("> ") == 2
+
+
+def test_chat_with_standard_input_closed_says_so_in_one_line(files, tmp_path):
+    """`ggwgpu chat MODEL 0<&-` (no stdin at all) ended in "internal error"."""
+    import subprocess
+    import sys
+    model, _ = files
+    r = subprocess.run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "numpy", "chat",
+                        model], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       timeout=120, preexec_fn=lambda: __import__("os").close(0))
+    assert r.returncode == 1, r.stderr
+    assert "standard input, which is closed" in r.stderr and "internal error" not in r.stderr
+
+
+def test_train_predict_in_a_context_of_one_is_refused_before_training(tmp_path):
+    r = invoke("--backend", "numpy", "train", "--n-ctx", "1", "--predict", "3", "--steps", "2",
+               "--out", str(tmp_path / "m.gguf"))
+    assert r.exit_code == 2 and "--predict needs a context of at least 2" in r.output
+    assert not (tmp_path / "m.gguf").exists()
