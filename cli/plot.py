@@ -49,6 +49,11 @@ def plot(log, out):
         raise click.ClickException(f"{log} has no training records with a finite loss")
     records = [r if number(r.get("val_loss", 0)) and number(r.get("lr", 0))
                else {"step": r["step"], "loss": r["loss"]} for r in records]
+    for key in ("step", "loss", "val_loss", "lr"):    # matplotlib's axes need a finite span
+        values = [r[key] for r in records if key in r]
+        if values and not math.isfinite(max(values) - min(values)):
+            raise click.ClickException(f"{log}: the {key} values span {min(values):g} to "
+                                       f"{max(values):g}, too wide to draw")
     try:          # after the log is checked: a bad log is refused without it
         import matplotlib
         matplotlib.use("Agg")

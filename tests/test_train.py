@@ -311,6 +311,10 @@ def test_the_log_is_strict_json_a_nan_loss_null_and_plot_draws_the_finite_steps(
     log.write_text(json.dumps({"step": 1, "loss": None}) + "\n")
     r = CliRunner().invoke(cli, ["plot", str(log)])
     assert r.exit_code == 1 and "no training records with a finite loss" in r.output
+    log.write_text(json.dumps({"step": 1, "loss": 1e308}) + "\n" +
+                   json.dumps({"step": 2, "loss": -1e308}) + "\n")
+    r = CliRunner().invoke(cli, ["plot", str(log)])
+    assert r.exit_code == 1 and "span -1e+308 to 1e+308, too wide to draw" in r.output
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
