@@ -143,8 +143,9 @@ def pre_tokenizer(name: str | None) -> PreTokenizer:
     try:
         return PRE_TOKENIZERS[name]
     except KeyError:
+        shown = repr(name) if len(name) <= 80 else f"{name[:60]!r}... ({len(name)} characters)"
         raise UnknownPreTokenizer(
-            f"tokenizer.ggml.pre {name!r} is not a pre-tokenizer ggwgpu knows; known: "
+            f"tokenizer.ggml.pre {shown} is not a pre-tokenizer ggwgpu knows; known: "
             f"{', '.join(sorted(PRE_TOKENIZERS))}") from None
 
 

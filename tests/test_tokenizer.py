@@ -77,6 +77,12 @@ def test_metadata_errors_name_the_key_or_model():
     with pytest.raises(VocabError, match="'no-such-pre' is not a pre-tokenizer"):
         tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "gpt2",
                                  "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": "no-such-pre"})
+    for pre, said in (("x" * 1_000_000, r"'xxxx.*'\.\.\. \(1000000 characters\) is not"),
+                      (["qwen2"], "must be a string")):
+        with pytest.raises(VocabError, match=said) as e:
+            tokenizer_from_metadata({**meta, "tokenizer.ggml.model": "gpt2",
+                                     "tokenizer.ggml.merges": [], "tokenizer.ggml.pre": pre})
+        assert len(str(e.value)) < 2000       # a hostile name is not echoed whole
     with pytest.raises(VocabError, match="scores has 3 entries for 259"):
         tokenizer_from_metadata({**meta, "tokenizer.ggml.scores": [0.0] * 3})
     with pytest.raises(VocabError, match="bos_token_id = 999"):
