@@ -66,8 +66,7 @@ def check_writable(what, path):
         raise click.UsageError(f"{what} {path} {problem}")
     probe = temp_path(Path(os.path.abspath(path)))
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-        os.unlink(probe)
+        create_and_remove(probe)
     except OSError as e:
         if e.errno == errno.ENAMETOOLONG:
             raise click.UsageError(
@@ -77,6 +76,12 @@ def check_writable(what, path):
                 f"shorter name") from None
         raise click.UsageError(f"{what} {path}: cannot write in {probe.parent} "
                                f"({e.strerror or e})") from None
+
+
+def create_and_remove(path: Path):
+    """Make the new file `path` and take it away again: the probe of check_writable."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+    os.unlink(path)
 
 
 def check_log(path):

@@ -496,9 +496,9 @@ def test_an_output_directory_that_cannot_be_written_fails_before_training(tmp_pa
     """(As root a chmod does not stop writing: the probe itself is made to fail.)"""
     from ggwgpu_cli import outputs
 
-    def refuse(**kwargs):
+    def refuse(path):
         raise PermissionError(13, "Permission denied")
-    monkeypatch.setattr(outputs.tempfile, "TemporaryFile", refuse)
+    monkeypatch.setattr(outputs, "create_and_remove", refuse)
     r = run_cli(train_args(tmp_path, "--steps", "2", "--out", str(tmp_path / "m.gguf")))
     assert r.exit_code == 2
     assert f"--out {tmp_path / 'm.gguf'}: cannot write in {tmp_path} (Permission denied)" \
