@@ -175,8 +175,25 @@ def load_checkpoint(path):
                         f"checkpoint version {CHECKPOINT_VERSION}")
     cfg, tokenizer = read_model(f)
     params = read_params(f, cfg, checkpoint=True)
-    opt_state = read_optimizer_state(f, parameter_shapes(cfg))
-    return cfg, params, tokenizer, opt_state, read_train_state(f)
+    opt_state, state = read_run(f, parameter_shapes(cfg))
+    return cfg, params, tokenizer, opt_state, state
+
+
+def read_run(f: GGUFFile, shapes: dict) -> tuple[dict, dict]:
+    """(optimizer state, training state) of a checkpoint whose trained tensors have
+    `shapes`, checked against each other: the file holds the state of the optimizer its
+    options name (AdamW's moments, SGD's nothing, L-BFGS's history; after step 0), so that a
+    relabelled checkpoint is refused rather than resumed without its state."""
+    opt_state, state = read_optimizer_state(f, shapes), read_train_state(f)
+    optimizer = state["options"]["optimizer"]
+    holds = ("L-BFGS history" if "lbfgs" in opt_state else
+             "AdamW moments" if opt_state else None)
+    needs = {"adamw": "AdamW moments", "lbfgs": "L-BFGS history", "sgd": None}[optimizer]
+    if holds != needs and (holds is not None or state["step"] > 0):
+        raise GGUFError(f"{f.path}: the training state's optimizer is {optimizer} but the file "
+                        f"holds {holds or 'no optimizer state'} (step {state['step']}): not "
+                        f"a checkpoint a run can go on from")
+    return opt_state, state
 
 
 def read_optimizer_state(f: GGUFFile, shapes: dict) -> dict:

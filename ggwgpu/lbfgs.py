@@ -332,6 +332,13 @@ def check_scalars(sc, m: int) -> dict:
         raise ValueError(f"lbfgs rho must be {m} numbers")
     if not all(isinstance(f, (int, float)) for f in sc["past_f"]):
         raise ValueError("lbfgs past_f must be numbers")
+    finite = [*sc["rho"], sc["gamma"], *sc["past_f"], *([sc["best"]] if sc["best"] is not None
+                                                         else [])]
+    if not all(math.isfinite(v) for v in finite):
+        raise ValueError("lbfgs rho, gamma, past_f and best must be finite")
+    if any(r < 0 for r in sc["rho"]) or sc["gamma"] <= 0 or \
+            min(sc["k"], sc["no_improvement"], sc["evaluations"]) < 0:
+        raise ValueError("lbfgs rho must be >= 0, gamma > 0, and the counts >= 0")
     return sc
 
 

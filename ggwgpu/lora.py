@@ -39,7 +39,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from .checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, optimizer_tensors,
-                         read_optimizer_state, read_train_state, train_state_json)
+                         read_run, train_state_json)
 from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tensor, write_gguf
 from .gguf_llama import K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
 from .models import (FAMILIES, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, ModelConfig, arch_list,
@@ -276,7 +276,7 @@ def load_adapter_checkpoint(path, cfg: ModelConfig):
         raise GGUFError(f"{f.path}: is not a LoRA finetune checkpoint of this ggwgpu "
                         f"({K_CKPT_VERSION} is {f.meta.get(K_CKPT_VERSION)!r})")
     adapter = _read_adapter(f, cfg, checkpoint=True)
-    return adapter, read_optimizer_state(f, _shapes(adapter)), read_train_state(f)
+    return (adapter, *read_run(f, _shapes(adapter)))
 
 
 # -- merging and identity ---------------------------------------------------------------------

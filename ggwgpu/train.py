@@ -665,6 +665,10 @@ def check_state(state) -> dict:
     for key, bound in bounds.items():
         if key in options or not key.startswith(LATER_OPTIONS):
             check(require(options, key, "options."), bound, f"options.{key}")
+    ftol, wolfe = (options.get(k, TrainOptions.declared()[k]["default"])
+                   for k in ("lbfgs_ftol", "lbfgs_wolfe"))
+    if ftol >= wolfe:       # the line search's conditions contradict each other
+        raise ValueError(f"options.lbfgs_ftol {ftol} must be below options.lbfgs_wolfe {wolfe}")
     data = require(state, "data", "")
     if not isinstance(data, dict):
         raise ValueError("data must be a JSON object")

@@ -1,5 +1,7 @@
 """L-BFGS: faster than Adam on a convex problem, its direction the two-loop recursion of a
 float64 reference, a failed line search reported and undone, and exact resume."""
+import json
+
 import numpy as np
 import pytest
 from click.testing import CliRunner
@@ -207,6 +209,39 @@ def test_a_checkpoint_refuses_an_lbfgs_history_that_does_not_fit(tmp_path):
     state["memory_y"][0, 0] = np.nan
     with pytest.raises(gguf_file.GGUFError, match="memory_y holds non-finite"):
         save(state)
+
+
+def test_a_checkpoint_whose_state_contradicts_itself_is_refused(tmp_path, monkeypatch):
+    """Well-typed but inconsistent: the options name another optimizer than the state the
+    file holds (an AdamW checkpoint relabelled lbfgs resumed without its moments), ftol
+    above wolfe, a NaN best."""
+    t, _ = llama_trainer(NumpyBackend(), steps=1)
+    history = t.optimizer_state()
+    path = tmp_path / "c.gguf"
+
+    def refused(opt_state, match, **options):
+        state = t.state()
+        state["options"] = {**state["options"], **options}
+        checkpoint.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(), opt_state,
+                                   state)
+        with pytest.raises(gguf_file.GGUFError, match=match):
+            checkpoint.load_checkpoint(path)
+    moments = {n: (np.zeros_like(v), np.zeros_like(v)) for n, v in t.parameters().items()}
+    refused(history, "optimizer is adamw but the file holds L-BFGS history", optimizer="adamw")
+    refused(moments, "optimizer is lbfgs but the file holds AdamW moments")
+    refused(moments, "optimizer is sgd but the file holds AdamW moments", optimizer="sgd")
+    refused({}, "optimizer is lbfgs but the file holds no optimizer state")
+    refused(history, "lbfgs_ftol 0.95 must be below options.lbfgs_wolfe 0.9", lbfgs_ftol=0.95)
+    # a NaN best, as a forged file holds it (the writer refuses one)
+    nan_best = {**history["lbfgs"], "scalars": {**history["lbfgs"]["scalars"],
+                                                 "best": float("nan")}}
+    with monkeypatch.context() as forge:
+        forge.setattr(checkpoint, "check_scalars", lambda sc, m: sc)
+        forge.setattr(checkpoint.json, "dumps", lambda v, **kw: json.JSONEncoder().encode(v))
+        checkpoint.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(),
+                                   {"lbfgs": nan_best}, t.state())
+    with pytest.raises(gguf_file.GGUFError, match="best must be finite"):
+        checkpoint.load_checkpoint(path)
 
 
 def test_a_checkpoint_from_before_lbfgs_resumes_with_its_defaults():
