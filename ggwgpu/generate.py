@@ -337,6 +337,7 @@ class ChatSession:
         self.decoder, self.tokenizer, self.template = decoder, tokenizer, template
         self.sampling, self.rng = sampling, np.random.default_rng(seed)
         self.messages = [{"role": "system", "content": system}] if system else []
+        self.start = 0      # the first turn the window kept: no earlier one fits again
 
     def ids(self, messages) -> list[int]:
         """The tokens of `messages` rendered with the generation prompt."""
@@ -350,18 +351,22 @@ class ChatSession:
         user message on) that fit in half of it; else (the last turn alone is too long) BOS
         and the last half of the tokens, as `generate_tokens` slides."""
         max_ctx, answer = self.decoder.max_ctx, list(answer)
-        ids = self.ids(self.messages) + answer
-        if len(ids) <= max_ctx:
-            return ids
+        if not self.start:      # the whole conversation has fitted so far
+            ids = self.ids(self.messages) + answer
+            if len(ids) <= max_ctx:
+                return ids
         n_system = next((i for i, m in enumerate(self.messages) if m["role"] != "system"),
                         len(self.messages))
         system, turns = self.messages[:n_system], self.messages[n_system:]
-        for start in range(1, len(turns)):
+        # from the last window's first turn on: a conversation only grows, so an earlier
+        # turn cannot fit again, and a turn renders a bounded number of suffixes, not all
+        for start in range(max(1, self.start), len(turns)):
             if turns[start]["role"] == "user":
                 ids = self.ids(system + turns[start:]) + answer
                 if len(ids) <= max_ctx // 2:
+                    self.start = start
                     return ids
-        return window(ids, context_bos(self.tokenizer), max_ctx)
+        return window(self.ids(self.messages) + answer, context_bos(self.tokenizer), max_ctx)
 
     def reply(self, text: str, n: int = -1) -> Iterator[int]:
         """Add the user message `text` and yield the answer's tokens as they are sampled: at

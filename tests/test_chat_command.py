@@ -213,3 +213,18 @@ def test_train_predict_in_a_context_of_one_is_refused_before_training(tmp_path):
                "--out", str(tmp_path / "m.gguf"))
     assert r.exit_code == 2 and "--predict needs a context of at least 2" in r.output
     assert not (tmp_path / "m.gguf").exists()
+
+
+def test_a_long_chat_renders_a_bounded_number_of_windows_a_turn():
+    """Each turn rendered the whole history and every suffix of it (200 turns: 75 s); the
+    window now goes on from where the last one started: a few renders a turn, however long
+    the conversation."""
+    s = session(NumpyBackend(), max_ctx=48, system=None)
+    calls, render = [], s.template.render
+    s.template.render = lambda *a, **k: (calls.append(1), render(*a, **k))[1]
+    per_turn = []
+    for _ in range(60):
+        before = len(calls)
+        list(s.reply("Hi?", 3))
+        per_turn.append(len(calls) - before)
+    assert max(per_turn) <= 6 and s.start > 50
