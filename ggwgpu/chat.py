@@ -40,6 +40,7 @@ from .data import DataError, EpochOrder
 from .files import read_limited
 
 SPLITS = ("train", "valid", "test")
+MAX_LINE_CHARS = 1 << 24    # one JSONL example: 16 Mi characters, thousands of contexts
 # name -> directory under ggwgpu/data: usable as --data NAME
 BUNDLED = {"chat-demo": "chat"}
 ROLES = ("system", "user", "assistant", "tool")
@@ -87,6 +88,10 @@ def read_jsonl(path) -> list[dict]:
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
+        if len(line) > MAX_LINE_CHARS:     # json.loads of one takes 30x its size
+            raise DataError(f"{path}:{number}: a line of {len(line)} characters; one example "
+                            f"may hold at most {MAX_LINE_CHARS} (a context's worth of text is "
+                            f"far less)")
         try:
             example = json.loads(line)
         except (ValueError, RecursionError) as e:      # RecursionError: nested too deeply

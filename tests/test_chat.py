@@ -550,3 +550,14 @@ def test_jsonl_lines_end_at_newlines_only_not_at_unicode_line_separators(tmp_pat
     path.write_text("".join(json.dumps({"text": t}, ensure_ascii=False) + "\r\n" for t in texts),
                     encoding="utf-8")
     assert [e["text"] for e in read_jsonl(path)] == texts
+
+
+def test_a_jsonl_line_too_long_for_one_example_is_refused_naming_it(tmp_path, monkeypatch):
+    """A 100 MB line took 2.9 GB to parse; a line's size is bounded (MAX_LINE_CHARS)."""
+    from ggwgpu import chat
+    monkeypatch.setattr(chat, "MAX_LINE_CHARS", 1000)
+    path = tmp_path / "long.jsonl"
+    path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 2000}) + "\n")
+    with pytest.raises(DataError, match=r"long.jsonl:2: a line of 2012 characters; one example "
+                                        r"may hold at most 1000"):
+        read_jsonl(path)
