@@ -128,6 +128,7 @@ def check_example(example) -> None:
                     or not isinstance(m.get("content"), str):
                 raise DataError(f"message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
                                 f"\"content\": a string}}, got {json.dumps(m)[:80]}")
+            _need_unicode(m["content"], f"message {i}'s content")
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError("the messages have no assistant turn to learn from")
 
@@ -135,6 +136,17 @@ def check_example(example) -> None:
 def _need_string(example, key):
     if not isinstance(example.get(key), str):
         raise DataError(f"{key!r} must be a string")
+    _need_unicode(example[key], repr(key))
+
+
+def _need_unicode(text: str, what: str):
+    """JSON's \\ud800 escapes make strings that are not Unicode: refused here, where the
+    line is known, rather than when the text is tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise DataError(f"{what}: character {e.start} is a lone surrogate "
+                        f"U+{ord(text[e.start]):04X}, not Unicode") from None
 
 
 # -- chat templates ---------------------------------------------------------------------------

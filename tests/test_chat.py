@@ -1,6 +1,7 @@
 """Chat and instruction data: JSONL examples and their errors, chat templates rendered as
 transformers and llama.cpp render them, which tokens are trained, and padded batches."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -560,4 +561,16 @@ def test_a_jsonl_line_too_long_for_one_example_is_refused_naming_it(tmp_path, mo
     path.write_text(json.dumps({"text": "short"}) + "\n" + json.dumps({"text": "x" * 2000}) + "\n")
     with pytest.raises(DataError, match=r"long.jsonl:2: a line of 2012 characters; one example "
                                         r"may hold at most 1000"):
+        read_jsonl(path)
+
+
+@pytest.mark.parametrize("example, what", [
+    ('{"text": "a \\ud800 b"}', "'text': character 2 is a lone surrogate U+D800"),
+    ('{"prompt": "p", "completion": "\\udc80"}', "'completion': character 0 is a lone"),
+    ('{"messages": [{"role": "user", "content": "x\\udfff"}, {"role": "assistant", '
+     '"content": "y"}]}', "message 0's content: character 1 is a lone surrogate U+DFFF")])
+def test_a_lone_surrogate_in_jsonl_is_refused_with_its_file_and_line(tmp_path, example, what):
+    path = tmp_path / "s.jsonl"
+    path.write_text('{"text": "fine"}\n' + example + "\n")
+    with pytest.raises(DataError, match=re.escape(f"s.jsonl:2: {what}")):
         read_jsonl(path)
