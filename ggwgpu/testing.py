@@ -370,7 +370,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor. lfm2: the
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
-    neox rope; the final norm is token_embd_norm. `values` are float arrays (dequantize
+    neox rope (within sliding_window where set); the final norm is token_embd_norm. `values` are float arrays (dequantize
     block types first)."""
     arch, eps = cfg.arch, cfg.norm_eps
     if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
@@ -402,6 +402,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         local = gemma and cfg.sliding_window > 0 and il % 6 < 5
         base, scale = ((cfg.rope_freq_base_swa or 10000.0, 1.0) if local
                        else (cfg.rope_freq_base, cfg.rope_freq_scale))
+        local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
             b, c, xx = np.split(h @ p("shortconv.in_proj.weight").T, 3, axis=1)

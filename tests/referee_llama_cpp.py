@@ -56,6 +56,8 @@ CONFIGS = {
     "lfm2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=6, tied_embeddings=True,
                         conv_layers=(0, 1, 3, 4), conv_kernel=3, rope_freq_base=1e6,
                         arch="lfm2"),
+    "lfm2-window": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, conv_layers=(0, 2),
+                               conv_kernel=4, sliding_window=8, arch="lfm2"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

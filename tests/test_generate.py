@@ -77,7 +77,8 @@ PHI3 = dataclasses.replace(GQA, arch="phi3", n_rot=2, longrope=True, rope_orig_c
 LFM2 = dataclasses.replace(GQA, arch="lfm2", n_layer=4, n_rot=None, conv_layers=(0, 1, 3),
                            conv_kernel=3)
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
-            "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2}
+            "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
+            "lfm2-window": dataclasses.replace(LFM2, sliding_window=3)}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

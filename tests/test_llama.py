@@ -53,7 +53,8 @@ LFM2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n_ff=
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
-           "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2}
+           "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
+           "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2)}
 BATCH = 2
 
 

@@ -4,7 +4,9 @@ block: in_proj of attn_norm(x) into three parts b | c | x', then c * conv(b * x'
 out_proj, where conv is a causal depthwise convolution over the last shortconv.l_cache
 positions of each channel (ggml's SSM_CONV; zeros before the sequence's start). An
 attention block: grouped-query attention with per-head Q/K norms and neox rope. Both then
-have llama's SwiGLU feed-forward. The final norm is stored as token_embd_norm.weight."""
+have llama's SwiGLU feed-forward. The final norm is stored as token_embd_norm.weight. With
+attention.sliding_window, every attention block attends to that many positions back (at the
+model's rope base, as llama.cpp's lfm2 graph ropes them)."""
 from gguf import Keys
 
 from .. import ops as O
@@ -17,8 +19,12 @@ class LFM2(Family):
     rope_mode = "neox"
     qk_norm = True
     output_norm = "token_embd_norm.weight"
-    keys = {"conv_kernel": Keys.ShortConv.L_CACHE}
+    keys = {"conv_kernel": Keys.ShortConv.L_CACHE,
+            "sliding_window": Keys.Attention.SLIDING_WINDOW}
     required = ("conv_kernel",)
+
+    def window(self, cfg, i):
+        return 0 if i in cfg.conv_layers else cfg.sliding_window
 
     def block_shapes(self, cfg, i):
         if i not in cfg.conv_layers:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import ops as O
+from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import ShapeError, constant, input_tensor, param, zeros
 from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
@@ -134,8 +135,8 @@ class TrainGraph:
 
     @property
     def packed(self) -> bool:
-        """Whether a row holds several sequences (positions and mask are per batch)."""
-        return self.mask is not None
+        """Whether a row holds several sequences (positions and masks are per batch)."""
+        return self.positions.ndim == 2
 
     def feeds(self, tokens, targets, segments=None, counted: int | None = None) -> dict:
         """The inputs of one batch: tokens and target ids, int arrays (batch, n_ctx); a
@@ -162,7 +163,9 @@ class TrainGraph:
         if segments is not None:
             segments = np.reshape(segments, self.targets.shape)
             positions, mask = packed_inputs(segments)
-            feeds.update({self.positions: positions, self.mask: mask})
+            feeds[self.positions] = positions
+            if self.mask is not None:
+                feeds[self.mask] = mask
             if self.window_mask is not None:
                 feeds[self.window_mask] = packed_inputs(segments, self.window)[1]
             if self.conv_mask is not None:
@@ -310,8 +313,17 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         # gradient chunk by chunk in the order the planner computes the chunks, so each
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
+    mask, window_mask, conv_mask = used_of([loss, *logits], mask, window_mask, conv_mask)
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
                       recompute, mask, window, window_mask, conv_mask)
+
+
+def used_of(outputs, *inputs) -> list:
+    """`inputs`, each None where `outputs` do not read it (a mask no layer takes: every
+    attention layer windowed, or none attending), so that no feed names a tensor the plan
+    lacks."""
+    used = {id(t) for t in topo_order(outputs)}
+    return [t if t is not None and id(t) in used else None for t in inputs]
 
 
 def additive(seen: np.ndarray) -> np.ndarray:
@@ -380,8 +392,9 @@ class DecodeGraph:
         slots[past:past + n] = rows[:n]                                   # ... but the new ones
         ahead = (past + rows)[:, None] - np.arange(self.max_ctx)[None, :]
         feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
-                 self.slots: slots, self.mask: additive(ahead >= 0),
-                 self.last: np.array([n - 1], np.int32)}
+                 self.slots: slots, self.last: np.array([n - 1], np.int32)}
+        if self.mask is not None:
+            feeds[self.mask] = additive(ahead >= 0)
         if self.window_mask is not None:
             feeds[self.window_mask] = additive((ahead >= 0) & (ahead < self.window))
         if self.conv is not None:   # tap j: position - (length - 1 - j), in the cache's rows
@@ -478,5 +491,6 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     x = rms_norm(cfg, O.get_rows(x, last), p[cfg.family.output_norm])
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
+    mask, window_mask = used_of([logits], mask, window_mask)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
                        weights, window, window_mask, conv, conv_rows, conv_mask)
