@@ -94,26 +94,14 @@ class Sequence:
     """The tokens a block's mixer sees: a training batch or one run of a decoder.
     q, k and v are made with leading shape `lead` (the rows rope takes, one `positions`
     entry each); `attend(layer, q, k, v, scale, window)` gives attention's output, one row
-    of q_dim per token, shaped as the block's input rows. `taps(layer, x, n)` gives n views
-    shaped as x (rows of channels, one per token), tap j holding each token's x of n - 1 - j
-    positions before it (0 before its sequence's start): what a causal convolution of
-    length n sums (models.lfm2); None where no block convolves."""
+    of q_dim per token, shaped as the block's input rows. `convolve(layer, x, weight)` gives
+    the causal depthwise convolution of x (rows of C channels, one per token) with weight
+    (C, L) (ggml's SSM_CONV from a zero state: y[t, c] = sum_j x[t - (L - 1 - j), c]
+    weight[c, j] over the earlier tokens of t's sequence); None where no block convolves."""
     lead: tuple
     positions: object
     attend: Callable
-    taps: Callable | None = None
-
-
-def causal_conv(seq: Sequence, layer: int, x, weight):
-    """ggml_ssm_conv of x (rows of C channels, one per token) with weight (C, L), each
-    channel on its own: y[t, c] = sum_j x[t - (L - 1 - j), c] weight[c, j], earlier positions
-    of the sequence only (zeros before its start)."""
-    channels, length = weight.shape
-    y = None
-    for j, tap in enumerate(seq.taps(layer, x, length)):
-        term = O.mul(tap, O.view(weight, (channels,), (length,), j))
-        y = term if y is None else O.add(y, term)
-    return y
+    convolve: Callable | None = None
 
 
 def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):

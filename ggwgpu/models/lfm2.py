@@ -2,7 +2,8 @@
 the file's attention.head_count_kv says per layer (0: a convolution). A short-convolution
 block: in_proj of attn_norm(x) into three parts b | c | x', then c * conv(b * x') through
 out_proj, where conv is a causal depthwise convolution over the last shortconv.l_cache
-positions of each channel (ggml's SSM_CONV; zeros before the sequence's start). An
+positions of each channel (ggml's SSM_CONV; zeros before the sequence's start: the op
+ssm_conv in training, the decoder's cached inputs when generating). An
 attention block: grouped-query attention with per-head Q/K norms and neox rope. Both then
 have llama's SwiGLU feed-forward. The final norm is stored as token_embd_norm.weight. With
 attention.sliding_window, every attention block attends to that many positions back (at the
@@ -41,7 +42,7 @@ class LFM2(Family):
         b = f"blk.{i}.shortconv."
         h = B.rms_norm(cfg, x, p[f"blk.{i}.attn_norm.weight"])
         gate_in, gate_out, inputs = B.columns(B.linear(p, b + "in_proj.weight", h), 3)
-        y = B.causal_conv(seq, i, O.mul(gate_in, inputs), p[b + "conv.weight"])
+        y = seq.convolve(i, O.mul(gate_in, inputs), p[b + "conv.weight"])
         return B.linear(p, b + "out_proj.weight", O.mul(gate_out, y), residual=x)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from .. import ops as O
 from ..graph import topo_order
 from ..quant import Quantized
-from ..tensor import ShapeError, constant, input_tensor, param, zeros
+from ..tensor import ShapeError, constant, input_tensor, param
 from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
                      rms_norm)
 from .config import ModelConfig
@@ -129,9 +129,6 @@ class TrainGraph:
                               # sees a key, -inf elsewhere
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # packed with a window: the mask of those layers, as `mask`
-    conv_mask: object = None  # packed with convolutions: (batch, n_ctx, conv_kernel), tap j of
-                              # a token 1 where its n_kernel - 1 - j positions back are in
-                              # its sequence, else 0
 
     @property
     def packed(self) -> bool:
@@ -168,10 +165,6 @@ class TrainGraph:
                 feeds[self.mask] = mask
             if self.window_mask is not None:
                 feeds[self.window_mask] = packed_inputs(segments, self.window)[1]
-            if self.conv_mask is not None:
-                length = self.conv_mask.shape[-1]
-                feeds[self.conv_mask] = (positions[..., None] >= length - 1 - np.arange(length)
-                                         ).astype(np.float32)
         return feeds
 
     def read_logits(self, plan) -> np.ndarray:
@@ -273,22 +266,10 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
         return O.reshape(O.cont(out), (batch, n, cfg.q_dim))
 
-    conv_mask = None    # packed: 1 where a tap is within the token's sequence (TrainGraph)
-    if packed and cfg.conv_layers:
-        conv_mask = input_tensor((batch, n, cfg.conv_kernel), precision, name="conv mask")
+    def convolve(i, x, weight):     # each token at its position in its sequence
+        return O.ssm_conv(x, weight, positions)
 
-    def taps(i, x, length):
-        c, padded_rows = x.shape[-1], n + length - 1
-        strides = (padded_rows * c, c, 1)
-        padded = O.acc(zeros((batch, padded_rows, c)), x, strides, (length - 1) * c)
-        padded = padded if padded.dtype == x.dtype else O.cast(padded, x.dtype)
-        out = [O.view(padded, x.shape, strides, j * c) for j in range(length)]
-        if conv_mask is not None:
-            out = [O.mul(t, O.view(conv_mask, (batch, n, 1), (n * length, length, 1), j))
-                   for j, t in enumerate(out)]
-        return out
-
-    seq = Sequence(lead, seq_positions, attend, taps)
+    seq = Sequence(lead, seq_positions, attend, convolve)
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
     checkpoints = []
     for i in range(cfg.n_layer):
@@ -313,9 +294,9 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         # gradient chunk by chunk in the order the planner computes the chunks, so each
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
-    mask, window_mask, conv_mask = used_of([loss, *logits], mask, window_mask, conv_mask)
+    mask, window_mask = used_of([loss, *logits], mask, window_mask)
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
-                      recompute, mask, window, window_mask, conv_mask)
+                      recompute, mask, window, window_mask)
 
 
 def used_of(outputs, *inputs) -> list:
@@ -479,12 +460,18 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         conv_rows = input_tensor((length, n_tokens), "i32", name="convolution taps")
         conv_mask = input_tensor((n_tokens, length), precision, name="convolution tap mask")
 
-    def taps(i, x, length):
+    def convolve(i, x, weight):     # x's rows cached by position, read back tap by tap
         cache = cached(conv, cfg.conv_layers.index(i), x)
-        return [O.mul(O.get_rows(cache, O.view(conv_rows, (n_tokens,), (1,), j * n_tokens)),
-                      O.view(conv_mask, (n_tokens, 1), (length, 1), j)) for j in range(length)]
+        channels, length = weight.shape
+        y = None
+        for j in range(length):     # tap j: the rows length - 1 - j positions back, or 0
+            tap = O.mul(O.get_rows(cache, O.view(conv_rows, (n_tokens,), (1,), j * n_tokens)),
+                        O.view(conv_mask, (n_tokens, 1), (length, 1), j))
+            term = O.mul(tap, O.view(weight, (channels,), (length,), j))
+            y = term if y is None else O.add(y, term)
+        return y
 
-    seq = Sequence((1, n_tokens), positions, attend, taps)
+    seq = Sequence((1, n_tokens), positions, attend, convolve)
     x = embed(p, tokens, precision, cfg.family.input_scale(cfg))  # (n_tokens, embd)
     for i in range(cfg.n_layer):
         x = cfg.family.block(cfg, p, i, x, seq)
