@@ -25,7 +25,7 @@ class Gemma3(Family):
     post_norms = True
     gate = staticmethod(B.geglu)
     keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW,
-            "rope_freq_base_swa": Keys.Rope.FREQ_BASE_SWA,
+            "rope_freq_base_swa": "{arch}.rope.freq_base_swa",   # (gguf-py 0.17 lacks it)
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
 
     def local(self, cfg, i: int) -> bool:

@@ -20,7 +20,7 @@ class LFM2(Family):
     rope_mode = "neox"
     qk_norm = True
     output_norm = "token_embd_norm.weight"
-    keys = {"conv_kernel": Keys.ShortConv.L_CACHE,
+    keys = {"conv_kernel": "{arch}.shortconv.l_cache",     # (gguf-py 0.17 lacks it)
             "sliding_window": Keys.Attention.SLIDING_WINDOW}
     required = ("conv_kernel",)
 
