@@ -389,16 +389,18 @@ def timed_steps(step, n: int) -> tuple[float, float]:
     return loss, (time.perf_counter() - t0) / n
 
 
-def torch_llama_step(cfg, options, values: dict, batches):
-    """One AdamW training step of the same llama in PyTorch on the CPU, as a function that
-    returns the loss; None when torch is not importable (it is no dependency of ggwgpu).
-    Call it only where no lavapipe device exists (torch_peer in its own process)."""
+def torch_llama_step(cfg, options, values: dict, batches, device: str = "cpu"):
+    """One AdamW training step of the same llama in PyTorch on `device` ("cpu", "cuda"), as a
+    function that returns the loss (read back: each step waits for its kernels); None when
+    torch is not importable (it is no dependency of ggwgpu). Call it only where no lavapipe
+    device exists (torch_peer in its own process)."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return None
-    params = {name: torch.tensor(v, requires_grad=True) for name, v in values.items()}
+    params = {name: torch.tensor(v, device=device, requires_grad=True)
+              for name, v in values.items()}
     groups = [{"params": [p for p in params.values() if p.ndim >= 2],
                "weight_decay": options.weight_decay},
               {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
@@ -407,9 +409,9 @@ def torch_llama_step(cfg, options, values: dict, batches):
     t, rot = cfg.n_ctx, cfg.rot
     inv_freq = cfg.rope_freq_scale * cfg.rope_freq_base ** (-2.0 * np.arange(rot // 2) / rot)
     theta = np.arange(t)[:, None] * inv_freq                       # (ctx, rot / 2)
-    cos = torch.tensor(np.cos(theta), dtype=torch.float32)[:, None, :]
-    sin = torch.tensor(np.sin(theta), dtype=torch.float32)[:, None, :]
-    mask = torch.full((t, t), float("-inf")).triu(1)
+    cos = torch.tensor(np.cos(theta), dtype=torch.float32, device=device)[:, None, :]
+    sin = torch.tensor(np.sin(theta), dtype=torch.float32, device=device)[:, None, :]
+    mask = torch.full((t, t), float("-inf"), device=device).triu(1)
     scale = 1.0 / float(np.sqrt(cfg.head_dim))
 
     def rms_norm(x, w):
@@ -423,22 +425,25 @@ def torch_llama_step(cfg, options, values: dict, batches):
     def step() -> float:
         inputs, targets = batches.next_batch()
         b = inputs.shape[0]
-        x = params["token_embd.weight"][torch.from_numpy(inputs).long()]
+        x = params["token_embd.weight"][torch.from_numpy(inputs).long().to(device)]
         for i in range(cfg.n_layer):
             w = {name[len(f"blk.{i}."):-len(".weight")]: p for name, p in params.items()
                  if name.startswith(f"blk.{i}.")}
             h = rms_norm(x, w["attn_norm"])
-            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, cfg.n_head, cfg.head_dim)
-                       for n in "qkv")
+            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, heads, cfg.head_dim)
+                       for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
             q, k, v = (y.transpose(1, 2) for y in (rope(q), rope(k), v))
+            # grouped-query attention: each K/V head serves n_head / n_head_kv query heads
+            k, v = (y.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1) for y in (k, v))
             att = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
-            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.n_embd), w["attn_output"])
+            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.q_dim), w["attn_output"])
             h = rms_norm(x, w["ffn_norm"])
             x = x + F.linear(F.silu(F.linear(h, w["ffn_gate"])) * F.linear(h, w["ffn_up"]),
                              w["ffn_down"])
-        logits = F.linear(rms_norm(x, params["output_norm.weight"]), params["output.weight"])
+        out = params.get("output.weight", params["token_embd.weight"])    # tied embeddings
+        logits = F.linear(rms_norm(x, params["output_norm.weight"]), out)
         loss = F.cross_entropy(logits.reshape(-1, cfg.n_vocab),
-                               torch.from_numpy(targets).long().reshape(-1))
+                               torch.from_numpy(targets).long().reshape(-1).to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if options.grad_clip:
@@ -449,13 +454,13 @@ def torch_llama_step(cfg, options, values: dict, batches):
     return step
 
 
-def torch_peer(cfg, options, steps: int) -> dict | None:
-    """PyTorch CPU training of a bench llama (same weights and batches as the other
+def torch_peer(cfg, options, steps: int, device: str = "cpu") -> dict | None:
+    """PyTorch training of a bench llama on `device` (same weights and batches as the other
     backends), meant for in_own_process(): {'loss': of the warm-up step, 'seconds': mean of
     `steps` timed steps}, or None when torch is not importable."""
     from ggwgpu.models import init_parameters
     step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
-                            RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch))
+                            RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), device)
     if step is None:
         return None
     loss, seconds = timed_steps(step, steps)
@@ -505,12 +510,15 @@ def in_own_process(fn, *args):
 @click.option("--layers", "n_layer", type=click.IntRange(min=2),
               help="n_layer of the model (default: the config's), the rest of its shape kept.")
 @click.option("--torch/--no-torch", "use_torch", default=True, show_default=True,
-              help="Also time PyTorch CPU training of the same llama, when torch is "
+              help="Also time PyTorch training of the same llama, when torch is "
                    "importable (in a process of its own).")
+@click.option("--torch-device", type=click.Choice(["cpu", "cuda"]), default="cpu",
+              show_default=True, help="Where PyTorch trains: the CPU, or a CUDA GPU (eager).")
 @json_option
 @click.pass_context
-def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
-    """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch CPU.
+def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_path):
+    """Training tokens/s of a llama on wgpu, NumPy and (when importable) PyTorch, on the CPU or
+    a CUDA GPU (--torch-device).
 
     Every backend trains the same model (same initial weights, AdamW, lr 1e-3) on the same
     random tokens: one warm-up step, then --steps timed steps, each with its loss read back.
@@ -542,7 +550,7 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
         torch_why = (f"no peer: PyTorch has no {config.base} matmul, and an f32 base would "
                      "time other work")
     elif use_torch:
-        peer, failed = in_own_process(torch_peer, cfg, options, steps)
+        peer, failed = in_own_process(torch_peer, cfg, options, steps, torch_device)
         torch_why = f"failed: {failed}" if failed else "not importable"
         if peer is not None:
             loss["torch"], seconds["torch"] = peer["loss"], peer["seconds"]
@@ -570,6 +578,7 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, json_path):
         F16_KEY: why if wgpu_backend is None else "the adapter has no shader-f16"})
     report = {"bench": "train", "config": config_name, "n_layer": cfg.n_layer, "steps": steps,
               "tokens_per_step": tokens, "tokens_per_s": rate, "warmup_loss": loss,
+              "torch_device": torch_device if "torch" in rate else None,
               "ratios": ratios, "plan_seconds": plan_seconds, "wgpu": None}
     shown = trainers["wgpu" if wgpu_backend is not None else "numpy"]
     if wgpu_backend is not None:
