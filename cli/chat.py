@@ -13,9 +13,9 @@ import click
 
 from ggwgpu.tokenizer import VocabError
 
-from .common import (chat_template, check_memory, ctx_option, describe_backend, load_model,
-                     lora_option, precision_option, resolve_precision, sampling_of,
-                     sampling_options, select_backend, template_option)
+from .common import (InputPath, chat_template, check_memory, ctx_option, describe_backend,
+                     load_model, lora_option, precision_option, resolve_precision,
+                     sampling_of, sampling_options, select_backend, template_option)
 
 
 def stream_reply(session, text: str, n: int) -> int:
@@ -60,7 +60,7 @@ def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sa
 
 
 @click.command("chat")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=InputPath(exists=True, dir_okay=False))
 @click.option("--system", help="A system message that starts the conversation.")
 @click.option("--n-predict", "-n", default=-1, show_default=True,
               type=click.IntRange(min=-1),

@@ -5,6 +5,7 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import math
+import errno
 import os
 import warnings
 
@@ -33,6 +34,22 @@ class FiniteFloat(click.FloatRange):
             self.fail(f"{value} is outside float32's range (magnitudes {FLOAT32_TINY:.3g} .. "
                       f"{FLOAT32_MAX:.3g}, or 0)", param, ctx)
         return value
+
+
+class InputPath(click.Path):
+    """click.Path, saying why a path that cannot be looked at is refused: a name over the
+    system's limits (PATH_MAX, NAME_MAX) is "too long", not "does not exist"."""
+
+    def convert(self, value, param, ctx):
+        try:
+            os.stat(value)
+        except OSError as e:
+            if e.errno == errno.ENAMETOOLONG:
+                self.fail(f"{os.fsdecode(value)[:60]}... ({len(os.fsencode(value))} bytes): "
+                          f"the name is too long for the file system", param, ctx)
+        except ValueError:      # a NUL byte: click says it
+            pass
+        return super().convert(value, param, ctx)
 
 def wgpu_or_reason():
     """(the shared wgpu backend, None), or (None, why there is none)."""
@@ -202,7 +219,7 @@ def sampling_of(kw: dict):
 
 
 lora_option = click.option(
-    "--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+    "--lora", "lora_paths", multiple=True, type=InputPath(exists=True, dir_okay=False),
     help="Apply this LoRA adapter GGUF (scale alpha / r, as llama.cpp); repeatable.")
 
 
@@ -227,7 +244,7 @@ def load_model(path, lora_paths=(), n_ctx=None):
 
 def template_option(cls=click.Option):
     """--chat-template; `cls` marks it for the training commands (training.Repeated)."""
-    return click.option("--chat-template", cls=cls, type=click.Path(exists=True, dir_okay=False),
+    return click.option("--chat-template", cls=cls, type=InputPath(exists=True, dir_okay=False),
                         help="A Jinja chat template file (default: the model's own, else "
                              "ChatML).")
 

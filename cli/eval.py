@@ -11,17 +11,17 @@ import numpy as np
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
 
-from .common import (check_memory, ctx_option, describe_backend, precision_option,
+from .common import (InputPath, check_memory, ctx_option, describe_backend, precision_option,
                      resolve_precision, select_backend, with_context)
 from .training import (data_options, describe_examples, example_batches, example_sets,
                        positive, read_text)
 
 @click.command("eval")
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
-@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=InputPath(exists=True, dir_okay=False))
+@click.argument("texts", nargs=-1, type=InputPath(exists=True, dir_okay=False))
 @click.option("--corpus", type=click.Choice(list(BUNDLED)), default="shakespeare",
               show_default=True, help="The bundled text to evaluate on when no TEXTS are given.")
-@click.option("--lora", "lora_paths", multiple=True, type=click.Path(exists=True, dir_okay=False),
+@click.option("--lora", "lora_paths", multiple=True, type=InputPath(exists=True, dir_okay=False),
               help="Apply this LoRA adapter (repeatable), as generate --lora does.")
 @click.option("--samples", default=256, show_default=True, type=positive(),
               help="Windows of n_ctx tokens, spread evenly over the text.")

@@ -16,7 +16,7 @@ import click
 from ggwgpu import checkpoint, gguf_file, gguf_llama
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
 
-from .common import (FiniteFloat, check_memory, ctx_option, describe_backend,
+from .common import (FiniteFloat, InputPath, check_memory, ctx_option, describe_backend,
                      describe_precision, planned_memory, select_backend, with_context)
 from .outputs import check_outputs
 from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
@@ -58,8 +58,8 @@ def rank_options(command):
 
 
 @click.command("finetune")
-@click.argument("base", type=click.Path(exists=True, dir_okay=False))
-@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.argument("base", type=InputPath(exists=True, dir_okay=False))
+@click.argument("texts", nargs=-1, type=InputPath(exists=True, dir_okay=False))
 @click.option("--out", default="adapter.gguf", show_default=True, type=click.Path(dir_okay=False),
               callback=existing_directory,
               help="The LoRA adapter (llama.cpp's --lora reads it), or with --full the model.")
@@ -307,9 +307,9 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
 
 
 @click.command("merge")
-@click.argument("base", type=click.Path(exists=True, dir_okay=False))
+@click.argument("base", type=InputPath(exists=True, dir_okay=False))
 @click.argument("adapters", nargs=-1, required=True,
-                type=click.Path(exists=True, dir_okay=False))
+                type=InputPath(exists=True, dir_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
               help="The merged model, a llama GGUF (f32).")
 def merge_command(base, adapters, out):

@@ -11,7 +11,7 @@ import time
 import click
 
 from .chat import chat_answer
-from .common import chat_template as load_chat_template
+from .common import InputPath, chat_template as load_chat_template
 from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
                      precision_option, resolve_precision, sampling_of, sampling_options,
                      select_backend, template_option)
@@ -46,7 +46,7 @@ def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, ad
 
 
 @click.command()
-@click.argument("model", type=click.Path(exists=True, dir_okay=False))
+@click.argument("model", type=InputPath(exists=True, dir_okay=False))
 @click.option("--prompt", "-p", default="",
               help="Text to continue (BOS is put before it if the vocabulary adds one; special "
                    "tokens such as <|im_start|> in it are recognised); with --chat, the user's "

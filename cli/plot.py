@@ -10,9 +10,10 @@ import math
 import click
 
 from .outputs import check_outputs
+from .common import InputPath
 
 @click.command()
-@click.argument("log", type=click.Path(exists=True, dir_okay=False))
+@click.argument("log", type=InputPath(exists=True, dir_okay=False))
 @click.option("--out", type=click.Path(dir_okay=False),
               help="The PNG to write. Default: the log's name with .png.")
 def plot(log, out):

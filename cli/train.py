@@ -11,8 +11,8 @@ import click
 
 from ggwgpu.generate import Sampling
 
-from .common import (check_memory, describe_backend, describe_precision, planned_memory,
-                     select_backend)
+from .common import (InputPath, check_memory, describe_backend, describe_precision,
+                     planned_memory, select_backend)
 from .generate import stream_sample
 from .training import (across_ranks, default_checkpoint_path, device_errors,
                        existing_directory, guard_outputs, is_root, local_batch, mpi_world,
@@ -20,10 +20,10 @@ from .training import (across_ranks, default_checkpoint_path, device_errors,
                        train_options, training_loop, training_options, training_samples)
 
 @click.command()
-@click.argument("texts", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.argument("texts", nargs=-1, type=InputPath(exists=True, dir_okay=False))
 @click.option("--out", default="model.gguf", show_default=True, type=click.Path(dir_okay=False),
               callback=existing_directory, help="The trained model, a llama GGUF.")
-@click.option("--vocab-model", type=click.Path(exists=True, dir_okay=False),
+@click.option("--vocab-model", type=InputPath(exists=True, dir_okay=False),
               help="Use the vocabulary of this llama GGUF (default: bytes, no file needed).")
 @click.option("--n-embd", default=128, show_default=True, type=positive())
 @click.option("--n-head", default=4, show_default=True, type=positive())

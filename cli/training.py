@@ -29,7 +29,7 @@ from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.data import BUNDLED
 from ggwgpu.gguf_file import os_problem
 
-from .common import FiniteFloat, chat_template, template_option
+from .common import FiniteFloat, InputPath, chat_template, template_option
 
 
 def positive(kind=int):
@@ -393,7 +393,7 @@ def training_options(steps: int, warmup: int, seed_help: str):
         click.option("--epochs", type=positive(float),
                      help="Train this many epochs instead of --steps."),
         *trained,
-        click.option("--checkpoint-in", type=click.Path(exists=True, dir_okay=False),
+        click.option("--checkpoint-in", type=InputPath(exists=True, dir_okay=False),
                      help="Resume from this checkpoint (weights, optimizer, data order, "
                           "options)."),
         click.option("--checkpoint-out", cls=Repeated, type=click.Path(dir_okay=False),
@@ -405,8 +405,9 @@ def training_options(steps: int, warmup: int, seed_help: str):
         click.option("--save-every", cls=Repeated, default=100, show_default=True,
                      type=positive()),
         click.option("--log", "log_path", cls=Repeated, type=click.Path(dir_okay=False),
-                     callback=existing_directory, help="Append a JSON line per step here (a number that is not finite, as "
-                          "a NaN loss, is written null: strict JSON)."),
+                     callback=existing_directory,
+                     help="Append a JSON line per step here (a number that is not finite, "
+                          "as a NaN loss, is written null: strict JSON)."),
         click.option("--on-nan", cls=Repeated, default="stop", show_default=True,
                      type=click.Choice(["stop", "skip"]),
                      help="A step with a non-finite loss or gradient never updates the "

@@ -370,8 +370,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor. lfm2: the
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
-    neox rope (within sliding_window where set); the final norm is token_embd_norm. `values` are float arrays (dequantize
-    block types first)."""
+    neox rope (within sliding_window where set); the final norm is token_embd_norm.
+    `values` are float arrays (dequantize block types first)."""
     arch, eps = cfg.arch, cfg.norm_eps
     if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
         raise ValueError(f"no reference for arch {arch!r}")

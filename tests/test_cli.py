@@ -948,3 +948,10 @@ def test_generating_from_a_model_with_a_one_token_context_is_a_usage_error(tmp_p
     result = invoke("--backend", "numpy", "generate", str(tmp_path / "m.gguf"), "-n", "3",
                     "--n-ctx", "2", "-p", "ab")
     assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize("name", ["d/" * 2100 + "x", "y" * 300])   # past PATH_MAX, NAME_MAX
+def test_an_input_path_too_long_is_said_to_be_too_long_not_missing(tmp_path, name):
+    r = invoke("--backend", "numpy", "eval", str(tmp_path / name))
+    assert r.exit_code == 2 and "the name is too long for the file system" in r.output
+    assert "does not exist" not in r.output

@@ -128,7 +128,8 @@ class Family:
         b = f"blk.{i}."
         q, k, v = self.project_qkv(cfg, p, b, h, seq.lead)
         if self.qk_norm:
-            q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"]) for n, t in zip("qk", (q, k)))
+            q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"])
+                    for n, t in zip("qk", (q, k)))
         if self.ropes(cfg, i):
             q, k = (self.rope(cfg, p, i, t, seq.positions) for t in (q, k))
         return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))

@@ -439,7 +439,8 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
                                                       base + n_tokens * width))
 
     window = layers_window(cfg)
-    window_mask = input_tensor((n_tokens, max_ctx), precision, name="window mask") if window else None
+    window_mask = (input_tensor((n_tokens, max_ctx), precision, name="window mask") if window
+                   else None)
 
     def kv_cached(index, new):
         return O.reshape(cached(kv, index, new), (1, max_ctx, cfg.kv_heads, cfg.head_dim))
