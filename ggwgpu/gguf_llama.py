@@ -1,12 +1,13 @@
 """The llama schema of GGUF files: a ModelConfig's hyper-parameters as <arch>.* keys and back,
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
-that llama.cpp loads (`save_model` / `load_model`). Two archs share it (ModelConfig.arch):
-"llama" and "qwen2", whose keys are the same under the prefix "qwen2." and whose blocks add
-attn_q.bias, attn_k.bias and attn_v.bias. Built on the container, ggwgpu.gguf_file;
+that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
+models.FAMILIES: llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2) shares it: the
+keys are the same under the prefix "<arch>.", and each family's module adds its own keys
+and tensors (docs/families.md). Built on the container, ggwgpu.gguf_file;
 checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
 Model file
-    general.architecture "llama" or "qwen2" (<arch> below), general.name, general.type "model",
+    general.architecture, the family (<arch> below), general.name, general.type "model",
     general.file_type 0
     (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
     1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); <arch>.context_length,
@@ -43,8 +44,8 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ModelConfig, arch_list, parameter_shapes,
-                     phi3)
+from .models import (FAMILIES, FROZEN, OUTPUT, ROPE_FREQS, ModelConfig, arch_list,
+                     parameter_shapes, phi3)
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
 from .tokenizer import tokenizer_from_metadata
@@ -80,7 +81,6 @@ K_CKPT_VERSION = "ggwgpu.checkpoint.version"
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
-LONGROPE = (phi3.LONG, phi3.SHORT)
 MIN_BLOCK_TENSORS = 6       # no family's block has fewer (phi3's, fused)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
@@ -249,7 +249,7 @@ def read_model(f: GGUFFile):
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
-    hp["longrope"] = LONGROPE[0] in f.tensors or LONGROPE[1] in f.tensors
+    hp["longrope"] = phi3.LONG in f.tensors or phi3.SHORT in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
     if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
         raise GGUFError(f"{f.path}: {k.scaling_type} {scaling!r} is not supported (only "
@@ -357,7 +357,7 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
         params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
-    for name in (ROPE_FREQS, *LONGROPE):
+    for name in FROZEN:     # the rope frequency factors
         if name in params and not np.all(params[name] > 0):    # they divide angles
             raise GGUFError(f"{f.path}: tensor {name} must hold positive frequency factors")
     return params

@@ -14,7 +14,6 @@ Not a test (pytest does not collect it): it needs llama-cpp-python in a throwawa
 llama.cpp's CPU gelu reads an f16 table (GGML_GELU_FP16 in ggml-cpu/vec.h): gemma3 then
 differs by ~4e-4 from the exact tanh gelu both ggwgpu and llama.cpp's model define; with
 that define removed from the sdist before building, gemma3 agrees as the others do."""
-import dataclasses
 import sys
 import tempfile
 from pathlib import Path

@@ -201,10 +201,10 @@ def layers_window(cfg: ModelConfig) -> int:
     return windows.pop() if windows else 0
 
 
-def causal(n: int, window: int = 0, past: int = 0) -> np.ndarray:
-    """(n, past + n) bool: whether query i (at position past + i) sees key j: j <= past + i,
-    and with a sliding window past + i - j < window (llama.cpp's is_masked_swa)."""
-    ahead = (past + np.arange(n))[:, None] - np.arange(past + n)[None, :]
+def causal(n: int, window: int = 0) -> np.ndarray:
+    """(n, n) bool: whether query i sees key j: j <= i, and with a sliding window
+    i - j < window (llama.cpp's is_masked_swa)."""
+    ahead = np.arange(n)[:, None] - np.arange(n)[None, :]
     return (ahead >= 0) & ((ahead < window) if window else True)
 
 
@@ -279,10 +279,10 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     h = O.reshape(rms_norm(cfg, x, p[family.output_norm]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
-    for start, n in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
-        if n < rows:
-            part = (O.view(h, (n, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
-                    O.view(ids, (n,), (1,), start), O.view(w, (n,), (1,), start))
+    for start, count in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
+        if count < rows:
+            part = (O.view(h, (count, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
+                    O.view(ids, (count,), (1,), start), O.view(w, (count,), (1,), start))
             logits.append(output(cfg, p, part[0]))
             # kept for the backward, every chunk's logits would be alive at once
             recompute += nodes_between(part[0], logits[-1])
@@ -347,8 +347,9 @@ class DecodeGraph:
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
     conv: object = None       # convolutions' cache, a leaf (conv layers, n_tokens + max_ctx,
                               # n_embd): their inputs by position, as kv
-    conv_rows: object = None  # i32 input (conv_kernel, n_tokens): tap j's cache row of each token
-    conv_mask: object = None  # input (n_tokens, conv_kernel): 0 where tap j is before position 0
+    conv_rows: object = None  # i32 input (conv_kernel - 1 + n_tokens,): the cache rows that the
+                              # run's convolutions read, from conv_kernel - 1 positions back
+    conv_positions: object = None  # i32 input, as conv_rows: their positions (< 0: before 0)
 
     @property
     def caches(self) -> list:
@@ -378,11 +379,11 @@ class DecodeGraph:
             feeds[self.mask] = additive(ahead >= 0)
         if self.window_mask is not None:
             feeds[self.window_mask] = additive((ahead >= 0) & (ahead < self.window))
-        if self.conv is not None:   # tap j: position - (length - 1 - j), in the cache's rows
-            length = self.conv_rows.shape[0]
-            back = (past + rows)[None, :] - (length - 1 - np.arange(length))[:, None]
-            feeds[self.conv_rows] = np.maximum(back, 0).astype(np.int32)
-            feeds[self.conv_mask] = (back >= 0).T.astype(np.float32)
+        if self.conv is not None:   # the run's positions and the kernel's reach before them
+            at = past - (self.conv_rows.shape[0] - self.n_tokens) + np.arange(
+                self.conv_rows.shape[0], dtype=np.int32)
+            feeds[self.conv_rows] = np.clip(at, 0, self.max_ctx - 1)
+            feeds[self.conv_positions] = at
         return feeds
 
 
@@ -453,24 +454,18 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
 
-    conv = conv_rows = conv_mask = None     # the convolutions' inputs, cached by position
+    conv = conv_rows = conv_positions = None    # the convolutions' inputs, cached by position
     if cfg.conv_layers:
-        length = cfg.conv_kernel
+        reach = cfg.conv_kernel - 1
         conv = constant(np.zeros((len(cfg.conv_layers), rows, cfg.n_embd), np.float32),
                         precision, name=f"{name}: convolution inputs")
-        conv_rows = input_tensor((length, n_tokens), "i32", name="convolution taps")
-        conv_mask = input_tensor((n_tokens, length), precision, name="convolution tap mask")
+        conv_rows = input_tensor((reach + n_tokens,), "i32", name="convolution rows")
+        conv_positions = input_tensor((reach + n_tokens,), "i32", name="convolution positions")
 
-    def convolve(i, x, weight):     # x's rows cached by position, read back tap by tap
-        cache = cached(conv, cfg.conv_layers.index(i), x)
-        channels, length = weight.shape
-        y = None
-        for j in range(length):     # tap j: the rows length - 1 - j positions back, or 0
-            tap = O.mul(O.get_rows(cache, O.view(conv_rows, (n_tokens,), (1,), j * n_tokens)),
-                        O.view(conv_mask, (n_tokens, 1), (length, 1), j))
-            term = O.mul(tap, O.view(weight, (channels,), (length,), j))
-            y = term if y is None else O.add(y, term)
-        return y
+    def convolve(i, x, weight):     # x's rows cached by position; ssm_conv over the run's
+        cache = cached(conv, cfg.conv_layers.index(i), x)   # and the kernel's reach before it
+        y = O.ssm_conv(O.get_rows(cache, conv_rows), weight, conv_positions)
+        return O.view(y, (n_tokens, cfg.n_embd), (cfg.n_embd, 1), reach * cfg.n_embd)
 
     seq = Sequence((1, n_tokens), positions, attend, convolve)
     x = embed(p, tokens, precision, cfg.family.input_scale(cfg))  # (n_tokens, embd)
@@ -481,4 +476,4 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     weights = {k: p[k] for k in values}
     mask, window_mask = used_of([logits], mask, window_mask)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
-                       weights, window, window_mask, conv, conv_rows, conv_mask)
+                       weights, window, window_mask, conv, conv_rows, conv_positions)
