@@ -273,7 +273,7 @@ def bench_model(config_name: str, **changes):
     """(ModelConfig, TrainOptions) of a bench config; `changes` replace model fields
     (n_layer=2: the same shape, fewer layers)."""
     from ggwgpu.models import ModelConfig
-    from ggwgpu.train import TrainOptions
+    from ggwgpu.training import TrainOptions
     config = BENCH_TRAIN_CONFIGS[config_name]
     return (ModelConfig(**{**config.model, **changes}),
             TrainOptions(batch=config.batch, lr=1e-3, checkpointing=config.checkpointing))
@@ -298,7 +298,7 @@ def bench_weights(config_name: str, cfg):
 def bench_trainer(config_name: str, backend, cfg, options, weights):
     """A Trainer of the config on `backend` over `weights` (bench_weights), on
     RandomBatches: the same batches on every backend."""
-    from ggwgpu.train import Trainer
+    from ggwgpu.training import Trainer
     values, adapter = weights
     return Trainer(cfg, values, backend, options,
                    RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), lora=adapter)
@@ -847,7 +847,7 @@ def bench_memory(ctx, config_name, layers, precisions, json_path):
     """
     from ggwgpu.backends import NumpyBackend
     from ggwgpu.models import build_train_graph
-    from ggwgpu.train import Trainer, logits_bound
+    from ggwgpu.training import Trainer, logits_bound
     backend, _ = wgpu_for(ctx, "bench memory")
     backend = backend or NumpyBackend()
     click.echo(f"bench memory {describe_config(config_name)}; planned on "
@@ -859,7 +859,7 @@ def bench_memory(ctx, config_name, layers, precisions, json_path):
     for n_layer, checkpointing, precision in itertools.product(layers, (False, True),
                                                                precisions):
         cfg, options = bench_model(config_name, n_layer=n_layer)
-        options.checkpointing, options.precision = checkpointing, precision
+        options = dataclasses.replace(options, checkpointing=checkpointing, precision=precision)
         values, adapter = bench_weights(config_name, cfg)
         graph = build_train_graph(cfg, values, options.batch, lora=adapter,
                                   max_logits_bytes=logits_bound(backend, checkpointing,

@@ -24,7 +24,7 @@ def measure(ctx, config_name: str, steps: int) -> dict:
     """Time `steps` steps (after one warm-up) of this process's share of a data-parallel
     run in which every rank trains the config's batch (weak scaling)."""
     from ggwgpu.models import init_parameters
-    from ggwgpu.train import Trainer
+    from ggwgpu.training import Trainer
     world = mpi_world()
     size = world.size if world else 1
     cfg, options = bench_model(config_name)

@@ -10,9 +10,11 @@ import time
 import click
 import numpy as np
 
+from ggwgpu.training.run import device_errors
+
 from .common import FiniteFloat, describe_backend, select_backend
 from .outputs import check_outputs
-from .training import device_errors, existing_directory
+from .training import existing_directory
 
 @click.group(invoke_without_command=True)
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),

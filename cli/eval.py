@@ -13,7 +13,9 @@ from ggwgpu.data import BUNDLED
 
 from .common import (InputPath, check_memory, ctx_option, describe_backend, precision_option,
                      resolve_precision, select_backend, with_context)
-from .training import (data_options, describe_examples, example_batches, example_sets,
+from ggwgpu.training.inputs import describe_examples
+
+from .training import (data_options, example_batches, example_sets,
                        positive, read_text)
 
 @click.command("eval")
@@ -47,7 +49,7 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     from ggwgpu.gguf_llama import load_model
     from ggwgpu.lora import load_adapter
     from ggwgpu.models import build_train_graph
-    from ggwgpu.train import logits_bound
+    from ggwgpu.training import logits_bound
     try:
         cfg, values, tokenizer = load_model(model, keep_quantized=True)
         adapters = [load_adapter(path, cfg) for path in lora_paths]

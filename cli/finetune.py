@@ -13,17 +13,19 @@ import shlex
 
 import click
 
-from ggwgpu import checkpoint, gguf_file, gguf_llama
+from ggwgpu import gguf_file, gguf_llama
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
+from ggwgpu.training import checkpoint, inputs
+from ggwgpu.training.inputs import best_path, default_checkpoint_path, describe_examples
 
-from .common import (FiniteFloat, InputPath, check_memory, ctx_option, describe_backend,
-                     describe_precision, planned_memory, select_backend, with_context)
+from .common import (FiniteFloat, InputPath, chat_template, check_memory, ctx_option,
+                     describe_backend, describe_precision, planned_memory, select_backend,
+                     with_context)
 from .outputs import check_outputs
-from .training import (Validation, across_ranks, data_options, default_checkpoint_path,
-                       describe_examples, device_errors, example_batches, example_sets,
-                       existing_directory, guard_outputs, is_root, local_batch, mpi_world,
-                       read_text, resume_args, resume_data, resumed_options, steps_of,
-                       train_options, training_loop, training_options, training_samples)
+from .training import (ProgressBar, across_ranks, data_options, existing_directory,
+                       guard_outputs, is_root, local_batch, mpi_world, read_text, resume_args,
+                       resumed_options, steps_of, train_options, training_options,
+                       training_samples, usage_errors)
 
 
 MAX_LAYER = 65535      # no llama comes near; the model's own count is checked later
@@ -99,7 +101,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     from ggwgpu import lora
     from ggwgpu.quant import Quantized, dequantize
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer
+    from ggwgpu.training import Trainer
+    from ggwgpu.training.run import Validation, device_errors, run_steps
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
@@ -141,17 +144,17 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                 adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, cfg)
         except gguf_file.GGUFError as e:
             raise click.ClickException(str(e)) from None
-        if state.get("base") != base_digest or state.get("mode") != mode:
+        if state.base != base_digest or state.mode != mode:
             raise click.UsageError(f"{checkpoint_in} finetunes another base model (digest "
-                                   f"{state.get('base')}; {base} is {base_digest}): resume "
+                                   f"{state.base}; {base} is {base_digest}): resume "
                                    f"with the base it started from")
-        n_ctx = state.get("n_ctx", model_cfg.n_ctx)
-        fixed = dict(samples_after_nl=state["samples_after_nl"], n_ctx=n_ctx, lora_r=...,
+        n_ctx = state.n_ctx if state.n_ctx is not None else model_cfg.n_ctx
+        fixed = dict(samples_after_nl=state.samples_after_nl, n_ctx=n_ctx, lora_r=...,
                      lora_layers=..., **{f"rank_{kind}": ... for kind in TARGETS})
         if not full:
             fixed["lora_alpha"] = adapter.alpha
-        options, step = resumed_options(ctx, state, checkpoint_in, fixed), state["step"]
-        samples_after_nl = state["samples_after_nl"]
+        options, step = resumed_options(ctx, state, checkpoint_in, fixed), state.step
+        samples_after_nl = state.samples_after_nl
     else:
         options = train_options(kw)
         if not full:
@@ -184,7 +187,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
-                          world=mpi_world(), loss_scaler=(state or {}).get("loss_scaler"))
+                          world=mpi_world(), loss_scaler=state and state.loss_scaler)
     except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
         raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
                                    f"{e}") from None
@@ -216,8 +219,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     def save_checkpoint():
         if not is_root():
             return
-        state = {**trainer.state(), "tokens_digest": digest, "base": base_digest, "mode": mode,
-                 "samples_after_nl": samples_after_nl, "n_ctx": cfg.n_ctx}
+        state = trainer.state(tokens_digest=digest, base=base_digest, mode=mode,
+                              samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx)
         if full:
             checkpoint.save_checkpoint(checkpoint_path, model_cfg, trainer.parameters(),
                                        tokenizer, trainer.optimizer_state(), state)
@@ -244,13 +247,16 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
             lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
             kw["val_every"] or steps, kw["early_stop"], lambda: write_to(best_path(out)))
 
-    first, last, seconds = training_loop(trainer, steps, kw["log_path"],
-                                         kw["save_every"] if checkpoint_out else 0,
-                                         save_checkpoint, checkpoint_path, resume_command,
-                                         kw["on_nan"], validation, lambda: write_to(out), out)
+    result = run_steps(trainer, steps, log_path=kw["log_path"] if is_root() else None,
+                       save_every=kw["save_every"] if checkpoint_out else 0,
+                       save_checkpoint=save_checkpoint, checkpoint_path=checkpoint_path,
+                       resume_command=resume_command, on_nan=kw["on_nan"],
+                       validation=validation, write_result=lambda: write_to(out),
+                       result_path=out, reporter=ProgressBar())
     if not is_root():
         return
     product = "model" if full else "adapter"
+    first, last, seconds = result.first, result.last, result.seconds
     if first is None:
         click.echo(f"{product} of step {trainer.step} written to {out}")
     else:
@@ -271,39 +277,20 @@ def data_files(data_path) -> list[tuple[str, str]]:
     return [("--data", data_path)] if os.path.exists(data_path) else []
 
 
-def best_path(out: str) -> str:
-    """Where the weights of the lowest validation loss go: x.gguf -> x.best.gguf."""
-    root, ext = os.path.splitext(out)
-    return f"{root}.best{ext or '.gguf'}"
-
-
 def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     """(train batches, validation batches or None, digest, lines to show) of --data: the
     validation set is valid.jsonl, else --val-split of the training examples."""
-    from ggwgpu import chat
-    sets = example_sets(kw, tokenizer)
-    train, valid = sets["train"], sets.get("valid")
-    if valid is None and kw["val_split"]:
-        try:
-            train, valid = chat.split_off(train, kw["val_split"], options.seed)
-        except ValueError as e:
-            raise click.UsageError(str(e)) from None
-    if valid is None and (kw["val_every"] or kw["early_stop"]):
-        raise click.UsageError("--val-every and --early-stop need a validation set: "
-                               "valid.jsonl in the --data directory, or --val-split")
-    digest = chat.examples_digest(train)
-    if state is not None and state.get("tokens_digest") != digest:
-        raise click.UsageError(f"{checkpoint_in} was trained on other examples: pass the same "
-                               f"--data (and template options) to resume")
-    batches = example_batches(train, cfg, options.batch, kw, options.seed)
-    if state is not None:
-        resume_data(batches, state, checkpoint_in)
-    lines = [f"data: {kw['data_path']}: " + describe_examples("train", batches)]
-    held = None
-    if valid is not None:
-        held = example_batches(valid, cfg, options.batch, kw, options.seed, batches.packed)
-        lines.append("      " + describe_examples("validation", held))
-    return batches, held, digest, lines
+    template = chat_template(tokenizer, kw["chat_template"])
+    with usage_errors():
+        examples = inputs.finetune_examples(
+            kw["data_path"], tokenizer, template, cfg.n_ctx, options,
+            mask_prompt=kw["mask_prompt"], drop_long=kw["drop_long"], pack=not kw["no_pack"],
+            val_split=kw["val_split"], need_validation=bool(kw["val_every"] or kw["early_stop"]),
+            state=state, checkpoint=checkpoint_in)
+    lines = [f"data: {kw['data_path']}: " + describe_examples("train", examples.train)]
+    if examples.valid is not None:
+        lines.append("      " + describe_examples("validation", examples.valid))
+    return examples.train, examples.valid, examples.digest, lines
 
 
 @click.command("merge")

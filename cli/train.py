@@ -14,10 +14,12 @@ from ggwgpu.generate import Sampling
 from .common import (InputPath, check_memory, describe_backend, describe_precision,
                      planned_memory, select_backend)
 from .generate import stream_sample
-from .training import (across_ranks, default_checkpoint_path, device_errors,
+from ggwgpu.training.inputs import default_checkpoint_path
+
+from .training import (ProgressBar, across_ranks,
                        existing_directory, guard_outputs, is_root, local_batch, mpi_world,
                        positive, read_text, resume_args, resumed_options, steps_of,
-                       train_options, training_loop, training_options, training_samples)
+                       train_options, training_options, training_samples)
 
 @click.command()
 @click.argument("texts", nargs=-1, type=InputPath(exists=True, dir_okay=False))
@@ -57,11 +59,13 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import checkpoint, gguf_llama, memory, tokenizer as tok
+    from ggwgpu import gguf_llama, memory, tokenizer as tok
+    from ggwgpu.training import checkpoint
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.models import ModelConfig, init_parameters
     from ggwgpu.tensor import ShapeError
-    from ggwgpu.train import Trainer, unigram_entropy
+    from ggwgpu.training import Trainer, unigram_entropy
+    from ggwgpu.training.run import device_errors, run_steps
 
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
     checkpoint_path = checkpoint_out or default_checkpoint_path(out)
@@ -78,7 +82,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                      rope_freq_scale=cfg.rope_freq_scale, norm_eps=cfg.norm_eps,
                      vocab_model=...)
         options = resumed_options(ctx, state, checkpoint_in, shape)
-        step = state["step"]
+        step = state.step
         check_memory(ctx, f"{checkpoint_in}", cfg, values, batch=options.batch,
                      trained=memory.parameter_count(cfg), flash_attn=options.flash_attn,
                      precision=options.precision)
@@ -115,7 +119,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     backend = select_backend(ctx)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
-                          world=mpi_world(), loss_scaler=(state or {}).get("loss_scaler"))
+                          world=mpi_world(), loss_scaler=state and state.loss_scaler)
     except ShapeError as e:  # a tensor over the device's limits, among others
         raise click.ClickException(str(e)) from None
     except device_errors() as e:
@@ -138,7 +142,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     def save_checkpoint():
         if not is_root():
             return
-        state = {**trainer.state(), "tokens_digest": digest}
+        state = trainer.state(tokens_digest=digest)
         checkpoint.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
                                    trainer.optimizer_state(), state)
 
@@ -148,13 +152,15 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             args += ["--predict", str(predict), "--seed", str(options.seed)]
         return shlex.join(args)
 
-    first, last, seconds = training_loop(
-        trainer, steps, kw["log_path"], kw["save_every"] if checkpoint_out else 0,
-        save_checkpoint, checkpoint_path, resume_command, kw["on_nan"],
+    result = run_steps(
+        trainer, steps, log_path=kw["log_path"] if is_root() else None,
+        save_every=kw["save_every"] if checkpoint_out else 0, save_checkpoint=save_checkpoint,
+        checkpoint_path=checkpoint_path, resume_command=resume_command, on_nan=kw["on_nan"],
         write_result=(lambda: gguf_llama.save_model(out, cfg, trainer.parameters(), tokenizer))
-        if is_root() else None, result_path=out)
+        if is_root() else None, result_path=out, reporter=ProgressBar())
     if not is_root():
         return
+    first, last, seconds = result.first, result.last, result.seconds
     if first is None:
         click.echo(f"model of step {trainer.step} written to {out}")
     else:

@@ -1,9 +1,9 @@
 """What the train and finetune commands share: their optimizer, schedule, data and
-checkpoint options, reading the text into samples, and the step loop that loses nothing when
-a run is stopped.
+checkpoint options, reading the text into samples, and the progress bar of the step loop
+(ggwgpu.training.run).
 
 The optimizer and schedule options are not declared here: each is a TrainOptions field of
-ggwgpu/train.py, whose declaration (`_option`: bound, help, flag, may_change, cli) gives its
+ggwgpu/training/options.py, whose declaration (`_option`: bound, help, flag, may_change, cli) gives its
 click option (`training_options`), its value in the commands' TrainOptions (`train_options`)
 and what a resumed run does with it (`resumed_options`). The run's own options (data,
 length, saving) are declared here once; those marked `Repeated` are what the command line
@@ -15,19 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import math
 import os
-import signal
 import sys
-import threading
-import time
 
 import click
 
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.data import BUNDLED
-from ggwgpu.gguf_file import os_problem
+from ggwgpu.training import inputs
+from ggwgpu.training.run import Reporter, RunStopped, TrainingError
 
 from .common import FiniteFloat, InputPath, chat_template, template_option
 
@@ -46,74 +42,12 @@ def click_type(bound):
     return click.IntRange(**limits) if bound.kind is int else FiniteFloat(**limits)
 
 
-def default_checkpoint_path(out: str) -> str:
-    """Where a stopped run saves when no --checkpoint-out was given: next to the output,
-    model.gguf -> model.checkpoint.gguf."""
-    root, ext = os.path.splitext(out)
-    return f"{root}.checkpoint{ext or '.gguf'}"
-
-
 def existing_directory(ctx, param, value):
     """Option callback for output files: their directory must exist before training starts,
     not only when the result is written."""
     if value is not None and not os.path.isdir(os.path.dirname(os.path.abspath(value))):
         raise click.BadParameter(f"the directory of {value} does not exist")
     return value
-
-
-def device_errors() -> tuple:
-    """What a failing device raises: wgpu's errors (lost device, out of memory, validation,
-    internal) and MemoryError (the host's, and wgpu's out-of-memory error is one too)."""
-    try:
-        import wgpu
-    except ImportError:
-        return (MemoryError,)
-    return (wgpu.GPUError, MemoryError)
-
-
-def strict_json(value):
-    """`value` with every float that is not finite replaced by None (JSON null), as strict
-    JSON readers need (json.dumps writes NaN and Infinity)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
-
-
-class StopSignals:
-    """SIGINT and SIGTERM during training. The first asks for a stop at the next step
-    boundary; a second one during a step stops at once (KeyboardInterrupt) without saving;
-    any that arrive while a checkpoint is written (`saving()`) wait until it is complete.
-    Python lets only the main thread install handlers; elsewhere nothing changes."""
-
-    def __init__(self):
-        self.signum, self._saving, self._previous = None, False, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGINT, signal.SIGTERM):
-                self._previous[s] = signal.signal(s, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for s, handler in self._previous.items():
-            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
-
-    def _handle(self, signum, frame):
-        if self.signum is not None and not self._saving:
-            raise KeyboardInterrupt
-        self.signum = self.signum or signum
-
-    @contextlib.contextmanager
-    def saving(self):
-        before, self._saving = self._saving, True
-        try:
-            yield
-        finally:
-            self._saving = before
 
 
 def mpi_world():
@@ -160,208 +94,42 @@ def across_ranks(command):
         if world is not None and not world.is_root:
             sys.stdout = sys.stderr = open(os.devnull, "w")
         with RankGuard(world, describe):
-            return command(*args, **kw)
+            try:
+                return command(*args, **kw)
+            except TrainingError as e:
+                error = click.UsageError(str(e)) if e.usage else click.ClickException(str(e))
+                raise same_ranks(error, e) from None
+            except RunStopped as e:
+                raise same_ranks(SystemExit(e.exit_code), e) from None
     return run
 
 
-def training_loop(trainer, steps: int, log_path, save_every: int, save_checkpoint,
-                  checkpoint_path=None, resume_command=None, on_nan: str = "stop",
-                  validation=None, write_result=None, result_path=None):
-    """Run `steps` optimizer steps under a progress bar: a JSON line per step to `log_path`,
-    `save_checkpoint()` every `save_every` steps (0: never) and once at the end, and with a
-    `Validation` its loss in the log and the progress line, stopping early when it says so;
-    then `write_result()` writes the run's product (`result_path`). Returns the first and
-    last loss (None without steps) and the seconds taken. The train and finetune commands
-    share it.
-
-    Nothing is lost when a run stops early. `save_checkpoint()` writes `checkpoint_path`
-    (atomically: the previous file stays whole until the new one is complete) and
-    `resume_command(steps_left)` is the command line that continues from it.
-    - SIGINT, SIGTERM: the step under way finishes, a checkpoint is saved, the command that
-      continues is printed and the process exits with 128 + the signal number.
-    - A step whose loss or gradients are not finite changes nothing (Trainer skips its
-      update); with on_nan "stop" the run then saves and ends with an error, with "skip" it
-      goes on. With dynamic loss scaling a step whose loss is finite but whose scaled
-      gradients overflowed ("overflow" in its record) is the scaler's ordinary skip: the
-      scale halves and the run goes on.
-    - The device failing (lost, out of memory) ends the run with an error; nothing of the
-      failed step is saved and the last checkpoint stays.
-    - A checkpoint that cannot be written (a non-finite value, a full disk) ends the run; the
-      previous one stays.
-    - The signal handlers stay until the result is written: a signal then waits for it. A
-      result that cannot be written (a full disk) leaves the trained weights in the
-      checkpoint, with the command that writes the result from it.
-    - A log that cannot be written (a full disk) is given up with one message (RunLog); the
-      run goes on.
-    """
-    from ggwgpu.distributed import on_every_rank
-    from ggwgpu.gguf_file import GGUFError
-    start, stop = trainer.step, None
-    first = last = saved = None         # saved: the step of this run's last checkpoint
-    t0, shown, signals = time.perf_counter(), {}, StopSignals()
-
-    def kept() -> str:
-        if saved is not None:
-            return f"{checkpoint_path} holds the checkpoint of step {saved}"
-        return "this run wrote no checkpoint"
-
-    def save():
-        nonlocal saved
-        if saved == trainer.step:
-            return
-        with signals.saving():
-            try:
-                save_checkpoint()
-            except (GGUFError, *device_errors()) as e:
-                raise click.ClickException(f"step {trainer.step}: the checkpoint was not "
-                                           f"written ({e}); {kept()}") from None
-        saved = trainer.step
-
-    def save_and_resume_hint() -> str:
-        if checkpoint_path is None:
-            return "no checkpoint path was given: nothing was saved"
-        save()
-        hint = f"checkpoint of step {trainer.step} saved to {checkpoint_path}"
-        left = steps - (trainer.step - start)
-        if resume_command is not None:
-            hint += (f"; continue with:\n  {resume_command(left)}" if left else
-                     f"; write {result_path or 'the result'} from it with:\n  "
-                     f"{resume_command(0)}")
-        return hint
-
-    def rescue() -> str:
-        """The checkpoint saved where it can be (the trained weights must not go with a
-        run that stops), and what to do next; else why it was not."""
-        try:
-            return save_and_resume_hint()
-        except click.ClickException as e:
-            return e.message
-
-    def write():
-        if write_result is None:
-            return
-        try:
-            write_result()
-        except (GGUFError, *device_errors()) as e:
-            raise click.ClickException(f"{result_path} was not written ({e}); "
-                                       f"{rescue()}") from None
-
-    def validate(record, last_step) -> dict | None:
-        try:        # the best weights' write fails as --out's does: the run is kept
-            return validation and validation.check(record["step"], last_step)
-        except (GGUFError, *device_errors()) as e:
-            raise click.ClickException(f"step {record['step']}: the best weights were not "
-                                       f"written ({e}); {rescue()}") from None
-
-    log = RunLog(log_path if is_root() else None)     # one log, by rank 0
-    try:
-        with signals, click.progressbar(length=steps, label="training", show_eta=True,
-                                        item_show_func=lambda _: shown.get("text")) as bar:
-            for _ in range(steps):
-                try:
-                    # under MPI the ranks agree on a stop through the step's allreduce
-                    record = (trainer.train_step(stop=signals.signum or 0)
-                              if getattr(trainer, "world", None) else trainer.train_step())
-                except device_errors() as e:
-                    raise click.ClickException(
-                        f"the device failed in step {trainer.step + 1} ({type(e).__name__}: "
-                        f"{e}); nothing of that step was saved; {kept()}") from None
-                agreed = record.pop("stop", None)
-                elapsed = time.perf_counter() - t0
-                record["tokens_per_s"] = trainer.step_tokens * (record["step"] - start) / elapsed
-                first = record["loss"] if first is None else first
-                last = record["loss"]
-                shown["text"] = (f"step {record['step']} loss {last:.3f} "
-                                 f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
-                if "loss_scale" in record:
-                    shown["text"] += f" scale 2^{math.log2(record['loss_scale']):.0f}"
-                val = validate(record, record["step"] - start == steps)
-                if val:
-                    record["val_loss"] = val["val_loss"]
-                    shown["val"] = f" val {val['val_loss']:.3f}"
-                shown["text"] += shown.get("val", "")
-                log.write(record)
-                if record["skipped"] and not record.get("overflow"):
-                    what = (f"step {record['step']}: loss {record['loss']:.4g}, gradient "
-                            f"norm {record['grad_norm']:.4g}: not finite, so its update was "
-                            f"skipped")
-                    if on_nan == "stop":
-                        raise on_every_rank(click.ClickException(
-                            f"{what} and training stops (--on-nan stop; --on-nan skip goes "
-                            f"on without such steps). A learning rate that is too high is "
-                            f"the usual cause. {rescue()}"))
-                    click.echo(f"\n{what} (--on-nan skip)", err=True)
-                status = record.get("status", "ok")      # L-BFGS's
-                if status.startswith("failed") and not record["skipped"]:
-                    raise click.ClickException(
-                        f"step {record['step']}: the L-BFGS line search failed "
-                        f"({status[8:]}); the "
-                        f"weights are as before that step. --lbfgs-on-fail reset retries "
-                        f"along the gradient. {rescue()}")
-                if save_every and record["step"] % save_every == 0:
-                    save()
-                bar.update(1)
-                if val and val["stop"]:
-                    click.echo(f"\nearly stop after step {record['step']}: {validation.patience} "
-                               f"evaluations without a lower validation loss (best "
-                               f"{validation.best:.4f})", err=True)
-                    break
-                if status.startswith("converged"):
-                    click.echo(f"\nL-BFGS stops after step {record['step']}: "
-                               f"{status[11:]}", err=True)
-                    break
-                stop = signals.signum if agreed is None else agreed
-                if stop:
-                    break
-            if stop and trainer.step - start < steps:
-                name = signal.Signals(stop).name
-                click.echo(f"\n{name}: stopped after step {trainer.step}; "
-                           f"{save_and_resume_hint()}", err=True)
-                raise on_every_rank(SystemExit(128 + stop))
-            with signals.saving():     # from here on a signal waits for the files
-                if save_every:
-                    save()
-                write()
-    except KeyboardInterrupt:
-        click.echo(f"\nstopped at once by a second signal in step {trainer.step + 1}, which "
-                   f"was not saved; {kept()}", err=True)
-        raise SystemExit(128 + (signals.signum or signal.SIGINT)) from None
-    finally:
-        log.close()
-    return first, last, time.perf_counter() - t0
+def same_ranks(error: BaseException, cause: BaseException) -> BaseException:
+    """`error` marked as `cause` is (distributed.on_every_rank): met by every rank or not."""
+    if getattr(cause, "on_every_rank", False):
+        error.on_every_rank = True
+    return error
 
 
-class RunLog:
-    """--log: one JSON record per step, appended and flushed. A path that cannot be opened
-    for appending (a directory, a read-only disk) is an error before the first step; a write
-    that fails later (a full disk) is reported once and the run goes on without its log: the
-    model and its checkpoints matter more."""
+class ProgressBar(Reporter):
+    """A training run's progress bar (click's): the step's line beside it, notes on standard
+    error on a line of their own."""
 
-    def __init__(self, path):
-        self.path, self.file = path, None
-        if path:
-            try:
-                self.file = open(path, "a", encoding="utf-8")
-            except OSError as e:
-                raise click.UsageError(f"--log {path}: cannot be opened for appending "
-                                       f"({e.strerror or e})") from None
+    def start(self, steps: int):
+        self.line = None
+        self.bar = click.progressbar(length=steps, label="training", show_eta=True,
+                                     item_show_func=lambda _: self.line)
+        self.bar.__enter__()
 
-    def write(self, record: dict):
-        if self.file is None:
-            return
-        try:
-            self.file.write(json.dumps(strict_json(record), allow_nan=False) + "\n")
-            self.file.flush()
-        except OSError as e:
-            click.echo(f"\n--log {self.path}: writing failed ({os_problem(e, self.path)}); "
-                       f"the run goes on without its log", err=True)
-            self.close()
+    def step(self, record: dict, line: str):
+        self.line = line
+        self.bar.update(1)
 
-    def close(self):
-        if self.file is not None:
-            with contextlib.suppress(OSError):      # what a full disk kept from the log
-                self.file.close()
-            self.file = None
+    def note(self, message: str):
+        click.echo(f"\n{message}", err=True)
+
+    def end(self):
+        self.bar.__exit__(None, None, None)
 
 
 class Repeated(click.Option):
@@ -376,7 +144,7 @@ def training_options(steps: int, warmup: int, seed_help: str):
     run's own (data, length, saving) and one per TrainOptions field, made from its
     declaration in ggwgpu.train. The command gets them as keyword arguments and
     `train_options(kwargs)` makes them a TrainOptions."""
-    from ggwgpu.train import TrainOptions
+    from ggwgpu.training import TrainOptions
     defaults = {"warmup": {"default": warmup}, "seed": {"help": seed_help}}
     trained = [train_option(name, {**declared, **defaults.get(name, {})})
                for name, declared in TrainOptions.declared().items() if declared["cli"]]
@@ -433,7 +201,7 @@ def train_option(name: str, declared: dict):
 
 def flag_of(name: str) -> str:
     """The command-line flag of TrainOptions field `name` (the first of an on/off pair)."""
-    from ggwgpu.train import TrainOptions
+    from ggwgpu.training import TrainOptions
     flag = TrainOptions.declared()[name]["flag"] or f"--{name.replace('_', '-')}"
     return flag.split("/")[0]
 
@@ -448,7 +216,7 @@ def train_options(kw: dict):
     """The TrainOptions of `training_options`' values (TrainOptions' defaults for fields
     that are not on the command line); under mpirun --batch is each process's, and the
     options hold the global batch."""
-    from ggwgpu.train import TrainOptions
+    from ggwgpu.training import TrainOptions
     world = mpi_world()
     values = {name: kw[param_of(name)] for name, declared in TrainOptions.declared().items()
               if declared["cli"]}
@@ -474,15 +242,15 @@ def given(ctx, param: str) -> bool:
     return source is not None and source.name in GIVEN
 
 
-def resumed_options(ctx, state: dict, checkpoint_in: str, fixed: dict):
+def resumed_options(ctx, state, checkpoint_in: str, fixed: dict):
     """The TrainOptions a resumed run uses: the checkpoint's, with those declared
     `may_change` (--lr, --flash-attn, --checkpointing) applied when given (and said). Any
     other option given on the command line that contradicts the checkpoint is refused,
     naming it: `fixed` maps the command's own such parameters (the model's shape, say) to
     the checkpoint's value, or to ... when the checkpoint fixes it whatever its value."""
     import dataclasses
-    from ggwgpu.train import TrainOptions
-    saved, kw, declared = TrainOptions(**state["options"]), ctx.params, TrainOptions.declared()
+    from ggwgpu.training import TrainOptions
+    saved, kw, declared = state.options, ctx.params, TrainOptions.declared()
     may_change = [flag_of(name) for name in declared if declared[name]["may_change"]]
     may_change = (f"{', '.join(may_change[:-1])} and {may_change[-1]}" if len(may_change) > 1
                   else may_change[0])
@@ -534,50 +302,28 @@ def guard_outputs(ctx, inputs, out: str, checkpoint_path: str, kw: dict, more=()
     ctx.with_resource(RunLock(out, "--out"))
 
 
-def read_text(texts, corpus: str) -> tuple[str, str]:
-    """The training text (the files, else the bundled corpus) and where it came from."""
-    from ggwgpu import data
+@contextlib.contextmanager
+def usage_errors():
+    """The library's ValueErrors (a problem with what the user gave) as click usage errors."""
     try:
-        if texts:
-            return data.read_texts(texts), ", ".join(texts)
-        return data.bundled_corpus(corpus), f"the bundled corpus ({corpus})"
+        yield
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+
+
+def read_text(texts, corpus: str) -> tuple[str, str]:
+    """The training text (the files, else the bundled corpus) and where it came from."""
+    with usage_errors():
+        return inputs.training_text(texts, corpus)
 
 
 def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool, state,
                      checkpoint_in):
     """The text's tokens, their digest and its shuffled samples, at the resumed position
     when `state` (a checkpoint's) is given — which must be of the same tokens."""
-    from ggwgpu import data
-    from ggwgpu.train import token_digest
-    try:
-        tokens = tokenizer.encode(text)
-    except ValueError as e:         # VocabError: no token, not even a byte token, for a piece
-        raise click.UsageError(f"the model's vocabulary cannot tokenize the text: {e}") from None
-    digest = token_digest(tokens)
-    if state is not None and state.get("tokens_digest") != digest:
-        raise click.UsageError(f"{checkpoint_in} was trained on other text (tokens "
-                               f"{state.get('tokens_digest')}, these are {digest}): pass "
-                               "the same text files to resume")
-    try:
-        samples = data.Samples(tokens, cfg.n_ctx, options.batch, options.seed, tokenizer.bos_id,
-                               after_newline=samples_after_nl,
-                               newline_ids=tokenizer.newline_ids)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    if state is not None:
-        resume_data(samples, state, checkpoint_in)
-    return tokens, digest, samples
-
-
-def resume_data(samples, state: dict, checkpoint_in: str):
-    """Put `samples` (data.Samples, chat.ExampleBatches) at the checkpoint's position."""
-    from ggwgpu.data import DataError
-    try:
-        samples.load_state(state["data"])
-    except DataError as e:
-        raise click.UsageError(f"{checkpoint_in}: {e}") from None
+    with usage_errors():
+        return inputs.text_samples(text, tokenizer, cfg.n_ctx, options, samples_after_nl,
+                                   state, checkpoint_in)
 
 
 def steps_of(kw: dict, samples, options) -> int:
@@ -637,66 +383,15 @@ def data_options(command):
 def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
     """{split: encoded examples} of --data (only the splits asked for and present); the
     template is --chat-template's, else the model's, else ChatML."""
-    from ggwgpu import chat
-    try:
-        sets = chat.load_dataset(kw["data_path"])
-        template = chat_template(tokenizer, kw.get("chat_template"))
-        return {split: [chat.encode_example(e, tokenizer, template, kw["mask_prompt"])
-                        for e in sets[split]] for split in splits if split in sets}
-    except (ValueError, OSError) as e:
-        raise click.UsageError(str(e)) from None
+    template = chat_template(tokenizer, kw.get("chat_template"))
+    with usage_errors():
+        return inputs.example_sets(kw["data_path"], tokenizer, template, kw["mask_prompt"],
+                                   splits)
 
 
-def example_batches(examples, cfg, batch: int, kw: dict, seed: int, pack=None):
+def example_batches(examples, cfg, batch: int, kw: dict, seed: int):
     """ExampleBatches of --data's encoded examples, as --drop-long says: packed when that
-    makes fewer rows, unless --no-pack; `pack` (True or False) decides instead (a validation
-    set follows its training set, whose graph it runs on)."""
-    from ggwgpu import chat
-    if pack is None:
-        pack = not kw["no_pack"] and "auto"
-    try:
-        return chat.ExampleBatches(examples, cfg.n_ctx, batch, seed,
-                                   drop_long=kw["drop_long"], pack=pack)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-
-
-def describe_examples(name: str, batches) -> str:
-    """One line on a split's examples: counts, rows, what was cut or left out."""
-    line = f"{name}: {batches.n_examples} examples, {batches.trained_tokens} trained tokens; "
-    if batches.packed:
-        line += (f"packed into {batches.n_samples} rows of {batches.n_ctx} "
-                 f"({batches.n_examples / batches.n_samples:.1f} examples each), "
-                 f"{batches.fill:.0%} of positions used (padding would use "
-                 f"{batches.padded_fill:.0%})")
-    else:
-        line += f"one per row of {batches.n_ctx}, padded, {batches.fill:.0%} of positions used"
-    if batches.truncated:
-        line += f", {batches.truncated} cut to n_ctx"
-    if batches.dropped:
-        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or " \
-                f"nothing to train within it)"
-    return line
-
-
-class Validation:
-    """The validation loss every `every` steps (and after the last): `check(step)` evaluates,
-    calls `save_best()` when the loss is the lowest so far, and says when `patience`
-    evaluations in a row brought no improvement (0: never stop early)."""
-
-    def __init__(self, evaluate, every: int, patience: int, save_best):
-        self.evaluate, self.every, self.patience, self.save_best = (evaluate, every, patience,
-                                                                    save_best)
-        self.best, self.since_best = float("inf"), 0
-
-    def check(self, step: int, last: bool) -> dict | None:
-        if step % self.every and not last:
-            return None
-        loss = self.evaluate()
-        if loss < self.best:
-            self.best, self.since_best = loss, 0
-            self.save_best()
-        else:
-            self.since_best += 1
-        return {"val_loss": loss,
-                "stop": bool(self.patience) and self.since_best >= self.patience}
+    makes fewer rows, unless --no-pack."""
+    with usage_errors():
+        return inputs.example_batches(examples, cfg.n_ctx, batch, seed, kw["drop_long"],
+                                      not kw["no_pack"] and "auto")

@@ -16,7 +16,7 @@ import numpy as np
 
 from .generate import Decoder
 from .models import ModelConfig, init_parameters
-from .train import Trainer, TrainOptions
+from .training import Trainer, TrainOptions
 
 CFG = ModelConfig(n_vocab=16, n_embd=16, n_head=2, n_layer=1, n_ff=32, n_ctx=24)
 PERIOD = 11.0       # tokens per wave period (not a whole number: every phase differs)
@@ -71,7 +71,7 @@ def train_for(backend, optimizer: str, seconds: float, seed: int = 0, lr: float 
         losses.append(record["loss"])
         evaluations += record.get("evaluations", 1)
         times.append(time.perf_counter() - start)
-        if record.get("status", "ok") != "ok":     # an L-BFGS that stopped says why
+        if "status" in record and record["status"].kind != "ok":   # an L-BFGS that stopped
             break
     return Run(optimizer, times, losses, evaluations, trainer)
 

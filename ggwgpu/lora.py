@@ -38,8 +38,8 @@ import numpy as np
 
 from gguf import GGUFValueType
 
-from .checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, optimizer_tensors,
-                         read_run, train_state_json)
+from .training.checkpoint import (CHECKPOINT_VERSION, K_LBFGS_STATE, K_TRAIN_STATE, as_json,
+                                  optimizer_tensors, read_run, train_state_json)
 from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tensor, write_gguf
 from .gguf_llama import K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
 from .models import (FAMILIES, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, ModelConfig, arch_list,
@@ -209,12 +209,14 @@ def save_adapter(path, adapter: Adapter, cfg: ModelConfig, base_digest: str | No
 
 
 def save_adapter_checkpoint(path, adapter: Adapter, cfg: ModelConfig, opt_state: dict,
-                            train_state: dict):
+                            train_state):
     """Write a LoRA finetune checkpoint: the adapter, AdamW's (m, v) per adapter tensor and
-    the JSON training state (which must hold "base", the base's digest). Atomic."""
+    the training state (a RunState whose base is the base's digest; or, to forge a file, a
+    dict). Atomic."""
     check_adapter(adapter, cfg, path)
     state_json = train_state_json(path, train_state)
-    meta = _adapter_metadata(adapter, cfg, train_state.get("base"))
+    state = as_json(train_state)
+    meta = _adapter_metadata(adapter, cfg, state.get("base") if isinstance(state, dict) else None)
     meta[K_CKPT_VERSION] = (CHECKPOINT_VERSION, _T.UINT32)
     meta[K_TRAIN_STATE] = (state_json, _T.STRING)
     tensors = _checked_tensors(path, adapter.tensors, "checkpoint")
@@ -270,7 +272,7 @@ def load_adapter(path, cfg: ModelConfig | None = None) -> Adapter:
 
 
 def load_adapter_checkpoint(path, cfg: ModelConfig):
-    """Read `save_adapter_checkpoint`'s file: (adapter, opt_state, train_state)."""
+    """Read `save_adapter_checkpoint`'s file: (adapter, opt_state, RunState)."""
     f = GGUFFile(path)
     if f.meta.get(K_CKPT_VERSION) != CHECKPOINT_VERSION:
         raise GGUFError(f"{f.path}: is not a LoRA finetune checkpoint of this ggwgpu "

@@ -260,7 +260,7 @@ def through_checkpoint(trainer, path, tokenizer) -> tuple:
     """A Trainer's model, optimizer state and training state written as a checkpoint at
     `path` and read back: checkpoint.load_checkpoint's (cfg, values, tokenizer, opt_state,
     state), what a resumed run starts from."""
-    from .checkpoint import load_checkpoint, save_checkpoint
+    from .training.checkpoint import load_checkpoint, save_checkpoint
     save_checkpoint(path, trainer.cfg, trainer.parameters(), tokenizer,
                     trainer.optimizer_state(), trainer.state())
     return load_checkpoint(path)

@@ -86,7 +86,7 @@ def train_state(step=0, **extra) -> dict:
     that are about other things store it): default options, a sample order at its start."""
     import dataclasses
 
-    from ggwgpu.train import TrainOptions
+    from ggwgpu.training import TrainOptions
     return {"step": step, "options": dataclasses.asdict(TrainOptions()),
             "data": {"version": 1, "seed": 0, "epoch": 0, "position": 0, "n_samples": 1,
                      "n_ctx": 4}, **extra}

@@ -17,7 +17,7 @@ from ggwgpu.backends import get_backend
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu.train import Trainer, TrainOptions
+from ggwgpu.training import Trainer, TrainOptions
 
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
 TEXT = data.bundled_corpus()[:20000]

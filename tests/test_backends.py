@@ -221,7 +221,7 @@ def test_a_llama_step_on_threads_is_the_unthreaded_step_bit_for_bit():
     that may be cut cut into pieces, give the same losses and weights as on one thread."""
     from ggwgpu import data
     from ggwgpu.models import ModelConfig, init_parameters
-    from ggwgpu.train import Trainer, TrainOptions
+    from ggwgpu.training import Trainer, TrainOptions
     cfg = ModelConfig(n_vocab=64, n_embd=32, n_head=4, n_layer=2, n_ff=48, n_ctx=16)
     tokens = np.random.default_rng(0).integers(0, 64, 4000).astype(np.int32)
     results = []

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import checkpoint, distributed, gguf_llama
+from ggwgpu import distributed, gguf_llama
+from ggwgpu.training import checkpoint
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu_cli.main import cli
 
@@ -120,7 +121,7 @@ def test_a_checkpoint_of_two_ranks_resumes_under_one_and_under_two(tmp_path, mpi
     assert r.stdout.count("model written to") == 1     # rank 0 alone writes and reports
     np.testing.assert_allclose(losses(tmp_path / "two.jsonl"), straight[:2], rtol=1e-6)
     state = checkpoint.load_checkpoint(ckpt)[4]
-    assert state["options"]["batch"] == 4 and state["samples"] == 8   # the global batch
+    assert state.options.batch == 4 and state.samples == 8   # the global batch
 
     r = CliRunner().invoke(cli, ["--backend", "numpy", "train", "--checkpoint-in", ckpt,
                                  "--steps", "2", "--log", tmp_path / "resumed1.jsonl",
@@ -237,7 +238,7 @@ def test_ctrl_c_on_mpiexec_stops_every_rank_after_one_step_and_saves_once(tmp_pa
     assert proc.returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM), out + err
     assert err.count("saved to") == 1, err
     steps = len(log.read_text().splitlines())
-    assert checkpoint.load_checkpoint(ckpt)[4]["step"] == steps
+    assert checkpoint.load_checkpoint(ckpt)[4].step == steps
 
 
 def test_bench_ranks_reports_the_scaling_and_the_allreduce(tmp_path, mpiexec):

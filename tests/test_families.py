@@ -14,7 +14,7 @@ from gguf import GGUFReader
 from ggwgpu import gguf_file, gguf_llama, lora
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
@@ -145,7 +145,7 @@ def test_a_family_checkpoint_round_trips(arch, tmp_path):
     moments = {name: (np.full_like(v, 0.5), np.full_like(v, 0.25)) for name, v in values.items()}
     save_checkpoint(tmp_path / "c.gguf", cfg, values, ByteTokenizer(), moments, train_state(3))
     got_cfg, got, _, opt_state, state = load_checkpoint(tmp_path / "c.gguf")
-    assert got_cfg == cfg and state["step"] == 3 and got.keys() == values.keys()
+    assert got_cfg == cfg and state.step == 3 and got.keys() == values.keys()
     for name in values:
         np.testing.assert_array_equal(got[name], values[name], err_msg=name)
         np.testing.assert_array_equal(opt_state[name][1], moments[name][1], err_msg=name)

@@ -18,14 +18,15 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from ggwgpu import checkpoint, data, gguf_file, gguf_llama
+from ggwgpu import data, gguf_file, gguf_llama
+from ggwgpu.training import checkpoint
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.backends.wgpu_backend import DeviceLimitError, WgpuBackend
 from ggwgpu.models import ModelConfig, TrainGraph, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu.train import Trainer, TrainOptions
+from ggwgpu.training import Trainer, TrainOptions
+from ggwgpu.training.run import PrintReporter, TrainingError, run_steps
 from ggwgpu_cli import main as cli_main
-from ggwgpu_cli import training as cli_training
 
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
 TINY_ARGS = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
@@ -79,7 +80,7 @@ def checkpoint_step(path) -> int:
     """Load the checkpoint completely (it must be whole) and return its step."""
     _, values, _, opt_state, state = checkpoint.load_checkpoint(path)
     assert all(np.isfinite(v).all() for v in values.values())
-    return state["step"]
+    return state.step
 
 
 def tiny_trainer(backend, options, values=None):
@@ -256,7 +257,7 @@ def test_a_non_finite_gradient_skips_the_whole_step(backend_name, optimizer, bad
     skipped and no weight or moment changes, not even where the gradients are finite. No
     clipping, so only the finite flag (append_finite_flag) can make those skip."""
     import ggwgpu as gg
-    from ggwgpu import train
+    from ggwgpu.training import trainer as train
     backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
     poison, real = gg.input_tensor((1,), name="poison"), train.build_backward
 
@@ -393,10 +394,11 @@ def test_a_lost_device_is_a_clear_error_and_the_last_checkpoint_stays(tmp_path, 
                                 trainer.optimizer_state(), trainer.state())
         if trainer.step == 2:
             backend.device.destroy()       # as a driver reset or a lost GPU would
-    with pytest.raises(cli_main.click.ClickException) as e:
-        cli_training.training_loop(trainer, 5, None, 1, save_checkpoint, str(ckpt))
-    assert "the device failed in step 3" in e.value.message
-    assert f"{ckpt} holds the checkpoint of step 2" in e.value.message
+    with pytest.raises(TrainingError) as e:
+        run_steps(trainer, 5, save_every=1, save_checkpoint=save_checkpoint,
+                  checkpoint_path=str(ckpt))
+    assert "the device failed in step 3" in str(e.value)
+    assert f"{ckpt} holds the checkpoint of step 2" in str(e.value)
     assert checkpoint_step(ckpt) == 2
 
 
@@ -637,7 +639,7 @@ def test_a_resumed_run_refuses_contradicting_options_and_says_what_it_changes(tm
     r = run_cli(resume + TINY_ARGS + ["--batch", "4", "--lr", "1e-3"])   # the same: fine
     assert r.exit_code == 0, r.output
     assert "resuming with --lr 0.001 instead of the checkpoint's 0.003" in r.output
-    assert checkpoint.load_checkpoint(ckpt)[4]["options"]["lr"] == 1e-3
+    assert checkpoint.load_checkpoint(ckpt)[4].options.lr == 1e-3
 
 
 def test_temp_files_of_killed_writes_are_removed_by_the_next_write_of_that_file(tmp_path):
@@ -674,6 +676,7 @@ def test_resuming_from_a_forged_state_is_a_clear_error(tmp_path, change, code, w
                            "--out", str(tmp_path / "m.gguf")))
     assert r.exit_code == 0, r.output
     cfg, values, tok, opt_state, state = checkpoint.load_checkpoint(ckpt)
+    state = state.to_json()
     change(state)
     checkpoint.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
     r = run_cli(train_args(tmp_path, "--steps", "1", "--checkpoint-in", str(ckpt),
@@ -691,7 +694,8 @@ def test_a_log_on_a_full_disk_is_reported_once_and_the_run_goes_on(tmp_path, cap
     def save_checkpoint():
         checkpoint.save_checkpoint(ckpt, trainer.cfg, trainer.parameters(), ByteTokenizer(),
                                 trainer.optimizer_state(), trainer.state())
-    cli_training.training_loop(trainer, 5, "/dev/full", 0, save_checkpoint, str(ckpt))
+    run_steps(trainer, 5, log_path="/dev/full", save_checkpoint=save_checkpoint,
+              checkpoint_path=str(ckpt), reporter=PrintReporter())
     assert trainer.step == 5
     err = capsys.readouterr().err
     assert err.count("--log /dev/full: writing failed (the disk holding /dev/full is full "

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggwgpu import gguf_file
-from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.lora import Adapter, init_adapter, load_adapter, lora_ranks, save_adapter

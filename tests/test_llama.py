@@ -131,7 +131,7 @@ def test_checkpointing_a_training_step_keeps_activations_near_sqrt_of_the_layers
     """The planned peak of a whole training step (forward, backward, AdamW) of a 9-layer
     llama, checkpointing every 3rd block: activations live at the peak must fall well below
     those of the plain step, and the buffers the planner allocates stay within 5 % of it."""
-    from ggwgpu.train import Trainer, TrainOptions
+    from ggwgpu.training import Trainer, TrainOptions
     cfg = ModelConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=9, n_ff=64, n_ctx=32)
     values = init_parameters(cfg, seed=1)
 
@@ -160,7 +160,7 @@ def test_a_checkpointed_lora_step_adds_only_a_block_output_per_layer():
     layer here; on the SmolLM2-135M shape, 1.46x the planned memory)."""
     from ggwgpu.lora import init_adapter, lora_ranks
     from ggwgpu.quant import quantize_model
-    from ggwgpu.train import Trainer, TrainOptions
+    from ggwgpu.training import Trainer, TrainOptions
 
     class NoBatches:
         def next_batch(self):
@@ -246,7 +246,7 @@ def test_a_logits_bound_keeps_every_tensor_under_it_and_lowers_the_planned_bytes
     """A 49 152-token vocabulary, 1024 rows: whole logits are 192 MiB. Under a bound every
     tensor of the planned training step stays within it, and the step plans in far fewer
     bytes: each chunk's logits and their gradient die before the next chunk's exist."""
-    from ggwgpu.train import Trainer, TrainOptions
+    from ggwgpu.training import Trainer, TrainOptions
     cfg = ModelConfig(n_vocab=49152, n_embd=64, n_head=2, n_layer=2, n_ff=128, n_ctx=128)
     values = init_parameters(cfg, seed=0)
 

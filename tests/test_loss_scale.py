@@ -8,14 +8,15 @@ import math
 import numpy as np
 import pytest
 
-from ggwgpu import checkpoint, data
+from ggwgpu import data
+from ggwgpu.training import checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu.train import MAX_SCALE, Trainer, TrainOptions, check_state
+from ggwgpu.training import MAX_SCALE, Trainer, TrainOptions, check_state
 
 from test_distributed import make_trainer, mpiexec, run_worker  # noqa: F401 (a fixture)
 
@@ -93,13 +94,13 @@ def old_formulation(t: Trainer):
     import ggwgpu as gg
     from ggwgpu import ops as O
     from ggwgpu.models import build_train_graph
-    from ggwgpu.train import clip_scale
+    from ggwgpu.training import clip_scale
     g = build_train_graph(t.cfg, init_parameters(t.cfg, seed=1), t.options.batch)
     seed, inv = ((gg.input_tensor(g.loss.shape), gg.input_tensor((1,))) if t.scaler
                  else (None, None))
     grads = gg.build_backward(g.loss, list(g.params.values()), seed=seed)
     sumsq, factor = clip_scale(grads.values(), t.options.grad_clip, inv)
-    hp = gg.input_tensor(t.hparams.shape)
+    hp = gg.input_tensor(t.regime.hparams.shape)
     flagged = O.append_finite_flag(hp, sumsq, g.loss, gg.constant(np.ones(1, np.float32)))
     updates, moments = [], {}
     for p, grad in grads.items():
@@ -134,7 +135,7 @@ def test_the_steps_take_the_gradient_factor_as_a_mul_before_them_gave_it(
     t.feeds = lambda *batch: batches.append(batch) or feeds(*batch)
     factors = []
     for _ in range(3):
-        hp_value = t.step_hparams()[0]
+        hp_value = t.regime.step_hparams()[0]
         record = t.train_step()
         plan.run({**g.feeds(*batches[-1]), hp: hp_value})
         loss, ss, f = plan.read_many([g.loss, sumsq, factor])
@@ -210,7 +211,7 @@ def test_the_scale_grows_after_growth_interval_finite_steps_and_a_skip_restarts_
 
 
 def test_the_scale_stays_within_its_bounds():
-    from ggwgpu.train import MIN_SCALE, LossScaler
+    from ggwgpu.training import MIN_SCALE, LossScaler
     s = LossScaler(MAX_SCALE, 1)
     s.update(True)
     assert s.scale == MAX_SCALE
@@ -223,7 +224,7 @@ def poisonable(monkeypatch):
     """Trainers made from now on add the returned input (written 0) to one gradient: inf
     there makes one step's gradients overflow whatever the scale."""
     import ggwgpu as gg
-    from ggwgpu import train
+    from ggwgpu.training import trainer as train
     poison, real = gg.input_tensor((1,), name="poison"), train.build_backward
 
     def poisoned(*args, **kwargs):
@@ -251,7 +252,7 @@ def loss_poisonable(monkeypatch, calls):
     loss non-finite makes gradients non-finite too (or overflows their sum of squares)."""
     import dataclasses
     import ggwgpu as gg
-    from ggwgpu import train
+    from ggwgpu.training import trainer as train
     from ggwgpu.models import TrainGraph
     poison, build, feeds = gg.input_tensor((1,), name="loss poison"), train.build_train_graph, \
         TrainGraph.feeds
@@ -324,13 +325,13 @@ def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_na
     run(first, 4, poison, overflow_at={1})
     cfg, values, _, opt_state, state = through_checkpoint(first, tmp_path / "ckpt.gguf",
                                                          ByteTokenizer())
-    assert state["loss_scaler"] == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
-    options = TrainOptions(**state["options"])
+    assert state.loss_scaler == {"scale": 32.0, "growth_tracker": 2, "skipped_steps": 1}
+    options = state.options
     samples = data.Samples(ByteTokenizer().encode(TEXT), cfg.n_ctx, options.batch,
                            options.seed, ByteTokenizer().bos_id)
-    samples.load_state(state["data"])
-    resumed = Trainer(cfg, values, backend, options, samples, opt_state, state["step"],
-                      loss_scaler=state["loss_scaler"])
+    samples.load_state(state.data)
+    resumed = Trainer(cfg, values, backend, options, samples, opt_state, state.step,
+                      loss_scaler=state.loss_scaler)
     got = run(resumed, 3, poison)
     assert [(r["loss"], r["loss_scale"]) for r in got] == \
         [(r["loss"], r["loss_scale"]) for r in want[4:]]
@@ -340,7 +341,7 @@ def test_resuming_a_checkpoint_continues_the_scaler_exactly(tmp_path, backend_na
 
 def good_state(**scaler):
     t = make(NumpyBackend(), **dynamic(loss_scale_growth_interval=10))
-    state = json.loads(json.dumps(t.state()))
+    state = json.loads(json.dumps(t.state().to_json()))
     state["step"] = 5
     state["loss_scaler"].update(scaler)
     return state
@@ -379,7 +380,7 @@ def test_a_checkpoint_with_a_bad_scale_is_refused_naming_the_file_and_key(tmp_pa
     t = make(NumpyBackend(), **dynamic())
     path = tmp_path / "bad.gguf"
     checkpoint.save_checkpoint(path, t.cfg, t.parameters(), ByteTokenizer(),
-                            t.optimizer_state(), {**t.state(), "loss_scaler": {
+                            t.optimizer_state(), {**t.state().to_json(), "loss_scaler": {
                                 "scale": -4.0, "growth_tracker": 0, "skipped_steps": 0}})
     with pytest.raises(GGUFError) as e:
         checkpoint.load_checkpoint(path)
@@ -415,10 +416,10 @@ def test_loss_scale_options_refuse_what_they_cannot_do(options, message):
 
 def test_the_training_loop_goes_on_past_overflows_and_logs_the_scale(tmp_path):
     """--on-nan stop is for a loss that is not finite: the scaler's skips are routine."""
-    from ggwgpu_cli.training import training_loop
+    from ggwgpu.training.run import run_steps
     t = make(NumpyBackend(), **dynamic(loss_scale_init=2.0 ** 126))
     log = tmp_path / "log.jsonl"
-    training_loop(t, 3, str(log), 0, lambda: None, on_nan="stop")
+    run_steps(t, 3, log_path=str(log), save_checkpoint=lambda: None, on_nan="stop")
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [(r["skipped"], r["overflow"], r["loss_scale"]) for r in records] == \
         [(True, True, 2.0 ** (126 - i)) for i in range(3)]
@@ -452,6 +453,7 @@ def test_the_train_command_resumes_a_scaled_checkpoint_with_its_scaler(tmp_path)
     r = CliRunner().invoke(cli, [*args, "--steps", "1", "--checkpoint-out", str(ckpt)])
     assert r.exit_code == 0, r.output
     cfg, values, tok, opt_state, state = checkpoint.load_checkpoint(ckpt)
+    state = state.to_json()
     state["options"].update(dynamic(loss_scale_growth_interval=3))
     state["loss_scaler"] = {"scale": 2.0 ** 10, "growth_tracker": 2, "skipped_steps": 0}
     checkpoint.save_checkpoint(ckpt, cfg, values, tok, opt_state, state)
@@ -460,5 +462,5 @@ def test_the_train_command_resumes_a_scaled_checkpoint_with_its_scaler(tmp_path)
     assert r.exit_code == 0, r.output
     records = [json.loads(line) for line in log.read_text().splitlines()]
     assert [r["loss_scale"] for r in records] == [2.0 ** 10] + [2.0 ** 11] * 3
-    assert checkpoint.load_checkpoint(ckpt)[4]["loss_scaler"] == {
+    assert checkpoint.load_checkpoint(ckpt)[4].loss_scaler == {
         "scale": 2.0 ** 12, "growth_tracker": 0, "skipped_steps": 0}   # grown after step 5

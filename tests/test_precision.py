@@ -20,7 +20,7 @@ from ggwgpu.quant import quantize
 from ggwgpu.tensor import ShapeError
 from ggwgpu.testing import nmse
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu.train import Trainer, TrainOptions
+from ggwgpu.training import Trainer, TrainOptions
 
 from test_cli import invoke
 

@@ -11,7 +11,7 @@ import pytest
 from gguf import GGUFReader
 
 from ggwgpu import gguf_file, gguf_llama
-from ggwgpu.checkpoint import load_checkpoint, save_checkpoint
+from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ModelConfig, init_parameters, parameter_shapes
@@ -127,7 +127,7 @@ def test_a_qwen2_checkpoint_round_trips_with_its_arch_and_bias_moments(tmp_path)
     moments = {name: (np.full_like(v, 0.5), np.full_like(v, 0.25)) for name, v in values.items()}
     save_checkpoint(tmp_path / "c.gguf", QWEN2, values, ByteTokenizer(), moments, train_state(3))
     cfg, got, _, opt_state, state = load_checkpoint(tmp_path / "c.gguf")
-    assert cfg == QWEN2 and state["step"] == 3
+    assert cfg == QWEN2 and state.step == 3
     np.testing.assert_array_equal(got["blk.1.attn_q.bias"], values["blk.1.attn_q.bias"])
     np.testing.assert_array_equal(opt_state["blk.0.attn_v.bias"][0], moments["blk.0.attn_v.bias"][0])
     # a qwen2 model is a model, not a checkpoint, as a llama is

@@ -14,7 +14,7 @@ from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.testing import through_checkpoint
 from ggwgpu.tokenizer import ByteTokenizer
-from ggwgpu.train import Trainer, TrainOptions, schedule
+from ggwgpu.training import Trainer, TrainOptions, schedule
 from ggwgpu_cli.main import cli
 
 TINY = dict(n_embd=16, n_head=2, n_layer=2, n_ff=32, n_ctx=16)
@@ -210,9 +210,9 @@ def test_resuming_from_a_checkpoint_continues_exactly(tmp_path, backend_name, re
     first, _ = trainer(backend, steps=3)
     cfg, values, _, opt_state, state = through_checkpoint(first, tmp_path / "ckpt.gguf",
                                                          ByteTokenizer())
-    resumed, tail = trainer(backend, steps=3, options=TrainOptions(**state["options"]),
-                            values=values, opt_state=opt_state, step=state["step"],
-                            data=state["data"])
+    resumed, tail = trainer(backend, steps=3, options=state.options,
+                            values=values, opt_state=opt_state, step=state.step,
+                            data=state.data)
     # bit-exact on NumPy; on a device the same kernels run, so equal up to float tolerance
     np.testing.assert_allclose(tail, losses[3:], rtol=0 if backend_name == "numpy" else 1e-6)
     for name, value in straight.parameters().items():
@@ -296,9 +296,9 @@ def test_plot_writes_a_png_or_says_what_it_needs(tmp_path, monkeypatch):
 
 
 def test_the_log_is_strict_json_a_nan_loss_null_and_plot_draws_the_finite_steps(tmp_path):
-    from ggwgpu_cli.training import RunLog
+    from ggwgpu.training.run import Reporter, RunLog
     log = tmp_path / "log.jsonl"
-    steps = RunLog(log)
+    steps = RunLog(log, Reporter())
     for i, loss in enumerate([5.0, float("nan"), 4.5, float("inf"), 4.0], 1):
         steps.write({"step": i, "loss": loss, "grad_norm": [loss, 1.0]})
     steps.close()
@@ -328,7 +328,7 @@ def test_accumulating_two_micro_batches_equals_one_double_batch(optimizer):
     np.testing.assert_allclose(a, b, rtol=1e-6)
     for name, value in whole.parameters().items():
         np.testing.assert_allclose(parts.parameters()[name], value, rtol=1e-5, atol=1e-7)
-    assert parts.state()["samples"] == whole.state()["samples"] == 12
+    assert parts.state().samples == whole.state().samples == 12
 
 
 @pytest.mark.parametrize("options", [

@@ -36,11 +36,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType
 
-from .gguf_file import INT_TYPES, K_ARCH, GGUFError, GGUFFile, checked_tensor, write_gguf
-from .gguf_llama import (K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
+from ..gguf_file import INT_TYPES, K_ARCH, GGUFError, GGUFFile, checked_tensor, write_gguf
+from ..gguf_llama import (K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
                          model_metadata, read_model, read_params)
+from ..models import FAMILIES, ModelConfig, parameter_shapes
 from .lbfgs import check_scalars
-from .models import FAMILIES, ModelConfig, parameter_shapes
+from .state import RunState
 
 CHECKPOINT_VERSION = 1
 K_OPT_TYPE = "optimizer.type"
@@ -61,18 +62,20 @@ _T = GGUFValueType
 # -- writing ----------------------------------------------------------------------------------
 
 def save_checkpoint(path, cfg: ModelConfig, params: dict, tokenizer, opt_state: dict,
-                    train_state: dict):
+                    train_state: RunState | dict):
     """Write a training checkpoint: the model (as `save_model`), AdamW's moments and the
     training state (module docstring). `opt_state` maps parameter names to (m, v) arrays of
-    the parameter's shape (empty for an optimizer without moments); `train_state` is any
-    JSON-serialisable dict and comes back from `load_checkpoint` equal (tuples as lists).
-    Atomic: the previous checkpoint at `path` stays whole until the new one is complete.
+    the parameter's shape (empty for an optimizer without moments); `train_state` is a
+    RunState (or, to forge a file, any JSON-serialisable dict) and comes back from
+    `load_checkpoint` equal. Atomic: the previous checkpoint at `path` stays whole until the
+    new one is complete.
     """
     path = Path(path)
     tensors = checked_params(path, cfg, params)
     shapes = parameter_shapes(cfg)
     optimizer, lbfgs_json = optimizer_tensors(path, opt_state, shapes,
                                               "a parameter of this llama")
+    train_state = as_json(train_state)
     state_json = train_state_json(path, train_state)
 
     metadata = model_metadata(path, cfg, tokenizer, None)
@@ -135,8 +138,14 @@ def optimizer_tensors(path, opt_state: dict, shapes: dict, what: str) -> tuple[d
     return tensors, json.dumps(lbfgs["scalars"], allow_nan=False)
 
 
-def train_state_json(path, train_state) -> str:
-    """training.state_json's value: `train_state`, a dict, as JSON (finite numbers only)."""
+def as_json(train_state: RunState | dict):
+    """A RunState as its JSON dict; a dict (or anything else) as it is."""
+    return train_state.to_json() if isinstance(train_state, RunState) else train_state
+
+
+def train_state_json(path, train_state: RunState | dict) -> str:
+    """training.state_json's value: `train_state` as JSON (finite numbers only)."""
+    train_state = as_json(train_state)
     if not isinstance(train_state, dict):
         raise GGUFError(f"{path}: cannot write checkpoint: train_state must be a dict, got "
                         f"{type(train_state).__name__}")
@@ -179,19 +188,19 @@ def load_checkpoint(path):
     return cfg, params, tokenizer, opt_state, state
 
 
-def read_run(f: GGUFFile, shapes: dict) -> tuple[dict, dict]:
+def read_run(f: GGUFFile, shapes: dict) -> tuple[dict, RunState]:
     """(optimizer state, training state) of a checkpoint whose trained tensors have
     `shapes`, checked against each other: the file holds the state of the optimizer its
     options name (AdamW's moments, SGD's nothing, L-BFGS's history; after step 0), so that a
     relabelled checkpoint is refused rather than resumed without its state."""
     opt_state, state = read_optimizer_state(f, shapes), read_train_state(f)
-    optimizer = state["options"]["optimizer"]
+    optimizer = state.options.optimizer
     holds = ("L-BFGS history" if "lbfgs" in opt_state else
              "AdamW moments" if opt_state else None)
     needs = {"adamw": "AdamW moments", "lbfgs": "L-BFGS history", "sgd": None}[optimizer]
-    if holds != needs and (holds is not None or state["step"] > 0):
+    if holds != needs and (holds is not None or state.step > 0):
         raise GGUFError(f"{f.path}: the training state's optimizer is {optimizer} but the file "
-                        f"holds {holds or 'no optimizer state'} (step {state['step']}): not "
+                        f"holds {holds or 'no optimizer state'} (step {state.step}): not "
                         f"a checkpoint a run can go on from")
     return opt_state, state
 
@@ -255,10 +264,9 @@ def _read_lbfgs(f: GGUFFile, n: int) -> dict | None:
     return state
 
 
-def read_train_state(f: GGUFFile) -> dict:
+def read_train_state(f: GGUFFile) -> RunState:
     """The checkpoint's training.state_json, parsed and checked against the training state's
-    one schema (ggwgpu.train.check_state): every defect a GGUFError naming the key."""
-    from .train import check_state      # train builds graphs; reading files does not need it
+    one schema (RunState.from_json): every defect a GGUFError naming the key."""
     if K_TRAIN_STATE not in f.meta:
         raise GGUFError(f"{f.path}: required key {K_TRAIN_STATE} is missing")
     raw = f.meta[K_TRAIN_STATE]
@@ -269,6 +277,6 @@ def read_train_state(f: GGUFFile) -> dict:
     except (ValueError, RecursionError) as e:       # RecursionError: forged deep nesting
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE} is not valid JSON ({e})") from None
     try:
-        return check_state(state)
+        return RunState.from_json(state)
     except ValueError as e:
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE}: {e}") from None

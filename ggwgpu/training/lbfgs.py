@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import ops as O
-from .tensor import constant, contiguous_strides, input_tensor
+from .. import ops as O
+from ..tensor import constant, contiguous_strides, input_tensor
 
 LINESEARCHES = ("armijo", "wolfe", "strong-wolfe")   # ggml's backtracking variants
 ON_FAIL = ("stop", "reset")
@@ -67,6 +67,20 @@ class LbfgsOptions:
             raise ValueError(f"unknown on_fail {self.on_fail!r}: {', '.join(ON_FAIL)}")
         if not 0 < self.ftol < self.wolfe < 1:
             raise ValueError(f"lbfgs needs 0 < ftol ({self.ftol}) < wolfe ({self.wolfe}) < 1")
+
+
+@dataclass(frozen=True)
+class Status:
+    """How an L-BFGS iteration ended: kind "ok", "converged" (the run may stop) or "failed"
+    (x is where the iteration began), and why; str() is "kind: why" (the log's text)."""
+    kind: str = "ok"
+    why: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.why}" if self.why else self.kind
+
+
+OK = Status()
 
 
 def dot(a, b):
@@ -181,8 +195,7 @@ class Lbfgs:
 
     def iterate(self, feeds=None) -> dict:
         """One L-BFGS iteration on the batch `feeds`. Returns a record: loss (at the start),
-        new_loss, grad_norm, evaluations (this iteration's), step, status: "ok",
-        "converged: why" or "failed: why" (x is then where the iteration began)."""
+        new_loss, grad_norm, evaluations (this iteration's), step, status (a Status)."""
         o, feeds = self.options, dict(feeds or {})
         evals0 = self.evaluations
         if self.last is not None and same_feeds(self.last[0], feeds):
@@ -194,10 +207,10 @@ class Lbfgs:
                   "new_loss": start["f"]}
         if not math.isfinite(start["f"]) or not math.isfinite(start["gg"]):
             return {**record, "evaluations": self.evaluations - evals0, "step": 0.0,
-                    "status": "failed: the loss or the gradient is not finite"}
+                    "status": Status("failed", "the loss or the gradient is not finite")}
         if record["grad_norm"] / max(1.0, math.sqrt(start["xx"])) <= o.eps:
             return {**record, "evaluations": self.evaluations - evals0, "step": 0.0,
-                    "status": "converged: gradient norm below eps"}
+                    "status": Status("converged", "gradient norm below eps")}
         ok, why, step, end = self.linesearch(start["f"], feeds)
         if not ok and o.on_fail == "reset" and self.rho.any():
             self.rho[:], self.gamma = 0.0, 1.0       # steepest descent, then try once more
@@ -208,7 +221,7 @@ class Lbfgs:
         record.update(evaluations=self.evaluations - evals0, step=step)
         if not ok:
             self.restore()
-            return {**record, "status": f"failed: {why}"}
+            return {**record, "status": Status("failed", why)}
         record["new_loss"] = end["f"]
         if end["ys"] > 0:   # a pair with no positive curvature would break H's definiteness
             self.plan.run(stage=self.stages["shift"])
@@ -264,16 +277,16 @@ class Lbfgs:
         for p, offset in zip(self.params, self.offsets):
             self.plan.write(p, start[offset:offset + p.nelements].reshape(p.shape))
 
-    def converged(self, s: dict) -> str:
+    def converged(self, s: dict) -> Status:
         """ggml's tests after an iteration: the gradient, the relative decrease over `past`
         iterations, iterations without a new best."""
         o, f = self.options, s["f"]
         if math.sqrt(max(s["gg"], 0.0)) / max(1.0, math.sqrt(s["xx"])) <= o.eps:
-            return "converged: gradient norm below eps"
+            return Status("converged", "gradient norm below eps")
         if o.past:
             if len(self.past_f) == o.past and abs(self.past_f[0] - f) <= o.delta * abs(f):
-                return (f"converged: the loss fell by less than {o.delta:g} (relative) in "
-                        f"{o.past} iterations")
+                return Status("converged", f"the loss fell by less than {o.delta:g} "
+                                           f"(relative) in {o.past} iterations")
             self.past_f = (self.past_f + [f])[-o.past:]
         if o.max_no_improvement:
             if f < self.best:
@@ -281,8 +294,9 @@ class Lbfgs:
             else:
                 self.no_improvement += 1
                 if self.no_improvement >= o.max_no_improvement:
-                    return f"converged: {self.no_improvement} iterations without a lower loss"
-        return "ok"
+                    return Status("converged", f"{self.no_improvement} iterations without a "
+                                               f"lower loss")
+        return OK
 
     # -- checkpoints: the history and the host's scalars --------------------------------------
 

@@ -1,0 +1,356 @@
+"""ggwgpu from Python: load a model, train one from scratch, finetune it (a LoRA adapter or
+every weight, on text or on chat and instruction examples), resume a stopped run, evaluate,
+generate and merge, with the same defaults, files and checks as the `ggwgpu` commands.
+
+    import ggwgpu
+    base = ggwgpu.load("SmolLM2-135M-Instruct-Q8_0.gguf")
+    run = ggwgpu.finetune(base, data="chat-demo", out="adapter.gguf", steps=60, lr=1e-3)
+    tuned = ggwgpu.load("SmolLM2-135M-Instruct-Q8_0.gguf", adapters=["adapter.gguf"])
+    print(ggwgpu.evaluate(tuned, ["notes.txt"]).perplexity)
+    print(ggwgpu.generate(tuned, "What do I type to plot a run?", max_tokens=40))
+
+Training options (lr, batch, optimizer, warmup, ... : the fields of TrainOptions) are keyword
+arguments. A run prints a line every ten steps on standard error (pass `reporter=` a
+training.run.Reporter to show it otherwise); a run that cannot go on raises
+training.run.TrainingError, one stopped by SIGINT/SIGTERM training.run.RunStopped, each
+after saving its checkpoint where it could.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import gguf_file, gguf_llama, lora
+from .backends import get_backend, precision_for
+from .generate import Decoder, generate as generate_text
+from .models import ModelConfig, build_train_graph, init_parameters
+from .quant import Quantized, dequantize
+from .tokenizer import ByteTokenizer
+from .training import TrainOptions, Trainer, logits_bound
+from .training import checkpoint as checkpoints
+from .training import inputs
+from .training.run import PrintReporter, Validation, run_steps
+
+TRAIN_DEFAULTS = {"warmup": 50}          # `ggwgpu train`'s, as its --help shows
+FINETUNE_DEFAULTS = {"warmup": 10}       # `ggwgpu finetune`'s
+
+
+@dataclass
+class Model:
+    """A model in memory: its config, weights (block types kept as stored), tokenizer, and
+    the LoRA adapters that evaluate and generate apply on top (not merged)."""
+    cfg: ModelConfig
+    values: dict
+    tokenizer: object
+    adapters: list = field(default_factory=list)
+    path: str | None = None
+
+    @property
+    def digest(self) -> str:
+        """Identifies the base weights (a finetune checkpoint records it)."""
+        return lora.model_digest(self.cfg, self.values)
+
+    def save(self, path):
+        """Write the model (adapters merged, if any) as a GGUF that llama.cpp loads."""
+        model = merge(self) if self.adapters else self
+        gguf_llama.save_model(path, model.cfg, model.values, model.tokenizer)
+
+
+@dataclass
+class RunResult:
+    """What a training run did: its last step, the first and last loss of this run's steps
+    (None without steps), the seconds taken, the files written, and the best validation
+    loss (None without a validation set)."""
+    step: int
+    first_loss: float | None
+    last_loss: float | None
+    seconds: float
+    out: str
+    checkpoint: str | None
+    best_val_loss: float | None = None
+    best: str | None = None
+
+
+@dataclass
+class Evaluation:
+    """The mean cross-entropy in nats per counted token, its perplexity, the tokens
+    counted and the windows of n_ctx tokens they came in."""
+    loss: float
+    perplexity: float
+    tokens: int
+    windows: int
+
+
+def load(path, adapters=(), n_ctx: int | None = None) -> Model:
+    """A GGUF model (any family ggwgpu reads), with LoRA `adapters` (paths) to apply; n_ctx
+    replaces its context length (the window evaluate, generate and finetune use)."""
+    cfg, values, tokenizer = gguf_llama.load_model(path, keep_quantized=True)
+    loaded = [lora.load_adapter(p, cfg) for p in adapters]
+    return Model(_with_context(cfg, n_ctx), values, tokenizer, loaded, str(path))
+
+
+def _with_context(cfg: ModelConfig, n_ctx: int | None) -> ModelConfig:
+    import dataclasses
+    return cfg if n_ctx is None else dataclasses.replace(cfg, n_ctx=int(n_ctx))
+
+
+def _model(model) -> Model:
+    return model if isinstance(model, Model) else load(model)
+
+
+def _reporter(reporter):
+    return PrintReporter() if reporter is None else reporter
+
+
+def train(texts=(), *, out: str = "model.gguf", steps: int = 300, corpus: str = "shakespeare",
+          n_embd: int = 128, n_head: int = 4, n_head_kv: int | None = None, n_layer: int = 4,
+          n_ff: int = 352, n_ctx: int = 64, tie_embeddings: bool = False, tokenizer=None,
+          samples_after_nl: bool = False, checkpoint: str | None = None,
+          save_every: int = 100, log: str | None = None, on_nan: str = "stop",
+          backend=None, reporter=None, **options) -> RunResult:
+    """Train a llama from scratch on text files (default: the bundled corpus) and write it
+    to `out`; `tokenizer` (default bytes) gives the vocabulary. A checkpoint is written to
+    `checkpoint` every `save_every` steps and at the end when given, and, when the run stops
+    early, there or next to `out`."""
+    tokenizer = tokenizer or ByteTokenizer()
+    cfg = ModelConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
+                      n_head_kv=n_head_kv, tied_embeddings=tie_embeddings, n_layer=n_layer,
+                      n_ff=n_ff, n_ctx=n_ctx)
+    options = TrainOptions(**{**TRAIN_DEFAULTS, **options})
+    text, _ = inputs.training_text(texts, corpus)
+    _, digest, samples = inputs.text_samples(text, tokenizer, cfg.n_ctx, options,
+                                             samples_after_nl)
+    trainer = Trainer(cfg, init_parameters(cfg, options.seed), get_backend(backend), options,
+                      samples)
+    return _run_scratch(trainer, tokenizer, digest, steps, out, checkpoint, save_every, log,
+                        on_nan, reporter)
+
+
+def _run_scratch(trainer, tokenizer, digest, steps, out, checkpoint, save_every, log, on_nan,
+                 reporter) -> RunResult:
+    path = checkpoint or inputs.default_checkpoint_path(out)
+
+    def save():
+        checkpoints.save_checkpoint(path, trainer.cfg, trainer.parameters(), tokenizer,
+                                    trainer.optimizer_state(),
+                                    trainer.state(tokens_digest=digest))
+    result = run_steps(trainer, steps, log_path=log, save_every=save_every if checkpoint else 0,
+                       save_checkpoint=save, checkpoint_path=path, on_nan=on_nan,
+                       write_result=lambda: gguf_llama.save_model(
+                           out, trainer.cfg, trainer.parameters(), tokenizer),
+                       result_path=out, reporter=_reporter(reporter))
+    return RunResult(trainer.step, result.first, result.last, result.seconds, str(out),
+                     checkpoint)
+
+
+def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: int = 100,
+             full: bool = False, lora_r: int = 4, lora_alpha: float = 4.0,
+             lora_ranks: dict | None = None, lora_layers=None, n_ctx: int | None = None,
+             corpus: str = "shakespeare", samples_after_nl: bool = False,
+             chat_template: str | None = None, mask_prompt: bool = False,
+             drop_long: bool = False, pack: bool = True, val_split: float | None = None,
+             val_every: int = 0, val_batches: int = 0, early_stop: int = 0,
+             checkpoint: str | None = None, save_every: int = 100, log: str | None = None,
+             on_nan: str = "stop", backend=None, reporter=None, **options) -> RunResult:
+    """Finetune `model` (a Model or a path) on text files (default: the bundled corpus), or
+    on `data` (a JSONL file, a directory of splits or a bundled set) rendered through the
+    model's chat template (or `chat_template`, a Jinja source). Writes a LoRA adapter to
+    `out` (pairs of rank lora_r, or per target `lora_ranks` as lora.TARGETS names them, on
+    `lora_layers`), or with `full` every weight as a model. With a validation set (the data's
+    valid split, or `val_split`) the validation loss is taken every `val_every` steps (and at
+    the end) and the best weights kept in OUT's .best.gguf; `early_stop` evaluations without
+    a lower loss end the run."""
+    model = _model(model)
+    options = TrainOptions(**{**FINETUNE_DEFAULTS, **options})
+    values, adapter = _trained_weights(model, full)
+    if not full:
+        ranks = lora.lora_ranks(model.cfg, lora_r, lora_ranks, lora_layers)
+        adapter = lora.init_adapter(model.cfg, ranks, lora_alpha, options.seed)
+    setup = dict(n_ctx=n_ctx or model.cfg.n_ctx, samples_after_nl=samples_after_nl)
+    return _run_finetune(model, values, adapter, options, 0, None, None, setup, texts, data,
+                         corpus, chat_template, mask_prompt, drop_long, pack, val_split,
+                         val_every, val_batches, early_stop, out, steps, checkpoint,
+                         save_every, log, on_nan, backend, reporter)
+
+
+def _trained_weights(model: Model, full: bool):
+    """(values, None) of the model as a finetune trains it: with `full` every weight as
+    f32 (refused for a base in block types), else as stored."""
+    if not full:
+        return model.values, None
+    blocks = {v.dtype for v in model.values.values() if isinstance(v, Quantized)} - {"f16"}
+    if blocks:
+        raise ValueError(f"a full finetune trains f32 weights, but {model.path or 'the model'} "
+                         f"holds {', '.join(sorted(blocks))} ones: finetune it with LoRA, or "
+                         f"start from an f32/f16 model")
+    return {n: dequantize(v) if isinstance(v, Quantized) else v
+            for n, v in model.values.items()}, None
+
+
+def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = None,
+           steps: int = 100, corpus: str = "shakespeare", chat_template: str | None = None,
+           mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
+           val_split: float | None = None, val_every: int = 0, val_batches: int = 0,
+           early_stop: int = 0, checkpoint: str | None = None, save_every: int = 100,
+           log: str | None = None, on_nan: str = "stop", backend=None, reporter=None,
+           **options) -> RunResult:
+    """Go on with the run saved in `checkpoint_in` for `steps` more steps: a from-scratch
+    run (no `model`), or a finetune of `model` (the base it started from), on the same text
+    or data. The checkpoint fixes the model, the data order and the options; of `options`
+    only those TrainOptions lets change on resume (lr, flash_attn, checkpointing, precision)
+    may differ from its own. `out` defaults to what the run writes beside the checkpoint."""
+    kind = gguf_file.read_metadata(checkpoint_in).get(gguf_file.K_TYPE)
+    if model is None:
+        cfg, values, tokenizer, opt_state, state = checkpoints.load_checkpoint(checkpoint_in)
+        if state.is_finetune:
+            raise ValueError(f"{checkpoint_in} is a finetune's checkpoint: pass the base model "
+                             f"it finetunes")
+        options, _ = inputs.resumed_options(state.options, options, checkpoint_in)
+        text, _ = inputs.training_text(texts, corpus)
+        _, digest, samples = inputs.text_samples(text, tokenizer, cfg.n_ctx, options,
+                                                 bool(state.samples_after_nl), state,
+                                                 checkpoint_in)
+        trainer = Trainer(cfg, values, get_backend(backend), options, samples, opt_state,
+                          state.step, loss_scaler=state.loss_scaler)
+        return _run_scratch(trainer, tokenizer, digest, steps, out or "model.gguf",
+                            checkpoint or checkpoint_in, save_every, log, on_nan, reporter)
+    model = _model(model)
+    full = kind != "adapter"
+    values, adapter = _trained_weights(model, full)
+    if full:
+        _, values, _, opt_state, state = checkpoints.load_checkpoint(checkpoint_in)
+    else:
+        adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, model.cfg)
+    if state.base != model.digest or state.mode != ("full" if full else "lora"):
+        raise ValueError(f"{checkpoint_in} finetunes another base model (digest {state.base}; "
+                         f"{model.path or 'this model'} is {model.digest}): resume with the "
+                         f"base it started from")
+    options, _ = inputs.resumed_options(state.options, options, checkpoint_in)
+    setup = dict(n_ctx=state.n_ctx or model.cfg.n_ctx, samples_after_nl=state.samples_after_nl)
+    return _run_finetune(model, values, adapter, options, state.step, opt_state, state, setup,
+                         texts, data, corpus, chat_template, mask_prompt, drop_long, pack,
+                         val_split, val_every, val_batches, early_stop,
+                         out or ("model.gguf" if full else "adapter.gguf"), steps,
+                         checkpoint or checkpoint_in, save_every, log, on_nan, backend,
+                         reporter)
+
+
+def _run_finetune(model, values, adapter, options, step, opt_state, state, setup, texts, data,
+                  corpus, chat_template, mask_prompt, drop_long, pack, val_split, val_every,
+                  val_batches, early_stop, out, steps, checkpoint, save_every, log, on_nan,
+                  backend, reporter) -> RunResult:
+    from .chat import ChatTemplate
+    cfg = _with_context(model.cfg, setup["n_ctx"])
+    held = None
+    if data is not None:
+        if texts:
+            raise ValueError("give texts or data, not both")
+        template = ChatTemplate.of(model.tokenizer, chat_template, chat_template and "the "
+                                   "chat_template argument")
+        examples = inputs.finetune_examples(
+            data, model.tokenizer, template, cfg.n_ctx, options, mask_prompt=mask_prompt,
+            drop_long=drop_long, pack=pack, val_split=val_split,
+            need_validation=bool(val_every or early_stop), state=state,
+            checkpoint=state and checkpoint)
+        samples, held, digest = examples.train, examples.valid, examples.digest
+    else:
+        text, _ = inputs.training_text(texts, corpus)
+        _, digest, samples = inputs.text_samples(text, model.tokenizer, cfg.n_ctx, options,
+                                                 setup["samples_after_nl"], state, checkpoint)
+    trainer = Trainer(cfg, values, get_backend(backend), options, samples, opt_state, step,
+                      lora=adapter, loss_scaler=state and state.loss_scaler)
+    full = adapter is None
+    path = checkpoint or inputs.default_checkpoint_path(out)
+    run_state = dict(tokens_digest=digest, base=model.digest, mode="full" if full else "lora",
+                     samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx)
+
+    def save():
+        if full:
+            checkpoints.save_checkpoint(path, model.cfg, trainer.parameters(), model.tokenizer,
+                                        trainer.optimizer_state(), trainer.state(**run_state))
+        else:
+            lora.save_adapter_checkpoint(path, lora.Adapter(adapter.alpha, trainer.parameters()),
+                                         cfg, trainer.optimizer_state(),
+                                         trainer.state(**run_state))
+
+    def write(to):
+        if full:
+            gguf_llama.save_model(to, model.cfg, trainer.parameters(), model.tokenizer)
+        else:
+            lora.save_adapter(to, lora.Adapter(adapter.alpha, trainer.parameters()), cfg,
+                              model.digest)
+
+    best = inputs.best_path(out) if held is not None else None
+    validation = None
+    if held is not None:
+        validation = Validation(lambda: trainer.evaluate(held.in_order(val_batches or None)),
+                                val_every or steps, early_stop, lambda: write(best))
+    result = run_steps(trainer, steps, log_path=log, save_every=save_every if checkpoint else 0,
+                       save_checkpoint=save, checkpoint_path=path, on_nan=on_nan,
+                       validation=validation, write_result=lambda: write(out), result_path=out,
+                       reporter=_reporter(reporter))
+    return RunResult(trainer.step, result.first, result.last, result.seconds, str(out),
+                     checkpoint, validation and validation.best, best)
+
+
+def evaluate(model, texts=(), *, corpus: str = "shakespeare", windows: int | None = None,
+             batch: int = 4, precision: str = "auto", backend=None) -> Evaluation:
+    """The loss and perplexity of `model` (with its adapters) on text files (default: the
+    bundled corpus): next-token cross-entropy over non-overlapping windows of the model's
+    n_ctx tokens, each starting after BOS as in training; the first `windows` of them, or
+    every one the text holds."""
+    model = _model(model)
+    text, _ = inputs.training_text(texts, corpus)
+    tokens = model.tokenizer.encode(text)
+    cfg = model.cfg
+    x, y = inputs.text_windows(tokens, cfg.n_ctx, model.tokenizer.bos_id, windows)
+    backend = get_backend(backend)
+    batch = max(1, min(batch, len(x)))
+    pad = -len(x) % batch       # rows that fill the last batch, with no target counted
+    x = np.concatenate([x, np.full((pad, cfg.n_ctx), model.tokenizer.bos_id, np.int32)])
+    y = np.concatenate([y, np.full((pad, cfg.n_ctx), -1, np.int32)])
+    graph = build_train_graph(cfg, model.values, batch, adapters=model.adapters, frozen=True,
+                              max_logits_bytes=logits_bound(backend),
+                              precision=precision_for(backend, precision))
+    plan = backend.plan([graph.loss])
+    plan.write(graph.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    total, counted = 0.0, 0
+    for i in range(0, len(x), batch):
+        plan.run(graph.feeds(x[i:i + batch], y[i:i + batch]))
+        n = int((y[i:i + batch] >= 0).sum())
+        total += float(plan.read(graph.loss)[0]) * n
+        counted += n
+    loss = total / max(counted, 1)
+    return Evaluation(loss, math.exp(loss) if loss < 700 else math.inf, counted,
+                      counted // cfg.n_ctx)
+
+
+def generate(model, prompt: str, max_tokens: int = 128, *, temperature: float = 0.8,
+             top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+             repeat_penalty: float = 1.0, seed: int = 0, precision: str = "auto",
+             backend=None) -> str:
+    """The text `model` (with its adapters) writes after `prompt`: up to max_tokens tokens,
+    ending early at an end-of-generation token; temperature 0 is greedy."""
+    model = _model(model)
+    backend = get_backend(backend)
+    decoder = Decoder(backend, model.cfg, model.values, adapters=model.adapters,
+                      precision=precision)
+    return generate_text(backend, model.cfg, model.values, model.tokenizer, prompt, max_tokens,
+                         temperature, top_k, top_p, repeat_penalty, seed=seed,
+                         decoder=decoder, min_p=min_p)
+
+
+def merge(model, adapters=None) -> Model:
+    """`model` with LoRA adapters (paths or lora.Adapters; default: the model's own) added
+    into its weights, as llama.cpp applies them: an f32 model without adapters."""
+    model = _model(model)
+    adapters = model.adapters if adapters is None else [
+        a if isinstance(a, lora.Adapter) else lora.load_adapter(a, model.cfg) for a in adapters]
+    cfg, values = lora.merge(model.cfg, model.values, adapters)
+    return Model(cfg, values, model.tokenizer)
+
+
+__all__ = ["Evaluation", "Model", "RunResult", "evaluate", "finetune", "generate", "load",
+           "merge", "resume", "train"]

@@ -1,0 +1,178 @@
+"""What a training run reads, made ready for a Trainer: text as shuffled samples, chat or
+instruction examples as batches (packed or padded), a validation set, each at a resumed
+run's position, and the options a resumed run goes on with. Every problem is a ValueError
+whose message names it (the CLI shows it as a usage error)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import chat, data
+from .options import TrainOptions
+from .state import RunState
+from .trainer import token_digest
+
+
+def training_text(texts=(), corpus: str = "shakespeare") -> tuple[str, str]:
+    """The training text (the files, else the bundled corpus) and where it came from."""
+    if texts:
+        return data.read_texts(texts), ", ".join(str(t) for t in texts)
+    return data.bundled_corpus(corpus), f"the bundled corpus ({corpus})"
+
+
+def text_samples(text: str, tokenizer, n_ctx: int, options: TrainOptions,
+                 samples_after_nl: bool = False, state: RunState | None = None,
+                 checkpoint: str | None = None):
+    """(tokens, their digest, data.Samples) of `text`, at a resumed run's position when
+    `state` (of the `checkpoint` file) is given, which must be of the same tokens."""
+    try:
+        tokens = tokenizer.encode(text)
+    except ValueError as e:         # VocabError: no token, not even a byte token, for a piece
+        raise ValueError(f"the model's vocabulary cannot tokenize the text: {e}") from None
+    digest = token_digest(tokens)
+    if state is not None and state.tokens_digest != digest:
+        raise ValueError(f"{checkpoint} was trained on other text (tokens "
+                         f"{state.tokens_digest}, these are {digest}): pass the same text "
+                         f"files to resume")
+    samples = data.Samples(tokens, n_ctx, options.batch, options.seed, tokenizer.bos_id,
+                           after_newline=samples_after_nl, newline_ids=tokenizer.newline_ids)
+    if state is not None:
+        resume_data(samples, state, checkpoint)
+    return tokens, digest, samples
+
+
+def text_windows(tokens, n_ctx: int, bos_id: int, count: int | None = None):
+    """(inputs, targets) of the first `count` (default: all) non-overlapping n_ctx-token
+    windows of `tokens`, each starting after BOS as a training sample does: the text taken
+    once, as llama.cpp's perplexity takes it."""
+    tokens = np.asarray(tokens, np.int32)
+    n = len(tokens) // n_ctx if count is None else min(count, len(tokens) // n_ctx)
+    if n < 1:
+        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one window of "
+                         f"{n_ctx}: give more text or a smaller n_ctx")
+    targets = tokens[:n * n_ctx].reshape(n, n_ctx)
+    inputs = np.empty_like(targets)
+    inputs[:, 0], inputs[:, 1:] = bos_id, targets[:, :-1]
+    return inputs, targets
+
+
+def resume_data(samples, state: RunState, checkpoint: str | None):
+    """Put `samples` (data.Samples, chat.ExampleBatches) at the state's position."""
+    try:
+        samples.load_state(state.data)
+    except data.DataError as e:
+        raise ValueError(f"{checkpoint}: {e}") from None
+
+
+def example_sets(path, tokenizer, template, mask_prompt: bool,
+                 splits=("train", "valid")) -> dict:
+    """{split: encoded chat.Examples} of a JSONL file, a directory of splits or a bundled
+    set (only the splits asked for and present), rendered through `template`."""
+    try:
+        sets = chat.load_dataset(path)
+        return {split: [chat.encode_example(e, tokenizer, template, mask_prompt)
+                        for e in sets[split]] for split in splits if split in sets}
+    except OSError as e:
+        raise ValueError(str(e)) from None
+
+
+def example_batches(examples, n_ctx: int, batch: int, seed: int, drop_long: bool = False,
+                    pack="auto"):
+    """chat.ExampleBatches of encoded examples: packed when that makes fewer rows ("auto"),
+    always (True) or never (False: one per row, padded)."""
+    return chat.ExampleBatches(examples, n_ctx, batch, seed, drop_long=drop_long, pack=pack)
+
+
+@dataclass
+class ExampleData:
+    """A finetune's examples: the training batches, the validation batches (or None) and
+    the digest that ties a checkpoint to the training examples."""
+    train: chat.ExampleBatches
+    valid: chat.ExampleBatches | None
+    digest: str
+
+
+def finetune_examples(path, tokenizer, template, n_ctx: int, options: TrainOptions, *,
+                      mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
+                      val_split: float | None = None, need_validation: bool = False,
+                      state: RunState | None = None, checkpoint: str | None = None
+                      ) -> ExampleData:
+    """The examples of `path`: the validation set is its valid split, else `val_split` of
+    the training examples (`need_validation`: there must be one); packed where that makes
+    fewer rows (unless `pack` is False); at a resumed run's position when `state` is given."""
+    sets = example_sets(path, tokenizer, template, mask_prompt)
+    train, valid = sets["train"], sets.get("valid")
+    if valid is None and val_split:
+        train, valid = chat.split_off(train, val_split, options.seed)
+    if valid is None and need_validation:
+        raise ValueError("--val-every and --early-stop need a validation set: valid.jsonl in "
+                         "the --data directory, or --val-split")
+    digest = chat.examples_digest(train)
+    if state is not None and state.tokens_digest != digest:
+        raise ValueError(f"{checkpoint} was trained on other examples: pass the same --data "
+                         f"(and template options) to resume")
+    batches = example_batches(train, n_ctx, options.batch, options.seed, drop_long,
+                              "auto" if pack else False)
+    if state is not None:
+        resume_data(batches, state, checkpoint)
+    held = None
+    if valid is not None:
+        held = example_batches(valid, n_ctx, options.batch, options.seed, drop_long,
+                               batches.packed)
+    return ExampleData(batches, held, digest)
+
+
+def describe_examples(name: str, batches) -> str:
+    """One line on a split's examples: counts, rows, what was cut or left out."""
+    line = f"{name}: {batches.n_examples} examples, {batches.trained_tokens} trained tokens; "
+    if batches.packed:
+        line += (f"packed into {batches.n_samples} rows of {batches.n_ctx} "
+                 f"({batches.n_examples / batches.n_samples:.1f} examples each), "
+                 f"{batches.fill:.0%} of positions used (padding would use "
+                 f"{batches.padded_fill:.0%})")
+    else:
+        line += f"one per row of {batches.n_ctx}, padded, {batches.fill:.0%} of positions used"
+    if batches.truncated:
+        line += f", {batches.truncated} cut to n_ctx"
+    if batches.dropped:
+        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or " \
+                f"nothing to train within it)"
+    return line
+
+
+def resumed_options(saved: TrainOptions, overrides: dict, checkpoint: str
+                    ) -> tuple[TrainOptions, dict]:
+    """The options a resumed run goes on with: the checkpoint's (`saved`), with those of
+    `overrides` (field -> value) that TrainOptions declares may_change; any other override
+    that differs from the checkpoint's value is refused, naming it. Returns (the options,
+    the fields that changed)."""
+    declared = TrainOptions.declared()
+    unknown = [name for name in overrides if name not in declared]
+    if unknown:
+        raise ValueError(f"not training options: {', '.join(unknown)}")
+    changes = {name: value for name, value in overrides.items()
+               if value != getattr(saved, name)}
+    fixed = [name for name in changes if not declared[name]["may_change"]]
+    if fixed:
+        may = [name for name in declared if declared[name]["may_change"]]
+        raise ValueError(f"{checkpoint} fixes the training options (only {', '.join(may)} may "
+                         f"change when resuming); these contradict it: " +
+                         ", ".join(f"{name} {getattr(saved, name)} (given: {changes[name]})"
+                                   for name in fixed))
+    return dataclasses.replace(saved, **changes), changes
+
+
+def best_path(out: str) -> str:
+    """Where the weights of the lowest validation loss go: x.gguf -> x.best.gguf."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.best{ext or '.gguf'}"
+
+
+def default_checkpoint_path(out: str) -> str:
+    """Where a run saves when no checkpoint path was given: next to the output,
+    model.gguf -> model.checkpoint.gguf."""
+    root, ext = os.path.splitext(out)
+    return f"{root}.checkpoint{ext or '.gguf'}"
