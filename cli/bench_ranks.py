@@ -6,6 +6,8 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import shutil
@@ -28,7 +30,7 @@ def measure(ctx, config_name: str, steps: int) -> dict:
     world = mpi_world()
     size = world.size if world else 1
     cfg, options = bench_model(config_name)
-    options.batch *= size
+    options = dataclasses.replace(options, batch=options.batch * size)
     backend = select_backend(ctx)
     trainer = Trainer(cfg, init_parameters(cfg, 0), backend, options,
                       RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), world=world)

@@ -144,10 +144,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                 adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, cfg)
         except gguf_file.GGUFError as e:
             raise click.ClickException(str(e)) from None
-        if state.base != base_digest or state.mode != mode:
-            raise click.UsageError(f"{checkpoint_in} finetunes another base model (digest "
-                                   f"{state.base}; {base} is {base_digest}): resume "
-                                   f"with the base it started from")
+        with usage_errors():
+            checkpoint.check_finetune_state(state, base_digest, mode, checkpoint_in, base)
         n_ctx = state.n_ctx if state.n_ctx is not None else model_cfg.n_ctx
         fixed = dict(samples_after_nl=state.samples_after_nl, n_ctx=n_ctx, lora_r=...,
                      lora_layers=..., **{f"rank_{kind}": ... for kind in TARGETS})
@@ -213,20 +211,10 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                    "a LoRA pair on either: use the adapter in ggwgpu, or `ggwgpu merge` it "
                    "into a model llama.cpp loads", err=True)
 
-    def trained_adapter():
-        return lora.Adapter(adapter.alpha, trainer.parameters())
-
-    def save_checkpoint():
-        if not is_root():
-            return
-        state = trainer.state(tokens_digest=digest, base=base_digest, mode=mode,
-                              samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx)
-        if full:
-            checkpoint.save_checkpoint(checkpoint_path, model_cfg, trainer.parameters(),
-                                       tokenizer, trainer.optimizer_state(), state)
-        else:
-            lora.save_adapter_checkpoint(checkpoint_path, trained_adapter(), cfg,
-                                         trainer.optimizer_state(), state)
+    files = checkpoint.RunFiles(trainer, tokenizer, checkpoint_path,
+                                dict(tokens_digest=digest, base=base_digest, mode=mode,
+                                     samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx),
+                                model_cfg, None if full else adapter.alpha, base_digest)
 
     def resume_command(steps_left: int) -> str:
         args = resume_args(ctx, ["finetune", base], checkpoint_path, steps_left)
@@ -234,12 +222,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
 
     def write_to(path):
         """The trained model (--full) or adapter, written to `path` by rank 0."""
-        if not is_root():
-            return
-        if full:
-            gguf_llama.save_model(path, model_cfg, trainer.parameters(), tokenizer)
-        else:
-            lora.save_adapter(path, trained_adapter(), cfg, base_digest)
+        if is_root():
+            files.write(path)
 
     validation = None
     if validation_set is not None:
@@ -249,7 +233,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
 
     result = run_steps(trainer, steps, log_path=kw["log_path"] if is_root() else None,
                        save_every=kw["save_every"] if checkpoint_out else 0,
-                       save_checkpoint=save_checkpoint, checkpoint_path=checkpoint_path,
+                       save_checkpoint=files.save_checkpoint if is_root() else lambda: None,
+                       checkpoint_path=checkpoint_path,
                        resume_command=resume_command, on_nan=kw["on_nan"],
                        validation=validation, write_result=lambda: write_to(out),
                        result_path=out, reporter=ProgressBar())

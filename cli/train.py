@@ -59,7 +59,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     Ctrl-C (SIGINT) or SIGTERM ends the run after the current step: it saves a checkpoint
     (--checkpoint-out, else next to --out) and prints the command that continues the run.
     """
-    from ggwgpu import gguf_llama, memory, tokenizer as tok
+    from ggwgpu import memory, tokenizer as tok
     from ggwgpu.training import checkpoint
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.models import ModelConfig, init_parameters
@@ -139,12 +139,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                f"{planned_memory(trainer.plan)}" +
                (f", resuming at step {step}" if step else ""))
 
-    def save_checkpoint():
-        if not is_root():
-            return
-        state = trainer.state(tokens_digest=digest)
-        checkpoint.save_checkpoint(checkpoint_path, cfg, trainer.parameters(), tokenizer,
-                                   trainer.optimizer_state(), state)
+    files = checkpoint.RunFiles(trainer, tokenizer, checkpoint_path, {"tokens_digest": digest})
 
     def resume_command(steps_left: int) -> str:
         args = resume_args(ctx, ["train"], checkpoint_path, steps_left) + ["--out", out]
@@ -154,10 +149,11 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
 
     result = run_steps(
         trainer, steps, log_path=kw["log_path"] if is_root() else None,
-        save_every=kw["save_every"] if checkpoint_out else 0, save_checkpoint=save_checkpoint,
+        save_every=kw["save_every"] if checkpoint_out else 0,
+        save_checkpoint=files.save_checkpoint if is_root() else lambda: None,
         checkpoint_path=checkpoint_path, resume_command=resume_command, on_nan=kw["on_nan"],
-        write_result=(lambda: gguf_llama.save_model(out, cfg, trainer.parameters(), tokenizer))
-        if is_root() else None, result_path=out, reporter=ProgressBar())
+        write_result=(lambda: files.write(out)) if is_root() else None, result_path=out,
+        reporter=ProgressBar())
     if not is_root():
         return
     first, last, seconds = result.first, result.last, result.seconds

@@ -130,17 +130,14 @@ def train(texts=(), *, out: str = "model.gguf", steps: int = 300, corpus: str = 
 
 def _run_scratch(trainer, tokenizer, digest, steps, out, checkpoint, save_every, log, on_nan,
                  reporter) -> RunResult:
-    path = checkpoint or inputs.default_checkpoint_path(out)
-
-    def save():
-        checkpoints.save_checkpoint(path, trainer.cfg, trainer.parameters(), tokenizer,
-                                    trainer.optimizer_state(),
-                                    trainer.state(tokens_digest=digest))
+    files = checkpoints.RunFiles(trainer, tokenizer,
+                                 checkpoint or inputs.default_checkpoint_path(out),
+                                 {"tokens_digest": digest})
     result = run_steps(trainer, steps, log_path=log, save_every=save_every if checkpoint else 0,
-                       save_checkpoint=save, checkpoint_path=path, on_nan=on_nan,
-                       write_result=lambda: gguf_llama.save_model(
-                           out, trainer.cfg, trainer.parameters(), tokenizer),
-                       result_path=out, reporter=_reporter(reporter))
+                       save_checkpoint=files.save_checkpoint,
+                       checkpoint_path=files.checkpoint_path, on_nan=on_nan,
+                       write_result=lambda: files.write(out), result_path=out,
+                       reporter=_reporter(reporter))
     return RunResult(trainer.step, result.first, result.last, result.seconds, str(out),
                      checkpoint)
 
@@ -223,10 +220,8 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
         _, values, _, opt_state, state = checkpoints.load_checkpoint(checkpoint_in)
     else:
         adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, model.cfg)
-    if state.base != model.digest or state.mode != ("full" if full else "lora"):
-        raise ValueError(f"{checkpoint_in} finetunes another base model (digest {state.base}; "
-                         f"{model.path or 'this model'} is {model.digest}): resume with the "
-                         f"base it started from")
+    checkpoints.check_finetune_state(state, model.digest, "full" if full else "lora",
+                                     checkpoint_in, model.path or "this model")
     options, _ = inputs.resumed_options(state.options, options, checkpoint_in)
     setup = dict(n_ctx=state.n_ctx or model.cfg.n_ctx, samples_after_nl=state.samples_after_nl)
     return _run_finetune(model, values, adapter, options, state.step, opt_state, state, setup,
@@ -261,36 +256,21 @@ def _run_finetune(model, values, adapter, options, step, opt_state, state, setup
                                                  setup["samples_after_nl"], state, checkpoint)
     trainer = Trainer(cfg, values, get_backend(backend), options, samples, opt_state, step,
                       lora=adapter, loss_scaler=state and state.loss_scaler)
-    full = adapter is None
-    path = checkpoint or inputs.default_checkpoint_path(out)
-    run_state = dict(tokens_digest=digest, base=model.digest, mode="full" if full else "lora",
-                     samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx)
-
-    def save():
-        if full:
-            checkpoints.save_checkpoint(path, model.cfg, trainer.parameters(), model.tokenizer,
-                                        trainer.optimizer_state(), trainer.state(**run_state))
-        else:
-            lora.save_adapter_checkpoint(path, lora.Adapter(adapter.alpha, trainer.parameters()),
-                                         cfg, trainer.optimizer_state(),
-                                         trainer.state(**run_state))
-
-    def write(to):
-        if full:
-            gguf_llama.save_model(to, model.cfg, trainer.parameters(), model.tokenizer)
-        else:
-            lora.save_adapter(to, lora.Adapter(adapter.alpha, trainer.parameters()), cfg,
-                              model.digest)
-
+    files = checkpoints.RunFiles(
+        trainer, model.tokenizer, checkpoint or inputs.default_checkpoint_path(out),
+        dict(tokens_digest=digest, base=model.digest, mode="lora" if adapter else "full",
+             samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx),
+        model.cfg, adapter and adapter.alpha, model.digest)
     best = inputs.best_path(out) if held is not None else None
     validation = None
     if held is not None:
         validation = Validation(lambda: trainer.evaluate(held.in_order(val_batches or None)),
-                                val_every or steps, early_stop, lambda: write(best))
+                                val_every or steps, early_stop, lambda: files.write(best))
     result = run_steps(trainer, steps, log_path=log, save_every=save_every if checkpoint else 0,
-                       save_checkpoint=save, checkpoint_path=path, on_nan=on_nan,
-                       validation=validation, write_result=lambda: write(out), result_path=out,
-                       reporter=_reporter(reporter))
+                       save_checkpoint=files.save_checkpoint,
+                       checkpoint_path=files.checkpoint_path, on_nan=on_nan,
+                       validation=validation, write_result=lambda: files.write(out),
+                       result_path=out, reporter=_reporter(reporter))
     return RunResult(trainer.step, result.first, result.last, result.seconds, str(out),
                      checkpoint, validation and validation.best, best)
 

@@ -145,7 +145,7 @@ def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch
         return record
 
     def save_checkpoint(*args):
-        if args[-1]["step"] == 3:                     # the train state
+        if args[-1].step == 3:                        # the train state
             os.kill(os.getpid(), signal.SIGINT)       # handled right here, mid-save
         real_save(*args)
     monkeypatch.setattr(Trainer, "train_step", train_step)

@@ -19,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ggwgpu import gguf_file
+from ggwgpu.training import RunState
 from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
@@ -206,7 +207,7 @@ def check_checkpoint(result):
     params, opt_state, train_state = result[1], result[3], result[4]
     for name, (m, v) in opt_state.items():
         assert m.shape == v.shape == params[name].shape
-    assert isinstance(train_state, dict)
+    assert isinstance(train_state, RunState)
 
 
 def check_adapter(adapter):

@@ -280,3 +280,54 @@ def read_train_state(f: GGUFFile) -> RunState:
         return RunState.from_json(state)
     except ValueError as e:
         raise GGUFError(f"{f.path}: key {K_TRAIN_STATE}: {e}") from None
+
+
+# -- what a run writes ------------------------------------------------------------------------
+
+class RunFiles:
+    """The files of a training run: its checkpoint (a model checkpoint, or for a LoRA
+    finetune an adapter checkpoint) and its product (the model, or the adapter). `model_cfg`
+    is the config a model is written with (a finetune keeps its base's context length);
+    `alpha` makes it a LoRA run, whose adapter records the base's digest; `run` is what the
+    run's state holds beside the Trainer's (RunState's tokens_digest, base, mode, ...)."""
+
+    def __init__(self, trainer, tokenizer, checkpoint_path, run: dict,
+                 model_cfg: ModelConfig | None = None, alpha: float | None = None,
+                 base_digest: str | None = None):
+        self.trainer, self.tokenizer, self.checkpoint_path, self.run = (
+            trainer, tokenizer, checkpoint_path, run)
+        self.model_cfg = model_cfg or trainer.cfg
+        self.alpha, self.base_digest = alpha, base_digest
+
+    def adapter(self):
+        from ..lora import Adapter
+        return Adapter(self.alpha, self.trainer.parameters())
+
+    def save_checkpoint(self):
+        t = self.trainer
+        if self.alpha is None:
+            save_checkpoint(self.checkpoint_path, self.model_cfg, t.parameters(),
+                            self.tokenizer, t.optimizer_state(), t.state(**self.run))
+        else:
+            from ..lora import save_adapter_checkpoint
+            save_adapter_checkpoint(self.checkpoint_path, self.adapter(), t.cfg,
+                                    t.optimizer_state(), t.state(**self.run))
+
+    def write(self, path):
+        """The run's product: the model, or the adapter."""
+        if self.alpha is None:
+            from ..gguf_llama import save_model
+            save_model(path, self.model_cfg, self.trainer.parameters(), self.tokenizer)
+        else:
+            from ..lora import save_adapter
+            save_adapter(path, self.adapter(), self.trainer.cfg, self.base_digest)
+
+
+def check_finetune_state(state: RunState, base_digest: str, mode: str, checkpoint,
+                         base_name) -> None:
+    """A finetune checkpoint's state is of this base (its digest) and mode, else a
+    ValueError saying so."""
+    if state.base != base_digest or state.mode != mode:
+        raise ValueError(f"{checkpoint} finetunes another base model (digest {state.base}; "
+                         f"{base_name} is {base_digest}): resume with the base it started "
+                         f"from")
