@@ -1,5 +1,4 @@
-"""`ggwgpu chat`: talking to a model in the terminal through its chat template, and the
-one-turn answer of `ggwgpu generate --chat`.
+"""`ggwgpu chat`: talking to a model in the terminal through its chat template.
 
 Only absolute imports of `ggwgpu` here (see main.py).
 """
@@ -7,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import time
 
 import click
 
@@ -16,47 +14,7 @@ from ggwgpu.tokenizer import VocabError
 from .common import (InputPath, chat_template, check_memory, ctx_option, describe_backend,
                      load_model, lora_option, precision_option, resolve_precision,
                      sampling_of, sampling_options, select_backend, template_option)
-
-
-def stream_reply(session, text: str, n: int) -> int:
-    """Print the answer to `text` piece by piece as it is sampled; the number of tokens."""
-    from ggwgpu.generate import TextStream
-    stream, count = TextStream(session.tokenizer), 0
-    reply = session.reply(text, n)
-    try:
-        for token in reply:
-            count += 1
-            piece = stream.push(token)
-            if piece:
-                click.echo(piece, nl=False)
-                sys.stdout.flush()
-    finally:
-        reply.close()       # an interrupted reply still joins the conversation
-        click.echo(stream.finish())
-    return count
-
-
-def new_session(backend, cfg, values, tokenizer, template, system, sampling, seed, adapters,
-                precision="f32"):
-    from ggwgpu.generate import ChatSession, Decoder
-    decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
-    return ChatSession(decoder, tokenizer, template, system, sampling, seed)
-
-
-def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sampling, seed,
-                adapters=(), precision="f32"):
-    """generate --chat: the answer to one user message, then a timing line on stderr."""
-    t0 = time.perf_counter()
-    session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,
-                          adapters, precision)
-    t1 = time.perf_counter()
-    try:
-        count = stream_reply(session, prompt, n)
-    except VocabError as e:         # before any token: a lone surrogate, say
-        raise click.UsageError(f"--prompt: {e}") from None
-    t2 = time.perf_counter()
-    click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
-               f"pass included; planning {t1 - t0:.2f} s)", err=True)
+from .streaming import new_session, stream_reply
 
 
 @click.command("chat")

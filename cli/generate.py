@@ -5,44 +5,13 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
-import sys
-import time
-
 import click
 
-from .chat import chat_answer
 from .common import InputPath, chat_template as load_chat_template
 from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
                      precision_option, resolve_precision, sampling_of, sampling_options,
                      select_backend, template_option)
-
-def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=(),
-                  precision="f32"):
-    """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
-    timing line on stderr."""
-    from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
-                                 prompt_tokens)
-    t0 = time.perf_counter()
-    try:
-        ids = prompt_tokens(tokenizer, prompt)
-    except ValueError as e:         # VocabError: a lone surrogate, a piece without a token
-        raise click.UsageError(f"--prompt: {e}") from None
-    decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
-    stream = TextStream(tokenizer, ids)
-    click.echo(stream.push(), nl=False)
-    t1, count = time.perf_counter(), 0
-    for token in generate_tokens(decoder, ids, n, sampling, seed, context_bos(tokenizer),
-                                 tokenizer.eog_ids):
-        count += 1
-        piece = stream.push(token)
-        if piece:
-            click.echo(piece, nl=False)
-            sys.stdout.flush()
-    click.echo(stream.finish())
-    t2 = time.perf_counter()
-    click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
-               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s, "
-               f"{decoder.memory() / 2**20:.1f} MiB planned)", err=True)
+from .streaming import chat_answer, stream_sample
 
 
 @click.command()

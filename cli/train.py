@@ -13,7 +13,7 @@ from ggwgpu.generate import Sampling
 
 from .common import (InputPath, check_memory, describe_backend, describe_precision,
                      planned_memory, select_backend)
-from .generate import stream_sample
+from .streaming import stream_sample
 from ggwgpu.training.inputs import default_checkpoint_path
 
 from .training import (ProgressBar, across_ranks,
