@@ -822,3 +822,15 @@ def test_a_float_beyond_float32_is_a_gguf_error_and_nothing_is_written(tmp_path)
         save_model(tmp_path / "m.gguf", cfg, model(), TinyVocab())
     assert str(tmp_path / "m.gguf") in str(e.value)
     assert only_file(tmp_path) == []
+
+
+def test_a_run_state_writes_back_the_json_it_was_read_from_in_the_same_order():
+    from ggwgpu.training import RunState
+    state = train_state(4, samples=32, tokens=512, model={"n_embd": 8}, tokens_digest="ab",
+                        base="cd", mode="lora", samples_after_nl=False, n_ctx=16,
+                        loss_scaler=None, later_key=[1, 2])
+    del state["loss_scaler"]
+    order = ["step", "samples", "tokens", "options", "model", "data", "tokens_digest", "base",
+             "mode", "samples_after_nl", "n_ctx", "later_key"]
+    back = RunState.from_json({key: state[key] for key in reversed(order)}).to_json()
+    assert list(back) == order and back == state

@@ -126,6 +126,9 @@ class RunState:
     n_ctx: int | None = None
     epoch: int | None = None
     extras: dict = field(default_factory=dict)   # keys of no field, kept as they were
+    # the keys' order in a checkpoint's JSON
+    JSON_ORDER = ("step", "samples", "tokens", "options", "model", "data", "loss_scaler",
+                  "tokens_digest", "base", "mode", "samples_after_nl", "n_ctx", "epoch")
 
     @property
     def is_finetune(self) -> bool:
@@ -133,12 +136,10 @@ class RunState:
 
     def to_json(self) -> dict:
         state = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "options":
-                value = asdict(value)
-            if f.name != "extras" and value is not None:
-                state[f.name] = value
+        for name in self.JSON_ORDER:
+            value = getattr(self, name)
+            if value is not None:
+                state[name] = asdict(value) if name == "options" else value
         return {**state, **self.extras}
 
     @classmethod
