@@ -22,10 +22,10 @@ from .common import (FiniteFloat, InputPath, chat_template, check_memory, ctx_op
                      describe_backend, describe_precision, planned_memory, select_backend,
                      with_context)
 from .outputs import check_outputs
-from .training import (ProgressBar, across_ranks, data_options, existing_directory,
-                       guard_outputs, is_root, local_batch, mpi_world, read_text, resume_args,
-                       resumed_options, steps_of, train_options, training_options,
-                       training_samples, usage_errors)
+from .training import (LARGE_DATA, ProgressBar, across_ranks, data_options,
+                       existing_directory, guard_outputs, is_root, local_batch, mpi_world,
+                       planning, read_text, resume_args, resumed_options, stage, steps_of,
+                       train_options, training_options, training_samples, usage_errors)
 
 
 MAX_LAYER = 65535      # no llama comes near; the model's own count is checked later
@@ -183,6 +183,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     local_batch(options)    # under mpirun: the batch must split over the processes
     backend = select_backend(ctx)
+    planning(values)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
                           world=mpi_world(), loss_scaler=state and state.loss_scaler)
@@ -266,6 +267,10 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     """(train batches, validation batches or None, digest, lines to show) of --data: the
     validation set is valid.jsonl, else --val-split of the training examples."""
     template = chat_template(tokenizer, kw["chat_template"])
+    size = sum(os.path.getsize(p) for _, p in data_files(kw["data_path"]) if os.path.isfile(p))
+    if size >= LARGE_DATA:
+        stage(f"reading {kw['data_path']} ({size / 2**20:.0f} MiB): rendering, tokenizing and "
+              f"packing its examples")
     with usage_errors():
         examples = inputs.finetune_examples(
             kw["data_path"], tokenizer, template, cfg.n_ctx, options,

@@ -16,10 +16,11 @@ from .common import (InputPath, check_memory, describe_backend, describe_precisi
 from .streaming import stream_sample
 from ggwgpu.training.inputs import default_checkpoint_path
 
-from .training import (ProgressBar, across_ranks,
-                       existing_directory, guard_outputs, is_root, local_batch, mpi_world,
-                       positive, read_text, resume_args, resumed_options, steps_of,
-                       train_options, training_options, training_samples)
+from .training import (ProgressBar, across_ranks, existing_directory, guard_outputs, is_root,
+                       local_batch, mpi_world, planning, positive, read_text, resume_args,
+                       resumed_options, steps_of, train_options, training_options,
+                       training_samples)
+
 
 @click.command()
 @click.argument("texts", nargs=-1, type=InputPath(exists=True, dir_okay=False))
@@ -117,6 +118,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
     steps = steps_of(kw, samples, options)
     local_batch(options)    # under mpirun: the batch must split over the processes
     backend = select_backend(ctx)
+    planning(values)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
                           world=mpi_world(), loss_scaler=state and state.loss_scaler)

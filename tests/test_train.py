@@ -361,3 +361,21 @@ def test_numpy_storage_reuse_reads_nothing_a_kernel_did_not_write(monkeypatch, o
     # sum, the shared bytes the same as with an add or scale node each: 0.540 of the sum,
     # 0.495 with those nodes)
     assert plan.layout.total_bytes < 0.55 * apart.layout.total_bytes
+
+
+def test_a_large_text_and_a_large_model_say_what_takes_a_while(tmp_path, monkeypatch):
+    """Tokenizing a large corpus and planning a large model's step take seconds: a line on
+    stderr says which stage is under way (the thresholds are lowered for this test)."""
+    from click.testing import CliRunner
+
+    from ggwgpu_cli import training as cli_training
+    from ggwgpu_cli.main import cli
+    monkeypatch.setattr(cli_training, "LARGE_TEXT", 1000)
+    monkeypatch.setattr(cli_training, "LARGE_MODEL", 1000)
+    (tmp_path / "t.txt").write_text(TEXT)
+    r = CliRunner().invoke(cli, ["--backend", "numpy", "train", str(tmp_path / "t.txt"),
+                                 "--steps", "1", "--n-layer", "1", "--batch", "2",
+                                 "--out", str(tmp_path / "m.gguf")])
+    assert r.exit_code == 0, r.output
+    assert f"tokenizing {len(TEXT) / 1e6:.1f} M characters ..." in r.stderr
+    assert "planning the train step of 0 M parameters ..." in r.stderr
