@@ -254,14 +254,11 @@ def resumed_options(ctx, state, checkpoint_in: str, fixed: dict):
     may_change = [flag_of(name) for name in declared if declared[name]["may_change"]]
     may_change = (f"{', '.join(may_change[:-1])} and {may_change[-1]}" if len(may_change) > 1
                   else may_change[0])
-    changes, clashes = {}, []
-    for name, value in dataclasses.asdict(saved).items():
-        param = param_of(name)
-        if declared[name]["cli"] and given(ctx, param) and kw[param] != value:
-            if declared[name]["may_change"]:
-                changes[name] = kw[param]
-            else:
-                clashes.append(f"{flag_of(name)} {value} (given: {kw[param]})")
+    options, changes, fixed_options = inputs.resume_overrides(
+        saved, {name: kw[param_of(name)] for name in declared
+                if declared[name]["cli"] and given(ctx, param_of(name))})
+    clashes = [f"{flag_of(name)} {getattr(saved, name)} (given: {kw[param_of(name)]})"
+               for name in fixed_options]
     for param, value in fixed.items():
         if given(ctx, param) and (value is ... or kw[param] != value):
             clashes.append(f"--{param.replace('_', '-')}" +
@@ -277,7 +274,7 @@ def resumed_options(ctx, state, checkpoint_in: str, fixed: dict):
     for name, value in changes.items():
         click.echo(f"resuming with {flag_of(name)} {value} instead of the checkpoint's "
                    f"{getattr(saved, name)}", err=True)
-    return dataclasses.replace(saved, **changes)
+    return options
 
 
 def guard_outputs(ctx, inputs, out: str, checkpoint_path: str, kw: dict, more=()):

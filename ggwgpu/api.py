@@ -204,7 +204,7 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
         if state.is_finetune:
             raise ValueError(f"{checkpoint_in} is a finetune's checkpoint: pass the base model "
                              f"it finetunes")
-        options, _ = inputs.resumed_options(state.options, options, checkpoint_in)
+        options = inputs.resumed_options(state.options, options, checkpoint_in)
         text, _ = inputs.training_text(texts, corpus)
         _, digest, samples = inputs.text_samples(text, tokenizer, cfg.n_ctx, options,
                                                  bool(state.samples_after_nl), state,
@@ -222,7 +222,7 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
         adapter, opt_state, state = lora.load_adapter_checkpoint(checkpoint_in, model.cfg)
     checkpoints.check_finetune_state(state, model.digest, "full" if full else "lora",
                                      checkpoint_in, model.path or "this model")
-    options, _ = inputs.resumed_options(state.options, options, checkpoint_in)
+    options = inputs.resumed_options(state.options, options, checkpoint_in)
     setup = dict(n_ctx=state.n_ctx or model.cfg.n_ctx, samples_after_nl=state.samples_after_nl)
     return _run_finetune(model, values, adapter, options, state.step, opt_state, state, setup,
                          texts, data, corpus, chat_template, mask_prompt, drop_long, pack,

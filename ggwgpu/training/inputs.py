@@ -143,26 +143,33 @@ def describe_examples(name: str, batches) -> str:
     return line
 
 
-def resumed_options(saved: TrainOptions, overrides: dict, checkpoint: str
-                    ) -> tuple[TrainOptions, dict]:
+def resume_overrides(saved: TrainOptions, overrides: dict
+                     ) -> tuple[TrainOptions, dict, list[str]]:
     """The options a resumed run goes on with: the checkpoint's (`saved`), with those of
-    `overrides` (field -> value) that TrainOptions declares may_change; any other override
-    that differs from the checkpoint's value is refused, naming it. Returns (the options,
-    the fields that changed)."""
+    `overrides` (field -> value) that TrainOptions declares may_change. Returns (the options,
+    {field: new value} of those that changed, the fields given another value that the
+    checkpoint fixes: the caller refuses the run if there are any)."""
     declared = TrainOptions.declared()
     unknown = [name for name in overrides if name not in declared]
     if unknown:
         raise ValueError(f"not training options: {', '.join(unknown)}")
-    changes = {name: value for name, value in overrides.items()
-               if value != getattr(saved, name)}
-    fixed = [name for name in changes if not declared[name]["may_change"]]
-    if fixed:
+    differ = {name: value for name, value in overrides.items() if value != getattr(saved, name)}
+    changes = {name: value for name, value in differ.items() if declared[name]["may_change"]}
+    return dataclasses.replace(saved, **changes), changes, [n for n in differ if n not in changes]
+
+
+def resumed_options(saved: TrainOptions, overrides: dict, checkpoint: str) -> TrainOptions:
+    """`resume_overrides`' options; an override the checkpoint fixes is a ValueError naming
+    it."""
+    options, _, clashes = resume_overrides(saved, overrides)
+    if clashes:
+        declared = TrainOptions.declared()
         may = [name for name in declared if declared[name]["may_change"]]
         raise ValueError(f"{checkpoint} fixes the training options (only {', '.join(may)} may "
                          f"change when resuming); these contradict it: " +
-                         ", ".join(f"{name} {getattr(saved, name)} (given: {changes[name]})"
-                                   for name in fixed))
-    return dataclasses.replace(saved, **changes), changes
+                         ", ".join(f"{name} {getattr(saved, name)} (given: {overrides[name]})"
+                                   for name in clashes))
+    return options
 
 
 def best_path(out: str) -> str:
