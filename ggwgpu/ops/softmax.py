@@ -15,6 +15,7 @@ before exp (f32 exp overflows past 88).
     cross_entropy_loss(x, p)   -sum(p * log_softmax(x)) / n_rows, shape (1,)
     cross_entropy_ids(x, t, w) -sum over rows r with t[r] >= 0 of w[r] * log_softmax(x[r])[t[r]],
                                shape (1,); a negative id ignores its row
+    cross_entropy_ids_rows(x, t, w)  the same terms, row by row: shape x.shape[:-1]
 """
 from __future__ import annotations
 
@@ -468,8 +469,56 @@ cross_entropy_ids_back = register(
         "w * dloss per row, 0 on ignored rows (negative ids). Inputs x, ids, w, dloss (one "
         "element).")
 
+
+# -- per-row cross-entropy: the log-probabilities of sequences ---------------------------------
+# A preference loss (DPO, ORPO) needs each sequence's log-probability, the sum over its tokens:
+# cross_entropy_ids_rows keeps each row's term apart (the kernel of cross_entropy_ids, whose
+# row terms it writes as the result instead of a scratch), and a product with a 0/1 matrix
+# sums a sequence's rows (ggwgpu.training.preference).
+
+def ce_ids_rows_shape(srcs):
+    check_ce_ids(srcs)
+    return srcs[0].shape[:-1], "f32", {}
+
+
+def ce_ids_rows_ref(x, ids, w):
+    counted, onehot = ce_ids_terms(x, ids)
+    picked = np.sum(np.where(onehot, log_softmax_ref(x), 0), axis=-1)
+    return np.where(counted, -picked * w, 0).astype(x.dtype)
+
+
+def ce_ids_rows_into(out, x, ids, w):
+    """ce_ids_rows_ref without a one-hot or a log_softmax the size of x (as ce_ids_into)."""
+    check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
+    top = np.max(x, axis=-1, keepdims=True)
+    e = np.subtract(x, top)
+    np.exp(e, out=e)
+    picked = np.take_along_axis(x, np.maximum(ids, 0)[..., None], axis=-1) - top
+    picked -= np.log(np.sum(e, axis=-1, keepdims=True))
+    out[...] = np.where(ids >= 0, -picked[..., 0] * w, 0)
+
+
+def ce_ids_rows_backward(node, g):
+    # d row_r / d x_r = (softmax(x_r) - onehot(id_r)) * w_r: cross_entropy_ids_back with the
+    # row weights times the rows' gradients, and dloss 1
+    x, ids, w = node.srcs
+    one = constant(np.ones(1, np.float32), name="one")
+    return O.cross_entropy_ids_back(x, ids, O.mul(w, g), one), None, None
+
+
+cross_entropy_ids_rows = register(
+    "cross_entropy_ids_rows", n_srcs=3, shape=ce_ids_rows_shape, shader="softmax",
+    entry="cross_entropy_ids", reference=ce_ids_rows_ref, result="f32",
+    fast=ce_ids_rows_into, no_grad=(1, 2), split=split_rows(keep=1, rows=(1, 2)),
+    dispatches=lambda node, variant="workgroup": [row_dispatch(node, variant)],
+    variants=ROW_VARIANTS, backward=ce_ids_rows_backward, cases=ce_ids_cases,
+    doc="Cross-entropy of each row of logits x [..., n_vocab] against int32 target ids [...] "
+        "with row weights w [...]: -w[r] * log_softmax(x[r])[ids[r]], 0 where the id is "
+        "negative; shape [...] (cross_entropy_ids is its sum). With w = 1 a row's term is "
+        "minus its token's log-probability. ids and w take no gradient.")
+
 register_row_modules("softmax")
 
 __all__ = ["soft_max", "soft_max_ext", "soft_max_back", "diag_mask_inf", "diag_mask_zero",
            "cross_entropy_loss", "cross_entropy_loss_back", "cross_entropy_ids",
-           "cross_entropy_ids_back"]
+           "cross_entropy_ids_back", "cross_entropy_ids_rows"]
