@@ -129,6 +129,11 @@ class TrainGraph:
                               # sees a key, -inf elsewhere
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # packed with a window: the mask of those layers, as `mask`
+    # with sequences (build_train_graph): f32 input (sequences, batch * n_ctx) that sums each
+    # sequence's rows, and its token terms summed: (1, sequences), minus the log-probability
+    # of each sequence's counted targets when the target weights are 1
+    sequence_rows: object = None
+    sequence_nll: object = None
 
     @property
     def packed(self) -> bool:
@@ -211,7 +216,7 @@ def causal(n: int, window: int = 0) -> np.ndarray:
 def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = False,
                       lora=None, adapters=(), frozen: bool = False,
                       max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False,
-                      precision: str = "f32"):
+                      precision: str = "f32", sequences: int = 0):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
     tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
@@ -237,7 +242,12 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
 
     `precision` "f16": activations, logits and the attention mask are halves, the loss f32
     (model_weights says how the weights get there); the backward's gradients then have
-    their tensors' types, so the params' come back f32."""
+    their tensors' types, so the params' come back f32.
+
+    `sequences` > 0 adds each sequence's sum of weighted token terms
+    (TrainGraph.sequence_nll, from the rows' cross_entropy_ids_rows and the 0/1 input
+    TrainGraph.sequence_rows that says which rows a sequence has): what a preference loss is
+    made of (ggwgpu.training.preference)."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora", precision)
     else:
@@ -279,6 +289,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     h = O.reshape(rms_norm(cfg, x, p[family.output_norm]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
+    seq_rows = input_tensor((sequences, rows), name="sequence rows") if sequences else None
+    seq_nll = None
     for start, count in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
         if count < rows:
             part = (O.view(h, (count, cfg.n_embd), (cfg.n_embd, 1), start * cfg.n_embd),
@@ -290,13 +302,19 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
             part = (h, ids, w)
             logits.append(output(cfg, p, h))
         term = O.cross_entropy_ids(logits[-1], *part[1:])
+        if sequences:       # this chunk's rows' terms, summed into their sequences
+            terms = O.reshape(O.cross_entropy_ids_rows(logits[-1], *part[1:]), (1, count))
+            chunk_rows = seq_rows if count == rows else O.view(
+                seq_rows, (sequences, count), (rows, 1), start)
+            summed = O.mul_mat(chunk_rows, terms)                          # (1, sequences)
+            seq_nll = summed if seq_nll is None else O.add(summed, seq_nll)
         # (term, loss), not (loss, term): the backward then adds the output weight's
         # gradient chunk by chunk in the order the planner computes the chunks, so each
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
     mask, window_mask = used_of([loss, *logits], mask, window_mask)
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
-                      recompute, mask, window, window_mask)
+                      recompute, mask, window, window_mask, seq_rows, seq_nll)
 
 
 def used_of(outputs, *inputs) -> list:

@@ -1,0 +1,166 @@
+"""Preference losses (training/preference.py): the graph's DPO, IPO and ORPO losses and their
+gradients against TRL's formulas computed in float64 from the reference logits of each
+sequence (testing.reference_logits), for LoRA and full finetuning, in one logits chunk and in
+several."""
+import numpy as np
+import pytest
+
+from ggwgpu.backends import NumpyBackend
+from ggwgpu.graph import build_backward
+from ggwgpu.lora import init_adapter, lora_ranks
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
+from ggwgpu.testing import reference_logits
+from ggwgpu.training.preference import (PreferenceLoss, preference_terms, reference_loss,
+                                        sequence_rows)
+
+CFG = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=7)
+PAIRS = 2
+LOSSES = [PreferenceLoss("dpo", beta=0.5), PreferenceLoss("dpo", beta=0.3, label_smoothing=0.2),
+          PreferenceLoss("ipo", beta=0.4), PreferenceLoss("orpo", orpo_lambda=0.7)]
+
+
+def batch(seed=0):
+    """Pairs of sequences sharing a prompt: (inputs, targets) rows, prompt targets -1, and
+    each sequence's answer length; chosen and rejected answers of different lengths."""
+    rng = np.random.default_rng(seed)
+    seqs = rng.integers(0, CFG.n_vocab, (2 * PAIRS, CFG.n_ctx + 1)).astype(np.int32)
+    targets = np.full((2 * PAIRS, CFG.n_ctx), -1, np.int32)
+    for pair in range(PAIRS):
+        prompt = 2 + pair
+        seqs[2 * pair + 1, :prompt] = seqs[2 * pair, :prompt]
+        for row, answer in ((2 * pair, CFG.n_ctx + 1 - prompt), (2 * pair + 1, 3 - pair)):
+            targets[row, prompt - 1:prompt - 1 + answer] = seqs[row, prompt:prompt + answer]
+    return seqs[:, :-1], targets, (targets >= 0).sum(axis=1)
+
+
+def reference_logps(values, inputs, targets) -> np.ndarray:
+    """Each row's sum of log p(target) over its counted positions, in float64."""
+    out = []
+    for row, target in zip(inputs, targets):
+        logits = reference_logits(CFG, values, row)
+        logsm = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        counted = target >= 0
+        out.append(logsm[np.flatnonzero(counted), target[counted]].sum())
+    return np.array(out)
+
+
+def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None):
+    g = build_train_graph(CFG, values, 2 * PAIRS, lora=lora, sequences=2 * PAIRS,
+                          max_logits_bytes=max_logits_bytes)
+    terms = preference_terms(g.sequence_nll, PAIRS, loss)
+    grads = build_backward(terms.loss, list(g.params.values()))
+    backend = backend or NumpyBackend(np.float64)
+    plan = backend.plan([terms.loss, g.sequence_nll, *grads.values()])
+    inputs, targets, lengths = batch()
+    feeds = g.feeds(inputs, targets)
+    feeds[g.weights] = (targets >= 0).astype(np.float32)
+    feeds[g.sequence_rows] = sequence_rows(2 * PAIRS, CFG.n_ctx)
+    if terms.inv_lengths is not None:
+        feeds[terms.inv_lengths] = (1.0 / lengths)[None].astype(np.float32)
+    # any reference log-probabilities; per token exact in float32, as the graph takes them
+    reference = -lengths * np.array([1.5, 1.25, 2.0, 0.75])[:2 * PAIRS]
+    if terms.reference is not None:
+        feeds[terms.reference] = ((reference / lengths if loss.per_token else reference)
+                                  [None].astype(np.float32))
+    if terms.chosen_weights is not None:
+        w = np.zeros(2 * PAIRS)
+        w[0::2] = 1 / lengths[0::2].sum()
+        feeds[terms.chosen_weights] = w[None].astype(np.float32)
+    plan.write(g.positions, np.arange(CFG.n_ctx, dtype=np.int32))
+    plan.run(feeds)
+    return (float(plan.read(terms.loss)[0]), -plan.read(g.sequence_nll)[0],
+            {p.name: plan.read(grad) for p, grad in grads.items()}, reference)
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+@pytest.mark.parametrize("chunked", [False, True], ids=["one chunk", "chunks of 3 rows"])
+def test_full_finetune_loss_and_gradient_equal_trls_formulas_in_float64(loss, chunked):
+    values = {k: v.astype(np.float64) for k, v in init_parameters(CFG, seed=3).items()}
+    got, logp, grads, reference = graph_loss(values, loss,
+                                             max_logits_bytes=3 * 4 * CFG.n_vocab if chunked
+                                             else 1 << 20)
+    inputs, targets, lengths = batch()
+    want_logp = reference_logps(values, inputs, targets)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-9)
+    want = reference_loss(want_logp, lengths, reference, loss)["loss"]
+    assert got == pytest.approx(want, rel=2e-7)     # 1 / length is an f32 input
+    # the gradient along random directions against central differences of the reference
+    rng = np.random.default_rng(1)
+    for name in ["token_embd.weight", "blk.1.attn_q.weight", "blk.0.ffn_down.weight"]:
+        v = rng.standard_normal(values[name].shape)
+        h = 1e-5
+
+        def at(t):
+            moved = {**values, name: values[name] + t * v}
+            return reference_loss(reference_logps(moved, inputs, targets), lengths, reference,
+                                  loss)["loss"]
+        numeric = (at(h) - at(-h)) / (2 * h)
+        assert (grads[name] * v).sum() == pytest.approx(numeric, rel=1e-5, abs=1e-9), name
+
+
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+def test_lora_finetune_gradient_equals_the_references(loss):
+    base = {k: v.astype(np.float64) for k, v in init_parameters(CFG, seed=3).items()}
+    adapter = init_adapter(CFG, lora_ranks(CFG, 2), alpha=4.0, seed=2)
+    adapter.tensors = {k: (v + 0.1).astype(np.float64) for k, v in adapter.tensors.items()}
+    got, logp, grads, reference = graph_loss(base, loss, lora=adapter)
+    inputs, targets, lengths = batch()
+
+    def merged(tensors):        # W + alpha / r * B A in float64 (lora.merge rounds to f32)
+        from ggwgpu.lora import LORA_A, LORA_B, Adapter
+        pairs, out = Adapter(adapter.alpha, tensors), dict(base)
+        for weight in pairs.weights():
+            a, b = tensors[weight + LORA_A], tensors[weight + LORA_B]
+            out[weight] = base[weight] + pairs.scale(weight) * (
+                a @ b.T if weight == "token_embd.weight" else b @ a)
+        return out
+    want_logp = reference_logps(merged(adapter.tensors), inputs, targets)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-9)
+    assert got == pytest.approx(reference_loss(want_logp, lengths, reference, loss)["loss"],
+                                rel=2e-7)
+    rng = np.random.default_rng(4)
+    name = "blk.0.attn_v.weight.lora_b"
+    v = rng.standard_normal(adapter.tensors[name].shape)
+    h = 1e-5
+
+    def at(t):
+        tensors = {**adapter.tensors, name: adapter.tensors[name] + t * v}
+        return reference_loss(reference_logps(merged(tensors), inputs, targets), lengths,
+                              reference, loss)["loss"]
+    assert (grads[name] * v).sum() == pytest.approx((at(h) - at(-h)) / (2 * h), rel=1e-5)
+
+
+def test_the_rewards_and_accuracy_follow_trl():
+    loss = PreferenceLoss("dpo", beta=0.5)
+    r = reference_loss([-3.0, -5.0, -4.0, -2.0], [2, 2, 2, 2], [-4.0, -4.0, -4.0, -4.0], loss)
+    np.testing.assert_allclose(r["chosen"], [0.5, 0.0])
+    np.testing.assert_allclose(r["rejected"], [-0.5, 1.0])
+    np.testing.assert_allclose(r["margin"], [1.0, -1.0])
+    assert r["accuracy"] == 0.5
+    # d = 2 and -2: softplus(-1) and softplus(1), averaged
+    assert r["loss"] == pytest.approx((np.log1p(np.exp(-1)) + np.log1p(np.exp(1))) / 2)
+
+
+def test_bad_constants_are_refused_by_name():
+    for kw, word in [({"kind": "kto"}, "one of dpo, ipo, orpo"), ({"beta": 0}, "beta"),
+                     ({"label_smoothing": 0.5}, "label smoothing"),
+                     ({"orpo_lambda": -1}, "lambda")]:
+        with pytest.raises(ValueError, match=word):
+            PreferenceLoss(**kw)
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+def test_the_device_computes_the_loss_and_gradients_numpy_does(wgpu, loss):
+    values = init_parameters(CFG, seed=3)
+    adapter = init_adapter(CFG, lora_ranks(CFG, 2), alpha=4.0, seed=2)
+    adapter.tensors = {k: v + np.float32(0.1) for k, v in adapter.tensors.items()}
+    for lora in (None, adapter):
+        want, want_logp, want_grads, _ = graph_loss(values, loss, lora, 3 * 4 * CFG.n_vocab,
+                                                    NumpyBackend())
+        got, logp, grads, _ = graph_loss(values, loss, lora, 3 * 4 * CFG.n_vocab, wgpu)
+        assert got == pytest.approx(want, rel=1e-5)
+        np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
+        scale = max(np.abs(g).max() for g in want_grads.values())
+        for name, grad in want_grads.items():      # float32 sums in another order
+            np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
+                                       err_msg=name)
