@@ -86,7 +86,8 @@ def rank_options(command):
               help="Batches of the validation set per evaluation (0: all of it).")
 @click.option("--early-stop", default=0, type=click.IntRange(min=0),
               help="Stop after this many evaluations without a lower validation loss.")
-@training_options(steps=100, warmup=10, seed_help="Seed of the LoRA init and the sample order.")
+@training_options(steps=100, warmup=10, seed_help="Seed of the LoRA init and the sample order.",
+                  command="finetune")
 @click.pass_context
 @across_ranks
 def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):

@@ -43,7 +43,7 @@ from .training import (ProgressBar, across_ranks, existing_directory, guard_outp
 @click.option("--rope-freq-base", default=10000.0, show_default=True, type=positive(float))
 @click.option("--rope-freq-scale", default=1.0, show_default=True, type=positive(float))
 @click.option("--norm-eps", default=1e-5, show_default=True, type=positive(float))
-@training_options(steps=300, warmup=50, seed_help="Init and sample-order seed.")
+@training_options(steps=300, warmup=50, seed_help="Init and sample-order seed.", command="train")
 @click.option("--predict", default=0, show_default=True, type=click.IntRange(min=0),
               help="At the end, sample this many tokens from the trained model (prompt: the "
                    "text's first line; generate's default sampling, --seed).")

@@ -139,7 +139,7 @@ class Repeated(click.Option):
     are not repeated."""
 
 
-def training_options(steps: int, warmup: int, seed_help: str):
+def training_options(steps: int, warmup: int, seed_help: str, command: str):
     """The options of a training run (train and finetune differ in defaults only): the
     run's own (data, length, saving) and one per TrainOptions field, made from its
     declaration in ggwgpu.train. The command gets them as keyword arguments and
@@ -147,7 +147,8 @@ def training_options(steps: int, warmup: int, seed_help: str):
     from ggwgpu.training import TrainOptions
     defaults = {"warmup": {"default": warmup}, "seed": {"help": seed_help}}
     trained = [train_option(name, {**declared, **defaults.get(name, {})})
-               for name, declared in TrainOptions.declared().items() if declared["cli"]]
+               for name, declared in TrainOptions.declared().items()
+               if declared["cli"] in (True, command)]
     options = [
         click.option("--corpus", cls=Repeated, type=click.Choice(list(BUNDLED)),
                      default="shakespeare", show_default=True,
@@ -219,7 +220,7 @@ def train_options(kw: dict):
     from ggwgpu.training import TrainOptions
     world = mpi_world()
     values = {name: kw[param_of(name)] for name, declared in TrainOptions.declared().items()
-              if declared["cli"]}
+              if declared["cli"] and param_of(name) in kw}
     values["batch"] *= world.size if world else 1
     options = TrainOptions(**values)
     if options.optimizer == "lbfgs":

@@ -42,7 +42,7 @@ from .files import read_limited
 SPLITS = ("train", "valid", "test")
 MAX_LINE_CHARS = 1 << 24    # one JSONL example: 16 Mi characters, thousands of contexts
 # name -> directory under ggwgpu/data: usable as --data NAME
-BUNDLED = {"chat-demo": "chat"}
+BUNDLED = {"chat-demo": "chat", "prefs-demo": "prefs"}
 ROLES = ("system", "user", "assistant", "tool")
 
 # ChatML, for models without a template of their own.
@@ -53,11 +53,11 @@ CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\
 
 # -- reading ----------------------------------------------------------------------------------
 
-def load_dataset(path) -> dict[str, list[dict]]:
+def load_dataset(path, check=None) -> dict[str, list[dict]]:
     """{split: examples} of a JSONL file (all "train"), a directory with train.jsonl and
     optionally valid.jsonl and test.jsonl, or a bundled dataset's name (`BUNDLED`) when no
-    such file exists. Every line is checked (`check_example`); a bad one is a DataError
-    naming the file, the line and the problem."""
+    such file exists. Every line is checked (`check`, default `check_example`); a bad one is
+    a DataError naming the file, the line and the problem."""
     path = Path(path)
     if str(path) in BUNDLED and not path.exists():
         path = Path(str(resources.files("ggwgpu").joinpath("data", BUNDLED[str(path)])))
@@ -71,12 +71,13 @@ def load_dataset(path) -> dict[str, list[dict]]:
     else:
         raise DataError(f"{path}: no such file or directory (nor a bundled dataset: "
                         f"{', '.join(BUNDLED)})")
-    return {split: read_jsonl(file) for split, file in files.items()}
+    return {split: read_jsonl(file, check) for split, file in files.items()}
 
 
-def read_jsonl(path) -> list[dict]:
+def read_jsonl(path, check=None) -> list[dict]:
     """The examples of one JSONL file; blank lines are skipped, anything else must be an
-    example (`check_example`)."""
+    example (`check`, default `check_example`: it raises DataError)."""
+    check = check or check_example
     path = Path(path)
     try:
         text = read_limited(path, DataError).decode("utf-8")
@@ -97,7 +98,7 @@ def read_jsonl(path) -> list[dict]:
         except (ValueError, RecursionError) as e:      # RecursionError: nested too deeply
             raise DataError(f"{path}:{number}: not valid JSON ({e})") from None
         try:
-            check_example(example)
+            check(example)
         except DataError as e:
             raise DataError(f"{path}:{number}: {e}") from None
         examples.append(example)
@@ -219,16 +220,17 @@ class ChatTemplate:
             raise DataError(f"the chat template ({self.origin}) failed: "
                             f"{type(e).__name__}: {e}") from None
 
-    def turns(self, messages) -> list[tuple[str, bool]]:
-        """The rendered conversation cut into (text, is_assistant) pieces: each assistant
-        turn's generation prompt is a piece of its own (not assistant), then its content and
-        end-of-turn text (assistant)."""
+    def turns(self, messages, answers_from: int = 0) -> list[tuple[str, bool]]:
+        """The rendered conversation cut into (text, is_answer) pieces: each assistant
+        turn's generation prompt is a piece of its own (not an answer), then its content and
+        end-of-turn text (an answer, if the message's index is at least `answers_from`)."""
         pieces, done = [], ""
         for i, message in enumerate(messages):
             parts = []
             if message["role"] == "assistant":
                 parts.append((self.render(messages[:i], add_generation_prompt=True), False))
-            parts.append((self.render(messages[:i + 1]), message["role"] == "assistant"))
+            parts.append((self.render(messages[:i + 1]),
+                          message["role"] == "assistant" and i >= answers_from))
             for text, trained in parts:
                 if not text.startswith(done):
                     raise DataError("the chat template does not render a conversation as the "
@@ -354,15 +356,17 @@ class Example:
 
 
 def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
-                   mask_prompt: bool) -> Example:
+                   mask_prompt: bool, answers_from: int = 0) -> Example:
     """The tokens of an example: BOS first when the vocabulary adds one (and the template
     did not write it), special tokens in templated text recognised, EOS after plain text and
-    after a prompt/completion without a template (so the model learns to stop)."""
+    after a prompt/completion without a template (so the model learns to stop). With
+    mask_prompt, the messages before index `answers_from` are not trained, assistant turns
+    among them neither."""
     if "messages" in example or ("prompt" in example and template is not None):
         messages = example.get("messages") or [
             {"role": "user", "content": example["prompt"]},
             {"role": "assistant", "content": example["completion"]}]
-        pieces, special, eos = template.turns(messages), True, False
+        pieces, special, eos = template.turns(messages, answers_from), True, False
     elif "prompt" in example:
         pieces = [(example["prompt"], False), (example["completion"], True)]
         special, eos = False, True

@@ -164,3 +164,19 @@ def test_the_device_computes_the_loss_and_gradients_numpy_does(wgpu, loss):
         for name, grad in want_grads.items():      # float32 sums in another order
             np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
                                        err_msg=name)
+
+
+def test_a_step_that_starts_at_the_reference_has_a_gradient():
+    """A LoRA finetune starts as its base, so DPO's first d is exactly 0: softplus's
+    derivative there is 1/2 (relu(x) + log(1 + exp(-|x|)) gives 0 at x = 0)."""
+    import ggwgpu.ops as O
+    from ggwgpu.tensor import param
+    from ggwgpu.training.preference import softplus
+    x = param(np.array([0.0, -30.0, 30.0, 1.5]), name="x")
+    y = O.sum(softplus(x))
+    grad = build_backward(y, [x])[x]
+    plan = NumpyBackend(np.float64).plan([y, grad])
+    plan.run({})
+    want = 1 / (1 + np.exp(-np.array([0.0, -30.0, 30.0, 1.5])))
+    np.testing.assert_allclose(plan.read(grad), want, rtol=1e-12)
+    assert plan.read(y)[0] == pytest.approx(np.logaddexp(0, [0.0, -30.0, 30.0, 1.5]).sum())

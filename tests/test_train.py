@@ -113,13 +113,13 @@ def test_train_options_refuse_what_their_bounds_do_not_hold(field, value, messag
     assert message in str(e.value)
 
 
-def test_the_cli_takes_its_training_option_ranges_from_the_same_bounds():
-    """One declaration: each TrainOptions bound is the range of the train command's option."""
-    command = cli.commands["train"]
-    params = {p.name: p for p in command.params}
+@pytest.mark.parametrize("command", ["train", "finetune"])
+def test_the_cli_takes_its_training_option_ranges_from_the_same_bounds(command):
+    """One declaration: each TrainOptions bound is the range of the command's option."""
+    params = {p.name: p for p in cli.commands[command].params}
     for name, bound in TrainOptions.bounds().items():
-        if not TrainOptions.declared()[name]["cli"]:    # Python only
-            assert name not in params
+        if TrainOptions.declared()[name]["cli"] not in (True, command):  # Python only, or
+            assert name not in params                                     # the other's
             continue
         param = params[{"eps": "adam_eps"}.get(name, name)]
         if bound.kind is bool:
@@ -138,7 +138,8 @@ def other_value(bound, default):
         return not default
     if bound.kind is str:
         return next(c for c in bound.choices if c != default)
-    return next(v for v in (default + 1, default - 1, default / 2, default * 2)
+    middle = (bound.low + bound.high) / 2 if None not in (bound.low, bound.high) else default
+    return next(v for v in (default + 1, default - 1, default / 2, default * 2, middle)
                 if bound.kind(v) != default and bound.problem(bound.kind(v)) is None)
 
 
@@ -147,7 +148,8 @@ def test_each_training_option_given_reaches_its_train_options_field(command):
     """One declaration: the command line gets an option for each TrainOptions field from its
     declaration, and the TrainOptions the command makes holds each value given."""
     from ggwgpu_cli.training import flag_of, train_options
-    declared = {name: d for name, d in TrainOptions.declared().items() if d["cli"]}
+    declared = {name: d for name, d in TrainOptions.declared().items()
+                if d["cli"] in (True, command)}
     wanted = {name: other_value(d["bound"], d["default"]) for name, d in declared.items()}
     args = [__file__] if command == "finetune" else []      # BASE: any file parses
     for name, value in wanted.items():

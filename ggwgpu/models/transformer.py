@@ -134,6 +134,16 @@ class TrainGraph:
     # of each sequence's counted targets when the target weights are 1
     sequence_rows: object = None
     sequence_nll: object = None
+    reported = ()   # tensors a training step reads back for its record (report): none
+
+    def report(self, values) -> dict:
+        return {}
+
+    def weighed_loss(self, plan, batch) -> tuple[float, int]:
+        """(loss times its count, count) of the batch just run: the loss per counted target,
+        so that batches of different counts average right."""
+        n = int((np.asarray(batch[1]) >= 0).sum())
+        return float(plan.read(self.loss)[0]) * n, n
 
     @property
     def packed(self) -> bool:

@@ -10,6 +10,8 @@ import numpy as np
 from ..models import PRECISIONS
 from .lbfgs import LINESEARCHES, ON_FAIL, LbfgsOptions
 
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo")     # training/preference.py: the last three
+
 MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
 MAX_STEPS = 10 ** 9             # warmup and decay lengths: more steps than any run takes
 MAX_SEED = 2 ** 32 - 1
@@ -64,7 +66,7 @@ class Bound:
 
 
 def _option(default, bound: Bound, help: str | None = None, *, flag: str | None = None,
-            may_change: bool = False, cli: bool = True):
+            may_change: bool = False, cli: bool | str = True):
     """A TrainOptions field, declared once with all that is derived from it (see TrainOptions).
     - bound: the values it may take, checked on construction and by `check_state`; the type
       (range, choices) of its command-line option.
@@ -73,7 +75,8 @@ def _option(default, bound: Bound, help: str | None = None, *, flag: str | None 
       that has both.
     - may_change: a run resumed from a checkpoint may set another value, which replaces the
       checkpoint's; any other option the checkpoint fixes, and a different value is refused.
-    - cli: False for a field that the train and finetune commands do not take (Python only).
+    - cli: False for a field that the train and finetune commands do not take (Python only);
+      "finetune" for one that only finetune takes.
     """
     return field(default=default, metadata={"bound": bound, "help": help, "flag": flag,
                                             "may_change": may_change, "cli": cli})
@@ -162,12 +165,28 @@ class TrainOptions:
                               cli=False)
     loss_scale_init: float = _option(2.0 ** 16, SCALE, cli=False)
     loss_scale_growth_interval: int = _option(2000, Bound(int, 1, MAX_STEPS), cli=False)
+    # preference finetuning (training/preference.py), TRL's defaults
+    objective: str = _option(
+        "sft", Bound(str, choices=OBJECTIVES),
+        "sft: next-token loss on text or --data examples; dpo, ipo, orpo: preference "
+        "finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs a step.",
+        cli="finetune")
+    beta: float = _option(0.1, POSITIVE, "DPO, IPO: how far the model may move from the "
+                          "reference, the base (TRL's beta).", cli="finetune")
+    label_smoothing: float = _option(0.0, Bound(float, 0, 0.5, high_open=True),
+                                     "DPO: the share of pairs taken to be mislabelled.",
+                                     cli="finetune")
+    orpo_lambda: float = _option(0.1, NON_NEGATIVE, "ORPO: the weight of the odds-ratio "
+                                 "term beside the chosen answers' loss.", cli="finetune")
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
             why = bound.problem(getattr(self, name))
             if why:
                 raise ValueError(f"option {name} {why}")
+        if self.optimizer == "lbfgs" and self.objective != "sft":
+            raise ValueError(f"option objective {self.objective} does not work with optimizer "
+                             f"lbfgs: use adamw or sgd")
         if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
             raise ValueError("option loss_scale dynamic does not work with optimizer lbfgs: "
                              "its line search compares losses and gradients that a skipped, "

@@ -65,9 +65,13 @@ class PreferenceLoss:
 
 
 def softplus(x):
-    """log(1 + exp(x)) as graph ops, exact for large |x|: relu(x) + log(1 + exp(-|x|))."""
+    """log(1 + exp(x)) as graph ops, exact for large |x|: (x + |x|) / 2 + log(1 + exp(-|x|)).
+    Not relu(x) for the first term: at x = 0, where a DPO step starts (the policy is the
+    reference), relu's and abs's derivatives are 0 and the gradient would be 0 instead of
+    1/2; (x + |x|) / 2 has 1/2 there."""
     one = constant(np.ones(1, np.float32), name="one")
-    return O.add(O.relu(x), O.log(O.add1(O.exp(O.neg(O.abs(x))), one)))
+    positive = O.scale(O.add(x, O.abs(x)), 0.5)
+    return O.add(positive, O.log(O.add1(O.exp(O.neg(O.abs(x))), one)))
 
 
 def pair_matrix(n_pairs: int) -> np.ndarray:
@@ -165,3 +169,97 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
         rejected = loss.beta * (r - reference[1::2])
     return {"loss": float(value), "chosen": chosen, "rejected": rejected,
             "margin": chosen - rejected, "accuracy": float((chosen > rejected).mean())}
+
+
+class PreferenceGraph:
+    """A training graph (models.TrainGraph, built with `sequences` = 2 pairs) whose loss is a
+    preference loss: what a Trainer needs of a graph (loss, params, checkpoints, recompute,
+    positions, packed), `feeds(inputs, targets, pairs)` of a pairs.PairBatches batch, the
+    reference log-probabilities of every pair (n_pairs, 2) that `pairs` index, and the
+    batch's rewards, margins and accuracy (`report`) from its sequences' log-probabilities
+    (`reported`, read back after a step)."""
+
+    def __init__(self, graph, loss: PreferenceLoss, reference: np.ndarray | None):
+        if graph.sequence_nll is None or graph.packed:
+            raise ValueError("a preference graph needs a padded training graph with sequences")
+        self.graph, self.kind = graph, loss
+        self.n_pairs = graph.sequence_nll.shape[1] // 2
+        self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss)
+        self.reference = None if reference is None else np.asarray(reference, np.float64)
+        if loss.needs_reference and self.reference is None:
+            raise ValueError(f"{loss.kind} needs the reference model's log-probabilities")
+        self.rows = sequence_rows(2 * self.n_pairs, graph.tokens.shape[1])
+        self.loss, self.params = self.terms.loss, graph.params
+        self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
+        self.positions, self.packed, self.tokens = graph.positions, False, graph.tokens
+        self.reported = (graph.sequence_nll,)
+        self.last = None
+
+    def feeds(self, inputs, targets, pairs) -> dict:
+        g, terms = self.graph, self.terms
+        targets = np.asarray(targets, np.int32)
+        feeds = g.feeds(inputs, targets)
+        feeds[g.weights] = (targets >= 0).astype(np.float32)
+        feeds[g.sequence_rows] = self.rows
+        lengths = np.maximum((targets >= 0).sum(axis=1), 1).astype(np.float64)
+        reference = None
+        if terms.reference is not None:
+            reference = self.reference[np.maximum(pairs, 0)].reshape(-1)
+            feeds[terms.reference] = (reference / lengths if self.kind.per_token
+                                      else reference)[None].astype(np.float32)
+        if terms.inv_lengths is not None:
+            feeds[terms.inv_lengths] = (1.0 / lengths)[None].astype(np.float32)
+        if terms.chosen_weights is not None:
+            w = np.zeros(len(lengths))
+            w[0::2] = 1.0 / lengths[0::2].sum()
+            feeds[terms.chosen_weights] = w[None].astype(np.float32)
+        self.last = (lengths, reference, np.asarray(pairs) >= 0)
+        return feeds
+
+    def _metrics(self, sequence_nll) -> tuple[dict, int]:
+        """reference_loss of the last batch's real pairs (an evaluation's last batch is
+        filled up with repeated ones), and how many there are."""
+        lengths, reference, real = self.last
+        rows = np.repeat(real, 2)
+        logp = -np.asarray(sequence_nll, np.float64).reshape(-1)[rows]
+        return reference_loss(logp, lengths[rows],
+                              None if reference is None else reference[rows],
+                              self.kind), int(real.sum())
+
+    def weighed_loss(self, plan, batch) -> tuple[float, int]:
+        """(the batch's loss times its pairs, its pairs), of the real pairs only."""
+        r, n = self._metrics(plan.read(self.graph.sequence_nll))
+        return r["loss"] * n, n
+
+    def report(self, reported) -> dict:
+        """The last batch's TRL metrics: mean rewards of chosen and rejected, margin, and
+        the share of pairs whose chosen reward is higher."""
+        r, _ = self._metrics(reported[0])
+        return {"rewards_chosen": float(r["chosen"].mean()),
+                "rewards_rejected": float(r["rejected"].mean()),
+                "margin": float(r["margin"].mean()), "accuracy": r["accuracy"]}
+
+
+def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=None,
+                   max_logits_bytes: int | None = None) -> np.ndarray:
+    """Each pair's log-probabilities of its chosen and rejected answer, (n_pairs, 2), under
+    the model `values` (with `lora`'s pairs added, if given), frozen: the reference model of
+    DPO and IPO, computed once before training (a LoRA finetune's reference is its base;
+    a full finetune's, its starting weights)."""
+    from ..models import MAX_LOGITS_BYTES, build_train_graph
+    n = 2 * batches.batch
+    g = build_train_graph(cfg, values, n, adapters=(lora,) if lora else (), frozen=True,
+                          sequences=n, precision=precision,
+                          max_logits_bytes=max_logits_bytes or MAX_LOGITS_BYTES)
+    plan = backend.plan([g.sequence_nll])
+    plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    rows = sequence_rows(n, cfg.n_ctx)
+    out = np.zeros((batches.n_pairs, 2))
+    for inputs, targets, pairs in batches.in_order():
+        feeds = g.feeds(inputs, targets)
+        feeds[g.weights] = (np.asarray(targets) >= 0).astype(np.float32)
+        feeds[g.sequence_rows] = rows
+        plan.run(feeds)
+        logp = -plan.read(g.sequence_nll).reshape(-1, 2).astype(np.float64)
+        out[pairs[pairs >= 0]] = logp[pairs >= 0]
+    return out

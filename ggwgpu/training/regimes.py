@@ -129,7 +129,7 @@ class PlannedUpdate:
         flagged = O.append_finite_flag(self.hparams, self.sumsq, loss, factor)
         updates = [self.rule.update(p, grad, flagged, p.ndim >= 2) for p, grad in grads.items()]
         # topo_order runs each in-place update after every reader of the old parameter
-        self.plan = backend.plan([g.loss, self.sumsq, *accumulated, *sent, *updates])
+        self.plan = backend.plan([g.loss, self.sumsq, *g.reported, *accumulated, *sent, *updates])
         # with a world: the backward and the update run apart, the allreduce between
         self.stages = ((self.plan.stage([g.loss, *accumulated, *sent]),
                         self.plan.stage([self.sumsq, *updates])) if t.world else (None, None))
@@ -187,17 +187,19 @@ class PlannedUpdate:
             plan.run(feeds, stage=backward)
         # skipped below is the finite flag's decision: the loss sum and the sum of squares
         # that it tested, read back
-        record = {}
+        record, reported = {}, trainer.graph.reported
         if self.exchange is not None:   # one readback, one allreduce, one upload
             sent, loss_sum = plan.read_many([self.exchange.sent, self.loss_sum])
             loss, record["stop"] = self.exchange.exchange(
                 trainer.world, plan, sent, float(loss_sum[0]) / n, stop)
             plan.run({self.hparams: hp}, stage=optimize)
-            sumsq = plan.read(self.sumsq)
+            sumsq, *reported = plan.read_many([self.sumsq, *reported])
         else:
-            # the loss and the gradient norm come back together: one wait for the device
-            loss_sum, sumsq = plan.read_many([self.loss_sum, self.sumsq])
+            # the loss, the gradient norm (and what the graph reports, of the last micro-
+            # batch) come back together: one wait for the device
+            loss_sum, sumsq, *reported = plan.read_many([self.loss_sum, self.sumsq, *reported])
             loss = float(loss_sum[0]) / n
+        record.update(trainer.graph.report(reported) if reported else {})
         grad_norm = math.sqrt(float(sumsq[0]))
         skipped = not (math.isfinite(loss) and math.isfinite(grad_norm))
         if skipped and n > 1:  # the NaN in the sums must not reach later steps

@@ -2,6 +2,7 @@
 the checkpoint's JSON and checks a checkpoint's JSON against one schema."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field, fields
 
 from .options import MAX_INT, SCALE, Bound, TrainOptions
@@ -23,7 +24,8 @@ FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has 
 
 
 # options older checkpoints lack: their defaults apply
-LATER_OPTIONS = ("lbfgs_", "opt_", "loss_scale")
+LATER_OPTIONS = ("lbfgs_", "opt_", "loss_scale", "objective", "beta", "label_smoothing",
+                 "orpo_lambda")
 # The loss scaler's state (LossScaler.state()), present when options.loss_scale is dynamic
 # (a checkpoint written before it existed has none: the scaler starts at its defaults)
 SCALER_STATE = {"scale": SCALE, "growth_tracker": COUNT, "skipped_steps": COUNT}
@@ -71,6 +73,8 @@ def check_state(state) -> dict:
     for key in STATE_STRINGS:
         if key in state and not isinstance(state[key], str):
             raise ValueError(f"{key} must be a string, got {state[key]!r}")
+    if "reference" in state:
+        check_reference(state["reference"], data["n_samples"])
     if "loss_scaler" in state:
         check_scaler_state(state["loss_scaler"], options, state["step"], check)
     present = [key for key in FINETUNE_KEYS if key in state]
@@ -79,6 +83,19 @@ def check_state(state) -> dict:
         raise ValueError(f"{missing} is missing (a finetune's state has "
                          f"{', '.join(FINETUNE_KEYS)})")
     return state
+
+
+def check_reference(reference, n_pairs: int):
+    """A preference run's reference log-probabilities: [chosen, rejected] per pair of the
+    data, each a finite number <= 0."""
+    if not isinstance(reference, list) or len(reference) != n_pairs:
+        raise ValueError(f"reference must be a list of {n_pairs} pairs (data.n_samples)")
+    for i, pair in enumerate(reference):
+        if not (isinstance(pair, list) and len(pair) == 2 and all(
+                isinstance(v, (int, float)) and not isinstance(v, bool)
+                and math.isfinite(v) and v <= 0 for v in pair)):
+            raise ValueError(f"reference[{i}] must be two finite log-probabilities (<= 0), "
+                             f"got {pair!r}")
 
 
 def check_scaler_state(scaler, options: dict, step: int, check):
@@ -125,10 +142,12 @@ class RunState:
     samples_after_nl: bool | None = None
     n_ctx: int | None = None
     epoch: int | None = None
+    reference: list | None = None       # a preference run's [chosen, rejected] logp per pair
     extras: dict = field(default_factory=dict)   # keys of no field, kept as they were
     # the keys' order in a checkpoint's JSON
     JSON_ORDER = ("step", "samples", "tokens", "options", "model", "data", "loss_scaler",
-                  "tokens_digest", "base", "mode", "samples_after_nl", "n_ctx", "epoch")
+                  "tokens_digest", "base", "mode", "samples_after_nl", "n_ctx", "epoch",
+                  "reference")
 
     @property
     def is_finetune(self) -> bool:

@@ -85,7 +85,7 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, values: dict, backend, options: TrainOptions,
                  batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
-                 lora=None, world=None, loss_scaler: dict | None = None):
+                 lora=None, world=None, loss_scaler: dict | None = None, reference=None):
         """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are
         trained, `values` (f32 or block types) stay frozen. `graph` (a TrainGraph) replaces
         the one built from `values` (and `lora`). With `world` (a distributed.World) this is
@@ -93,18 +93,31 @@ class Trainer:
         world.local_batch(options.batch) rows of it, and the gradients are summed over the
         ranks before the update (distributed.py). `loss_scaler` is a checkpoint's
         RunState.loss_scaler (LossScaler.state()); without one a dynamic loss scale starts at
-        options.loss_scale_init."""
+        options.loss_scale_init. With a preference objective (options.objective dpo, ipo,
+        orpo) the batches are pairs.PairBatches' (options.batch pairs, two rows each), and
+        `reference` their reference log-probabilities (preference.sequence_logps; DPO, IPO)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
         self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
-        g = graph or build_train_graph(cfg, values, batch, flash=options.flash_attn,
+        preference = options.objective != "sft"
+        if preference and world is not None:
+            raise ValueError(f"objective {options.objective} runs in one process: no MPI")
+        rows = 2 * batch if preference else batch     # a pair is two rows
+        g = graph or build_train_graph(cfg, values, rows, flash=options.flash_attn,
                                        lora=lora,
                                        max_logits_bytes=logits_bound(
                                            backend, options.checkpointing, lora is None),
                                        packed=getattr(batch_source, "packed", False),
-                                       precision=self.precision)
+                                       precision=self.precision,
+                                       sequences=rows if preference else 0)
+        if preference:
+            from .preference import PreferenceGraph, PreferenceLoss
+            g = PreferenceGraph(g, PreferenceLoss(options.objective, options.beta,
+                                                  options.label_smoothing,
+                                                  options.orpo_lambda), reference)
         self.graph = g
+        self.reference = reference if preference else None
         # the frozen tables of a full model (rope factors): `parameters` gives them back
         self.tables = {} if lora else {n: values[n] for n in FROZEN if n in values}
         scaled = options.loss_scale == "dynamic" or (
@@ -148,7 +161,8 @@ class Trainer:
 
     @property
     def step_tokens(self) -> int:
-        return self.options.batch * self.options.grad_accum * self.cfg.n_ctx
+        rows = 2 if self.options.objective != "sft" else 1        # a pair is two rows
+        return rows * self.options.batch * self.options.grad_accum * self.cfg.n_ctx
 
     def feeds(self, inputs, targets, segments=None) -> dict:
         """The graph's inputs for one batch from the batch source (with `segments` when its
@@ -179,8 +193,8 @@ class Trainer:
         total, count = 0.0, 0
         for batch in batches:
             self.regime.forward(self.feeds(*batch))
-            n = int((np.asarray(batch[1]) >= 0).sum())
-            total += float(self.plan.read(self.graph.loss)[0]) * n
+            weighed, n = self.graph.weighed_loss(self.plan, batch)
+            total += weighed
             count += n
         if self.world is not None:   # each rank's loss is its share of each batch's mean
             total = float(self.world.allreduce(np.array([total]))[0])
@@ -199,10 +213,13 @@ class Trainer:
         """Everything besides tensors that resuming needs; `run` adds what ties the run to
         its inputs (RunState's tokens_digest, base, mode, samples_after_nl, n_ctx)."""
         samples = self.step * self.options.batch * self.options.grad_accum
+        reference = self.reference
         return RunState(step=self.step, samples=samples, tokens=self.step * self.step_tokens,
                         options=self.options, model=asdict(self.cfg),
                         data=self.batches.state(),
-                        loss_scaler=self.scaler.state() if self.scaler else None, **run)
+                        loss_scaler=self.scaler.state() if self.scaler else None,
+                        reference=None if reference is None else np.asarray(reference).tolist(),
+                        **run)
 
 
 def unigram_entropy(tokens: np.ndarray) -> float:
