@@ -171,9 +171,17 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                sum(math.prod(v.shape) for v in values.values()))
     check_memory(ctx, f"finetuning {base}", cfg, values, batch=options.batch, trained=trained,
                  flash_attn=options.flash_attn, precision=options.precision)
-    validation_set = None
+    validation_set, preference = None, options.objective != "sft"
+    if preference and not kw["data_path"]:
+        raise click.UsageError(f"--objective {options.objective} trains on preference pairs: "
+                               f"give --data (JSONL lines {{\"prompt\", \"chosen\", "
+                               f"\"rejected\"}}, a directory of splits, or prefs-demo)")
+    if preference and mpi_world():
+        raise click.UsageError(f"--objective {options.objective} runs in one process: no "
+                               f"mpirun")
     if kw["data_path"]:
-        samples, validation_set, digest, data_lines = finetune_examples(
+        samples, validation_set, digest, data_lines = (
+            finetune_pairs if preference else finetune_examples)(
             kw, tokenizer, cfg, options, state, checkpoint_in)
     else:
         text, source = read_text(kw["texts"], kw["corpus"])
@@ -184,6 +192,11 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     steps = steps_of(kw, samples, options)
     local_batch(options)    # under mpirun: the batch must split over the processes
     backend = select_backend(ctx)
+    if preference and options.objective != "orpo" and state is None:
+        stage(f"the reference log-probabilities of {samples.n_pairs} pairs (the model as it "
+              f"starts)")
+    with usage_errors():
+        inputs.attach_references(samples, validation_set, cfg, values, backend, options, state)
     planning(values)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
@@ -203,8 +216,10 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         click.echo(line)
     what = "every weight" if full else (f"LoRA alpha {adapter.alpha:g} on "
                                         f"{len(adapter.weights())} weights")
-    click.echo(f"training {what}: {n_trained} parameters; {steps} steps of "
-               f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens; "
+    per_step = options.batch * options.grad_accum
+    rows = (f"{per_step} pairs ({2 * per_step} x {cfg.n_ctx} tokens, {options.objective})"
+            if preference else f"{per_step} x {cfg.n_ctx} tokens")
+    click.echo(f"training {what}: {n_trained} parameters; {steps} steps of {rows}; "
                f"{planned_memory(trainer.plan)}")
 
     if adapter is not None and cfg.tied_embeddings and \
@@ -213,9 +228,12 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                    "a LoRA pair on either: use the adapter in ggwgpu, or `ggwgpu merge` it "
                    "into a model llama.cpp loads", err=True)
 
+    valid_reference = validation_set.reference if preference and validation_set else None
     files = checkpoint.RunFiles(trainer, tokenizer, checkpoint_path,
                                 dict(tokens_digest=digest, base=base_digest, mode=mode,
-                                     samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx),
+                                     samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx,
+                                     valid_reference=None if valid_reference is None
+                                     else valid_reference.tolist()),
                                 model_cfg, None if full else adapter.alpha, base_digest)
 
     def resume_command(steps_left: int) -> str:
@@ -247,7 +265,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     if first is None:
         click.echo(f"{product} of step {trainer.step} written to {out}")
     else:
-        click.echo(f"loss {first:.3f} -> {last:.3f} nats/token in {seconds:.0f} s; {product} "
+        unit = f"({options.objective})" if preference else "nats/token"
+        click.echo(f"loss {first:.3f} -> {last:.3f} {unit} in {seconds:.0f} s; {product} "
                    f"written to {out}")
     if validation is not None:
         click.echo(f"best validation loss {validation.best:.4f}: kept in {best_path(out)}")
@@ -282,6 +301,21 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     if examples.valid is not None:
         lines.append("      " + describe_examples("validation", examples.valid))
     return examples.train, examples.valid, examples.digest, lines
+
+
+def finetune_pairs(kw, tokenizer, cfg, options, state, checkpoint_in):
+    """finetune_examples of preference pairs (--objective dpo, ipo, orpo)."""
+    template = chat_template(tokenizer, kw["chat_template"])
+    with usage_errors():
+        pairs = inputs.preference_data(
+            kw["data_path"], tokenizer, template, cfg.n_ctx, options,
+            drop_long=kw["drop_long"], val_split=kw["val_split"],
+            need_validation=bool(kw["val_every"] or kw["early_stop"]), state=state,
+            checkpoint=checkpoint_in)
+    lines = [f"data: {kw['data_path']}: " + inputs.describe_pairs("train", pairs.train)]
+    if pairs.valid is not None:
+        lines.append("      " + inputs.describe_pairs("validation", pairs.valid))
+    return pairs.train, pairs.valid, pairs.digest, lines
 
 
 @click.command("merge")

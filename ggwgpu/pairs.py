@@ -81,7 +81,8 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
 class PairBatches:
     """Shuffled batches of `batch` pairs, one sequence a row (padded): (inputs, targets)
     (2 batch, n_ctx) as chat.ExampleBatches makes them, row 2i chosen and 2i + 1 rejected,
-    and the pairs' indices (batch,), which say whose reference log-probabilities apply. A
+    the pairs' indices (batch,), and their reference log-probabilities (2 batch,) from
+    `reference` (n_pairs, 2), None until it is set (training/preference.sequence_logps). A
     sequence longer than n_ctx + 1 tokens is cut (`truncated` counts the pairs), or with
     `drop_long` its pair left out; a pair with an answer of no trained token in its window
     is left out too (`dropped` counts both). `state()`/`load_state()` resume exactly."""
@@ -107,6 +108,7 @@ class PairBatches:
             self.inputs[row, :len(ids) - 1] = ids[:-1]
             self.targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE)
         self.order = EpochOrder(len(kept), seed)
+        self.reference = None
 
     @property
     def n_samples(self) -> int:
@@ -126,8 +128,10 @@ class PairBatches:
         return (self.targets != IGNORE).sum(axis=1)
 
     def _rows(self, pairs):
+        pairs = np.asarray(pairs, np.int64)
         rows = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
-        return self.inputs[rows], self.targets[rows], np.asarray(pairs, np.int64)
+        reference = None if self.reference is None else self.reference[pairs].reshape(-1)
+        return self.inputs[rows], self.targets[rows], pairs, reference
 
     def in_order(self, limit: int | None = None):
         """Batches of the pairs in order, the same every time (for evaluation and the
@@ -136,8 +140,8 @@ class PairBatches:
         n = self.n_pairs if limit is None else min(self.n_pairs, limit * self.batch)
         for start in range(0, n, self.batch):
             pairs = np.arange(start, start + self.batch)
-            inputs, targets, _ = self._rows(pairs % n)
-            yield inputs, targets, np.where(pairs < n, pairs, -1)
+            inputs, targets, _, reference = self._rows(pairs % n)
+            yield inputs, targets, np.where(pairs < n, pairs, -1), reference
 
     def next_batch(self):
         return self._rows(self.order.take(self.batch))

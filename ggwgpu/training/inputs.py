@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import chat, data
+from ..backends import precision_for
 from .options import TrainOptions
 from .state import RunState
 from .trainer import token_digest
@@ -123,6 +124,70 @@ def finetune_examples(path, tokenizer, template, n_ctx: int, options: TrainOptio
         held = example_batches(valid, n_ctx, options.batch, options.seed, drop_long,
                                batches.packed)
     return ExampleData(batches, held, digest)
+
+
+def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions, *,
+                    drop_long: bool = False, val_split: float | None = None,
+                    need_validation: bool = False, state: RunState | None = None,
+                    checkpoint: str | None = None) -> ExampleData:
+    """The preference pairs of `path` (pairs.py) as pairs.PairBatches of options.batch
+    pairs: the validation set is its valid split, else `val_split` of the training pairs;
+    at a resumed run's position when `state` is given."""
+    from .. import pairs
+    try:
+        sets = chat.load_dataset(path, check=pairs.check_pair)
+    except OSError as e:
+        raise ValueError(str(e)) from None
+    train, valid = ([pairs.encode_pair(e, tokenizer, template) for e in sets[split]]
+                    if split in sets else None for split in ("train", "valid"))
+    if valid is None and val_split:
+        train, valid = chat.split_off(train, val_split, options.seed)
+    if valid is None and need_validation:
+        raise ValueError("--val-every and --early-stop need a validation set: valid.jsonl in "
+                         "the --data directory, or --val-split")
+    digest = chat.examples_digest([e for pair in train for e in pair])
+    if state is not None and state.tokens_digest != digest:
+        raise ValueError(f"{checkpoint} was trained on other pairs: pass the same --data (and "
+                         f"template options) to resume")
+    batches = pairs.PairBatches(train, n_ctx, options.batch, options.seed,
+                                drop_long=drop_long)
+    if state is not None:
+        resume_data(batches, state, checkpoint)
+    held = None if valid is None else pairs.PairBatches(valid, n_ctx, options.batch,
+                                                         options.seed, drop_long=drop_long)
+    return ExampleData(batches, held, digest)
+
+
+def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
+                      state: RunState | None = None):
+    """Give the pairs (pairs.PairBatches) of `train` and `valid` (or None) their reference
+    log-probabilities (DPO and IPO need them): a resumed run's, else those of the model
+    `values` as they are now (the base of a LoRA finetune; the starting weights of a full
+    one), computed once."""
+    from .preference import sequence_logps
+    if options.objective not in ("dpo", "ipo"):
+        return
+    for batches, saved in ((train, state and state.reference),
+                           (valid, state and state.valid_reference)):
+        if batches is None:
+            continue
+        if saved is not None and len(saved) == batches.n_pairs:
+            batches.reference = np.asarray(saved, np.float64)
+        else:
+            batches.reference = sequence_logps(cfg, values, batches, backend,
+                                               precision_for(backend, options.precision))
+
+
+def describe_pairs(name: str, batches) -> str:
+    """One line on a split's preference pairs: counts, what was cut or left out."""
+    line = (f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens, one "
+            f"sequence per row of {batches.n_ctx}")
+    if batches.truncated:
+        line += f", {batches.truncated} pairs cut to n_ctx"
+    if batches.dropped:
+        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or an " \
+                f"answer with nothing to train within it)"
+    return line
 
 
 def describe_examples(name: str, batches) -> str:

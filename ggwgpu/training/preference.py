@@ -174,20 +174,16 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
 class PreferenceGraph:
     """A training graph (models.TrainGraph, built with `sequences` = 2 pairs) whose loss is a
     preference loss: what a Trainer needs of a graph (loss, params, checkpoints, recompute,
-    positions, packed), `feeds(inputs, targets, pairs)` of a pairs.PairBatches batch, the
-    reference log-probabilities of every pair (n_pairs, 2) that `pairs` index, and the
-    batch's rewards, margins and accuracy (`report`) from its sequences' log-probabilities
-    (`reported`, read back after a step)."""
+    positions, packed), `feeds(inputs, targets, pairs, reference)` of a pairs.PairBatches
+    batch, and the batch's rewards, margins and accuracy (`report`) from its sequences'
+    log-probabilities (`reported`, read back after a step)."""
 
-    def __init__(self, graph, loss: PreferenceLoss, reference: np.ndarray | None):
+    def __init__(self, graph, loss: PreferenceLoss):
         if graph.sequence_nll is None or graph.packed:
             raise ValueError("a preference graph needs a padded training graph with sequences")
         self.graph, self.kind = graph, loss
         self.n_pairs = graph.sequence_nll.shape[1] // 2
         self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss)
-        self.reference = None if reference is None else np.asarray(reference, np.float64)
-        if loss.needs_reference and self.reference is None:
-            raise ValueError(f"{loss.kind} needs the reference model's log-probabilities")
         self.rows = sequence_rows(2 * self.n_pairs, graph.tokens.shape[1])
         self.loss, self.params = self.terms.loss, graph.params
         self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
@@ -195,16 +191,22 @@ class PreferenceGraph:
         self.reported = (graph.sequence_nll,)
         self.last = None
 
-    def feeds(self, inputs, targets, pairs) -> dict:
+    def feeds(self, inputs, targets, pairs, reference=None) -> dict:
+        """The graph's inputs of a batch: `pairs` (-1 for a filler pair, which no loss or
+        metric counts) and `reference` (2 pairs,) their reference log-probabilities."""
         g, terms = self.graph, self.terms
         targets = np.asarray(targets, np.int32)
         feeds = g.feeds(inputs, targets)
         feeds[g.weights] = (targets >= 0).astype(np.float32)
         feeds[g.sequence_rows] = self.rows
         lengths = np.maximum((targets >= 0).sum(axis=1), 1).astype(np.float64)
-        reference = None
-        if terms.reference is not None:
-            reference = self.reference[np.maximum(pairs, 0)].reshape(-1)
+        if terms.reference is None:
+            reference = None
+        elif reference is None:
+            raise ValueError(f"{self.kind.kind} needs the reference model's log-probabilities "
+                             f"of the pairs")
+        else:
+            reference = np.asarray(reference, np.float64)
             feeds[terms.reference] = (reference / lengths if self.kind.per_token
                                       else reference)[None].astype(np.float32)
         if terms.inv_lengths is not None:
@@ -255,7 +257,7 @@ def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=N
     plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     rows = sequence_rows(n, cfg.n_ctx)
     out = np.zeros((batches.n_pairs, 2))
-    for inputs, targets, pairs in batches.in_order():
+    for inputs, targets, pairs, _ in batches.in_order():
         feeds = g.feeds(inputs, targets)
         feeds[g.weights] = (np.asarray(targets) >= 0).astype(np.float32)
         feeds[g.sequence_rows] = rows

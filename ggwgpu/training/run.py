@@ -308,6 +308,9 @@ def run_steps(trainer, steps: int, *, log_path=None, save_every: int = 0, save_c
                                      f"{record['tokens_per_s']:.0f} tok/s lr {record['lr']:.2e}")
                     if "loss_scale" in record:
                         shown["text"] += f" scale 2^{math.log2(record['loss_scale']):.0f}"
+                    if "accuracy" in record:        # a preference objective's
+                        shown["text"] += (f" acc {record['accuracy']:.2f} margin "
+                                          f"{record['margin']:.2f}")
                     val = validate(record, record["step"] - start == steps)
                     if val:
                         record["val_loss"] = val["val_loss"]

@@ -75,6 +75,8 @@ def check_state(state) -> dict:
             raise ValueError(f"{key} must be a string, got {state[key]!r}")
     if "reference" in state:
         check_reference(state["reference"], data["n_samples"])
+    if "valid_reference" in state:
+        check_reference(state["valid_reference"], None, "valid_reference")
     if "loss_scaler" in state:
         check_scaler_state(state["loss_scaler"], options, state["step"], check)
     present = [key for key in FINETUNE_KEYS if key in state]
@@ -85,16 +87,18 @@ def check_state(state) -> dict:
     return state
 
 
-def check_reference(reference, n_pairs: int):
-    """A preference run's reference log-probabilities: [chosen, rejected] per pair of the
-    data, each a finite number <= 0."""
-    if not isinstance(reference, list) or len(reference) != n_pairs:
-        raise ValueError(f"reference must be a list of {n_pairs} pairs (data.n_samples)")
+def check_reference(reference, n_pairs: int | None, key: str = "reference"):
+    """A preference run's reference log-probabilities: [chosen, rejected] per pair (of the
+    data, n_pairs, when given), each a finite number <= 0."""
+    if not isinstance(reference, list) or not reference or (
+            n_pairs is not None and len(reference) != n_pairs):
+        raise ValueError(f"{key} must be a list of " +
+                         ("pairs" if n_pairs is None else f"{n_pairs} pairs (data.n_samples)"))
     for i, pair in enumerate(reference):
         if not (isinstance(pair, list) and len(pair) == 2 and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool)
                 and math.isfinite(v) and v <= 0 for v in pair)):
-            raise ValueError(f"reference[{i}] must be two finite log-probabilities (<= 0), "
+            raise ValueError(f"{key}[{i}] must be two finite log-probabilities (<= 0), "
                              f"got {pair!r}")
 
 
@@ -143,11 +147,12 @@ class RunState:
     n_ctx: int | None = None
     epoch: int | None = None
     reference: list | None = None       # a preference run's [chosen, rejected] logp per pair
+    valid_reference: list | None = None   # the same of its validation pairs
     extras: dict = field(default_factory=dict)   # keys of no field, kept as they were
     # the keys' order in a checkpoint's JSON
     JSON_ORDER = ("step", "samples", "tokens", "options", "model", "data", "loss_scaler",
                   "tokens_digest", "base", "mode", "samples_after_nl", "n_ctx", "epoch",
-                  "reference")
+                  "reference", "valid_reference")
 
     @property
     def is_finetune(self) -> bool:

@@ -85,7 +85,7 @@ class Trainer:
 
     def __init__(self, cfg: ModelConfig, values: dict, backend, options: TrainOptions,
                  batch_source, opt_state: dict | None = None, step: int = 0, graph=None,
-                 lora=None, world=None, loss_scaler: dict | None = None, reference=None):
+                 lora=None, world=None, loss_scaler: dict | None = None):
         """`lora` (a ggwgpu.lora.Adapter) makes it a LoRA finetune: the adapter's tensors are
         trained, `values` (f32 or block types) stay frozen. `graph` (a TrainGraph) replaces
         the one built from `values` (and `lora`). With `world` (a distributed.World) this is
@@ -94,8 +94,8 @@ class Trainer:
         ranks before the update (distributed.py). `loss_scaler` is a checkpoint's
         RunState.loss_scaler (LossScaler.state()); without one a dynamic loss scale starts at
         options.loss_scale_init. With a preference objective (options.objective dpo, ipo,
-        orpo) the batches are pairs.PairBatches' (options.batch pairs, two rows each), and
-        `reference` their reference log-probabilities (preference.sequence_logps; DPO, IPO)."""
+        orpo) the batches are pairs.PairBatches' (options.batch pairs, two rows each), with
+        their reference log-probabilities set (preference.sequence_logps; DPO, IPO)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
         self.precision = precision_for(backend, options.precision)
@@ -115,9 +115,8 @@ class Trainer:
             from .preference import PreferenceGraph, PreferenceLoss
             g = PreferenceGraph(g, PreferenceLoss(options.objective, options.beta,
                                                   options.label_smoothing,
-                                                  options.orpo_lambda), reference)
+                                                  options.orpo_lambda))
         self.graph = g
-        self.reference = reference if preference else None
         # the frozen tables of a full model (rope factors): `parameters` gives them back
         self.tables = {} if lora else {n: values[n] for n in FROZEN if n in values}
         scaled = options.loss_scale == "dynamic" or (
@@ -164,12 +163,13 @@ class Trainer:
         rows = 2 if self.options.objective != "sft" else 1        # a pair is two rows
         return rows * self.options.batch * self.options.grad_accum * self.cfg.n_ctx
 
-    def feeds(self, inputs, targets, segments=None) -> dict:
-        """The graph's inputs for one batch from the batch source (with `segments` when its
-        rows are packed): with a world, this rank's rows of it, weighted by the whole
-        batch's count of targets."""
+    def feeds(self, inputs, targets, *rest) -> dict:
+        """The graph's inputs for one batch from the batch source (with the segments when
+        its rows are packed; a preference graph's pairs and reference): with a world, this
+        rank's rows of it, weighted by the whole batch's count of targets."""
         if self.world is None:
-            return self.graph.feeds(inputs, targets, segments)
+            return self.graph.feeds(inputs, targets, *rest)
+        segments = rest[0] if rest else None
         inputs_, targets_, counted = self.world.rows(inputs, targets)
         if segments is not None:    # the same rows of the segments
             segments = self.world.rows(segments, targets)[0]
@@ -213,7 +213,7 @@ class Trainer:
         """Everything besides tensors that resuming needs; `run` adds what ties the run to
         its inputs (RunState's tokens_digest, base, mode, samples_after_nl, n_ctx)."""
         samples = self.step * self.options.batch * self.options.grad_accum
-        reference = self.reference
+        reference = self.batches.reference if self.options.objective != "sft" else None
         return RunState(step=self.step, samples=samples, tokens=self.step * self.step_tokens,
                         options=self.options, model=asdict(self.cfg),
                         data=self.batches.state(),
