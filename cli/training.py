@@ -222,7 +222,8 @@ def train_options(kw: dict):
     values = {name: kw[param_of(name)] for name, declared in TrainOptions.declared().items()
               if declared["cli"] and param_of(name) in kw}
     values["batch"] *= world.size if world else 1
-    options = TrainOptions(**values)
+    with usage_errors():        # options that contradict each other
+        options = TrainOptions(**values)
     if options.optimizer == "lbfgs":
         if world or options.grad_accum > 1:
             raise click.UsageError("--optimizer lbfgs takes one whole batch per step in one "

@@ -158,7 +158,9 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
     `lora_layers`), or with `full` every weight as a model. With a validation set (the data's
     valid split, or `val_split`) the validation loss is taken every `val_every` steps (and at
     the end) and the best weights kept in OUT's .best.gguf; `early_stop` evaluations without
-    a lower loss end the run."""
+    a lower loss end the run. objective="dpo", "ipo" or "orpo" (with beta, label_smoothing,
+    orpo_lambda) finetunes on preference pairs in `data` instead (pairs.py's forms), the
+    reference model being `model` as it starts."""
     model = _model(model)
     options = TrainOptions(**{**FINETUNE_DEFAULTS, **options})
     values, adapter = _trained_weights(model, full)
@@ -238,28 +240,38 @@ def _run_finetune(model, values, adapter, options, step, opt_state, state, setup
                   backend, reporter) -> RunResult:
     from .chat import ChatTemplate
     cfg = _with_context(model.cfg, setup["n_ctx"])
-    held = None
+    held, preference = None, options.objective != "sft"
+    if preference and data is None:
+        raise ValueError(f"objective {options.objective} trains on preference pairs: give data")
     if data is not None:
         if texts:
             raise ValueError("give texts or data, not both")
         template = ChatTemplate.of(model.tokenizer, chat_template, chat_template and "the "
                                    "chat_template argument")
-        examples = inputs.finetune_examples(
-            data, model.tokenizer, template, cfg.n_ctx, options, mask_prompt=mask_prompt,
-            drop_long=drop_long, pack=pack, val_split=val_split,
-            need_validation=bool(val_every or early_stop), state=state,
-            checkpoint=state and checkpoint)
+        common = dict(drop_long=drop_long, val_split=val_split,
+                      need_validation=bool(val_every or early_stop), state=state,
+                      checkpoint=state and checkpoint)
+        examples = (inputs.preference_data(data, model.tokenizer, template, cfg.n_ctx, options,
+                                           **common) if preference else
+                    inputs.finetune_examples(data, model.tokenizer, template, cfg.n_ctx,
+                                             options, mask_prompt=mask_prompt, pack=pack,
+                                             **common))
         samples, held, digest = examples.train, examples.valid, examples.digest
     else:
         text, _ = inputs.training_text(texts, corpus)
         _, digest, samples = inputs.text_samples(text, model.tokenizer, cfg.n_ctx, options,
                                                  setup["samples_after_nl"], state, checkpoint)
-    trainer = Trainer(cfg, values, get_backend(backend), options, samples, opt_state, step,
+    backend = get_backend(backend)
+    if preference:
+        inputs.attach_references(samples, held, cfg, values, backend, options, state)
+    trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
                       lora=adapter, loss_scaler=state and state.loss_scaler)
+    valid_reference = held.reference if preference and held is not None else None
     files = checkpoints.RunFiles(
         trainer, model.tokenizer, checkpoint or inputs.default_checkpoint_path(out),
         dict(tokens_digest=digest, base=model.digest, mode="lora" if adapter else "full",
-             samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx),
+             samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx,
+             valid_reference=None if valid_reference is None else valid_reference.tolist()),
         model.cfg, adapter and adapter.alpha, model.digest)
     best = inputs.best_path(out) if held is not None else None
     validation = None

@@ -180,3 +180,106 @@ def test_a_step_that_starts_at_the_reference_has_a_gradient():
     want = 1 / (1 + np.exp(-np.array([0.0, -30.0, 30.0, 1.5])))
     np.testing.assert_allclose(plan.read(grad), want, rtol=1e-12)
     assert plan.read(y)[0] == pytest.approx(np.logaddexp(0, [0.0, -30.0, 30.0, 1.5]).sum())
+
+
+# -- the finetune command and the Python API ---------------------------------------------------
+
+PAIRS_JSONL = [{"prompt": f"{a}+{b}?", "chosen": str(a + b), "rejected": str(a + b + 1)}
+               for a in range(4) for b in range(3)]
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory):
+    import json
+
+    import ggwgpu
+    from ggwgpu.training.run import Reporter
+    d = tmp_path_factory.mktemp("prefs")
+    ggwgpu.train(out=str(d / "base.gguf"), steps=2, n_embd=16, n_head=2, n_layer=1, n_ff=32,
+                 n_ctx=96, batch=2, backend="numpy", reporter=Reporter())
+    (d / "pairs").mkdir()
+    for split, rows in (("train", PAIRS_JSONL[:9]), ("valid", PAIRS_JSONL[9:])):
+        (d / "pairs" / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return d
+
+
+def finetune_cli(d, *args):
+    from click.testing import CliRunner
+
+    from ggwgpu_cli.main import cli
+    return CliRunner().invoke(cli, ["--backend", "numpy", "finetune", str(d / "base.gguf"),
+                                    "--data", str(d / "pairs"), "--batch", "2", "--lr", "1e-2",
+                                    "--warmup", "1", *args])
+
+
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
+def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, objective):
+    import json
+    d = tiny_base
+    out, log = tmp_path / "straight.gguf", tmp_path / "straight.jsonl"
+    r = finetune_cli(d, "--objective", objective, "--steps", "4", "--out", str(out),
+                     "--log", str(log))
+    assert r.exit_code == 0, r.output
+    assert f"4 steps of 2 pairs (4 x 96 tokens, {objective})" in r.output
+    ckpt = tmp_path / "ckpt.gguf"
+    r = finetune_cli(d, "--objective", objective, "--steps", "2", "--out", str(tmp_path / "a"),
+                     "--checkpoint-out", str(ckpt), "--log", str(tmp_path / "log.jsonl"))
+    assert r.exit_code == 0, r.output
+    r = finetune_cli(d, "--steps", "2", "--checkpoint-in", str(ckpt), "--out",
+                     str(tmp_path / "resumed.gguf"), "--log", str(tmp_path / "log.jsonl"))
+    assert r.exit_code == 0, r.output
+    assert "reference log-probabilities" not in r.output      # kept, not computed again
+    assert out.read_bytes() == (tmp_path / "resumed.gguf").read_bytes()
+
+    def records(path):      # the stopped run validated at its end, step 2, too
+        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s",
+                                                                        "val_loss")}
+                for line in path.read_text().splitlines()]
+    assert records(log) == records(tmp_path / "log.jsonl")
+    assert {"rewards_chosen", "rewards_rejected", "margin", "accuracy"} <= set(records(log)[0])
+
+
+def test_preference_finetuning_refuses_what_it_cannot_train(tiny_base, tmp_path):
+    d = tiny_base
+    from click.testing import CliRunner
+
+    from ggwgpu_cli.main import cli
+    r = CliRunner().invoke(cli, ["--backend", "numpy", "finetune", str(d / "base.gguf"),
+                                 "--objective", "dpo", "--steps", "1"])
+    assert r.exit_code == 2 and "trains on preference pairs: give --data" in r.output
+    r = finetune_cli(d, "--objective", "dpo", "--optimizer", "lbfgs", "--steps", "1")
+    assert r.exit_code == 2 and "does not work with optimizer lbfgs" in r.output
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n'
+                   '{"prompt": "a", "chosen": "b"}\n')
+    r = finetune_cli(d, "--objective", "orpo", "--steps", "1", "--data", str(bad))
+    assert r.exit_code == 2 and f"{bad}:2: a preference pair has 'chosen' and 'rejected'" \
+        in r.output
+    bad.write_text('{"prompt": [{"role": "user", "content": "a"}], "chosen": "b", '
+                   '"rejected": "c"}\n')
+    r = finetune_cli(d, "--objective", "orpo", "--steps", "1", "--data", str(bad))
+    assert r.exit_code == 2 and f"{bad}:1: a pair's prompt, chosen and rejected are all " \
+        "strings, or all lists of messages" in r.output
+
+
+def test_dpo_through_the_python_api_raises_the_preference_accuracy(tiny_base):
+    """The model is a random 1-layer llama: DPO on the training pairs moves each chosen
+    answer ahead of its rejected one."""
+    import ggwgpu
+    from ggwgpu.training.run import Reporter
+
+    class Records(Reporter):
+        def __init__(self):
+            self.records = []
+
+        def step(self, record, line):
+            self.records.append(record)
+    seen = Records()
+    d = tiny_base
+    run = ggwgpu.finetune(str(d / "base.gguf"), data=str(d / "pairs"), out=str(d / "dpo.gguf"),
+                          objective="dpo", beta=0.5, steps=24, batch=3, lr=3e-2, warmup=2,
+                          lora_r=4, val_every=24, backend="numpy", reporter=seen)
+    assert run.best_val_loss is not None
+    assert seen.records[0]["loss"] == pytest.approx(np.log(2), rel=1e-6)   # at the reference
+    assert np.mean([r["accuracy"] for r in seen.records[-3:]]) == 1.0
+    assert np.mean([r["loss"] for r in seen.records[-3:]]) < 0.3
