@@ -248,7 +248,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     validation = None
     if validation_set is not None:
         validation = Validation(
-            lambda: trainer.evaluate(validation_set.in_order(kw["val_batches"] or None)),
+            lambda: trainer.evaluation(validation_set.in_order(kw["val_batches"] or None)),
             kw["val_every"] or steps, kw["early_stop"], lambda: write_to(best_path(out)))
 
     result = run_steps(trainer, steps, log_path=kw["log_path"] if is_root() else None,

@@ -276,7 +276,7 @@ def _run_finetune(model, values, adapter, options, step, opt_state, state, setup
     best = inputs.best_path(out) if held is not None else None
     validation = None
     if held is not None:
-        validation = Validation(lambda: trainer.evaluate(held.in_order(val_batches or None)),
+        validation = Validation(lambda: trainer.evaluation(held.in_order(val_batches or None)),
                                 val_every or steps, early_stop, lambda: files.write(best))
     result = run_steps(trainer, steps, log_path=log, save_every=save_every if checkpoint else 0,
                        save_checkpoint=files.save_checkpoint,

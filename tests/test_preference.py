@@ -232,11 +232,20 @@ def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, obje
     assert out.read_bytes() == (tmp_path / "resumed.gguf").read_bytes()
 
     def records(path):      # the stopped run validated at its end, step 2, too
-        return [{k: v for k, v in json.loads(line).items() if k not in ("tokens_per_s",
-                                                                        "val_loss")}
+        return [{k: v for k, v in json.loads(line).items()
+                 if k != "tokens_per_s" and not k.startswith("val_")}
                 for line in path.read_text().splitlines()]
     assert records(log) == records(tmp_path / "log.jsonl")
     assert {"rewards_chosen", "rewards_rejected", "margin", "accuracy"} <= set(records(log)[0])
+    last = json.loads(log.read_text().splitlines()[-1])     # validated at the end
+    assert {"val_loss", "val_accuracy", "val_margin"} <= set(last)
+    if objective == "dpo":
+        from click.testing import CliRunner
+
+        from ggwgpu_cli.main import cli
+        r = CliRunner().invoke(cli, ["plot", str(log), "--out", str(tmp_path / "p.png")])
+        assert r.exit_code == 0, r.output
+        assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_preference_finetuning_refuses_what_it_cannot_train(tiny_base, tmp_path):

@@ -139,11 +139,11 @@ class TrainGraph:
     def report(self, values) -> dict:
         return {}
 
-    def weighed_loss(self, plan, batch) -> tuple[float, int]:
-        """(loss times its count, count) of the batch just run: the loss per counted target,
-        so that batches of different counts average right."""
+    def weighed(self, plan, batch) -> dict:
+        """{"loss": the loss times its count, "count"} of the batch just run: the loss per
+        counted target, so that batches of different counts average right."""
         n = int((np.asarray(batch[1]) >= 0).sum())
-        return float(plan.read(self.loss)[0]) * n, n
+        return {"loss": float(plan.read(self.loss)[0]) * n, "count": n}
 
     @property
     def packed(self) -> bool:

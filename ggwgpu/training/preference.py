@@ -228,10 +228,12 @@ class PreferenceGraph:
                               None if reference is None else reference[rows],
                               self.kind), int(real.sum())
 
-    def weighed_loss(self, plan, batch) -> tuple[float, int]:
-        """(the batch's loss times its pairs, its pairs), of the real pairs only."""
+    def weighed(self, plan, batch) -> dict:
+        """The batch's loss, accuracy and mean margin times its pairs, and its pairs
+        ("count"), of the real pairs only."""
         r, n = self._metrics(plan.read(self.graph.sequence_nll))
-        return r["loss"] * n, n
+        return {"loss": r["loss"] * n, "accuracy": r["accuracy"] * n,
+                "margin": float(r["margin"].mean()) * n, "count": n}
 
     def report(self, reported) -> dict:
         """The last batch's TRL metrics: mean rewards of chosen and rejected, margin, and

@@ -165,9 +165,10 @@ class RunLog:
 
 
 class Validation:
-    """The validation loss every `every` steps (and after the last): `check(step)` evaluates,
-    calls `save_best()` when the loss is the lowest so far, and says when `patience`
-    evaluations in a row brought no improvement (0: never stop early)."""
+    """The validation loss every `every` steps (and after the last): `check(step)` evaluates
+    (`evaluate()`: Trainer.evaluation's {"loss", and what else it measures}), calls
+    `save_best()` when the loss is the lowest so far, and says when `patience` evaluations
+    in a row brought no improvement (0: never stop early)."""
 
     def __init__(self, evaluate, every: int, patience: int, save_best):
         self.evaluate, self.every, self.patience, self.save_best = (evaluate, every, patience,
@@ -177,13 +178,14 @@ class Validation:
     def check(self, step: int, last: bool) -> dict | None:
         if step % self.every and not last:
             return None
-        loss = self.evaluate()
+        measured = self.evaluate()
+        loss = measured["loss"]
         if loss < self.best:
             self.best, self.since_best = loss, 0
             self.save_best()
         else:
             self.since_best += 1
-        return {"val_loss": loss,
+        return {**{f"val_{key}": value for key, value in measured.items()},
                 "stop": bool(self.patience) and self.since_best >= self.patience}
 
 
@@ -313,8 +315,10 @@ def run_steps(trainer, steps: int, *, log_path=None, save_every: int = 0, save_c
                                           f"{record['margin']:.2f}")
                     val = validate(record, record["step"] - start == steps)
                     if val:
-                        record["val_loss"] = val["val_loss"]
-                        shown["val"] = f" val {val['val_loss']:.3f}"
+                        record.update({k: v for k, v in val.items() if k != "stop"})
+                        shown["val"] = f" val {val['val_loss']:.3f}" + (
+                            f" val acc {val['val_accuracy']:.2f}" if "val_accuracy" in val
+                            else "")
                     shown["text"] += shown.get("val", "")
                     log.write(record)
                     if record["skipped"] and not record.get("overflow"):

@@ -190,16 +190,22 @@ class Trainer:
         """The mean loss per counted target over `batches` (TrainGraph.feeds's arguments:
         (inputs, targets), or for a packed graph (inputs, targets, segments)), with the
         parameters left as they are."""
-        total, count = 0.0, 0
+        return self.evaluation(batches)["loss"]
+
+    def evaluation(self, batches) -> dict:
+        """`evaluate`'s loss, and what else the graph measures (a preference graph: the
+        accuracy and the mean margin of its pairs), each a mean over `batches`."""
+        sums = {}
         for batch in batches:
             self.regime.forward(self.feeds(*batch))
-            weighed, n = self.graph.weighed_loss(self.plan, batch)
-            total += weighed
-            count += n
+            for key, value in self.graph.weighed(self.plan, batch).items():
+                sums[key] = sums.get(key, 0) + value
         if self.world is not None:   # each rank's loss is its share of each batch's mean
-            total = float(self.world.allreduce(np.array([total]))[0])
+            sums["loss"] = float(self.world.allreduce(np.array([sums.get("loss", 0.0)]))[0])
+        total = sums.pop("loss", 0.0)
+        count = max(sums.pop("count", 0), 1)
         self.regime.after_evaluation(math.isfinite(total))
-        return total / max(count, 1)
+        return {"loss": total / count, **{k: v / count for k, v in sums.items()}}
 
     def parameters(self) -> dict[str, np.ndarray]:
         """The trained values by name, and a full model's frozen tables (rope factors)."""
