@@ -44,9 +44,10 @@ def reference_logps(values, inputs, targets) -> np.ndarray:
     return np.array(out)
 
 
-def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None):
+def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
+               precision="f32"):
     g = build_train_graph(CFG, values, 2 * PAIRS, lora=lora, sequences=2 * PAIRS,
-                          max_logits_bytes=max_logits_bytes)
+                          max_logits_bytes=max_logits_bytes, precision=precision)
     terms = preference_terms(g.sequence_nll, PAIRS, loss)
     grads = build_backward(terms.loss, list(g.params.values()))
     backend = backend or NumpyBackend(np.float64)
@@ -292,3 +293,19 @@ def test_dpo_through_the_python_api_raises_the_preference_accuracy(tiny_base):
     assert seen.records[0]["loss"] == pytest.approx(np.log(2), rel=1e-6)   # at the reference
     assert np.mean([r["accuracy"] for r in seen.records[-3:]]) == 1.0
     assert np.mean([r["loss"] for r in seen.records[-3:]]) < 0.3
+
+
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+def test_an_f16_graph_gives_the_f32_loss_and_gradients_within_halves(wgpu, loss):
+    if not wgpu.has_f16:
+        pytest.skip("the adapter has no shader-f16")
+    values = init_parameters(CFG, seed=3)
+    want, want_logp, want_grads, _ = graph_loss(values, loss, None, 1 << 20, wgpu)
+    g = build_train_graph(CFG, values, 2 * PAIRS, sequences=2 * PAIRS, precision="f16")
+    assert g.logits[0].dtype == "f16"
+    got, logp, grads, _ = graph_loss(values, loss, None, 1 << 20, wgpu, precision="f16")
+    assert got == pytest.approx(want, rel=1e-2)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-2)
+    for name, grad in want_grads.items():
+        cos = (grads[name] * grad).sum() / (np.linalg.norm(grads[name]) * np.linalg.norm(grad))
+        assert cos > 0.999, name
