@@ -431,7 +431,32 @@ def pack_rows(lengths, n_ctx: int) -> list[list[int]]:
     return rows
 
 
-class ExampleBatches:
+def place(example: Example, inputs, targets, at: int = 0) -> int:
+    """Write `example` into a row's inputs and targets from position `at`: inputs its ids but
+    the last, targets the ids after them (IGNORE where not trained), at most n_ctx (the
+    row's length) tokens from `at`; returns where it ends."""
+    n_ctx = len(inputs)
+    ids, trained = example.ids[:n_ctx + 1], example.trained[:n_ctx + 1]
+    end = at + len(ids) - 1
+    inputs[at:end] = ids[:-1]
+    targets[at:end] = np.where(trained[1:], ids[1:], IGNORE)
+    return end
+
+
+class RowBatches:
+    """What batches of rows (`inputs`, `targets`) taken in an `order` (data.EpochOrder)
+    share."""
+
+    @property
+    def epoch(self) -> float:
+        return self.order.progress
+
+    @property
+    def trained_tokens(self) -> int:
+        return int((self.targets != IGNORE).sum())
+
+
+class ExampleBatches(RowBatches):
     """Shuffled batches of rows of n_ctx positions holding examples: an example of n tokens
     fills n - 1 positions with inputs ids[:-1] and targets ids[1:], IGNORE where the token
     is not trained; the rest of a row is padding (IGNORE too). An example longer than
@@ -475,10 +500,7 @@ class ExampleBatches:
         for row, members in enumerate(rows):
             at = 0
             for segment, i in enumerate(members):
-                ids, trained = kept[i].ids[:n_ctx + 1], kept[i].trained[:n_ctx + 1]
-                end = at + len(ids) - 1
-                self.inputs[row, at:end] = ids[:-1]
-                self.targets[row, at:end] = np.where(trained[1:], ids[1:], IGNORE)
+                end = place(kept[i], self.inputs[row], self.targets[row], at)
                 self.segments[row, at:end] = segment
                 at = end
             self.segments[row, at:] = len(members)             # the padding sees itself only
@@ -488,14 +510,6 @@ class ExampleBatches:
     def n_samples(self) -> int:
         """Rows (one example each when padded)."""
         return len(self.inputs)
-
-    @property
-    def epoch(self) -> float:
-        return self.order.progress
-
-    @property
-    def trained_tokens(self) -> int:
-        return int((self.targets != IGNORE).sum())
 
     @property
     def fill(self) -> float:

@@ -18,7 +18,8 @@ import json
 
 import numpy as np
 
-from .chat import IGNORE, STATE_VERSION, ROLES, Example, _need_unicode, encode_example
+from .chat import (IGNORE, ROLES, STATE_VERSION, Example, RowBatches, _need_unicode,
+                   encode_example, place)
 from .data import DataError, EpochOrder
 
 
@@ -78,7 +79,7 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
                  for answer in (chosen, rejected))
 
 
-class PairBatches:
+class PairBatches(RowBatches):
     """Shuffled batches of `batch` pairs, one sequence a row (padded): (inputs, targets)
     (2 batch, n_ctx) as chat.ExampleBatches makes them, row 2i chosen and 2i + 1 rejected,
     the pairs' indices (batch,), and their reference log-probabilities (2 batch,) from
@@ -104,9 +105,7 @@ class PairBatches:
         self.inputs = np.full((2 * len(kept), n_ctx), pad_id, np.int32)
         self.targets = np.full((2 * len(kept), n_ctx), IGNORE, np.int32)
         for row, e in enumerate(e for p in kept for e in p):
-            ids, trained = e.ids[:n_ctx + 1], e.trained[:n_ctx + 1]
-            self.inputs[row, :len(ids) - 1] = ids[:-1]
-            self.targets[row, :len(ids) - 1] = np.where(trained[1:], ids[1:], IGNORE)
+            place(e, self.inputs[row], self.targets[row])
         self.order = EpochOrder(len(kept), seed)
         self.reference = None
 
@@ -114,14 +113,6 @@ class PairBatches:
     def n_samples(self) -> int:
         """Pairs (a step of `batch` of them is an epoch's batch / n_samples)."""
         return self.n_pairs
-
-    @property
-    def epoch(self) -> float:
-        return self.order.progress
-
-    @property
-    def trained_tokens(self) -> int:
-        return int((self.targets != IGNORE).sum())
 
     def lengths(self) -> np.ndarray:
         """Each sequence's trained tokens (2 n_pairs,), chosen and rejected alternating."""

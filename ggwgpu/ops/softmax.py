@@ -373,16 +373,22 @@ def ce_ids_ref(x, ids, w):
     return np.sum(np.where(counted, -picked * w, 0), dtype=x.dtype).reshape(1)
 
 
-def ce_ids_into(out, x, ids, w):
-    """ce_ids_ref without a one-hot or a log_softmax the size of x: the log-softmax of the
-    picked entries only, each computed as the reference does."""
+def ce_ids_row_terms(x, ids, w):
+    """Each row's w * -log_softmax(x)[id] (0 where the id is negative), without a one-hot or
+    a log_softmax the size of x: the log-softmax of the picked entries only, each computed
+    as the reference does."""
     check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
     top = np.max(x, axis=-1, keepdims=True)
     e = np.subtract(x, top)
     np.exp(e, out=e)
     picked = np.take_along_axis(x, np.maximum(ids, 0)[..., None], axis=-1) - top
     picked -= np.log(np.sum(e, axis=-1, keepdims=True))
-    out[0] = np.sum(np.where(ids >= 0, -picked[..., 0] * w, 0), dtype=x.dtype)
+    return np.where(ids >= 0, -picked[..., 0] * w, 0)
+
+
+def ce_ids_into(out, x, ids, w):
+    """ce_ids_ref, summing ce_ids_row_terms."""
+    out[0] = np.sum(ce_ids_row_terms(x, ids, w), dtype=x.dtype)
 
 
 def ce_ids_dispatch(node, variant="workgroup"):
@@ -488,14 +494,7 @@ def ce_ids_rows_ref(x, ids, w):
 
 
 def ce_ids_rows_into(out, x, ids, w):
-    """ce_ids_rows_ref without a one-hot or a log_softmax the size of x (as ce_ids_into)."""
-    check_range("cross_entropy_ids", np.maximum(ids, 0), x.shape[-1])
-    top = np.max(x, axis=-1, keepdims=True)
-    e = np.subtract(x, top)
-    np.exp(e, out=e)
-    picked = np.take_along_axis(x, np.maximum(ids, 0)[..., None], axis=-1) - top
-    picked -= np.log(np.sum(e, axis=-1, keepdims=True))
-    out[...] = np.where(ids >= 0, -picked[..., 0] * w, 0)
+    out[...] = ce_ids_row_terms(x, ids, w)
 
 
 def ce_ids_rows_backward(node, g):

@@ -180,13 +180,16 @@ def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
 
 def describe_pairs(name: str, batches) -> str:
     """One line on a split's preference pairs: counts, what was cut or left out."""
-    line = (f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens, one "
-            f"sequence per row of {batches.n_ctx}")
-    if batches.truncated:
-        line += f", {batches.truncated} pairs cut to n_ctx"
+    return (f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens, one "
+            f"sequence per row of {batches.n_ctx}" + cut_and_left_out(batches, "pairs "))
+
+
+def cut_and_left_out(batches, unit: str = "") -> str:
+    """What of a split did not fit n_ctx: cut (`truncated`), left out (`dropped`)."""
+    line = f", {batches.truncated} {unit}cut to n_ctx" if batches.truncated else ""
     if batches.dropped:
-        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or an " \
-                f"answer with nothing to train within it)"
+        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or " \
+                f"nothing to train within it)"
     return line
 
 
@@ -200,12 +203,7 @@ def describe_examples(name: str, batches) -> str:
                  f"{batches.padded_fill:.0%})")
     else:
         line += f"one per row of {batches.n_ctx}, padded, {batches.fill:.0%} of positions used"
-    if batches.truncated:
-        line += f", {batches.truncated} cut to n_ctx"
-    if batches.dropped:
-        line += f", {batches.dropped} left out (longer than n_ctx with --drop-long, or " \
-                f"nothing to train within it)"
-    return line
+    return line + cut_and_left_out(batches)
 
 
 def resume_overrides(saved: TrainOptions, overrides: dict
