@@ -31,7 +31,7 @@ from . import ops as O
 from .backends import precision_for
 from .graph import build_backward
 from .lbfgs import LINESEARCHES, ON_FAIL, Lbfgs, LbfgsOptions
-from .models import FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ModelConfig, build_train_graph
+from .models import MAX_LOGITS_BYTES, PRECISIONS, ModelConfig, build_train_graph, frozen
 from .tensor import constant, input_tensor
 
 
@@ -352,8 +352,9 @@ class Trainer:
                                        packed=getattr(batch_source, "packed", False),
                                        precision=self.precision)
         self.graph = g
-        # the frozen tables of a full model (rope factors): `parameters` gives them back
-        self.tables = {} if lora else {n: values[n] for n in FROZEN if n in values}
+        # the frozen values of a full model (rope factors, models.FROZEN): `parameters` gives
+        # them back
+        self.tables = {} if lora else {n: v for n, v in values.items() if frozen(n)}
         scaled = options.loss_scale == "dynamic" or (
             options.loss_scale == "auto" and self.precision == "f16"
             and options.optimizer != "lbfgs")
@@ -580,7 +581,7 @@ class Trainer:
         return total / max(count, 1)
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """The trained values by name, and a full model's frozen tables (rope factors)."""
+        """The trained values by name, and a full model's frozen values (rope factors)."""
         return {**self.tables, **{name: self.plan.read(p) for name, p in self.graph.params.items()}}
 
     def optimizer_state(self) -> dict:

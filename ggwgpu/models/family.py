@@ -85,6 +85,15 @@ class Family:
         """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
         return (B.ROPE_FREQS,) if cfg.rope_freqs and self.reads_rope_freqs else ()
 
+    def more_keys(self, cfg) -> dict:
+        """Keys the family writes beyond one per field of `keys`: key -> (value, GGUF type)."""
+        return {}
+
+    def read_more_keys(self, f, hp: dict) -> dict:
+        """The ModelConfig fields that `more_keys` and the tensors of file `f` (a
+        gguf_file.GGUFFile) give, from the fields read so far, `hp`."""
+        return {}
+
     def ignored(self, cfg, name: str) -> bool:
         """Whether tensor `name` of a file is one llama.cpp loads but never computes with
         (reading drops it)."""

@@ -21,8 +21,16 @@ from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, o
                      rms_norm)
 from .config import ModelConfig
 
-# values that are never trained, even in a full finetune: rope frequency factors
-FROZEN = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# the rope frequency-factor tables (positive; f32 in an f16 graph: the rope reads f32 factors)
+ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# name suffixes of the values never trained, even in a full finetune: the rope tables, and
+# gemma4's layer output scales (buffers of the model in its own code, not parameters)
+FROZEN = ROPE_TABLES + ("layer_output_scale.weight",)
+
+
+def frozen(name: str) -> bool:
+    """Whether the value `name` is never trained (FROZEN)."""
+    return name.endswith(FROZEN)
 PRECISIONS = ("f32", "f16")  # the element type of activations (model_weights)
 
 
@@ -81,7 +89,7 @@ def model_weights(values: dict, adapters=(), train: str | None = "base",
     params = {}
 
     def leaf(value, name, trained):
-        half = precision == "f16" and name not in FROZEN
+        half = precision == "f16" and name not in ROPE_TABLES
         if not trained:
             if half and not isinstance(value, Quantized):
                 return constant(value, "f16", name=name)
@@ -89,7 +97,7 @@ def model_weights(values: dict, adapters=(), train: str | None = "base",
         params[name] = param(value, name=name)
         return O.cast(params[name], "f16") if half else params[name]
 
-    p = {name: leaf(v, name, train == "base" and name not in FROZEN)
+    p = {name: leaf(v, name, train == "base" and not frozen(name))
          for name, v in values.items()}
     for adapter in adapters:
         for name in adapter.tensors:
@@ -106,7 +114,7 @@ def half_values(values: dict) -> dict:
     """`values` with each float array that an f16 graph reads as halves (model_weights)
     converted to float16 once: graphs built from the result share those arrays, and so
     their constants' storage on a backend (base.SharedConstants)."""
-    return {name: v if isinstance(v, Quantized) or name in FROZEN else np.asarray(v, np.float16)
+    return {name: v if isinstance(v, Quantized) or name in ROPE_TABLES else np.asarray(v, np.float16)
             for name, v in values.items()}
 
 
