@@ -161,7 +161,8 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
     for field, template in cfg.family.keys.items():     # where set (models.family)
         value = getattr(cfg, field)
-        if value != FIELD_DEFAULTS[field] or field in cfg.family.required:
+        if value != FIELD_DEFAULTS[field] or field in cfg.family.required or \
+                field in cfg.family.absent:
             keys[template.format(arch=cfg.arch)] = \
                 (value, _T.UINT32 if isinstance(value, int) else _T.FLOAT32)
     keys.update(cfg.family.more_keys(cfg))
@@ -284,7 +285,8 @@ def read_model(f: GGUFFile):
     family = FAMILIES[arch]
     for field, template in family.keys.items():     # 0 or absent: unset (models.family)
         key = template.format(arch=arch)
-        default = ... if field in family.required else FIELD_DEFAULTS[field]
+        default = ... if field in family.required else \
+            family.absent.get(field, FIELD_DEFAULTS[field])
         if isinstance(FIELD_DEFAULTS[field], int):
             value = f.int_key(key, default=default, minimum=0)
         else:

@@ -114,7 +114,8 @@ def test_a_family_file_has_its_keys_and_tensors_and_reads_back_exactly(arch, tmp
     assert cfg.arch == "llama" or "llama.embedding_length" not in keys
     defaults = ModelConfig()
     for field, template in cfg.family.keys.items():     # every one set here is written
-        if getattr(cfg, field) != getattr(defaults, field) or field in cfg.family.required:
+        if getattr(cfg, field) != getattr(defaults, field) or field in cfg.family.required \
+                or field in cfg.family.absent:
             assert template.format(arch=cfg.arch) in keys, field
     assert {t.name for t in reader.tensors} == set(parameter_shapes(cfg))
     got_cfg, got, _ = load_model(path)

@@ -40,9 +40,11 @@ class Family:
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
     # A family key that is 0 or absent is unset: the field keeps its neutral default, and
     # is not written, unless the family lists it as required (llama.cpp refuses files
-    # without it).
+    # without it) or in `absent` (field -> what llama.cpp takes when the key is absent:
+    # then it is always written, a 0 saying unset).
     keys: dict = {}
     required: tuple = ()
+    absent: dict = {}
     # Tensors of files of the arch that ggwgpu cannot compute with: block tensor name ->
     # the feature they belong to (a file with one is refused, naming it).
     unsupported: dict = {}

@@ -1,6 +1,7 @@
 """gemma4 (Gemma 4 E2B, E4B, 31B dense text; llama.cpp's src/models/gemma4.cpp): Gemma 3's
 block (inputs times sqrt(n_embd), QK norms, a norm after each branch, GeGLU with the tanh
-gelu, neox rope, an optional final softcap) with these differences:
+gelu, neox rope, a final softcap: final_logit_softcapping, 30 where the file has none, as
+llama.cpp reads it, 0 for none) with these differences:
 - which layers have a sliding window is the file's attention.sliding_window_pattern (one
   bool per layer); sliding layers have their own head size (attention.key_length_swa), K/V
   heads (attention.head_count_kv per layer) and rotated dims (rope.dimension_count_swa),
@@ -56,6 +57,7 @@ class Gemma4(Family):
             "n_embd_per_layer": Keys.LLM.EMBD_LENGTH_PER_LAYER_INP,
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
     required = ("sliding_window", "head_dim_swa", "n_rot_swa", "n_embd_per_layer")
+    absent = {"final_logit_softcap": 30.0}     # llama.cpp's default: no key, a softcap of 30
     unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
                    "ffn_gate_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
                    "ffn_up_exps.weight": MOE, "attn_qkv.weight": "a fused attn_qkv"}
