@@ -1,8 +1,8 @@
 """The llama schema of GGUF files: a ModelConfig's hyper-parameters as <arch>.* keys and back,
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
-models.FAMILIES: llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2) shares it: the
-keys are the same under the prefix "<arch>.", and each family's module adds its own keys
+models.FAMILIES: llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2, gemma4) shares
+it: the keys are the same under the prefix "<arch>.", and each family's module adds its own keys
 and tensors (docs/families.md). Built on the container, ggwgpu.gguf_file;
 checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
@@ -11,8 +11,9 @@ Model file
     general.file_type 0
     (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
     1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); <arch>.context_length,
-    .embedding_length, .block_count, .feed_forward_length, .attention.head_count,
-    .attention.head_count_kv (fewer than head_count: grouped-query attention),
+    .embedding_length, .block_count, .feed_forward_length (an array of one per layer where
+    layers differ), .attention.head_count, .attention.head_count_kv (fewer than head_count:
+    grouped-query attention; an array where layers differ),
     .attention.key_length and .value_length (only when the head size is not
     embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when

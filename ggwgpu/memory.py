@@ -83,11 +83,13 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
             acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx
         need["activations"] = value_bytes * acts
     if decoder:
-        family = cfg.family     # each layer with K/V of its own, at its width
-        widths = sum(family.layer(cfg, i).kv_dim for i in range(cfg.n_layer)
-                     if family.kv_layer(cfg, i) == i) if not family.layers_alike(cfg) or \
-            cfg.shared_kv_layers else cfg.n_layer * cfg.kv_dim
-        need["KV cache"] = 2 * value_bytes * cfg.n_ctx * widths
+        family = cfg.family
+        if family.layers_alike(cfg):
+            width = cfg.n_layer * cfg.kv_dim
+        else:   # each layer with K/V of its own, at its width
+            width = sum(family.layer(cfg, i).kv_dim for i in range(cfg.n_layer)
+                        if family.kv_layer(cfg, i) == i)
+        need["KV cache"] = 2 * value_bytes * cfg.n_ctx * width
     return need
 
 

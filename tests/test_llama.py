@@ -315,3 +315,12 @@ def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value
     assert f16["KV cache"] * 2 == f32["KV cache"]
     assert f16["weights"] == f32["weights"]
     assert f16["gradients and optimizer moments"] == f32["gradients and optimizer moments"]
+
+
+def test_the_memory_estimate_of_gemma4_counts_each_layer_and_only_its_own_kv_cache():
+    """Layers of different widths are listed, not multiplied; shared-KV layers add no cache."""
+    from ggwgpu import memory
+    assert memory.parameter_count(GEMMA4) == sum(math.prod(s) for s in
+                                                 parameter_shapes(GEMMA4).values())
+    widths = [4, 4, 12]     # layers 0, 1 (one K/V head of 4), 2 (two of 6); 3, 4 share
+    assert memory.estimate(GEMMA4, decoder=True)["KV cache"] == 2 * 4 * GEMMA4.n_ctx * sum(widths)
