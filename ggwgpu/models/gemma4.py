@@ -17,13 +17,15 @@ llama.cpp reads it, 0 for none) with these differences:
   scaled input embedding to n_layer parts, times 1/sqrt(n_embd), RMS-normed per part by
   per_layer_proj_norm; their sum times 1/sqrt(2) is the per-layer input. After its
   feed-forward, block i adds post_norm(proj(gelu(inp_gate x) * its part));
-- layer_output_scale.weight, where the file has it, multiplies each block's output.
+- layer_output_scale.weight, where the file has it, multiplies each block's output (frozen:
+  a buffer, not a parameter, in the model's own code).
 The feed-forward width may differ per layer (feed_forward_length per layer: the double-wide
 shared-KV layers). Norm weights are stored as they multiply (the converter adds no 1).
 Not supported, and refused by name: mixture-of-experts layers (26B-A4B), a fused attn_qkv,
 and layers without attn_v (attention_k_eq_v: V taken from K)."""
 import dataclasses
 import math
+import re
 
 from gguf import GGUFValueType as _T, Keys
 
@@ -134,10 +136,9 @@ class Gemma4(Family):
     def ignored(self, cfg, name):
         """A shared-KV layer's own K/V weights: llama.cpp loads them where a file has them
         and never reads them."""
-        parts = name.split(".", 2)
-        return (len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit()
-                and int(parts[1]) < cfg.n_layer and self.kv_layer(cfg, int(parts[1])) != int(parts[1])
-                and parts[2] in ("attn_k.weight", "attn_v.weight", "attn_k_norm.weight"))
+        block = re.fullmatch(r"blk\.(\d+)\.(attn_k|attn_v|attn_k_norm)\.weight", name)
+        return block is not None and int(block[1]) < cfg.n_layer and \
+            self.kv_layer(cfg, int(block[1])) != int(block[1])
 
     # -- per-layer rules -------------------------------------------------------------------
 

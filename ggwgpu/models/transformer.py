@@ -114,8 +114,8 @@ def half_values(values: dict) -> dict:
     """`values` with each float array that an f16 graph reads as halves (model_weights)
     converted to float16 once: graphs built from the result share those arrays, and so
     their constants' storage on a backend (base.SharedConstants)."""
-    return {name: v if isinstance(v, Quantized) or name in ROPE_TABLES else np.asarray(v, np.float16)
-            for name, v in values.items()}
+    return {name: v if isinstance(v, Quantized) or name in ROPE_TABLES
+            else np.asarray(v, np.float16) for name, v in values.items()}
 
 
 MAX_LOGITS_BYTES = 128 << 20   # WebGPU's default (and lavapipe's) max storage binding
