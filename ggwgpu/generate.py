@@ -215,13 +215,18 @@ class Decoder:
 
 
 def move_caches(plan, graph, to_plan, to_graph):
-    """Hand the cache rows of `graph` run by `plan` (its kv and convolution caches:
-    [scratch | cache] per layer) to `to_graph`'s in `to_plan`."""
-    for leaf, to_leaf in zip(graph.caches, to_graph.caches):
-        cache = plan.read(leaf)[:, graph.n_tokens:]
-        value = np.zeros(to_leaf.shape, cache.dtype)
-        value[:, to_graph.n_tokens:] = cache
-        to_plan.write(to_leaf, value)
+    """Hand the cache rows of `graph` run by `plan` (its kv and convolution caches: blocks of
+    [scratch | cache] rows, DecodeGraph.caches) to `to_graph`'s in `to_plan`."""
+    for (leaf, widths), (to_leaf, _) in zip(graph.caches, to_graph.caches):
+        flat = plan.read(leaf).reshape(-1)
+        value = np.zeros(to_leaf.nelements, flat.dtype)
+        at = to_at = 0
+        for width in widths:
+            rows, to_rows = (g.n_tokens + g.max_ctx for g in (graph, to_graph))
+            cache = flat[at + graph.n_tokens * width:at + rows * width]
+            value[to_at + to_graph.n_tokens * width:to_at + to_rows * width] = cache
+            at, to_at = at + rows * width, to_at + to_rows * width
+        to_plan.write(to_leaf, value.reshape(to_leaf.shape))
 
 
 def window(context: list[int], bos_id, max_ctx: int) -> list[int]:

@@ -1,8 +1,8 @@
 """The llama schema of GGUF files: a ModelConfig's hyper-parameters as <arch>.* keys and back,
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
-models.FAMILIES: llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2) shares it: the
-keys are the same under the prefix "<arch>.", and each family's module adds its own keys
+models.FAMILIES: llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2, gemma4) shares
+it: the keys are the same under the prefix "<arch>.", and each family's module adds its own keys
 and tensors (docs/families.md). Built on the container, ggwgpu.gguf_file;
 checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
@@ -11,8 +11,9 @@ Model file
     general.file_type 0
     (0: all f32, else the block type holding most values: ggwgpu.quant's TYPES, e.g.
     1 MOSTLY_F16, 2 MOSTLY_Q4_0, 3 MOSTLY_Q4_1, 7 MOSTLY_Q8_0); <arch>.context_length,
-    .embedding_length, .block_count, .feed_forward_length, .attention.head_count,
-    .attention.head_count_kv (fewer than head_count: grouped-query attention),
+    .embedding_length, .block_count, .feed_forward_length (an array of one per layer where
+    layers differ), .attention.head_count, .attention.head_count_kv (fewer than head_count:
+    grouped-query attention; an array where layers differ),
     .attention.key_length and .value_length (only when the head size is not
     embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when
@@ -44,7 +45,7 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models import (FAMILIES, FROZEN, OUTPUT, ROPE_FREQS, ModelConfig, arch_list,
+from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ROPE_TABLES, ModelConfig, arch_list,
                      parameter_shapes, phi3)
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
@@ -150,6 +151,10 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
     if cfg.conv_layers:     # lfm2: K/V heads per layer, 0 for a convolution
         keys[k.heads_kv] = ([0 if i in cfg.conv_layers else cfg.kv_heads
                              for i in range(cfg.n_layer)], _T.ARRAY)
+    if cfg.n_head_kv_layers:    # per layer where layers differ (gemma4)
+        keys[k.heads_kv] = (list(cfg.n_head_kv_layers), _T.ARRAY)
+    if cfg.n_ff_layers:
+        keys[k.ff] = (list(cfg.n_ff_layers), _T.ARRAY)
     if cfg.n_embd_head is not None:
         keys[k.key_length] = keys[k.value_length] = (cfg.head_dim, _T.UINT32)
     if cfg.rope_freq_scale != 1.0:
@@ -157,9 +162,11 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
     for field, template in cfg.family.keys.items():     # where set (models.family)
         value = getattr(cfg, field)
-        if value != FIELD_DEFAULTS[field] or field in cfg.family.required:
+        if value != FIELD_DEFAULTS[field] or field in cfg.family.required or \
+                field in cfg.family.absent:
             keys[template.format(arch=cfg.arch)] = \
                 (value, _T.UINT32 if isinstance(value, int) else _T.FLOAT32)
+    keys.update(cfg.family.more_keys(cfg))
     return keys
 
 
@@ -214,18 +221,30 @@ def read_model(f: GGUFFile):
     n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)
     n_layer = f.int_key(k.layers, minimum=0)
     hp = dict(arch=arch, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
-              n_ctx=f.int_key(k.ctx), n_ff=f.int_key(k.ff),
-              norm_eps=f.float_key(k.eps),
+              n_ctx=f.int_key(k.ctx), norm_eps=f.float_key(k.eps),
               rope_freq_base=f.float_key(k.freq_base, default=10000.0))
+    n_ff = f.meta.get(k.ff)
+    if isinstance(n_ff, list):      # per layer (gemma4's double-wide layers)
+        n_ff = per_layer(f, k.ff, n_ff, n_layer, 1)
+        hp["n_ff"] = max(n_ff)
+        hp["n_ff_layers"] = n_ff if len(set(n_ff)) > 1 else ()
+    else:
+        hp["n_ff"] = f.int_key(k.ff)
     n_head_kv = f.meta.get(k.heads_kv, n_head)
-    if isinstance(n_head_kv, list):     # per layer (lfm2): 0 where a block convolves
-        kinds = set(n_head_kv) - {0}
-        if len(n_head_kv) != n_layer or len(kinds) != 1 or \
-                not all(isinstance(v, int) and 0 <= v < 2 ** 31 for v in n_head_kv):
-            raise GGUFError(f"{f.path}: {k.heads_kv} must hold {n_layer} counts, one per "
-                            f"layer, 0 or one other value, got {n_head_kv[:8]}")
+    if isinstance(n_head_kv, list) and 0 in n_head_kv:   # lfm2: 0 where a block convolves
+        kinds = set(per_layer(f, k.heads_kv, n_head_kv, n_layer, 0)) - {0}
+        if len(kinds) != 1:
+            raise GGUFError(f"{f.path}: {k.heads_kv} must hold 0 or one other value per "
+                            f"layer, got {n_head_kv[:8]}")
         hp["conv_layers"] = tuple(i for i, v in enumerate(n_head_kv) if v == 0)
         n_head_kv = kinds.pop()
+    elif isinstance(n_head_kv, list):   # per layer (gemma4's sliding and global layers)
+        n_head_kv = per_layer(f, k.heads_kv, n_head_kv, n_layer, 1)
+        if any(n_head % h for h in n_head_kv):
+            raise GGUFError(f"{f.path}: {k.heads} = {n_head} is not a multiple of every "
+                            f"layer's {k.heads_kv} {list(n_head_kv)[:8]}")
+        hp["n_head_kv_layers"] = n_head_kv if len(set(n_head_kv)) > 1 else ()
+        n_head_kv = max(n_head_kv)
     else:
         n_head_kv = f.int_key(k.heads_kv, default=n_head)
     if n_head % n_head_kv:
@@ -267,12 +286,14 @@ def read_model(f: GGUFFile):
     family = FAMILIES[arch]
     for field, template in family.keys.items():     # 0 or absent: unset (models.family)
         key = template.format(arch=arch)
-        default = ... if field in family.required else FIELD_DEFAULTS[field]
+        default = ... if field in family.required else \
+            family.absent.get(field, FIELD_DEFAULTS[field])
         if isinstance(FIELD_DEFAULTS[field], int):
             value = f.int_key(key, default=default, minimum=0)
         else:
             value = f.float_key(key, default=default, allow_zero=True)
         hp[field] = value or FIELD_DEFAULTS[field]
+    hp.update(family.read_more_keys(f, hp))
 
     meta = {key: v for key, v in f.meta.items() if key.startswith(TOKENIZER_PREFIX)}
     if K_TOKENS not in meta:
@@ -302,6 +323,15 @@ def read_model(f: GGUFFile):
     return _exact_config(f, cfg), tokenizer
 
 
+def per_layer(f: GGUFFile, key: str, values, n_layer: int, minimum: int) -> tuple:
+    """The array key `key` of one integer per layer, each at least `minimum`."""
+    if len(values) != n_layer or \
+            not all(isinstance(v, int) and minimum <= v < 2 ** 31 for v in values):
+        raise GGUFError(f"{f.path}: {key} must hold {n_layer} integers of at least {minimum}, "
+                        f"one per layer, got {values[:8]}")
+    return tuple(values)
+
+
 def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     """The ModelConfig of ggwgpu.config_json when it agrees with every <arch>.* key (which hold
     floats as float32): it keeps the exact float64 hyper-parameters that resuming needs. A JSON
@@ -326,8 +356,9 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
-    if (exact.arch, exact.tied_embeddings, exact.rope_freqs, exact.longrope, exact.head_dim) != \
-            (cfg.arch, cfg.tied_embeddings, cfg.rope_freqs, cfg.longrope, cfg.head_dim):
+    told = ("arch", "tied_embeddings", "rope_freqs", "longrope", "head_dim", "swa_layers",
+            "layer_output_scale", "n_head_kv_layers", "n_ff_layers")
+    if any(getattr(exact, n) != getattr(cfg, n) for n in told):
         return cfg
     if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)
            for n in cfg.family.keys):       # the family's keys, neutral ones not written
@@ -340,9 +371,14 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
     """The parameters of `cfg` from `f` (`load_model` says in what form), each checked; any
     other tensor is refused, but for a checkpoint's optimizer.* tensors."""
     shapes = parameter_shapes(cfg)
+    family = cfg.family
     for name in f.tensors:
-        if name not in shapes and not (checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX)):
-            block = re.fullmatch(r"blk\.(\d+)\..*", name)
+        if name not in shapes and not (checkpoint and name.startswith(OPTIMIZER_TENSOR_PREFIX)) \
+                and not family.ignored(cfg, name):
+            block = re.fullmatch(r"blk\.(\d+)\.(.*)", name)
+            if block and block[2] in family.unsupported:
+                raise GGUFError(f"{f.path}: tensor {name}: ggwgpu's {cfg.arch} does not "
+                                f"support {family.unsupported[block[2]]}")
             why = (f"{arch_keys(cfg.arch).layers} = {cfg.n_layer} has no block {block[1]}"
                    if block and int(block[1]) >= cfg.n_layer
                    else f"a {cfg.arch} with these hyper-parameters has no such parameter")
@@ -357,7 +393,7 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
         params[name] = f.tensor_value(name, shape, keep_quantized and len(shape) == 2)
-    for name in FROZEN:     # the rope frequency factors
+    for name in ROPE_TABLES:     # the rope frequency factors
         if name in params and not np.all(params[name] > 0):    # they divide angles
             raise GGUFError(f"{f.path}: tensor {name} must hold positive frequency factors")
     return params

@@ -34,7 +34,7 @@ def parameter_count(cfg: ModelConfig) -> int:
     def count(n_layer):
         shapes = parameter_shapes(dataclasses.replace(cfg, n_layer=n_layer))
         return sum(math.prod(s) for s in shapes.values())
-    if cfg.conv_layers:     # blocks of two kinds, as the file lists them layer by layer
+    if not cfg.family.layers_alike(cfg):    # blocks that differ, as the file lists them
         return count(cfg.n_layer)
     base = count(0)
     return base + cfg.n_layer * (count(1) - base)
@@ -83,7 +83,13 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
             acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx
         need["activations"] = value_bytes * acts
     if decoder:
-        need["KV cache"] = 2 * value_bytes * cfg.n_layer * cfg.n_ctx * cfg.kv_dim
+        family = cfg.family
+        if family.layers_alike(cfg):
+            width = cfg.n_layer * cfg.kv_dim
+        else:   # each layer with K/V of its own, at its width
+            width = sum(family.layer(cfg, i).kv_dim for i in range(cfg.n_layer)
+                        if family.kv_layer(cfg, i) == i)
+        need["KV cache"] = 2 * value_bytes * cfg.n_ctx * width
     return need
 
 

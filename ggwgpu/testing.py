@@ -371,8 +371,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
     neox rope (within sliding_window where set); the final norm is token_embd_norm.
+    gemma4: `gemma4_reference_logits`.
     `values` are float arrays (dequantize block types first)."""
     arch, eps = cfg.arch, cfg.norm_eps
+    if arch == "gemma4":
+        return gemma4_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch == "gemma3", arch == "granite"
@@ -445,3 +448,66 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if gemma and cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * np.tanh(logits / cfg.final_logit_softcap)
     return logits
+
+
+def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's gemma4 graph (src/models/gemma4.cpp) in float64: inputs times
+    sqrt(n_embd); per-layer inputs (per_layer_token_embd rows times sqrt(width), plus
+    per_layer_model_proj of the scaled input times 1/sqrt(n_embd) RMS-normed per layer by
+    per_layer_proj_norm, the sum times 1/sqrt(2)); per layer: its head size, K/V heads and
+    rotated dims (cfg.swa_layers: key_length_swa, rope.dimension_count_swa, rope base
+    rope_freq_base_swa or 10000 with scale 1, the window; the others: rope_freqs.weight as
+    factors), Q/K norms, V RMS-normed without a weight, scores times 1, the K/V of layer
+    n_layer - shared - 2 (sliding) or - 1 (global) for the last shared_kv_layers layers;
+    post-attention norm, GeGLU, post-feed-forward norm; then x + post_norm(proj(gelu(inp_gate
+    x) * the layer's input)); times layer_output_scale; output norm, logits softcapped."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    eps, n = cfg.norm_eps, len(tokens)
+    positions = np.arange(n, dtype=np.float64)
+    x = w["token_embd.weight"][tokens] * np.sqrt(cfg.n_embd)
+    n_pl = cfg.n_embd_per_layer
+    if n_pl:
+        own = w["per_layer_token_embd.weight"][tokens].reshape(n, cfg.n_layer, n_pl) * np.sqrt(n_pl)
+        proj = (x @ w["per_layer_model_proj.weight"].T / np.sqrt(cfg.n_embd)).reshape(
+            n, cfg.n_layer, n_pl)
+        layer_inputs = (_rms_norm(proj, w["per_layer_proj_norm.weight"], eps) + own) / np.sqrt(2)
+    first_shared = cfg.n_layer - cfg.shared_kv_layers
+    kv = {}
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        swa = il in cfg.swa_layers
+        hd = cfg.head_dim_swa if swa else cfg.head_dim
+        n_rot = cfg.n_rot_swa if swa else cfg.rot
+        heads_kv = cfg.n_head_kv_layers[il] if cfg.n_head_kv_layers else cfg.kv_heads
+        if swa:
+            base, scale, factors = cfg.rope_freq_base_swa or 10000.0, 1.0, np.ones(n_rot // 2)
+        else:
+            base, scale = cfg.rope_freq_base, cfg.rope_freq_scale
+            factors = w.get("rope_freqs.weight", np.ones(n_rot // 2))
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q = _rms_norm((h @ p("attn_q.weight").T).reshape(n, cfg.n_head, hd),
+                      p("attn_q_norm.weight"), eps)
+        q = _rope(q, positions, n_rot, True, base, scale, factors)
+        if il < first_shared:
+            k = _rms_norm((h @ p("attn_k.weight").T).reshape(n, heads_kv, hd),
+                          p("attn_k_norm.weight"), eps)
+            v = (h @ p("attn_v.weight").T).reshape(n, heads_kv, hd)
+            v = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
+            kv[il] = _rope(k, positions, n_rot, True, base, scale, factors), v
+            k, v = kv[il]
+        else:
+            k, v = kv[first_shared - (2 if swa else 1)]
+        att = _attention(q, k, v, 1.0, cfg.sliding_window if swa else 0)
+        x = x + _rms_norm(att @ p("attn_output.weight").T, p("post_attention_norm.weight"), eps)
+        ffn = _glu(_rms_norm(x, p("ffn_norm.weight"), eps), p("ffn_gate.weight"),
+                   p("ffn_up.weight"), p("ffn_down.weight"), _gelu)
+        x = x + _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
+        if n_pl:
+            gated = _gelu(x @ p("inp_gate.weight").T) * layer_inputs[:, il]
+            x = x + _rms_norm(gated @ p("proj.weight").T, p("post_norm.weight"), eps)
+        if cfg.layer_output_scale:
+            x = x * p("layer_output_scale.weight")
+    out = w.get("output.weight", w["token_embd.weight"])
+    logits = _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+    cap = cfg.final_logit_softcap
+    return cap * np.tanh(logits / cap) if cap else logits

@@ -57,6 +57,23 @@ CONFIGS = {
                         arch="lfm2"),
     "lfm2-window": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, conv_layers=(0, 2),
                                conv_kernel=4, sliding_window=8, arch="lfm2"),
+    # Gemma 4 E2B-shaped: 4 sliding layers of 6 with heads of 16 over one K/V head, global
+    # ones with heads of 32 over two and proportional rope (a quarter of the pairs turn);
+    # the last two layers on the K/V of layers 2 and 3 with a double-wide feed-forward;
+    # per-layer embeddings of 8; layer output scales; tied
+    "gemma4": ModelConfig(**{**BASE, "n_ff": 192}, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=6,
+                          n_ff_layers=(96, 96, 96, 96, 192, 192),
+                          n_head_kv_layers=(1, 1, 1, 2, 1, 2), swa_layers=(0, 1, 2, 4),
+                          head_dim_swa=16, n_rot_swa=16, sliding_window=16, shared_kv_layers=2,
+                          n_embd_per_layer=8, layer_output_scale=True, rope_freqs=True,
+                          tied_embeddings=True, rope_freq_base=1e6, rope_freq_base_swa=1e4,
+                          arch="gemma4"),
+    # 31B-shaped: no per-layer embeddings, no shared K/V, untied, a final softcap
+    "gemma4-softcap": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=4,
+                                  n_head_kv_layers=(1, 1, 1, 2), swa_layers=(0, 1, 2),
+                                  head_dim_swa=16, n_rot_swa=16, sliding_window=16,
+                                  rope_freqs=True, rope_freq_base=1e6, final_logit_softcap=3.0,
+                                  arch="gemma4"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),
@@ -71,6 +88,10 @@ def values_of(cfg, seed=1):
     for k in v:
         if k.endswith(".bias"):
             v[k] = rng.uniform(-0.5, 0.5, v[k].shape).astype(np.float32)
+    if cfg.arch == "gemma4" and cfg.rope_freqs:     # the converter's proportional rope
+        turning = len(v["rope_freqs.weight"]) // 4
+        v["rope_freqs.weight"][:] = 1e30
+        v["rope_freqs.weight"][:turning] = 1.0
     return v
 
 

@@ -50,6 +50,16 @@ FAMILIES = {
     # LFM2-350M: short convolutions (kernel 3) with attention blocks between, tied
     "lfm2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, tied_embeddings=True,
                         conv_layers=(0, 1, 3), conv_kernel=3, rope_freq_base=1e6, arch="lfm2"),
+    # Gemma 4 E2B: sliding layers (4 of 6) with narrower heads and fewer K/V heads than the
+    # global ones, the last two layers on an earlier layer's K/V with a double-wide
+    # feed-forward, per-layer embeddings, layer output scales (frozen, as the rope factors),
+    # proportional rope factors
+    "gemma4": ModelConfig(**{**BYTES, "n_ff": 64}, n_head=2, n_embd_head=12, n_layer=6,
+                          n_ff_layers=(32, 32, 32, 32, 64, 64), n_head_kv_layers=(1, 1, 1, 2, 1, 2),
+                          swa_layers=(0, 1, 2, 4), head_dim_swa=8, n_rot_swa=8, sliding_window=4,
+                          shared_kv_layers=2, n_embd_per_layer=4, layer_output_scale=True,
+                          rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
+                          rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma4"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -57,8 +67,10 @@ FAMILIES = {
 }
 # the tensors only that family has (a file without one is refused)
 OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
-               "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight"}
-TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight"}
+               "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
+               "gemma4": "inp_gate.weight"}
+TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
+          "gemma4": "rope_freqs.weight"}
 
 
 def family_values(cfg, seed=1):
@@ -102,7 +114,8 @@ def test_a_family_file_has_its_keys_and_tensors_and_reads_back_exactly(arch, tmp
     assert cfg.arch == "llama" or "llama.embedding_length" not in keys
     defaults = ModelConfig()
     for field, template in cfg.family.keys.items():     # every one set here is written
-        if getattr(cfg, field) != getattr(defaults, field) or field in cfg.family.required:
+        if getattr(cfg, field) != getattr(defaults, field) or field in cfg.family.required \
+                or field in cfg.family.absent:
             assert template.format(arch=cfg.arch) in keys, field
     assert {t.name for t in reader.tensors} == set(parameter_shapes(cfg))
     got_cfg, got, _ = load_model(path)
@@ -352,3 +365,37 @@ def test_lora_targets_are_the_matrices_each_block_has():
     assert "blk.0.attn_qkv.weight" in lora.lora_ranks(FAMILIES["phi3"], 2)
     with pytest.raises(ValueError, match="a phi3 has no attn_q.weight for a LoRA pair"):
         lora.lora_ranks(FAMILIES["phi3"], 2, {"wq": 4})
+    gemma4 = lora.lora_ranks(FAMILIES["gemma4"], 2)
+    assert {"blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.3.attn_k.weight"} <= set(gemma4)
+    assert "blk.4.attn_k.weight" not in gemma4 and "blk.5.attn_v.weight" not in gemma4
+
+
+def write_tensors(path, cfg, values):
+    meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    gguf_file.write_gguf(path, meta, values)
+    return path
+
+
+def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_experts_refused(tmp_path):
+    """A shared-KV layer's own attn_k / attn_v / attn_k_norm (llama.cpp loads them where a
+    file has them, and never reads them) are left out; mixture-of-experts layers and a
+    fused attn_qkv are refused by name."""
+    cfg = FAMILIES["gemma4"]
+    values = family_values(cfg)
+    unused = {f"blk.5.attn_{n}.weight": np.ones(s, np.float32)
+              for n, s in (("k", (24, 16)), ("v", (24, 16)), ("k_norm", (12,)))}
+    got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", cfg, values | unused))
+    assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
+    for name, what in (("ffn_gate_inp", "mixture-of-experts layers"),
+                       ("attn_qkv", "a fused attn_qkv")):
+        path = write_tensors(tmp_path / f"{name}.gguf", cfg,
+                             values | {f"blk.1.{name}.weight": np.ones((4, 16), np.float32)})
+        with pytest.raises(GGUFError, match=f"tensor blk.1.{name}.weight: ggwgpu's gemma4 does "
+                                            f"not support {what}"):
+            load_model(path)
+    # the layer a shared one reads must be of its kind (llama.cpp's reuse takes the last
+    # sliding and the last global layer before the shared ones)
+    with pytest.raises(ValueError, match="layer 4 would attend to the K/V of layer 2, which "
+                                         "is not a sliding one"):
+        dataclasses.replace(cfg, swa_layers=(0, 1, 3, 4))

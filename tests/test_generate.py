@@ -76,9 +76,17 @@ PHI3 = dataclasses.replace(GQA, arch="phi3", n_rot=2, longrope=True, rope_orig_c
 # lfm2: short convolutions (their inputs cached by position) around attention blocks
 LFM2 = dataclasses.replace(GQA, arch="lfm2", n_layer=4, n_rot=None, conv_layers=(0, 1, 3),
                            conv_kernel=3)
+# gemma4: sliding layers (window 3) with narrower heads and one K/V head, global ones with
+# two; the last two layers on the K/V of layers 1 and 2 (no cache of their own); per-layer
+# embeddings, layer output scales, proportional rope factors
+GEMMA4 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_embd_head=6, n_layer=5, n_ff=12, n_ctx=8,
+                     n_head_kv_layers=(1, 1, 2, 1, 2), swa_layers=(0, 1, 3), head_dim_swa=4,
+                     n_rot_swa=4, sliding_window=3, shared_kv_layers=2, n_embd_per_layer=3,
+                     layer_output_scale=True, rope_freqs=True, tied_embeddings=True,
+                     rope_freq_base_swa=1e4, final_logit_softcap=5.0, arch="gemma4")
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
-            "lfm2-window": dataclasses.replace(LFM2, sliding_window=3)}
+            "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

@@ -50,11 +50,21 @@ PHI3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2, n_layer
 # LFM2: short-convolution blocks (kernel 3) around an attention block with QK norms
 LFM2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n_ff=12, n_ctx=5,
                    tied_embeddings=True, conv_layers=(0, 2), conv_kernel=3, arch="lfm2")
+# Gemma 4: sliding layers 0, 1, 3 with heads of 4 over 1 K/V head, global ones with heads of
+# 6 over 2, proportional rope factors; layers 3 and 4 on the K/V of layers 1 and 2 with a
+# double-wide feed-forward; per-layer embeddings of 3; layer output scales; a softcap
+GEMMA4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_embd_head=6, n_layer=5, n_ff=24,
+                     n_ff_layers=(12, 12, 12, 24, 24), n_head_kv_layers=(1, 1, 2, 1, 2), n_ctx=5,
+                     swa_layers=(0, 1, 3), head_dim_swa=4, n_rot_swa=4, sliding_window=3,
+                     shared_kv_layers=2, n_embd_per_layer=3, layer_output_scale=True,
+                     rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
+                     rope_freq_base_swa=1e4, final_logit_softcap=2.0, arch="gemma4")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
-           "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2)}
+           "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
+           "gemma4": GEMMA4}
 BATCH = 2
 
 
@@ -305,3 +315,12 @@ def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value
     assert f16["KV cache"] * 2 == f32["KV cache"]
     assert f16["weights"] == f32["weights"]
     assert f16["gradients and optimizer moments"] == f32["gradients and optimizer moments"]
+
+
+def test_the_memory_estimate_of_gemma4_counts_each_layer_and_only_its_own_kv_cache():
+    """Layers of different widths are listed, not multiplied; shared-KV layers add no cache."""
+    from ggwgpu import memory
+    assert memory.parameter_count(GEMMA4) == sum(math.prod(s) for s in
+                                                 parameter_shapes(GEMMA4).values())
+    widths = [4, 4, 12]     # layers 0, 1 (one K/V head of 4), 2 (two of 6); 3, 4 share
+    assert memory.estimate(GEMMA4, decoder=True)["KV cache"] == 2 * 4 * GEMMA4.n_ctx * sum(widths)

@@ -343,6 +343,7 @@ class WgpuPlan(Plan):
         self.places = {key: (buffers[b], offset, max(16, size))
                        for key, (b, offset, size) in self.layout.place.items()}
         self._shared = set(self.layout.reused)
+        self._staging = None    # (before the writes: an f16 value of an odd count reads back)
         for root in self.roots:
             if id(root) in self.constant_keys:
                 shared = backend.constants.get(root, self.nbytes(root), self._upload)
@@ -364,7 +365,6 @@ class WgpuPlan(Plan):
         self._commands, self._handles = self._commands_of(range(len(self.recorded)))
         self.direct_calls = self._handles is not None
         self._stage_commands = {}     # stage -> _commands_of its dispatches
-        self._staging = None
         self._timer = None
         # host time of the last run(): (all of it, recording and submitting the dispatches)
         self.host_seconds = None

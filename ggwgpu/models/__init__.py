@@ -2,10 +2,10 @@
 of blocks.py on the base block of family.py; transformer.py makes their graphs.
 
 FAMILIES maps llama.cpp's general.architecture to its family."""
-from . import gemma3, granite, lfm2, llama, phi3, qwen2, qwen3, smollm3
+from . import gemma3, gemma4, granite, lfm2, llama, phi3, qwen2, qwen3, smollm3
 
 FAMILIES = {m.FAMILY.arch: m.FAMILY
-            for m in (llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2)}
+            for m in (llama, qwen2, qwen3, gemma3, smollm3, phi3, granite, lfm2, gemma4)}
 
 
 def arch_list() -> str:
@@ -16,13 +16,13 @@ def arch_list() -> str:
 
 from .blocks import LORA, LORA_A, LORA_B, OUTPUT, ROPE_FREQS, TOKEN_EMBD, attention  # noqa: E402
 from .config import ModelConfig  # noqa: E402
-from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, DecodeGraph,  # noqa: E402
-                          TrainGraph, build_decode_graph, build_train_graph, half_values,
-                          init_parameters, matrix_shapes, model_weights, packed_inputs,
-                          parameter_shapes)
+from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ROPE_TABLES,  # noqa: E402
+                          DecodeGraph, TrainGraph, build_decode_graph, build_train_graph, frozen,
+                          half_values, init_parameters, matrix_shapes, model_weights,
+                          packed_inputs, parameter_shapes)
 
 __all__ = ["FAMILIES", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph", "build_train_graph",
            "build_decode_graph", "init_parameters", "parameter_shapes", "matrix_shapes",
-           "model_weights", "half_values", "packed_inputs", "attention", "FROZEN",
-           "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT", "ROPE_FREQS",
-           "TOKEN_EMBD"]
+           "model_weights", "half_values", "packed_inputs", "attention", "FROZEN", "ROPE_TABLES",
+           "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT",
+           "ROPE_FREQS", "TOKEN_EMBD"]

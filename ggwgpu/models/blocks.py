@@ -15,6 +15,7 @@ rows become E[t] + scale * B A[t]. p[name + LORA] lists the pairs (a, b, scale) 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -94,14 +95,19 @@ class Sequence:
     """The tokens a block's mixer sees: a training batch or one run of a decoder.
     q, k and v are made with leading shape `lead` (the rows rope takes, one `positions`
     entry each); `attend(layer, q, k, v, scale, window)` gives attention's output, one row
-    of q_dim per token, shaped as the block's input rows. `convolve(layer, x, weight)` gives
+    of q's heads * head size per token, shaped as the block's input rows; with k and v None,
+    q attends to the keys and values that `layer` attended with in this run (gemma4's
+    shared KV: an earlier layer's). `convolve(layer, x, weight)` gives
     the causal depthwise convolution of x (rows of C channels, one per token) with weight
     (C, L) (ggml's SSM_CONV from a zero state: y[t, c] = sum_j x[t - (L - 1 - j), c]
-    weight[c, j] over the earlier tokens of t's sequence); None where no block convolves."""
+    weight[c, j] over the earlier tokens of t's sequence); None where no block convolves.
+    `layer_inputs[i]`: what block i reads beside its input (gemma4's per-layer embeddings,
+    Family.prepare), rows shaped as the block's input; empty where the family has none."""
     lead: tuple
     positions: object
     attend: Callable
     convolve: Callable | None = None
+    layer_inputs: list = dataclasses.field(default_factory=list)
 
 
 def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):

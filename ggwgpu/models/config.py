@@ -45,6 +45,19 @@ class ModelConfig:
     rope_attn_factor: float = 1.0   # phi3: the rotated dims of Q and K times this (LongRoPE)
     conv_layers: tuple = ()         # lfm2: the blocks whose mixer is a short convolution
     conv_kernel: int = 0            # lfm2: the convolution's length (shortconv.l_cache)
+    n_head_kv_layers: tuple = ()    # K/V heads per layer where layers differ (gemma4's sliding
+                                    # and global ones; n_head_kv then holds the most)
+    n_ff_layers: tuple = ()         # feed-forward width per layer where layers differ (gemma4's
+                                    # double-wide shared-KV layers; n_ff then holds the widest)
+    swa_layers: tuple = ()          # gemma4: the layers with a sliding window (the file's
+                                    # attention.sliding_window_pattern)
+    head_dim_swa: int = 0           # gemma4: the sliding layers' head size (key_length_swa)
+    n_rot_swa: int = 0              # gemma4: their rotated dims (rope.dimension_count_swa)
+    shared_kv_layers: int = 0       # gemma4: the last this many layers attend to the K/V of an
+                                    # earlier layer of their kind instead of their own
+    n_embd_per_layer: int = 0       # gemma4: width of the per-layer embeddings (0: none)
+    layer_output_scale: bool = False  # gemma4: each block's output times its
+                                      # layer_output_scale.weight (one value)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -65,6 +78,25 @@ class ModelConfig:
                              f"{self.n_layer - 1}")
         if self.conv_layers and self.conv_kernel < 2:
             raise ShapeError(f"conv_kernel {self.conv_kernel} must be at least 2")
+        for name, per_layer, most in (("n_head_kv", self.n_head_kv_layers, self.kv_heads),
+                                      ("n_ff", self.n_ff_layers, self.n_ff)):
+            per_layer = tuple(int(v) for v in per_layer)
+            object.__setattr__(self, f"{name}_layers", per_layer)
+            if per_layer and (len(per_layer) != self.n_layer or max(per_layer) != most
+                              or min(per_layer) < 1):
+                raise ShapeError(f"{name}_layers {per_layer} must hold {self.n_layer} positive "
+                                 f"values, the largest {name} {most}")
+        if any(self.n_head % h for h in self.n_head_kv_layers):
+            raise ShapeError(f"n_head {self.n_head} is not a multiple of every layer's K/V "
+                             f"heads {self.n_head_kv_layers}")
+        object.__setattr__(self, "swa_layers", tuple(int(i) for i in self.swa_layers))
+        if any(not 0 <= i < self.n_layer for i in self.swa_layers):
+            raise ShapeError(f"swa_layers {self.swa_layers} must be blocks 0 .. "
+                             f"{self.n_layer - 1}")
+        if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
+            raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
+                             f"n_layer {self.n_layer}")
+        self.family.check(self)
 
     @property
     def family(self):

@@ -10,9 +10,13 @@ The base class is the pre-norm transformer block most families share, llama's:
 and a family states how it differs: Q/K/V biases, per-head Q/K norms, norms after each
 branch (sandwich), a GeGLU gate, layers without rope or with a sliding window, scales.
 A family whose blocks are not all attention (lfm2's short convolutions) overrides
-`block_shapes` and `mix` (the token mixer of a block) for those blocks.
+`block_shapes` and `mix` (the token mixer of a block) for those blocks. Layers that differ in
+head size, K/V heads, rotated dims or feed-forward width (gemma4) say so through `layer`, the
+hyper-parameters of one layer, which every per-layer rule reads.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 
@@ -36,9 +40,14 @@ class Family:
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
     # A family key that is 0 or absent is unset: the field keeps its neutral default, and
     # is not written, unless the family lists it as required (llama.cpp refuses files
-    # without it).
+    # without it) or in `absent` (field -> what llama.cpp takes when the key is absent:
+    # then it is always written, a 0 saying unset).
     keys: dict = {}
     required: tuple = ()
+    absent: dict = {}
+    # Tensors of files of the arch that ggwgpu cannot compute with: block tensor name ->
+    # the feature they belong to (a file with one is refused, naming it).
+    unsupported: dict = {}
 
     def __repr__(self):
         return f"<family {self.arch}>"
@@ -58,7 +67,8 @@ class Family:
 
     def block_shapes(self, cfg, i: int) -> dict[str, tuple[int, ...]]:
         """The tensors of block i, name within the block ("attn_q.weight") -> shape."""
-        e, f, q, kv, hd = cfg.n_embd, cfg.n_ff, cfg.q_dim, cfg.kv_dim, cfg.head_dim
+        c = self.layer(cfg, i)
+        e, f, q, kv, hd = c.n_embd, c.n_ff, c.q_dim, c.kv_dim, c.head_dim
         shapes = {"attn_norm.weight": (e,), "attn_q.weight": (q, e), "attn_k.weight": (kv, e),
                   "attn_v.weight": (kv, e), "attn_output.weight": (e, q)}
         if self.qkv_bias:
@@ -77,7 +87,42 @@ class Family:
         """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
         return (B.ROPE_FREQS,) if cfg.rope_freqs and self.reads_rope_freqs else ()
 
+    def more_keys(self, cfg) -> dict:
+        """Keys the family writes beyond one per field of `keys`: key -> (value, GGUF type)."""
+        return {}
+
+    def read_more_keys(self, f, hp: dict) -> dict:
+        """The ModelConfig fields that `more_keys` and the tensors of file `f` (a
+        gguf_file.GGUFFile) give, from the fields read so far, `hp`."""
+        return {}
+
+    def ignored(self, cfg, name: str) -> bool:
+        """Whether tensor `name` of a file is one llama.cpp loads but never computes with
+        (reading drops it)."""
+        return False
+
+    def check(self, cfg):
+        """Raise a ShapeError where cfg's hyper-parameters do not make a model of the family."""
+
     # -- per-layer rules -------------------------------------------------------------------
+
+    def layer(self, cfg, i: int):
+        """The hyper-parameters of layer i: cfg, with its own K/V heads and feed-forward width
+        where those differ per layer (ModelConfig.n_head_kv_layers, n_ff_layers)."""
+        if not (cfg.n_head_kv_layers or cfg.n_ff_layers):
+            return cfg
+        return dataclasses.replace(
+            cfg, n_head_kv_layers=(), n_ff_layers=(),
+            n_head_kv=cfg.n_head_kv_layers[i] if cfg.n_head_kv_layers else cfg.n_head_kv,
+            n_ff=cfg.n_ff_layers[i] if cfg.n_ff_layers else cfg.n_ff)
+
+    def kv_layer(self, cfg, i: int) -> int:
+        """The layer whose keys and values layer i attends to (itself, unless it shares)."""
+        return i
+
+    def layers_alike(self, cfg) -> bool:
+        """Whether every block has the same tensors (the memory estimate counts one)."""
+        return not (cfg.conv_layers or cfg.n_head_kv_layers or cfg.n_ff_layers)
 
     def ropes(self, cfg, i: int) -> bool:
         """Whether layer i ropes its Q and K."""
@@ -122,10 +167,15 @@ class Family:
             return B.linear(p, b + weight, h, residual=x, alpha=cfg.residual_scale)
         return O.add(x, B.rms_norm(cfg, B.linear(p, b + weight, h), p[b + post_norm]))
 
+    def prepare(self, cfg, p: dict, tokens, x, seq: B.Sequence) -> B.Sequence:
+        """`seq` with what the blocks read beside their input x (the scaled token
+        embeddings of `tokens`): gemma4's per-layer embeddings."""
+        return seq
+
     def attend(self, cfg, p: dict, i: int, h, seq: B.Sequence):
         """Self-attention of block i on h (its attn_norm): q, k, v projected and split into
         heads, q and k normed and roped as the family does, attended over `seq`."""
-        b = f"blk.{i}."
+        b, cfg = f"blk.{i}.", self.layer(cfg, i)
         q, k, v = self.project_qkv(cfg, p, b, h, seq.lead)
         if self.qk_norm:
             q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"])

@@ -21,8 +21,16 @@ from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, o
                      rms_norm)
 from .config import ModelConfig
 
-# values that are never trained, even in a full finetune: rope frequency factors
-FROZEN = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# the rope frequency-factor tables (positive; f32 in an f16 graph: the rope reads f32 factors)
+ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# name suffixes of the values never trained, even in a full finetune: the rope tables, and
+# gemma4's layer output scales (buffers of the model in its own code, not parameters)
+FROZEN = ROPE_TABLES + ("layer_output_scale.weight",)
+
+
+def frozen(name: str) -> bool:
+    """Whether the value `name` is never trained (FROZEN)."""
+    return name.endswith(FROZEN)
 PRECISIONS = ("f32", "f16")  # the element type of activations (model_weights)
 
 
@@ -81,7 +89,7 @@ def model_weights(values: dict, adapters=(), train: str | None = "base",
     params = {}
 
     def leaf(value, name, trained):
-        half = precision == "f16" and name not in FROZEN
+        half = precision == "f16" and name not in ROPE_TABLES
         if not trained:
             if half and not isinstance(value, Quantized):
                 return constant(value, "f16", name=name)
@@ -89,7 +97,7 @@ def model_weights(values: dict, adapters=(), train: str | None = "base",
         params[name] = param(value, name=name)
         return O.cast(params[name], "f16") if half else params[name]
 
-    p = {name: leaf(v, name, train == "base" and name not in FROZEN)
+    p = {name: leaf(v, name, train == "base" and not frozen(name))
          for name, v in values.items()}
     for adapter in adapters:
         for name in adapter.tensors:
@@ -106,8 +114,8 @@ def half_values(values: dict) -> dict:
     """`values` with each float array that an f16 graph reads as halves (model_weights)
     converted to float16 once: graphs built from the result share those arrays, and so
     their constants' storage on a backend (base.SharedConstants)."""
-    return {name: v if isinstance(v, Quantized) or name in FROZEN else np.asarray(v, np.float16)
-            for name, v in values.items()}
+    return {name: v if isinstance(v, Quantized) or name in ROPE_TABLES
+            else np.asarray(v, np.float16) for name, v in values.items()}
 
 
 MAX_LOGITS_BYTES = 128 << 20   # WebGPU's default (and lavapipe's) max storage binding
@@ -279,18 +287,26 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
             window_mask = constant(additive(causal(n, window)), precision, name="window mask")
         seq_positions, lead = positions, (batch, n)
 
+    attended = {}       # layer -> the k and v it attended with (shared KV reads them)
+
     def attend(i, q, k, v, scale, layer_window):
         if packed:  # roped as one run of tokens, each at its own position; back to rows
-            q, k, v = (O.reshape(t if t.is_contiguous() else O.cont(t), (batch, n) + t.shape[1:])
+            q, k, v = (t if t is None else
+                       O.reshape(t if t.is_contiguous() else O.cont(t), (batch, n) + t.shape[1:])
                        for t in (q, k, v))     # (phi3's v is a view of its fused product)
+        if k is None:
+            k, v = attended[i]
+        else:
+            attended[i] = k, v
         out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
-        return O.reshape(O.cont(out), (batch, n, cfg.q_dim))
+        return O.reshape(O.cont(out), (batch, n, q.shape[-2] * q.shape[-1]))
 
     def convolve(i, x, weight):     # each token at its position in its sequence
         return O.ssm_conv(x, weight, positions)
 
     seq = Sequence(lead, seq_positions, attend, convolve)
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
+    seq = family.prepare(cfg, p, tokens, x, seq)
     checkpoints = []
     for i in range(cfg.n_layer):
         x = family.block(cfg, p, i, x, seq)
@@ -369,7 +385,8 @@ class DecodeGraph:
     mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
-    kv: object                # the cache, a leaf (2 * n_layer, n_tokens + max_ctx, kv_dim)
+    kv: object                # the cache, a flat leaf: per layer with its own K/V, K then V,
+                              # each (n_tokens + max_ctx, the layer's kv_dim)
     params: dict              # name -> weight leaf (frozen constants)
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
@@ -378,11 +395,17 @@ class DecodeGraph:
     conv_rows: object = None  # i32 input (conv_kernel - 1 + n_tokens,): the cache rows that the
                               # run's convolutions read, from conv_kernel - 1 positions back
     conv_positions: object = None  # i32 input, as conv_rows: their positions (< 0: before 0)
+    kv_widths: tuple = ()     # the width of each block of kv, in order (K, V of each layer)
 
     @property
     def caches(self) -> list:
-        """The leaves that keep their rows from run to run: kv, and conv where it exists."""
-        return [self.kv] + ([self.conv] if self.conv is not None else [])
+        """The leaves that keep their rows from run to run, each with the widths of its
+        blocks of [n_tokens scratch rows | max_ctx cache rows], one after another: kv, and
+        conv where it exists."""
+        caches = [(self.kv, self.kv_widths)]
+        if self.conv is not None:
+            caches.append((self.conv, (self.conv.shape[-1],) * self.conv.shape[0]))
+        return caches
 
     def feeds(self, tokens, past: int) -> dict:
         """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
@@ -422,9 +445,11 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     prompts, one of n_tokens = 1 for each sampled token) and run it per step.
 
     The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
-    V of positions 0 .. max_ctx - 1, one row of kv_dim (n_head_kv * head_dim) each, after
-    n_tokens rows of scratch:
-        kv[2 * layer + (0 for K, 1 for V)] = [n_tokens new rows | max_ctx cache rows]
+    V of positions 0 .. max_ctx - 1, one row of the layer's kv_dim (n_head_kv * head_dim)
+    each, after n_tokens rows of scratch, one block after another in one flat leaf:
+        K or V of a layer = [n_tokens new rows | max_ctx cache rows]
+    A layer that shares K/V (gemma4's last shared_kv_layers) has none of its own: it attends
+    to the cache rows its source layer updated earlier in the same run.
 
     Writing the new rows at position `past` is the catch: a view's offset is fixed when the
     graph is built, but `past` changes every run. So a run writes its new K/V rows to the
@@ -448,20 +473,24 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     n_tokens = int(n_tokens)
     if not 1 <= n_tokens <= max_ctx:
         raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
-    e, rows = cfg.kv_dim, n_tokens + max_ctx
+    rows, family = n_tokens + max_ctx, cfg.family
     p, _ = model_weights(values, adapters, train=None, precision=precision)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
     slots = input_tensor((max_ctx,), "i32", name="cache slots")
     mask = input_tensor((n_tokens, max_ctx), precision, name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
-    kv = constant(np.zeros((2 * cfg.n_layer, rows, e), np.float32), precision, name=name)
+    starts, widths = {}, []     # where each layer's K (then V) rows start in the flat cache
+    for i in range(cfg.n_layer):
+        if family.kv_layer(cfg, i) == i:
+            starts[i] = rows * sum(widths)
+            widths += [family.layer(cfg, i).kv_dim] * 2
+    kv = constant(np.zeros(max(rows * sum(widths), 1), np.float32), precision, name=name)
 
-    def cached(leaf, index, new):
-        """Write `new` (n_tokens rows of leaf's width) into the cache rows chosen by slots;
-        the updated cache rows, (max_ctx, width)."""
-        width = leaf.shape[-1]
-        base = index * rows * width
+    def cached(leaf, base, new, width):
+        """Write `new` (n_tokens rows of `width`, any layout) into the cache rows chosen by
+        slots, in the block of `leaf` that starts at element `base`; the updated cache rows,
+        (max_ctx, width)."""
         staged = O.cpy(new, O.view(leaf, (n_tokens, width), (width, 1), base))
         table = O.view(staged, (rows, width), (width, 1), 0)   # [new | cache], after the write
         return O.cpy(O.get_rows(table, slots), O.view(leaf, (max_ctx, width), (width, 1),
@@ -470,17 +499,22 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     window = layers_window(cfg)
     window_mask = (input_tensor((n_tokens, max_ctx), precision, name="window mask") if window
                    else None)
-
-    def kv_cached(index, new):
-        return O.reshape(cached(kv, index, new), (1, max_ctx, cfg.kv_heads, cfg.head_dim))
+    attended = {}       # layer -> its updated K and V cache rows (shared KV reads them)
 
     def attend(i, q, k, v, scale, layer_window):
-        q, k, v = (O.permute(t, (0, 2, 1, 3))
-                   for t in (q, kv_cached(2 * i, k), kv_cached(2 * i + 1, v)))
+        if k is None:
+            k, v = attended[i]
+        else:
+            heads, width = k.shape[-2:]
+            k, v = (O.reshape(cached(kv, starts[i] + part * rows * heads * width, t,
+                                     heads * width), (1, max_ctx, heads, width))
+                    for part, t in enumerate((k, v)))
+            attended[i] = k, v
+        q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
         kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
         probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
-        return O.reshape(O.cont(att), (n_tokens, cfg.q_dim))
+        return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))
 
     conv = conv_rows = conv_positions = None    # the convolutions' inputs, cached by position
     if cfg.conv_layers:
@@ -491,17 +525,20 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         conv_positions = input_tensor((reach + n_tokens,), "i32", name="convolution positions")
 
     def convolve(i, x, weight):     # x's rows cached by position; ssm_conv over the run's
-        cache = cached(conv, cfg.conv_layers.index(i), x)   # and the kernel's reach before it
+        # rows and the kernel's reach before them
+        cache = cached(conv, cfg.conv_layers.index(i) * rows * cfg.n_embd, x, cfg.n_embd)
         y = O.ssm_conv(O.get_rows(cache, conv_rows), weight, conv_positions)
         return O.view(y, (n_tokens, cfg.n_embd), (cfg.n_embd, 1), reach * cfg.n_embd)
 
     seq = Sequence((1, n_tokens), positions, attend, convolve)
-    x = embed(p, tokens, precision, cfg.family.input_scale(cfg))  # (n_tokens, embd)
+    x = embed(p, tokens, precision, family.input_scale(cfg))  # (n_tokens, embd)
+    seq = family.prepare(cfg, p, tokens, x, seq)
     for i in range(cfg.n_layer):
-        x = cfg.family.block(cfg, p, i, x, seq)
-    x = rms_norm(cfg, O.get_rows(x, last), p[cfg.family.output_norm])
+        x = family.block(cfg, p, i, x, seq)
+    x = rms_norm(cfg, O.get_rows(x, last), p[family.output_norm])
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
     mask, window_mask = used_of([logits], mask, window_mask)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
-                       weights, window, window_mask, conv, conv_rows, conv_positions)
+                       weights, window, window_mask, conv, conv_rows, conv_positions,
+                       tuple(widths))
