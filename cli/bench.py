@@ -566,7 +566,7 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_
         loss["wgpu"] = warm["wgpu"]
         host = host[1:]         # the timed steps'
     half = None
-    if getattr(wgpu_backend, "has_f16", False):
+    if wgpu_backend is not None and wgpu_backend.has_f16:
         half = f16_trainer(config_name, wgpu_backend, warm["numpy"], **changes)
         loss[F16_KEY] = half.warm_loss
         _, seconds[F16_KEY] = timed_steps(lambda: half.train_step()["loss"], steps)
@@ -644,15 +644,17 @@ def echo_train_step_stats(s: dict):
 
 # -- dispatches per layer -------------------------------------------------------------------
 
-class DispatchCounter:
+class DispatchCounter(ggwgpu.backends.Backend):
     """A backend that plans no storage: Trainer(..., DispatchCounter(backend), ...).plan.counts
     holds the dispatches per op that the step records on `backend` (its kernel variants and
-    binding limits, which decide the logits chunks)."""
+    binding limits, which decide the logits chunks), or on the NumPy backend's terms."""
     name = "count"
 
-    def __init__(self, backend=None):
-        self.storage_limits = getattr(backend, "storage_limits", None)
-        self.variants = getattr(backend, "kernel_variants", None)
+    def __init__(self, backend: ggwgpu.backends.Backend | None = None):
+        like = backend or ggwgpu.backends.NumpyBackend()
+        self.has_f16, self.emulates_f16 = like.has_f16, like.emulates_f16
+        self.storage_limits, self.kernel_variants = like.storage_limits, like.kernel_variants
+        self.info = like.info
 
     def plan(self, outputs, sentinel=0):
         from ggwgpu.backends.base import Plan
@@ -665,7 +667,7 @@ class DispatchCounter:
         plan = CountedPlan(outputs)
         plan.counts = Counter({})
         for node in plan.nodes:
-            plan.counts[node.op] += len(OPS[node.op].dispatches_on(node, self.variants))
+            plan.counts[node.op] += len(OPS[node.op].dispatches_on(node, self.kernel_variants))
         return plan
 
 

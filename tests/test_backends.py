@@ -285,6 +285,30 @@ def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():
         assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_each_backend_declares_what_it_offers(backend_name, request):
+    """Backend's capabilities, set by each backend with the declared types: the NumPy
+    backend emulates halves and has no device limits or kernel variants; wgpu's come from
+    its adapter (lavapipe has shader-f16 and a 128 MiB binding limit)."""
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    declared = gg.backends.Backend.__annotations__
+    assert {"has_f16", "emulates_f16", "storage_limits", "kernel_variants", "info"} <= \
+        set(declared)
+    assert all(isinstance(getattr(backend, n), bool) for n in ("has_f16", "emulates_f16"))
+    assert isinstance(backend.info["device"], str) and backend.info["device"]
+    limits, variants = backend.storage_limits, backend.kernel_variants
+    assert all(isinstance(k, str) and isinstance(v, int) for k, v in limits.items())
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in variants.items())
+    if backend_name == "numpy":
+        assert (backend.has_f16, backend.emulates_f16, limits, variants) == (False, True, {}, {})
+    else:
+        assert not backend.emulates_f16 and backend.has_f16 == ("shader-f16" in
+                                                                 backend.device.features)
+        assert set(limits) == {"max-storage-buffer-binding-size", "max-buffer-size"}
+        assert set(variants) == {"matmul", "quant", "norm", "softmax"}
+        assert backend.info["device"] == backend.adapter.info["device"]
+
+
 def test_memory_report_sorts_the_planned_bytes_by_role():
     p = gg.param(np.ones((4, 8), np.float32), name="p")
     x = gg.input_tensor((3, 8), name="x")

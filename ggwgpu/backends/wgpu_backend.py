@@ -246,6 +246,7 @@ class WgpuBackend(Backend):
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
         self.has_f16 = "shader-f16" in self.device.features
+        self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
@@ -266,6 +267,7 @@ class WgpuBackend(Backend):
 
     @property
     def info(self) -> dict:
+        """The adapter's info (device, adapter_type, backend_type, vendor, ...)."""
         return dict(self.adapter.info)
 
     def _module(self, stem: str, dtypes=F32_BINDINGS):
