@@ -11,7 +11,7 @@ import time
 
 import click
 
-from ggwgpu.tokenizer import VocabError
+from ggwgpu.tokenizer import Tokenizer, VocabError
 
 from .common import (InputPath, chat_template, check_memory, ctx_option, describe_backend,
                      load_model, lora_option, precision_option, resolve_precision,
@@ -36,14 +36,14 @@ def stream_reply(session, text: str, n: int) -> int:
     return count
 
 
-def new_session(backend, cfg, values, tokenizer, template, system, sampling, seed, adapters,
+def new_session(backend, cfg, values, tokenizer: Tokenizer, template, system, sampling, seed, adapters,
                 precision="f32"):
     from ggwgpu.generate import ChatSession, Decoder
     decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
     return ChatSession(decoder, tokenizer, template, system, sampling, seed)
 
 
-def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sampling, seed,
+def chat_answer(backend, cfg, values, tokenizer: Tokenizer, template, system, prompt, n, sampling, seed,
                 adapters=(), precision="f32"):
     """generate --chat: the answer to one user message, then a timing line on stderr."""
     t0 = time.perf_counter()

@@ -10,13 +10,15 @@ import time
 
 import click
 
+from ggwgpu.tokenizer import Tokenizer
+
 from .chat import chat_answer
 from .common import InputPath, chat_template as load_chat_template
 from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
                      precision_option, resolve_precision, sampling_of, sampling_options,
                      select_backend, template_option)
 
-def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=(),
+def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, sampling, seed, adapters=(),
                   precision="f32"):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
