@@ -375,7 +375,8 @@ def echo_params(wgpu, uniforms: np.ndarray, n_words: int) -> np.ndarray:
     """Run a kernel that writes every Params field, by name, into dst (u32 fields as
     f32(x)): what the shader reads where the backend wrote `uniforms`."""
     import wgpu as wgpu_py
-    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, dtype_prelude, shader_dir
+    from ggwgpu.backends.wgpu_backend import SRC0_PARTS
+    from ggwgpu.wgsl import MAX_SRCS, dtype_prelude, shader_dir
     fields = (["p.n", *(f"p.off[{i}]" for i in range(4)), "p.off3.x"]
               + [f"p.{k}_{t}[{i}]" for t in "d0123" for k in ("ne", "nb") for i in range(4)]
               + [f"p.u[{i}]" for i in range(4)])
@@ -428,7 +429,8 @@ def test_the_params_block_is_where_the_shader_reads_it(wgpu):
 
 
 def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill():
-    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE, params_layout, shader_dir
+    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE
+    from ggwgpu.wgsl import params_layout, shader_dir
     source = (shader_dir() / "common.wgsl").read_text()
     assert params_layout(source) == (PARAMS, UNIFORM_SIZE) and UNIFORM_SIZE == 240
     # reorder two fields: the words move with them

@@ -8,7 +8,7 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu import testing
-from ggwgpu.backends.wgpu_backend import kernel_name, shader_source
+from ggwgpu.wgsl import kernel_name, shader_source
 from ggwgpu.kernels import (MATMUL_ENV, ROW_FAMILIES, ROW_VARIANTS, ROWWISE_MAX,
                             matmul_variant, row_module, row_variant)
 from ggwgpu.ops import OPS

@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..kernels import ROW_VARIANTS, row_entry, row_kernel, row_module, row_module_wgsl
+from .. import wgsl
+from ..kernels import ROW_VARIANTS, row_entry, row_kernel, row_module
 from ..tensor import FLOAT_DTYPES, ShapeError, Tensor
 
 WORKGROUP = 64  # invocations per workgroup of the elementwise kernels (matches shaders)
@@ -163,10 +164,6 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
-# Shader parts generated from Python tables (name -> function returning WGSL): a shader
-# includes one by name (`// #include NAME`) as it includes a file (wgpu_backend.shader_source).
-GENERATED_WGSL: dict[str, Callable[[], str]] = {}
-
 
 def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
     """The default: one invocation per element of the result, entry named like the op."""
@@ -192,8 +189,8 @@ def register_row_modules(family: str):
     entries = sorted({op.entry for op in OPS.values()
                       if op.shader == family and op.variants == ROW_VARIANTS})
     for variant in ROW_VARIANTS:
-        GENERATED_WGSL[row_module(family, variant)] = \
-            lambda v=variant: row_module_wgsl(family, v, entries)
+        wgsl.add_part(row_module(family, variant),
+                      lambda v=variant: wgsl.row_module_source(family, v, entries))
 
 
 def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
