@@ -36,15 +36,15 @@ def stream_reply(session, text: str, n: int) -> int:
     return count
 
 
-def new_session(backend, cfg, values, tokenizer: Tokenizer, template, system, sampling, seed, adapters,
-                precision="f32"):
+def new_session(backend, cfg, values, tokenizer: Tokenizer, template, system, sampling, seed,
+                adapters, precision="f32"):
     from ggwgpu.generate import ChatSession, Decoder
     decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
     return ChatSession(decoder, tokenizer, template, system, sampling, seed)
 
 
-def chat_answer(backend, cfg, values, tokenizer: Tokenizer, template, system, prompt, n, sampling, seed,
-                adapters=(), precision="f32"):
+def chat_answer(backend, cfg, values, tokenizer: Tokenizer, template, system, prompt, n, sampling,
+                seed, adapters=(), precision="f32"):
     """generate --chat: the answer to one user message, then a timing line on stderr."""
     t0 = time.perf_counter()
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,

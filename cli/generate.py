@@ -18,8 +18,8 @@ from .common import (check_memory, ctx_option, describe_backend, load_model, lor
                      precision_option, resolve_precision, sampling_of, sampling_options,
                      select_backend, template_option)
 
-def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, sampling, seed, adapters=(),
-                  precision="f32"):
+def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, sampling, seed,
+                  adapters=(), precision="f32"):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
     from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,

@@ -88,7 +88,8 @@ _T = GGUFValueType
 
 # -- writing ----------------------------------------------------------------------------------
 
-def save_model(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer, extra: dict | None = None):
+def save_model(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer,
+               extra: dict | None = None):
     """Write a GGUF of cfg.arch that llama.cpp loads: the keys and tensors of the module
     docstring.
 
@@ -163,7 +164,8 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
     return keys
 
 
-def model_metadata(path, cfg: ModelConfig, tokenizer: Tokenizer, extra) -> dict[str, tuple[object, GGUFValueType]]:
+def model_metadata(path, cfg: ModelConfig, tokenizer: Tokenizer,
+                   extra) -> dict[str, tuple[object, GGUFValueType]]:
     """Every key of a model file, in writing order, as key -> (value, GGUF type)."""
     meta = {K_ARCH: (cfg.arch, _T.STRING),
             K_NAME: (f"ggwgpu {cfg.arch} {cfg.n_layer}x{cfg.n_embd}", _T.STRING),
