@@ -6,56 +6,28 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import os
 import shutil
 import subprocess
 import sys
-import time
 
 import click
 
-from .bench import RandomBatches, bench_model, config_option, json_option, write_json
+from ggwgpu.bench import measure_ranks
+
+from .bench import config_option, json_option, write_json
 from .common import describe_backend, positive_ints, select_backend
 from .training import mpi_world
 
 
 def measure(ctx, config_name: str, steps: int) -> dict:
-    """Time `steps` steps (after one warm-up) of this process's share of a data-parallel
-    run in which every rank trains the config's batch (weak scaling)."""
-    from ggwgpu.models import init_parameters
-    from ggwgpu.training import Trainer
+    """measure_ranks of this process's share of the run, the backend named."""
     world = mpi_world()
-    size = world.size if world else 1
-    cfg, options = bench_model(config_name)
-    options = dataclasses.replace(options, batch=options.batch * size)
     backend = select_backend(ctx)
-    trainer = Trainer(cfg, init_parameters(cfg, 0), backend, options,
-                      RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), world=world)
-    trainer.train_step()
-    reduced = world.allreduce_seconds if world else 0.0
-    start = time.perf_counter()
-    for _ in range(steps):
-        trainer.train_step()
-    seconds = (time.perf_counter() - start) / steps
-    allreduce = ((world.allreduce_seconds - reduced) / steps) if world else 0.0
-    alone = 0.0     # the same allreduce with every rank there at once: the transfer itself
-    if world:
-        import numpy as np
-        buffer = np.zeros(trainer.exchange.n + 3, np.float32)
-        world.comm.Barrier()
-        start = time.perf_counter()
-        for _ in range(steps):
-            world.allreduce(buffer)
-        alone = (time.perf_counter() - start) / steps
-    return {"ranks": size, "backend": describe_backend(backend),
-            "tokens_per_step": options.batch * cfg.n_ctx, "seconds_per_step": seconds,
-            "tokens_per_s": options.batch * cfg.n_ctx / seconds,
-            "allreduce_seconds_per_step": allreduce, "allreduce_share": allreduce / seconds,
-            "allreduce_alone_seconds": alone,
-            "allreduce_bytes": 4 * trainer.exchange.n if trainer.exchange else 0}
+    row = measure_ranks(config_name, backend, world, steps)
+    return {"ranks": row["ranks"], "backend": describe_backend(backend), **row}
 
 
 def run_with(ranks: int, mpiexec: str, ctx, config_name: str, steps: int) -> dict:

@@ -14,6 +14,7 @@ import click
 from ggwgpu.backends import (ENV_VAR, auto_choice, describe_adapter, get_backend,
                              shared_wgpu_backend)
 from ggwgpu.files import read_limited
+from ggwgpu.tokenizer import Tokenizer
 
 
 FLOAT32_MAX, FLOAT32_TINY = 3.4028234663852886e38, 1.1754943508222875e-38
@@ -266,7 +267,7 @@ def resolve_precision(backend, choice: str) -> str:
         raise click.UsageError(f"--precision {choice}: {e}") from None
 
 
-def chat_template(tokenizer, path=None):
+def chat_template(tokenizer: Tokenizer, path=None):
     """The ChatTemplate of --chat-template's file, else the model's, else ChatML."""
     from ggwgpu.chat import ChatTemplate
     try:

@@ -33,7 +33,7 @@ def info(ctx):
     Adapter name, type and vendor, its key limits and features, where the WGSL shaders
     were found, and which backend graphs run on.
     """
-    from ggwgpu.backends.wgpu_backend import shader_dir
+    from ggwgpu.wgsl import shader_dir
     click.echo(f"ggwgpu {ggwgpu.__version__}")
     backend, why = wgpu_or_reason()
     if backend is None:

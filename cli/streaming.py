@@ -10,11 +10,11 @@ import time
 
 import click
 
-from ggwgpu.tokenizer import VocabError
+from ggwgpu.tokenizer import Tokenizer, VocabError
 
 
-def stream_sample(backend, cfg, values, tokenizer, prompt, n, sampling, seed, adapters=(),
-                  precision="f32"):
+def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, sampling, seed,
+                  adapters=(), precision="f32"):
     """Print the prompt, then the continuation as it comes (flushed piece by piece), then a
     timing line on stderr."""
     from ggwgpu.generate import (Decoder, TextStream, context_bos, generate_tokens,
@@ -60,15 +60,15 @@ def stream_reply(session, text: str, n: int) -> int:
     return count
 
 
-def new_session(backend, cfg, values, tokenizer, template, system, sampling, seed, adapters,
-                precision="f32"):
+def new_session(backend, cfg, values, tokenizer: Tokenizer, template, system, sampling, seed,
+                adapters, precision="f32"):
     from ggwgpu.generate import ChatSession, Decoder
     decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
     return ChatSession(decoder, tokenizer, template, system, sampling, seed)
 
 
-def chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n, sampling, seed,
-                adapters=(), precision="f32"):
+def chat_answer(backend, cfg, values, tokenizer: Tokenizer, template, system, prompt, n, sampling,
+                seed, adapters=(), precision="f32"):
     """generate --chat: the answer to one user message, then a timing line on stderr."""
     t0 = time.perf_counter()
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,

@@ -33,11 +33,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .data import DataError, EpochOrder
 from .files import read_limited
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 SPLITS = ("train", "valid", "test")
 MAX_LINE_CHARS = 1 << 24    # one JSONL example: 16 Mi characters, thousands of contexts
@@ -191,8 +195,8 @@ class ChatTemplate:
                             f"{type(e).__name__}: {e}") from None
 
     @classmethod
-    def of(cls, tokenizer, source: str | None = None, origin: str | None = None
-           ) -> "ChatTemplate":
+    def of(cls, tokenizer: Tokenizer, source: str | None = None, origin: str | None = None
+           ) -> ChatTemplate:
         """The template `source` (from `origin`), else the tokenizer's own
         (tokenizer.chat_template in its GGUF), else ChatML; bos_token and eos_token are the
         tokenizer's."""
@@ -201,8 +205,8 @@ class ChatTemplate:
         if source is None:
             source, origin = (own, f"the model's {CHAT_TEMPLATE}") if own else (CHATML, "ChatML")
         text = lambda i: tokenizer.tokens[i] if i is not None else ""   # noqa: E731
-        return cls(source, text(getattr(tokenizer, "bos_id", None)),
-                   text(getattr(tokenizer, "eos_id", None)), origin or "a given template")
+        return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_id),
+                   origin or "a given template")
 
     def render(self, messages, add_generation_prompt: bool = False) -> str:
         self.budget.start()
@@ -327,15 +331,15 @@ def bounded_environment(budget: RenderBudget):
     return Bounded
 
 
-def adds_bos(tokenizer, rendered: str) -> bool:
+def adds_bos(tokenizer: Tokenizer, rendered: str) -> bool:
     """Whether BOS goes before `rendered` text: the vocabulary adds one and the template did
     not write it already (many templates start with {{ bos_token }})."""
-    bos = getattr(tokenizer, "bos_id", None)
-    return bool(getattr(tokenizer, "add_bos", False)) and bos is not None \
+    bos = tokenizer.bos_id
+    return tokenizer.add_bos and bos is not None \
         and not (rendered and rendered.startswith(tokenizer.tokens[bos]))
 
 
-def rendered_ids(tokenizer, rendered: str) -> list[int]:
+def rendered_ids(tokenizer: Tokenizer, rendered: str) -> list[int]:
     """The token ids of a rendered conversation, as the model sees it at inference: BOS as
     `adds_bos` says, special tokens (<|im_start|>, ...) recognised — in the messages' text
     too, as llama.cpp and transformers tokenize a rendered chat."""
@@ -355,7 +359,7 @@ class Example:
         return len(self.ids)
 
 
-def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
+def encode_example(example: dict, tokenizer: Tokenizer, template: ChatTemplate | None,
                    mask_prompt: bool, answers_from: int = 0) -> Example:
     """The tokens of an example: BOS first when the vocabulary adds one (and the template
     did not write it), special tokens in templated text recognised, EOS after plain text and
@@ -381,7 +385,7 @@ def encode_example(example: dict, tokenizer, template: ChatTemplate | None,
             else tokenizer.encode(text)
         ids.extend(int(i) for i in piece)
         trained.extend([is_answer or not mask_prompt] * len(piece))
-    if eos and getattr(tokenizer, "eos_id", None) is not None:
+    if eos and tokenizer.eos_id is not None:
         ids.append(tokenizer.eos_id)
         trained.append(True)
     return Example(np.array(ids, np.int32), np.array(trained, bool))

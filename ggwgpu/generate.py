@@ -37,7 +37,7 @@ import numpy as np
 from .backends import precision_for
 from .backends.base import planned_bytes
 from .models import ModelConfig, build_decode_graph, half_values
-from .tokenizer import VocabError
+from .tokenizer import Tokenizer, VocabError
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -270,13 +270,13 @@ def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = S
         yield token
 
 
-def prompt_tokens(tokenizer, prompt: str) -> list[int]:
+def prompt_tokens(tokenizer: Tokenizer, prompt: str) -> list[int]:
     """The prompt's ids as llama.cpp's CLI makes them: BOS first if the vocabulary adds one
     (add_bos), special tokens ("<|im_start|>", ...) recognised in the text."""
     return [int(t) for t in tokenizer.encode(prompt, parse_special=True, add_special=True)]
 
 
-def context_bos(tokenizer) -> int | None:
+def context_bos(tokenizer: Tokenizer) -> int | None:
     """The BOS that starts every window (`window`): the vocabulary's, if it adds one."""
     return tokenizer.bos_id if tokenizer.add_bos else None
 
@@ -285,7 +285,7 @@ class TextStream:
     """Decodes a growing token sequence into text pieces safe to print as they come: text
     that ends in an incomplete UTF-8 character (byte tokens) waits for the next token."""
 
-    def __init__(self, tokenizer, ids=()):
+    def __init__(self, tokenizer: Tokenizer, ids=()):
         self.tokenizer, self.ids, self.shown = tokenizer, list(ids), ""
 
     def push(self, *ids: int) -> str:
@@ -305,7 +305,7 @@ class TextStream:
         return new
 
 
-def generate(backend, cfg: ModelConfig, values: dict, tokenizer, prompt: str, n: int,
+def generate(backend, cfg: ModelConfig, values: dict, tokenizer: Tokenizer, prompt: str, n: int,
              temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95,
              repeat_penalty: float = 1.0, repeat_last_n: int = 64, seed: int = 0,
              decoder: Decoder | None = None, min_p: float = 0.05) -> str:
@@ -337,7 +337,7 @@ class ChatSession:
     the context, the model sees the system messages and the latest turns that fit in half
     of it (`window`); a reply that fills the context slides the same way."""
 
-    def __init__(self, decoder: Decoder, tokenizer, template, system: str | None = None,
+    def __init__(self, decoder: Decoder, tokenizer: Tokenizer, template, system: str | None = None,
                  sampling: Sampling = Sampling(), seed: int = 0):
         self.decoder, self.tokenizer, self.template = decoder, tokenizer, template
         self.sampling, self.rng = sampling, np.random.default_rng(seed)

@@ -1,6 +1,6 @@
 """The GGUF container: typed metadata and tensors written atomically, and read back through a
 validated, bounded reader. It knows GGUF and ggml's limits, not what a file holds: the llama
-schema is ggwgpu.gguf_llama, checkpoints are ggwgpu.checkpoint, adapters ggwgpu.lora and
+schema is ggwgpu.gguf_llama, checkpoints are ggwgpu.training.checkpoint, adapters ggwgpu.lora and
 vocabularies ggwgpu.tokenizer, each built on the functions here.
 
 Writing (`write_gguf`, `write_metadata`) is atomic: a temporary file in the target's directory

@@ -49,7 +49,7 @@ from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ROPE_TABLES, ModelConfig, arc
                      parameter_shapes, phi3)
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
-from .tokenizer import tokenizer_from_metadata
+from .tokenizer import Tokenizer, tokenizer_from_metadata
 
 
 # The <arch>.* hyper-parameter keys, in llama.cpp's spelling (gguf-py's Keys templates)
@@ -89,7 +89,8 @@ _T = GGUFValueType
 
 # -- writing ----------------------------------------------------------------------------------
 
-def save_model(path, cfg: ModelConfig, params: dict, tokenizer, extra: dict | None = None):
+def save_model(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer,
+               extra: dict | None = None):
     """Write a GGUF of cfg.arch that llama.cpp loads: the keys and tensors of the module
     docstring.
 
@@ -170,7 +171,8 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
     return keys
 
 
-def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFValueType]]:
+def model_metadata(path, cfg: ModelConfig, tokenizer: Tokenizer,
+                   extra) -> dict[str, tuple[object, GGUFValueType]]:
     """Every key of a model file, in writing order, as key -> (value, GGUF type)."""
     meta = {K_ARCH: (cfg.arch, _T.STRING),
             K_NAME: (f"ggwgpu {cfg.arch} {cfg.n_layer}x{cfg.n_embd}", _T.STRING),
@@ -195,7 +197,7 @@ def model_metadata(path, cfg, tokenizer, extra) -> dict[str, tuple[object, GGUFV
 
 # -- reading ----------------------------------------------------------------------------------
 
-def load_model(path, keep_quantized: bool = False):
+def load_model(path, keep_quantized: bool = False) -> tuple[ModelConfig, dict, Tokenizer]:
     """Read a llama or qwen2 GGUF (ours, a checkpoint, or llama.cpp's files in F32 and the block
     types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
     arrays that own their memory (block types dequantized), tokenizer from
@@ -211,7 +213,7 @@ def load_model(path, keep_quantized: bool = False):
     return cfg, params, tokenizer
 
 
-def read_model(f: GGUFFile):
+def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     """(cfg, tokenizer) from a file's general.*, <arch>.* and tokenizer.* keys."""
     arch = f.str_key(K_ARCH)
     if arch not in FAMILIES:

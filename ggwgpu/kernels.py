@@ -14,7 +14,7 @@ variant in turn, so every one stays tested.
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
                   'rowwise' (one invocation per row, no barriers, CPU adapters); each
                   row op's pass over a row is written once, and its family is compiled
-                  once per variant (`row_module_wgsl`)
+                  once per variant (`row_module`, its WGSL wgsl.row_module_source)
 
 Also here: the block types' codes the quantized kernels branch on (p.u.x).
 """
@@ -41,7 +41,8 @@ QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
 # The row ops' variants (ops/norm.py, ops/softmax.py): every row op has both; its
 # 'rowwise' entry is k_<entry>_rowwise. Each family's shader (shaders/<family>.wgsl) writes an
 # op's pass over a row once, as <entry>_row(w: Row); shaders/row_<variant>.wgsl defines how a
-# row is split and reduced, and row_module_wgsl puts the two together with the entry points.
+# row is split and reduced, and wgsl.row_module_source puts the two together with the entry
+# points.
 ROW_VARIANTS = ("workgroup", "rowwise")
 ROW_FAMILIES = ("norm", "softmax")
 # lavapipe stops an invocation's loops after about 65534 iterations in all (measured: a
@@ -54,14 +55,9 @@ ROWWISE_MAX = 16384
 # ones add to its sums (Gemma 3's 262 144-token vocabulary gave wrong gradients in one).
 SUM_ROWS_MAX = 32768
 
-# p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES.
+# p.u.x of the portable quantized kernels: the order of ggwgpu/quant.py's TYPES (as WGSL
+# constants: wgsl.type_codes).
 TYPE_CODE = {name: code for code, name in enumerate(TYPES)}
-
-
-def type_codes_wgsl() -> str:
-    """TYPE_CODE as WGSL constants (F16 = 0u, ...), which the quantized kernels branch on;
-    shaders include them as `quant_type_codes` (ops/quant.py registers it)."""
-    return "".join(f"const {name.upper()}: u32 = {code}u;\n" for name, code in TYPE_CODE.items())
 
 
 def row_kernel(variant: str, row_len: int) -> str:
@@ -76,27 +72,6 @@ def row_module(family: str, variant: str) -> str:
 
 def row_entry(entry: str, variant: str) -> str:
     return entry if variant == "workgroup" else f"{entry}_{variant}"
-
-
-# A row op's entry point: its row (the bound check is uniform per workgroup in the
-# 'workgroup' variant, so the reductions after it stay in uniform control flow), then the
-# op's pass over it.
-ROW_ENTRY = """
-@compute @workgroup_size(WG)
-fn k_{name}(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,
-        @builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
-    let row = row_index(wid, gid, nwg);
-    if (row >= p.n) {{ return; }}
-    {entry}_row(row_work(row, row_lane(lid)));
-}}
-"""
-
-
-def row_module_wgsl(family: str, variant: str, entries) -> str:
-    """The WGSL of row_module(family, variant): the variant's row split and reductions, the
-    family's shader, and one entry point per entry (calling its <entry>_row)."""
-    return (f"// #include row_{variant}\n// #include {family}\n"
-            + "".join(ROW_ENTRY.format(name=row_entry(e, variant), entry=e) for e in entries))
 
 
 def matmul_variant(adapter, device) -> str:

@@ -1,7 +1,8 @@
 """Tokenizers: text <-> token ids, and the tokenizer.ggml.* keys of a GGUF file.
 
-Three vocabularies, one interface (`encode`, `decode`, `n_vocab`, `bos_id`, `eos_id`,
-`unk_id`, `eog_ids`, `add_bos`, `add_eos`, `newline_ids`, `gguf_metadata()`):
+Three vocabularies, one interface (the `Tokenizer` protocol: `encode`, `decode`,
+`n_vocab`, `tokens`, `bos_id`, `eos_id`, `unk_id`, `eog_ids`, `add_bos`, `add_eos`,
+`newline_ids`, `gguf_metadata()`):
 
 - `ByteTokenizer`, the default: one token per UTF-8 byte plus <unk>, <s>, </s>. No file
   needed. Exported as a SentencePiece-style ("llama") vocabulary that llama.cpp tokenizes
@@ -49,6 +50,7 @@ And with a "gpt2" vocabulary (llm_tokenizer_bpe_session):
 from __future__ import annotations
 
 import heapq
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -130,6 +132,49 @@ _N_SPECIAL = 3                                  # <unk>, <s>, </s>
 _BYTE_TOKENS = ["<unk>", "<s>", "</s>"] + [
     SPACE_PIECE if b == 0x20 else byte_piece(b) for b in range(256)]
 _BYTE_TYPES = [UNKNOWN, CONTROL, CONTROL] + [NORMAL if b == 0x20 else BYTE for b in range(256)]
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What training, generation, chat and the GGUF writers use of a tokenizer; ByteTokenizer,
+    SentencePieceVocab and BPEVocab provide it. Ids are ints in 0 .. n_vocab - 1; a role
+    the vocabulary lacks (no BOS, no <unk>) is None."""
+
+    @property
+    def n_vocab(self) -> int: ...
+    @property
+    def tokens(self) -> list[str]:
+        """Each id's token text, as the GGUF file spells it."""
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def eos_id(self) -> int | None: ...
+    @property
+    def unk_id(self) -> int | None: ...
+    @property
+    def add_bos(self) -> bool:
+        """Whether a text starts with BOS (encode's add_special; a generation's context)."""
+    @property
+    def add_eos(self) -> bool:
+        """Whether encode(add_special=True) ends a text with EOS."""
+    @property
+    def eog_ids(self) -> frozenset[int]:
+        """The ids that end a generation (eos, end of turn, ...)."""
+    @property
+    def newline_ids(self) -> tuple[int, ...]:
+        """The ids of the tokens whose text ends with a newline (samples start after one)."""
+
+    def encode(self, text: str, parse_special: bool = False,
+               add_special: bool = False) -> np.ndarray:
+        """int32 ids of `text`; parse_special: control tokens' texts are those tokens;
+        add_special: BOS first (and EOS last) as add_bos (add_eos) say."""
+
+    def decode(self, ids) -> str:
+        """The text of `ids` (special tokens give none), invalid UTF-8 as U+FFFD."""
+
+    def gguf_metadata(self) -> dict[str, object]:
+        """The tokenizer.ggml.* keys that describe the vocabulary (and any other tokenizer.*
+        key it read, e.g. the chat template)."""
 
 
 class ByteTokenizer:
@@ -722,7 +767,7 @@ def _token_id(meta: dict, key: str):
     return int(value)
 
 
-def tokenizer_from_metadata(meta: dict, model_name: str | None = None):
+def tokenizer_from_metadata(meta: dict, model_name: str | None = None) -> Tokenizer:
     """The tokenizer that tokenizer.ggml.* keys describe (the inverse of `gguf_metadata`).
 
     Exactly ByteTokenizer's vocabulary and settings give a `ByteTokenizer`; any other "llama"
@@ -796,7 +841,7 @@ def _read_all(path) -> dict[str, object]:
         raise VocabError(str(e)) from None
 
 
-def load_vocab(path):
+def load_vocab(path) -> Tokenizer:
     """The tokenizer of a GGUF file's tokenizer.ggml.* keys (`tokenizer_from_metadata`, with
     the file's general.name). Errors (no file, a malformed GGUF, no or unsupported
     vocabulary) are VocabErrors (so GGUFErrors) naming it."""

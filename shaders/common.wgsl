@@ -1,8 +1,8 @@
-// Included first by every shader family (`// #include common`, resolved by the backend's
-// shader_source): the parameter block, the bindings, index helpers.
+// Included first by every shader family (`// #include common`, resolved by
+// ggwgpu/wgsl.py's shader_source): the parameter block, the bindings, index helpers.
 // Sizes (ne) and strides (nb) are in ggml order (x = innermost dim) and counted in elements;
 // off holds the element offsets of dst, src0, src1, src2 in their buffers, off3.x src3's.
-// This struct is the layout's one description: the backend reads it (wgpu_backend.py,
+// This struct is the layout's one description: the backend reads it (wgsl.py's
 // params_layout) to place each value, so fields may move but keep their names and types.
 struct Params {
     n: u32, _pad0: u32, _pad1: u32, _pad2: u32,   // invocations (or rows) that do work
@@ -21,7 +21,7 @@ struct Params {
 // Every binding is read_write: a buffer bound twice in one dispatch is then no validation
 // error, and in-place ops need no special case.
 // Element types: TD, T0 .. T3 are f32 or f16, aliases the backend declares before this file
-// from the dispatch's tensors (wgpu_backend.dtype_prelude). Kernels compute in f32: every
+// from the dispatch's tensors (wgsl.py's dtype_prelude). Kernels compute in f32: every
 // load is f32(src0[i]) (vec4f(..) for the vec4 views), every store dst[i] = to_TD(v)
 // (to_TD4 for a vec4; to_T0 .. for the sources an update writes), from the same prelude.
 @group(0) @binding(1) var<storage, read_write> dst: array<TD>;

@@ -1,6 +1,6 @@
 // Row normalisations, p.n rows; p.f.x = eps. Each op's pass over a row is one function
 // <entry>_row (row_kernels.wgsl); the family is compiled once per kernel variant
-// (norm_workgroup, norm_rowwise: ggwgpu/kernels.py), which adds the entry points.
+// (norm_workgroup, norm_rowwise: ggwgpu/kernels.py), whose entry points wgsl.py adds.
 // src0 x, src1 dy (the *_back ops), dst [.., n]: one shape, any strides. rms_norm_mul(_back)
 // add a weight w (src1) that tiles x (ggml broadcasting).
 // #include row_kernels

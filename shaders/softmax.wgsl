@@ -1,6 +1,6 @@
 // Softmax family. The row ops, p.n rows of src0: each op's pass over a row is one function
 // <entry>_row (row_kernels.wgsl); the family is compiled once per kernel variant
-// (softmax_workgroup, softmax_rowwise: ggwgpu/kernels.py), which adds their entry points.
+// (softmax_workgroup, softmax_rowwise: ggwgpu/kernels.py), whose entry points wgsl.py adds.
 // Every tensor of a row op has src0's shape (a mask tiles it), any strides.
 // #include row_kernels
 

@@ -89,7 +89,7 @@ def test_backward_is_deterministic(wgpu):
     kernels use no atomics, and a batch entry's gradients are bit-identical whether it is
     computed alone or next to another (its sums do not depend on the grid or on the order
     in which workgroups run)."""
-    from ggwgpu.backends.wgpu_backend import shader_dir
+    from ggwgpu.wgsl import shader_dir
     assert "atomic" not in (shader_dir() / "attention.wgsl").read_text()
     feeds, g = graphs((1, 4, 20, 8), (1, 2, 24, 8), True)
     alone = run(wgpu, g["fused"], feeds)

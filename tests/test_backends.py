@@ -285,6 +285,30 @@ def test_numpy_fast_adamw_takes_the_reference_where_a_gradient_is_not_finite():
         assert np.isfinite(got).all()
 
 
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_each_backend_declares_what_it_offers(backend_name, request):
+    """Backend's capabilities, set by each backend with the declared types: the NumPy
+    backend emulates halves and has no device limits or kernel variants; wgpu's come from
+    its adapter (lavapipe has shader-f16 and a 128 MiB binding limit)."""
+    backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
+    declared = gg.backends.Backend.__annotations__
+    assert {"has_f16", "emulates_f16", "storage_limits", "kernel_variants", "info"} <= \
+        set(declared)
+    assert all(isinstance(getattr(backend, n), bool) for n in ("has_f16", "emulates_f16"))
+    assert isinstance(backend.info["device"], str) and backend.info["device"]
+    limits, variants = backend.storage_limits, backend.kernel_variants
+    assert all(isinstance(k, str) and isinstance(v, int) for k, v in limits.items())
+    assert all(isinstance(k, str) and isinstance(v, str) for k, v in variants.items())
+    if backend_name == "numpy":
+        assert (backend.has_f16, backend.emulates_f16, limits, variants) == (False, True, {}, {})
+    else:
+        assert not backend.emulates_f16 and backend.has_f16 == ("shader-f16" in
+                                                                 backend.device.features)
+        assert set(limits) == {"max-storage-buffer-binding-size", "max-buffer-size"}
+        assert set(variants) == {"matmul", "quant", "norm", "softmax"}
+        assert backend.info["device"] == backend.adapter.info["device"]
+
+
 def test_memory_report_sorts_the_planned_bytes_by_role():
     p = gg.param(np.ones((4, 8), np.float32), name="p")
     x = gg.input_tensor((3, 8), name="x")
@@ -351,7 +375,8 @@ def echo_params(wgpu, uniforms: np.ndarray, n_words: int) -> np.ndarray:
     """Run a kernel that writes every Params field, by name, into dst (u32 fields as
     f32(x)): what the shader reads where the backend wrote `uniforms`."""
     import wgpu as wgpu_py
-    from ggwgpu.backends.wgpu_backend import MAX_SRCS, SRC0_PARTS, dtype_prelude, shader_dir
+    from ggwgpu.backends.wgpu_backend import SRC0_PARTS
+    from ggwgpu.wgsl import MAX_SRCS, dtype_prelude, shader_dir
     fields = (["p.n", *(f"p.off[{i}]" for i in range(4)), "p.off3.x"]
               + [f"p.{k}_{t}[{i}]" for t in "d0123" for k in ("ne", "nb") for i in range(4)]
               + [f"p.u[{i}]" for i in range(4)])
@@ -404,7 +429,8 @@ def test_the_params_block_is_where_the_shader_reads_it(wgpu):
 
 
 def test_params_layout_follows_the_wgsl_struct_and_refuses_what_it_cannot_fill():
-    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE, params_layout, shader_dir
+    from ggwgpu.backends.wgpu_backend import PARAMS, UNIFORM_SIZE
+    from ggwgpu.wgsl import params_layout, shader_dir
     source = (shader_dir() / "common.wgsl").read_text()
     assert params_layout(source) == (PARAMS, UNIFORM_SIZE) and UNIFORM_SIZE == 240
     # reorder two fields: the words move with them

@@ -120,3 +120,42 @@ def test_bench_train_of_a_lora_shape_says_why_torch_has_no_peer(tmp_path, monkey
     # 11.90 MB planned of a 11.53 MB peak, where an add per sum planned 12.10 of 11.99)
     assert memory["peak_bytes"] <= memory["planned_bytes"] <= 1.04 * memory["peak_bytes"]
     assert 0.9 <= memory["ratio"] <= 1.5
+
+
+# -- the PyTorch peer trains only what it represents -------------------------------------------
+
+def test_the_torch_peer_represents_llamas_with_gqa_and_tied_embeddings_only():
+    from ggwgpu.bench import torch_peer, torch_peer_refusal
+    from ggwgpu.models import ModelConfig
+    llama = ModelConfig(**cli_bench.BENCH_TRAIN_CONFIGS["smollm-135m"].model)
+    assert llama.kv_heads < llama.n_head and llama.tied_embeddings
+    assert torch_peer_refusal(llama) is None
+    assert torch_peer_refusal(llama, "q4_0") == \
+        "PyTorch has no q4_0 matmul, and an f32 base would time other work"
+    qwen2 = dataclasses.replace(llama, arch="qwen2")
+    assert "a llama (GQA, tied embeddings), not qwen2" in torch_peer_refusal(qwen2)
+    factors = dataclasses.replace(llama, rope_freqs=True, final_logit_softcap=30.0)
+    assert "without rope_freqs, final_logit_softcap" in torch_peer_refusal(factors)
+    _, options = cli_bench.bench_model("tiny")
+    with pytest.raises(ValueError, match="not qwen2"):     # before torch is imported
+        torch_peer(qwen2, options, 1)
+
+
+def test_bench_train_of_another_family_says_why_torch_has_no_peer(tmp_path, monkeypatch):
+    """tiny as qwen2 (Q/K/V biases): NumPy trains it, the peer is not run, and its row
+    says why."""
+    config = cli_bench.BENCH_TRAIN_CONFIGS["tiny"]
+    monkeypatch.setitem(cli_bench.BENCH_TRAIN_CONFIGS, "tiny", dataclasses.replace(
+        config, model={**config.model, "arch": "qwen2", "n_layer": 2}))
+    monkeypatch.setattr(cli_bench, "torch_peer", lambda *args: pytest.fail("peer ran"))
+    out = tmp_path / "train.json"
+    result = CliRunner().invoke(cli_main.cli, ["--backend", "numpy", "bench", "train",
+                                               "--steps", "1", "--json", str(out)],
+                                env={ENV_VAR: None})
+    assert result.exit_code == 0, result.output
+    torch_row = next(line for line in result.output.splitlines() if line.startswith("torch "))
+    assert torch_row.split()[1] == "-"
+    assert "(no peer: the PyTorch peer is a llama (GQA, tied embeddings), not qwen2: it " \
+           "would time another model)" in torch_row
+    report = json.loads(out.read_text())
+    assert "torch" not in report["tokens_per_s"] and report["tokens_per_s"]["numpy"] > 0

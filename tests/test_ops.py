@@ -8,13 +8,13 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu import testing
-from ggwgpu.backends.wgpu_backend import kernel_name, shader_source
 from ggwgpu.kernels import (MATMUL_ENV, ROW_FAMILIES, ROW_VARIANTS, ROWWISE_MAX,
                             matmul_variant, row_module, row_variant)
 from ggwgpu.ops import OPS
 from ggwgpu.ops.registry import f32_only_ops
 from ggwgpu.ops.reduce import SUM_SPAN
 from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.wgsl import kernel_name, shader_source
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
 GRAD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name, grad_only=True)]
@@ -367,6 +367,27 @@ def test_the_package_exports_every_op_and_no_family_module():
     import ggwgpu.ops as ops
     assert set(OPS) <= set(ops.__all__) and all(callable(getattr(ggwgpu, n)) for n in OPS)
     assert ggwgpu.quant.__name__ == "ggwgpu.quant" and hasattr(ggwgpu.quant, "quantize")
+
+
+def test_an_entry_takes_opdefs_defaults_and_refuses_unknown_fields():
+    """Entries are built by keyword; what is not given comes from OpDef's one declaration
+    of each default, and what follows from the shader (entry, dispatches) is filled there."""
+    from ggwgpu.ops.registry import OpDef, elementwise_dispatch, register
+    required = dict(n_srcs=1, shape=lambda srcs: (srcs[0].shape, "f32", {}),
+                    reference=np.negative, backward=lambda n, g: (g,), cases=lambda: [])
+    kernel = OpDef(name="twice", shader="elementwise", no_grad=[0], fd=[1e-3, 1e-4, 1e-2],
+                   **required)
+    assert (kernel.entry, kernel.dispatches) == ("twice", elementwise_dispatch)
+    assert (kernel.no_grad, kernel.fd, kernel.param_names, kernel.defaults) == \
+        ((0,), (1e-3, 1e-4, 1e-2), (), {})
+    assert (kernel.nmse, kernel.f16, kernel.result, kernel.updates) == (1e-7, True, "float", False)
+    view = OpDef(name="seen", entry="ignored", **required)
+    assert (view.entry, view.dispatches, view.is_view) == (None, None, True)
+    with pytest.raises(ValueError, match="op seen: result must be"):
+        OpDef(name="seen", result="f64", **required)
+    with pytest.raises(TypeError, match="op nowhere: .*'tolerance'"):
+        register("nowhere", tolerance=1e-3, **required)
+    assert "nowhere" not in OPS
 
 
 @pytest.mark.parametrize("name", sorted(OPS))

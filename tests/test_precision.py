@@ -4,13 +4,12 @@ and LoRA finetuning that follow f32, the decoder's halves, the memory they save,
 commands' option."""
 import dataclasses
 import json
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from ggwgpu import data, ops as O
-from ggwgpu.backends import get_backend, precision_for
+from ggwgpu.backends import Backend, get_backend, precision_for
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import Decoder
 from ggwgpu.graph import build_backward, topo_order
@@ -55,11 +54,20 @@ def loss_and_grads(backend, precision, flash=False, packed=False):
     return plan.read(g.loss)[0], {p.name: plan.read(gr) for p, gr in grads.items()}
 
 
+class DeclaredDevice(Backend):
+    """A backend that declares a device's capabilities and makes no plans."""
+    name = "wgpu"
+    emulates_f16 = False
+
+    def __init__(self, has_f16: bool):
+        self.has_f16, self.info = has_f16, {"device": "old GPU"}
+
+
 def test_auto_picks_f16_where_the_device_has_it():
     assert precision_for(NumpyBackend(), "auto") == "f32"
     assert precision_for(NumpyBackend(), "f16") == "f16"      # halves emulated, to compare
-    assert precision_for(SimpleNamespace(has_f16=True), "auto") == "f16"
-    lacking = SimpleNamespace(has_f16=False, name="wgpu", info={"device": "old GPU"})
+    assert precision_for(DeclaredDevice(has_f16=True), "auto") == "f16"
+    lacking = DeclaredDevice(has_f16=False)
     assert precision_for(lacking, "auto") == "f32"
     with pytest.raises(ShapeError, match="shader-f16.*old GPU"):
         precision_for(lacking, "f16")

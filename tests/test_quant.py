@@ -17,7 +17,7 @@ from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ROPE_FREQS, ModelConfig, attention, init_parameters
 from ggwgpu.models.blocks import Sequence, output, rms_norm
-from ggwgpu.backends.wgpu_backend import shader_source
+from ggwgpu.wgsl import shader_source
 from ggwgpu.quant import (QUANT_TYPES, QUANTIZABLE, TYPES, Quantized, dequantize, quantize,
                           quantize_model, random_blocks)
 from ggwgpu.tokenizer import ByteTokenizer

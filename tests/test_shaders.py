@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 
 from ggwgpu import kernels, testing
-from ggwgpu.backends.wgpu_backend import ShaderError, kernel_name, shader_dir, shader_source
 from ggwgpu.ops import OPS
-from ggwgpu.ops.registry import GENERATED_WGSL
+from ggwgpu.wgsl import GENERATED, ShaderError, kernel_name, shader_dir, shader_source
 
 
 def write(folder, **files):
@@ -17,7 +16,7 @@ def write(folder, **files):
 
 
 def test_includes_are_resolved_once_each_in_first_include_order(tmp_path, monkeypatch):
-    monkeypatch.setitem(GENERATED_WGSL, "made", lambda: "fn made() {}\n")
+    monkeypatch.setitem(GENERATED, "made", lambda: "fn made() {}\n")
     write(tmp_path, top="// #include mid\n// #include base\nfn top() {}\n// #include made\n",
           mid="// #include base\nfn mid() {}\n", base="fn base() {}\n")
     assert shader_source("top", tmp_path) == \
@@ -50,7 +49,7 @@ def test_no_two_shader_parts_define_the_same_function():
     preludes (row_workgroup.wgsl, row_rowwise.wgsl), which define one set of functions each:
     a row family is compiled with one of them."""
     parts = {f"{f.name}": f.read_text() for f in sorted(shader_dir().glob("*.wgsl"))}
-    parts.update({f"generated {name}": make() for name, make in GENERATED_WGSL.items()})
+    parts.update({f"generated {name}": make() for name, make in GENERATED.items()})
     where = {}
     for part, text in parts.items():
         for fn in defined_functions(text):

@@ -10,8 +10,8 @@ import pytest
 
 from ggwgpu import gguf_file
 from ggwgpu.tokenizer import (BYTE, CONTROL, NORMAL, UNKNOWN, USER_DEFINED, BPEVocab,
-                              ByteTokenizer, SentencePieceVocab, VocabError, load_vocab,
-                              read_metadata, tokenizer_from_metadata)
+                              ByteTokenizer, SentencePieceVocab, Tokenizer, VocabError,
+                              load_vocab, read_metadata, tokenizer_from_metadata)
 
 TEXTS = ["", "hello", "Hello, world!\n", " leading", "trailing ", "double  space",
          "   ", "\n\n a \n", "tab\tand\r\nCRLF", "naïve café — ünïcödé", "日本語のテキスト",
@@ -273,3 +273,42 @@ def test_bpe_decode_cleans_spaces_where_the_pre_tokenizer_says():
     ids = bpe_vocab([]).encode("a , b ' c 's")
     assert bpe_vocab([]).decode(ids) == "a, b'c's"                   # gpt-2: clean_spaces
     assert bpe_vocab([], pre="qwen2").decode(ids) == "a , b ' c 's"  # qwen2: as written
+
+
+# -- the Tokenizer protocol ------------------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    ByteTokenizer,
+    lambda: hand_vocab(add_space_prefix=True),
+    lambda: bpe_vocab(["h e", "l l", "he ll"], pre="llama-bpe",
+                      extra_tokens=["<|im_end|>"])])
+def test_every_tokenizer_provides_the_protocol_it_is_used_through(make):
+    """isinstance checks the members are there; one text checks what they do: encode and
+    decode round-trip, BOS as add_bos says, newline and end-of-generation ids, and the
+    GGUF keys give back a tokenizer that encodes alike."""
+    tok, text = make(), "hello there\nsecond line"
+    assert isinstance(tok, Tokenizer)
+    ids = tok.encode(text)
+    assert ids.dtype == np.int32 and ((0 <= ids) & (ids < tok.n_vocab)).all()
+    assert tok.decode(ids) == text and tok.n_vocab == len(tok.tokens)
+    with_special = tok.encode(text, add_special=True)
+    assert (with_special[0] == tok.bos_id) == (tok.add_bos and tok.bos_id is not None)
+    assert tok.eos_id in tok.eog_ids and tok.unk_id in (None, *range(tok.n_vocab))
+    assert tok.add_eos is False and set(tok.newline_ids) & set(ids.tolist())
+    assert all(tok.decode([i]).endswith("\n") for i in tok.newline_ids)
+    again = tokenizer_from_metadata(tok.gguf_metadata())
+    assert type(again) is type(tok) and again.encode(text).tolist() == ids.tolist()
+
+
+def test_an_object_without_decode_is_no_tokenizer():
+    class EncodeOnly:
+        n_vocab, tokens, bos_id, eos_id, unk_id = 1, ["a"], None, None, None
+        add_bos = add_eos = False
+        eog_ids, newline_ids = frozenset(), ()
+
+        def encode(self, text, parse_special=False, add_special=False):
+            return np.zeros(len(text), np.int32)
+
+        def gguf_metadata(self):
+            return {}
+    assert not isinstance(EncodeOnly(), Tokenizer)

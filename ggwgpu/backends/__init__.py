@@ -91,7 +91,7 @@ def get_backend(name: str | None = None) -> Backend:
     return NumpyBackend() if name == "numpy" else shared_wgpu_backend()
 
 
-def precision_for(backend, choice: str = "auto") -> str:
+def precision_for(backend: Backend, choice: str = "auto") -> str:
     """The element type of a graph's activations on `backend` (models/transformer.py
     model_weights): "f32" or "f16" as asked, or for "auto" f16 where the device runs f16
     kernels (a wgpu adapter with shader-f16) and f32 elsewhere; the NumPy backend stores f16
@@ -99,12 +99,10 @@ def precision_for(backend, choice: str = "auto") -> str:
     An f16 graph on a device without shader-f16 is refused here, naming the feature."""
     if choice not in ("auto", "f32", "f16"):
         raise ValueError(f"precision must be auto, f32 or f16, got {choice!r}")
-    device_f16 = getattr(backend, "has_f16", None)
     if choice == "auto":
-        return "f16" if device_f16 else "f32"
-    if choice == "f16" and device_f16 is False:
+        return "f16" if backend.has_f16 else "f32"
+    if choice == "f16" and not (backend.has_f16 or backend.emulates_f16):
         from ..tensor import ShapeError
-        device = getattr(backend, "info", {}).get("device", backend.name)
         raise ShapeError(f"precision f16 needs the WebGPU feature shader-f16, which the "
-                         f"adapter {device} lacks: use f32")
+                         f"adapter {backend.info['device']} lacks: use f32")
     return choice

@@ -283,9 +283,29 @@ def planned_bytes(plans) -> int:
 
 
 class Backend:
-    """Makes plans; holds the constant storage its plans share (`constants`)."""
+    """Makes plans; holds the constant storage its plans share (`constants`).
+
+    What a backend offers the code that builds graphs for it, set by every backend:
+
+        has_f16         f16 element tensors compute in device kernels (wgpu: the adapter's
+                        shader-f16), so precision `auto` picks f16 (backends.precision_for)
+        emulates_f16    f16 element tensors are stored as halves and computed in f32, to
+                        compare with a device (NumPy); `auto` never picks f16 for it
+        storage_limits  {WebGPU limit name: bytes} that a storage block must fit
+                        (max-storage-buffer-binding-size, max-buffer-size); empty where only
+                        the host's memory bounds it
+        kernel_variants {shader family: kernel variant} (kernels.choose_variants); empty
+                        where ops run no shaders (each op's first variant is then meant)
+        info            names the device: "device" always, plus the WebGPU adapter's info
+                        (adapter_type, backend_type, vendor, ...) where there is one
+    """
     name = "?"
     constants: SharedConstants
+    has_f16: bool
+    emulates_f16: bool
+    storage_limits: dict[str, int]
+    kernel_variants: dict[str, str]
+    info: dict
 
     def plan(self, outputs, sentinel: int = 0) -> Plan:
         raise NotImplementedError

@@ -293,6 +293,11 @@ class NumpyBackend(Backend):
         self.split_min = split_min
         self.name = "numpy" if self.float_dtype == np.float32 else f"numpy-{self.float_dtype}"
         self.constants = SharedConstants()
+        self.has_f16 = False
+        self.emulates_f16 = True        # stores halves, computes in float32
+        self.storage_limits = {}        # the host's memory only
+        self.kernel_variants = {}       # no shaders
+        self.info = {"device": "host CPU", "backend_type": "NumPy"}
 
     def plan(self, outputs, sentinel=0):
         return NumpyPlan(self, outputs, sentinel)

@@ -6,15 +6,15 @@ once; nothing is read back unless asked for, and what is (read_many) comes back 
 copy and one map of a persistent staging buffer.
 
 Element types: each dispatch's module is its family's WGSL behind a prelude that names the
-element type of every binding (dtype_prelude: TD, T0 .. T3 = f32 or f16, `enable f16;` when
-one is f16), so pipelines are cached per (family, entry, binding dtypes); f32 dispatches
-compile exactly the kernels they always did. f16 needs the adapter's `shader-f16` feature.
+element type of every binding (wgsl.module_source: TD, T0 .. T3 = f32 or f16, `enable f16;`
+when one is f16), so pipelines are cached per (family, entry, binding dtypes); f32
+dispatches compile exactly the kernels they always did. f16 needs the adapter's `shader-f16`
+feature.
 """
 from __future__ import annotations
 
 import math
 import os
-import re
 import time
 import sys
 import tempfile
@@ -25,13 +25,13 @@ import wgpu
 
 from ..kernels import choose_variants
 from ..ops import OPS
-from ..ops.registry import GENERATED_WGSL
 from ..tensor import ShapeError, Tensor
+from ..wgsl import (F32_BINDINGS, MAX_SRCS, PART_WORDS, TENSOR_TAGS, binding_dtypes,
+                    kernel_name, module_source, reads_src0_in_parts, uniform_layout)
 from . import wgpu_direct
 from .base import Backend, DeviceLimitError, Plan, SharedConstants, guarded_block
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
-MAX_SRCS = 4
 # A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
 # of a kernel that reads it through quant_blocks.wgsl's src0_word: its own binding and
 # bindings 6 .. 8, so dst, 4 sources and the parts stay within WebGPU's 8 storage buffers.
@@ -39,6 +39,7 @@ SRC0_PARTS = 4
 PART_BINDINGS = tuple(range(2 + MAX_SRCS, 1 + MAX_SRCS + SRC0_PARTS))
 MAX_GROUPS = 65535          # per grid dimension; bigger 1-D grids fold into 2-D
 STORAGE_USAGE = wgpu.BufferUsage.STORAGE | wgpu.BufferUsage.COPY_SRC | wgpu.BufferUsage.COPY_DST
+PARAMS, UNIFORM_SIZE = uniform_layout()     # {Params field: first word}, bytes
 
 
 class NoAdapterError(RuntimeError):
@@ -66,137 +67,6 @@ def check_storage_limits(tensors, nbytes, limits: dict, in_parts=frozenset(), pa
                 f"model, the vocabulary or the batch smaller")
 
 
-def shader_dir() -> Path:
-    """Where the WGSL files are: inside the installed package, or the source checkout's
-    top-level shaders/ folder."""
-    here = Path(__file__).resolve().parents[1]
-    for candidate in (here / "shaders", here.parent / "shaders"):
-        if (candidate / "common.wgsl").is_file():
-            return candidate
-    raise FileNotFoundError(f"WGSL shaders not found next to {here}")
-
-
-class ShaderError(ValueError):
-    """A shader that cannot be put together: a missing include or an include cycle."""
-
-
-INCLUDE = re.compile(r"//\s*#include\s+(\S+)\s*")
-
-
-def shader_source(stem: str, folder: Path | None = None) -> str:
-    """The WGSL of <stem>.wgsl (in `folder`, else shader_dir()) with its includes resolved:
-    a line `// #include NAME` stands for NAME.wgsl, itself resolved the same way, or for
-    the code ops/registry.py's GENERATED_WGSL[NAME] makes from a Python table. Each part
-    comes in once, where it is first included, so families share code without copies.
-    A missing part or an include cycle raises ShaderError naming the file and line."""
-    return _compose(stem, folder or shader_dir(), (), set())
-
-
-def _compose(name: str, folder: Path, stack: tuple, done: set) -> str:
-    stack = (*stack, name)
-    done.add(name)
-    text = GENERATED_WGSL[name]() if name in GENERATED_WGSL else \
-        (folder / f"{name}.wgsl").read_text()
-    out = []
-    for number, line in enumerate(text.splitlines(keepends=True), 1):
-        found = INCLUDE.fullmatch(line.rstrip("\n"))
-        if not found:
-            out.append(line)
-            continue
-        part, where = found[1], f"shader {name}.wgsl line {number}"
-        if part in stack:
-            raise ShaderError(f"{where}: include cycle {' -> '.join((*stack, part))}")
-        if part in done:
-            continue
-        if part not in GENERATED_WGSL and not (folder / f"{part}.wgsl").is_file():
-            raise ShaderError(f"{where}: includes {part!r}, but there is no {part}.wgsl "
-                              f"in {folder}")
-        out.append(_compose(part, folder, stack, done))
-    return "".join(out)
-
-
-# Words of the WGSL types a Params field may have, and their alignment in words (WGSL's
-# uniform layout rules).
-PARAM_TYPES = {"u32": (1, 1), "i32": (1, 1), "f32": (1, 1),
-               "vec4u": (4, 4), "vec4i": (4, 4), "vec4f": (4, 4)}
-TENSOR_TAGS = ("d", "0", "1", "2", "3")   # dst, then the sources: ne_<tag>, nb_<tag>
-
-
-def params_layout(source: str) -> tuple[dict[str, int], int]:
-    """The uniform block's layout, read from the `struct Params` of `source` (common.wgsl):
-    ({field: first 32-bit word}, size in bytes). The one description of the block is the
-    WGSL struct; _uniforms writes each value at its field's word. Raises ValueError naming
-    what does not fit what _uniforms writes."""
-    found = re.search(r"struct\s+Params\s*\{(.*?)\}", source, re.S)
-    if not found:
-        raise ValueError("common.wgsl: no `struct Params { ... }`")
-    body = re.sub(r"//[^\n]*", "", found[1])
-    words, at, align_max = {}, 0, 1
-    for name, kind in re.findall(r"(\w+)\s*:\s*([\w<>]+)", body):
-        if kind not in PARAM_TYPES:
-            raise ValueError(f"common.wgsl: Params.{name} has type {kind}, not one of "
-                             f"{', '.join(PARAM_TYPES)}")
-        size, align = PARAM_TYPES[kind]
-        at = -(-at // align) * align
-        words[name] = at
-        at += size
-        align_max = max(align_max, align)
-    want = {"n": "u32", "off": "vec4u", "off3": "vec4u", "f": "vec4f", "u": "vec4u",
-            **{f"{k}_{t}": "vec4u" for t in TENSOR_TAGS for k in ("ne", "nb")}}
-    kinds = dict(re.findall(r"(\w+)\s*:\s*([\w<>]+)", body))
-    for name, kind in want.items():
-        if kinds.get(name) != kind:
-            raise ValueError(f"common.wgsl: Params needs field {name}: {kind} "
-                             f"(found {kinds.get(name)})")
-    return words, -(-at // align_max) * align_max * 4
-
-
-F32_BINDINGS = ("f32",) * (1 + MAX_SRCS)
-BINDING_ALIASES = ("TD", "T0", "T1", "T2", "T3")   # common.wgsl's element types, by binding
-
-
-def binding_dtypes(tensors) -> tuple[str, ...]:
-    """The element type of each common binding (dst, src0 .. src3) of a dispatch: f16 for an
-    f16 element tensor, else f32 (the bindings of i32 and block-type tensors are read through
-    their own views: rows.wgsl's src1_i32, quant_blocks.wgsl's src0_u32)."""
-    kinds = ["f16" if t.dtype == "f16" and not t.is_quantized else "f32" for t in tensors]
-    return tuple(kinds + ["f32"] * (1 + MAX_SRCS - len(kinds)))
-
-
-# f32 -> f16 as IEEE round-to-nearest-even overflows: WGSL leaves a value between the largest
-# half (65504) and 2^16 to the implementation (the largest half or infinity), so those are
-# placed explicitly; 2^16 and beyond must become infinity. The rounding of values in range
-# is the implementation's: to nearest even on lavapipe (tests/test_ops.py checks it).
-HALF_RANGE = """
-fn half_range(v: f32) -> f32 {
-    let a = abs(v);
-    return select(select(v, sign(v) * 65504.0, a > 65504.0), sign(v) * 131072.0, a >= 65520.0);
-}
-"""
-
-
-def dtype_prelude(dtypes=F32_BINDINGS) -> str:
-    """The WGSL put before a family's source: `enable f16;` where a binding is f16, the
-    aliases common.wgsl declares its bindings with, and the stores' conversions from f32
-    (to_TD(v), to_TD4(v), to_T0(v) ..)."""
-    out = ["enable f16;\n" if "f16" in dtypes else ""]
-    for alias, dtype in zip(BINDING_ALIASES, dtypes):
-        out.append(f"alias {alias} = {dtype};\n")
-        if dtype == "f16":
-            out.append(f"fn to_{alias}(v: f32) -> f16 {{ return f16(half_range(v)); }}\n"
-                       f"fn to_{alias}4(v: vec4f) -> vec4<f16> {{ return vec4<f16>(vec4f("
-                       f"half_range(v.x), half_range(v.y), half_range(v.z), half_range(v.w))); }}\n")
-        else:
-            out.append(f"fn to_{alias}(v: f32) -> f32 {{ return v; }}\n"
-                       f"fn to_{alias}4(v: vec4f) -> vec4f {{ return v; }}\n")
-    return "".join(out) + (HALF_RANGE if "f16" in dtypes else "")
-
-
-def kernel_name(entry: str) -> str:
-    # The k_ prefix keeps kernels such as exp or abs from shadowing WGSL's builtins.
-    return f"k_{entry}"
-
-
 def request_adapter():
     if sys.platform.startswith("linux") and not os.environ.get("XDG_RUNTIME_DIR"):
         # Mesa's Vulkan drivers print "XDG_RUNTIME_DIR is invalid" on every start without
@@ -211,9 +81,6 @@ def request_adapter():
     if adapter is None:
         raise NoAdapterError("no WebGPU adapter")
     return adapter
-
-
-PARAMS, UNIFORM_SIZE = params_layout((shader_dir() / "common.wgsl").read_text())
 
 
 def whole_words(block: np.ndarray) -> np.ndarray:
@@ -246,6 +113,7 @@ class WgpuBackend(Backend):
             required_features=features, required_limits={k: limits[k] for k in wanted})
         self.has_timestamps = "timestamp-query" in self.device.features
         self.has_f16 = "shader-f16" in self.device.features
+        self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
@@ -266,20 +134,20 @@ class WgpuBackend(Backend):
 
     @property
     def info(self) -> dict:
+        """The adapter's info (device, adapter_type, backend_type, vendor, ...)."""
         return dict(self.adapter.info)
 
     def _module(self, stem: str, dtypes=F32_BINDINGS):
         key = (stem, dtypes)
         if key not in self._modules:
             self._modules[key] = self.device.create_shader_module(
-                label=stem, code=dtype_prelude(dtypes) + shader_source(stem))
+                label=stem, code=module_source(stem, dtypes))
         return self._modules[key]
 
     def reads_src0_in_parts(self, stem: str) -> bool:
-        """Whether <stem>.wgsl reads source 0 through src0_word (quant_blocks.wgsl), and can
-        therefore take it bound as several ranges."""
+        """wgsl.reads_src0_in_parts, once per module."""
         if stem not in self._src0_in_parts:
-            self._src0_in_parts[stem] = "override SRC0_PART_WORDS" in shader_source(stem)
+            self._src0_in_parts[stem] = reads_src0_in_parts(stem)
         return self._src0_in_parts[stem]
 
     def pipeline(self, stem: str, entry: str, part_words: int = 0, dtypes=F32_BINDINGS):
@@ -290,7 +158,7 @@ class WgpuBackend(Backend):
         if key not in self._pipelines:
             compute = {"module": self._module(stem, dtypes), "entry_point": kernel_name(entry)}
             if part_words:
-                compute["constants"] = {"SRC0_PART_WORDS": part_words}
+                compute["constants"] = {PART_WORDS: part_words}
             self._pipelines[key] = self.device.create_compute_pipeline(
                 label=f"{stem}:{entry}", layout=self.pipeline_layout, compute=compute)
         return self._pipelines[key]

@@ -8,9 +8,10 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
+from .. import wgsl
 from ..tensor import ShapeError
-from .registry import (GENERATED_WGSL, OPS, WORKGROUP, Case, Input, can_repeat, need_float, pad4,
-                       register, same_shape, split_rows, tile)
+from .registry import (OPS, WORKGROUP, Case, Input, can_repeat, need_float, pad4, register,
+                       same_shape, split_rows, tile)
 
 # More than 65535 workgroups of WORKGROUP invocations: forces the 2-D dispatch grid.
 LARGE = WORKGROUP * 65535 + 77
@@ -347,8 +348,8 @@ __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "st
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
-# there (b and c tiled to dst's shape, ggml broadcasting) and the uniforms p. The functions
-# called are shaders/elementwise.wgsl's.
+# there (b and c tiled to dst's shape, ggml broadcasting) and the uniforms p, put in
+# wgsl.elementwise_kernels' template. The functions called are shaders/elementwise.wgsl's.
 WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
         "add1": "a + b",                         # b has one element
         "scale": "a * p.f.x", "neg": "-a", "abs": "abs(a)", "sgn": "sign(a)",
@@ -363,25 +364,5 @@ WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
         "geglu": "gelu(a) * b",
         "geglu_back": "c * b * gelu_grad(a)"}
 
-# One template serves every entry point: the bounds check, the element's 4-D index, one
-# load per source.
-KERNEL = """
-@compute @workgroup_size(WG)
-fn k_{name}(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
-    let i = flat_id(gid, nwg); if (i >= p.n) {{ return; }}
-    let idx = unravel(i, p.ne_d);
-{loads}    dst[at_d(idx)] = to_TD({value});
-}}
-"""
-LOADS = ("    let a = f32(src0[at_0(idx)]);\n", "    let b = f32(src1[at_1(idx % p.ne_1)]);\n",
-         "    let c = f32(src2[at_2(idx % p.ne_2)]);\n")
-
-
-def kernels_wgsl() -> str:
-    """The elementwise entry points, one per WGSL entry."""
-    return "".join(KERNEL.format(name=OPS[name].entry, value=value,
-                                 loads="".join(LOADS[:OPS[name].n_srcs]))
-                   for name, value in WGSL.items())
-
-
-GENERATED_WGSL["elementwise_kernels"] = kernels_wgsl
+wgsl.add_part("elementwise_kernels", lambda: wgsl.elementwise_kernels(
+    (OPS[name].entry, OPS[name].n_srcs, value) for name, value in WGSL.items()))

@@ -27,11 +27,12 @@ from functools import partial
 import numpy as np
 
 from .. import ops as O
-from ..kernels import QUANT_KERNELS, SUM_ROWS_MAX, TYPE_CODE, type_codes_wgsl
+from .. import wgsl
+from ..kernels import QUANT_KERNELS, SUM_ROWS_MAX, TYPE_CODE
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
 from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
-from .registry import GENERATED_WGSL, Case, Dispatch, Input, need_float, register
+from .registry import Case, Dispatch, Input, need_float, register
 from .rows import get_rows_ref, rows_shape
 
 
@@ -209,24 +210,10 @@ get_rows_q = register(
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
 
-# quant_subgroup.wgsl's entry points, one per kernel and type: the type a constant the
-# compiler folds away.
-SUBGROUP_ENTRY = """
-@compute @workgroup_size(8)
-fn k_{kernel}_{dtype}(@builtin(subgroup_invocation_id) lane: u32,
-        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
-    {kernel}({const}, lane, flat_group(wid, nwg));
-}}
-"""
-
-
-def subgroup_entries(kernel: str) -> str:
-    return "".join(SUBGROUP_ENTRY.format(kernel=kernel, dtype=name, const=name.upper())
-                   for name in TYPE_CODE)
-
-
-GENERATED_WGSL["quant_type_codes"] = type_codes_wgsl
+# The WGSL the quantized shaders include: the type codes, and quant_subgroup.wgsl's entry
+# points, one per kernel and type (the type a constant the compiler folds away).
+wgsl.add_part("quant_type_codes", wgsl.type_codes)
 for _kernel in ("mul_mat_q_subgroup", "mul_mat_q_back_subgroup"):
-    GENERATED_WGSL[f"{_kernel}_entries"] = partial(subgroup_entries, _kernel)
+    wgsl.add_part(f"{_kernel}_entries", partial(wgsl.subgroup_entries, _kernel))
 
 __all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]

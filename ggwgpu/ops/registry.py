@@ -32,7 +32,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..kernels import ROW_VARIANTS, row_entry, row_kernel, row_module, row_module_wgsl
+from .. import wgsl
+from ..kernels import ROW_VARIANTS, row_entry, row_kernel, row_module
 from ..tensor import FLOAT_DTYPES, ShapeError, Tensor
 
 WORKGROUP = 64  # invocations per workgroup of the elementwise kernels (matches shaders)
@@ -84,16 +85,19 @@ class Case:
 
 @dataclass(frozen=True)
 class OpDef:
+    """One op's registry entry, built by keyword (register); every optional field's default
+    is declared here, once."""
     name: str
     n_srcs: int
-    param_names: tuple[str, ...]
     shape: Callable            # (srcs, **params) -> (shape, dtype, extra node kwargs)
     reference: Callable        # (*arrays, **params) -> array
-    shader: str | None         # WGSL file stem, None for pure views (no dispatch)
-    entry: str | None
-    dispatches: Callable | None  # node -> list[Dispatch]
     backward: Callable | None  # (node, grad) -> tuple of grads (None: no gradient)
     cases: Callable            # () -> list[Case]
+    param_names: tuple[str, ...] = ()
+    shader: str | None = None  # WGSL file stem, None for pure views (no dispatch)
+    entry: str | None = None   # the kernel's entry point; default the op's name (no shader: None)
+    # node -> list[Dispatch]; default elementwise_dispatch (no shader: None)
+    dispatches: Callable | None = None
     no_grad: tuple[int, ...] = ()   # sources that take no gradient (ids, positions, ...)
     updates: bool = False           # an optimizer step: writes its sources' state in place
     nmse: float = 1e-7
@@ -125,6 +129,24 @@ class OpDef:
     # whole rule where this node may not be cut. The pieces of `fast` then give the uncut
     # result bit for bit (split_rows)
     split: Callable | None = None
+
+    def __post_init__(self):
+        """Checks the entry, fills the defaults that follow from the shader, and stores the
+        sequences given as lists as tuples (and `defaults` as a dict of its own)."""
+        if self.result not in ("float", "f32", "own"):
+            raise ValueError(f"op {self.name}: result must be 'float', 'f32' or 'own', not "
+                             f"{self.result!r}")
+        if (self.backward is None) != self.updates:
+            raise ValueError(f"op {self.name}: only optimizer updates (updates=True) have no "
+                             f"backward")
+        kernel = self.shader is not None
+        derived = {"entry": (self.entry or self.name) if kernel else None,
+                   "dispatches": (self.dispatches or elementwise_dispatch) if kernel else None,
+                   "defaults": dict(self.defaults)}
+        derived.update({k: tuple(getattr(self, k)) for k in (
+            "param_names", "no_grad", "fd", "variants", "dtype_from")})
+        for k, v in derived.items():
+            object.__setattr__(self, k, v)
 
     @property
     def src_names(self) -> tuple[str, ...]:
@@ -163,10 +185,6 @@ class OpDef:
 
 OPS: dict[str, OpDef] = {}
 
-# Shader parts generated from Python tables (name -> function returning WGSL): a shader
-# includes one by name (`// #include NAME`) as it includes a file (wgpu_backend.shader_source).
-GENERATED_WGSL: dict[str, Callable[[], str]] = {}
-
 
 def elementwise_dispatch(node: Tensor) -> list[Dispatch]:
     """The default: one invocation per element of the result, entry named like the op."""
@@ -192,37 +210,29 @@ def register_row_modules(family: str):
     entries = sorted({op.entry for op in OPS.values()
                       if op.shader == family and op.variants == ROW_VARIANTS})
     for variant in ROW_VARIANTS:
-        GENERATED_WGSL[row_module(family, variant)] = \
-            lambda v=variant: row_module_wgsl(family, v, entries)
+        wgsl.add_part(row_module(family, variant),
+                      lambda v=variant: wgsl.row_module_source(family, v, entries))
 
 
-def register(name, *, n_srcs, shape, reference, backward, cases, params=(), shader=None,
-             entry=None, dispatches=elementwise_dispatch, uniforms=lambda node: {}, no_grad=(),
-             nmse=1e-7, fd=(1e-6, 1e-5, 1e-3), updates=False, defaults=None, grad_head=None,
-             doc="", frozen_variant=None, variants=(), fast=None, f16=True, result="float",
-             f16_nmse=1e-6, dtype_from=(), split=None):
-    """Declare an op and return its graph constructor `fn(*srcs, *params) -> Tensor`.
+def register(name: str, *, params=(), **fields) -> Callable[..., Tensor]:
+    """Declare an op, OpDef(name=name, param_names=params, **fields) (the fields not given
+    take OpDef's defaults), and return its graph constructor `fn(*srcs, *params) -> Tensor`.
     `defaults` gives values for trailing params the caller may leave out."""
-    if result not in ("float", "f32", "own"):
-        raise ValueError(f"op {name}: result must be 'float', 'f32' or 'own', not {result!r}")
     if name in OPS:
         raise ValueError(f"op {name} registered twice")
-    if (backward is None) != updates:
-        raise ValueError(f"op {name}: only optimizer updates (updates=True) have no backward")
-    opdef = OpDef(name, n_srcs, tuple(params), shape, reference, shader,
-                  (entry or name) if shader else None, dispatches if shader else None,
-                  backward, cases, tuple(no_grad), updates, nmse, tuple(fd), grad_head, uniforms,
-                  doc, frozen_variant, tuple(variants), dict(defaults or {}), fast, f16,
-                  result, f16_nmse, tuple(dtype_from), split)
+    try:
+        opdef = OpDef(name=name, param_names=params, **fields)
+    except TypeError as e:      # a field OpDef lacks, or a required one missing
+        raise TypeError(f"op {name}: {e}") from None
     OPS[name] = opdef
 
     def build(*args, **kwargs) -> Tensor:
-        given = set(opdef.param_names[:max(0, len(args) - n_srcs)]) | set(kwargs)
+        given = set(opdef.param_names[:max(0, len(args) - opdef.n_srcs)]) | set(kwargs)
         kwargs.update({k: v for k, v in opdef.defaults.items() if k not in given})
         return make_node(opdef, args, kwargs)
 
     build.__name__ = build.__qualname__ = name
-    build.__doc__ = doc
+    build.__doc__ = opdef.doc
     build.__signature__ = opdef.signature()   # what help() and editors show, not *args
     return build
 

@@ -508,7 +508,7 @@ def ce_ids_rows_backward(node, g):
 cross_entropy_ids_rows = register(
     "cross_entropy_ids_rows", n_srcs=3, shape=ce_ids_rows_shape, shader="softmax",
     entry="cross_entropy_ids", reference=ce_ids_rows_ref, result="f32",
-    fast=ce_ids_rows_into, no_grad=(1, 2), split=split_rows(keep=1, rows=(1, 2)),
+    fast=ce_ids_rows_into, no_grad=(1, 2),
     dispatches=lambda node, variant="workgroup": [row_dispatch(node, variant)],
     variants=ROW_VARIANTS, backward=ce_ids_rows_backward, cases=ce_ids_cases,
     doc="Cross-entropy of each row of logits x [..., n_vocab] against int32 target ids [...] "

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..backends import precision_for
 from ..graph import build_backward
-from ..models import FROZEN, MAX_LOGITS_BYTES, ModelConfig, build_train_graph
+from ..models import MAX_LOGITS_BYTES, ModelConfig, build_train_graph, frozen
 from ..tensor import input_tensor
 from .options import MAX_SCALE, MIN_SCALE, TrainOptions
 from .regimes import regime_for
@@ -75,7 +75,7 @@ def logits_bound(backend, checkpointing: bool = False, full: bool = False) -> in
     chunk, 197 in three). Full training keeps the larger chunks: the output weight's
     gradient is summed chunk by chunk, and chunks of fewer than n_embd rows keep more of it
     alive than they free (SmolLM2-135M: 2359 MiB in one chunk, 2468 in three)."""
-    limits = getattr(backend, "storage_limits", None)
+    limits = backend.storage_limits
     bound = min(MAX_LOGITS_BYTES, *limits.values()) if limits else MAX_LOGITS_BYTES
     return bound // 4 if checkpointing and not full else bound
 
@@ -117,8 +117,9 @@ class Trainer:
                                                   options.label_smoothing,
                                                   options.orpo_lambda))
         self.graph = g
-        # the frozen tables of a full model (rope factors): `parameters` gives them back
-        self.tables = {} if lora else {n: values[n] for n in FROZEN if n in values}
+        # the frozen values of a full model (rope factors, models.FROZEN): `parameters` gives
+        # them back
+        self.tables = {} if lora else {n: v for n, v in values.items() if frozen(n)}
         scaled = options.loss_scale == "dynamic" or (
             options.loss_scale == "auto" and self.precision == "f16"
             and options.optimizer != "lbfgs")
@@ -208,7 +209,7 @@ class Trainer:
         return {"loss": total / count, **{k: v / count for k, v in sums.items()}}
 
     def parameters(self) -> dict[str, np.ndarray]:
-        """The trained values by name, and a full model's frozen tables (rope factors)."""
+        """The trained values by name, and a full model's frozen values (rope factors)."""
         return {**self.tables, **{name: self.plan.read(p) for name, p in self.graph.params.items()}}
 
     def optimizer_state(self) -> dict:
