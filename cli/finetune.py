@@ -162,15 +162,15 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
             except ValueError as e:
                 raise click.UsageError(str(e)) from None
             check_memory(ctx, f"finetuning {base}", with_context(model_cfg, n_ctx), values,
-                         batch=options.batch, trained=lora.pair_values(cfg, pair_ranks),
+                         batch=rows_of(options), trained=lora.pair_values(cfg, pair_ranks),
                          flash_attn=options.flash_attn, precision=options.precision)
             adapter = lora.init_adapter(cfg, pair_ranks, lora_alpha, kw["seed"])
 
     cfg = with_context(model_cfg, n_ctx)
     trained = (sum(v.size for v in adapter.tensors.values()) if adapter else
                sum(math.prod(v.shape) for v in values.values()))
-    check_memory(ctx, f"finetuning {base}", cfg, values, batch=options.batch, trained=trained,
-                 flash_attn=options.flash_attn, precision=options.precision)
+    check_memory(ctx, f"finetuning {base}", cfg, values, batch=rows_of(options),
+                 trained=trained, flash_attn=options.flash_attn, precision=options.precision)
     validation_set, preference = None, options.objective != "sft"
     if preference and not kw["data_path"]:
         raise click.UsageError(f"--objective {options.objective} trains on preference pairs: "
@@ -301,6 +301,11 @@ def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
     if examples.valid is not None:
         lines.append("      " + describe_examples("validation", examples.valid))
     return examples.train, examples.valid, examples.digest, lines
+
+
+def rows_of(options) -> int:
+    """The rows of a step's batch: two a pair for a preference objective."""
+    return options.batch * (1 if options.objective == "sft" else 2)
 
 
 def finetune_pairs(kw, tokenizer, cfg, options, state, checkpoint_in):

@@ -110,15 +110,18 @@ def min_p_filter(logits: np.ndarray, p: float) -> np.ndarray:
 
 class NonFiniteLogits(ValueError):
     """The model's logits hold inf or NaN: finite weights (the readers refuse others) whose
-    activations overflow float32. No token can be sampled from them."""
+    activations overflow the type they are computed in. No token can be sampled from them."""
 
 
-def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generator) -> int:
+def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generator,
+                 precision: str = "f32") -> int:
     """One token id from `logits` (n_vocab,) after the sampler chain (module docstring);
-    `recent` are the context's token ids, the last s.repeat_last_n of which are penalised."""
+    `recent` are the context's token ids, the last s.repeat_last_n of which are penalised.
+    `precision` is the activations' type, named when the logits are not finite."""
     if not np.isfinite(logits).all():
+        kind = "halves (--precision f16)" if precision == "f16" else "float32"
         raise NonFiniteLogits(f"{int((~np.isfinite(logits)).sum())} of the {len(logits)} "
-                              f"logits are not finite: the model's values overflow float32")
+                              f"logits are not finite: the model's values overflow {kind}")
     recent = list(recent)[-s.repeat_last_n:] if s.repeat_last_n > 0 else []
     logits = apply_repeat_penalty(logits, recent, s.repeat_penalty)
     if s.temperature <= 0:
@@ -263,7 +266,7 @@ def generate_tokens(decoder: Decoder, prompt_ids, n: int, sampling: Sampling = S
                 logits = decoder.step(context[-1])
             else:
                 logits = decoder.sync(fit(context))
-        token = sample_token(logits, context, sampling, rng)
+        token = sample_token(logits, context, sampling, rng, decoder.precision)
         if token in stop:
             return
         context.append(token)

@@ -496,6 +496,10 @@ def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(
                    "-n", "4", *sampling)
         assert r.exit_code == 1 and "Traceback" not in r.output, r.output
         assert "logits are not finite: the model's values overflow float32" in r.output
+    r = invoke("--backend", "numpy", "generate", str(tmp_path / "huge.gguf"), "-p", "Hi",
+               "-n", "4", "--precision", "f16")          # the type it overflows is named
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "the model's values overflow halves (--precision f16)" in r.output
 
 
 def test_finetune_windows_shorter_than_the_base_context_keep_the_base_context(tmp_path):
