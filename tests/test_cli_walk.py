@@ -38,6 +38,7 @@ WALK = {
     "info": [],
     "ops test": ["--op", "add"],
     "ops grad": ["--op", "add"],
+    "ops list": [],
     "demo": ["--steps", "2"],
     "demo baby-llama": ["--seconds", "0.2"],
     "plot": ["{log}", "--out", "{out}"],
