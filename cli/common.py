@@ -230,6 +230,7 @@ def load_model(path, lora_paths=(), n_ctx=None):
     from ggwgpu import gguf_llama
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.lora import load_adapter
+    click.echo(f"loading {path}", err=True)
     try:
         cfg, values, tokenizer = gguf_llama.load_model(path, keep_quantized=True)
         adapters = [load_adapter(p, cfg) for p in lora_paths]

@@ -5,6 +5,8 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import math
+
 import click
 import numpy as np
 
@@ -25,8 +27,10 @@ from .training import (data_options, example_batches, example_sets,
               show_default=True, help="The bundled text to evaluate on when no TEXTS are given.")
 @click.option("--lora", "lora_paths", multiple=True, type=InputPath(exists=True, dir_okay=False),
               help="Apply this LoRA adapter (repeatable), as generate --lora does.")
-@click.option("--samples", default=256, show_default=True, type=positive(),
-              help="Windows of n_ctx tokens, spread evenly over the text.")
+@click.option("--samples", type=positive(),
+              help="Windows of n_ctx tokens, spread evenly over the text (they overlap when "
+                   "the text holds fewer). Default: the text once, in consecutive windows "
+                   "that do not overlap, as llama.cpp's perplexity takes it.")
 @click.option("--batch", default=8, show_default=True, type=positive(),
               help="Windows per run.")
 @ctx_option("Tokens per window")
@@ -38,18 +42,18 @@ from .training import (data_options, example_batches, example_sets,
 def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split, **kw):
     """The loss (nats/token) and perplexity of MODEL (with --lora adapters) on text files
     (default: the bundled corpus): the mean cross-entropy of next-token prediction over
-    n_ctx-token windows at evenly spaced positions, each starting after BOS as in training.
-    The same windows every time, so two models or adapters compare on equal terms.
-    With --data, over the examples of one split instead (per trained token: with
-    --mask-prompt, the answers only)."""
-    import math
-
+    n_ctx-token windows, each starting after BOS as in training: the text once in windows
+    that do not overlap, or --samples windows at evenly spaced positions. The same windows
+    every time, so two models or adapters compare on equal terms. With --data, over the
+    examples of one split instead (per trained token: with --mask-prompt, the answers only).
+    The perplexity so far is shown on stderr after each batch of windows."""
     from ggwgpu import data
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.gguf_llama import load_model
     from ggwgpu.lora import load_adapter
     from ggwgpu.models import build_train_graph
     from ggwgpu.training import logits_bound
+    click.echo(f"loading {model}", err=True)
     try:
         cfg, values, tokenizer = load_model(model, keep_quantized=True)
         adapters = [load_adapter(path, cfg) for path in lora_paths]
@@ -65,6 +69,7 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         examples.batch = batch = min(batch, examples.n_samples)
         packed = examples.packed
         batches = list(examples.in_order())
+        n_batches = len(batches)
         what = f"{kw['data_path']} ({split}): {describe_examples('examples', examples)}"
     else:
         text, source = read_text(texts, corpus)
@@ -72,13 +77,18 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
             windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
         except ValueError as e:
             raise click.UsageError(f"{source}: {e}") from None
-        n = min(samples, windows.n_samples)
-        batch = min(batch, n)
-        n -= n % batch
-        starts = np.linspace(0, windows.n_samples - 1, n).round().astype(np.int64)
-        batches = (windows.windows(windows.starts[starts[i:i + batch]])   # one at a time
-                   for i in range(0, n, batch))
-        what = f"{source}: {n} windows of {cfg.n_ctx} tokens"
+        if samples is None:     # the text once: every n_ctx-th start
+            starts = windows.starts[::cfg.n_ctx]
+        else:
+            n = min(samples, windows.n_samples)
+            n -= n % min(batch, n)
+            starts = windows.starts[np.linspace(0, windows.n_samples - 1, n).round()
+                                    .astype(np.int64)]
+        batch = min(batch, len(starts))
+        n_batches = -(-len(starts) // batch)
+        batches = (padded(windows.windows(starts[i:i + batch]), batch)     # one at a time
+                   for i in range(0, len(starts), batch))
+        what = f"{source}: {len(starts)} windows of {cfg.n_ctx} tokens"
         packed = False
     check_memory(ctx, f"evaluating {model}", cfg, values, kw["precision"],
                  batch=batch)
@@ -87,15 +97,20 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
                           max_logits_bytes=logits_bound(backend), packed=packed,
                           precision=precision)
+    click.echo(f"planning {batch} x {cfg.n_ctx} tokens a run on {backend.name}", err=True)
     plan = backend.plan([g.loss])
     if not packed:
         plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    click.echo("perplexity so far, after each batch:", nl=False, err=True)
     total, counted = 0.0, 0
-    for rows in batches:         # the mean over every counted target
+    for done, rows in enumerate(batches, 1):         # the mean over every counted target
         plan.run(g.feeds(*rows))
         n_targets = int((rows[1] >= 0).sum())
         total += float(plan.read(g.loss)[0]) * n_targets
         counted += n_targets
+        click.echo(f" [{done}/{n_batches}]{perplexity_of(total / max(counted, 1)):.4f}",
+                   nl=False, err=True)
+    click.echo(err=True)
     loss = total / max(counted, 1)
     with_lora = "".join(f" + {path}" for path in lora_paths)
     click.echo(f"eval on {describe_backend(backend)} in {precision}: {model}{with_lora} on "
@@ -104,5 +119,19 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
         raise click.ClickException(f"the loss of {model}{with_lora} is {loss}: its values "
                                    f"overflow {'halves' if precision == 'f16' else 'float32'} "
                                    f"in the forward pass")
-    perplexity = math.exp(loss) if loss < 700 else math.inf     # exp overflows past ~709
-    click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity:.3f}")
+    click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity_of(loss):.3f}")
+
+
+def perplexity_of(loss: float) -> float:
+    return math.inf if loss > 700 else math.exp(loss)     # exp overflows past ~709
+
+
+def padded(rows, batch: int):
+    """(inputs, targets) of fewer windows than `batch`, filled up with rows that count no
+    target (the plan runs `batch` rows)."""
+    inputs, targets = rows
+    missing = batch - len(inputs)
+    if missing == 0:
+        return rows
+    return (np.concatenate([inputs, np.repeat(inputs[:1], missing, axis=0)]),
+            np.concatenate([targets, np.full((missing, targets.shape[1]), -1, targets.dtype)]))

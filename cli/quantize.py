@@ -5,6 +5,8 @@ Only absolute imports of `ggwgpu` here (see main.py).
 """
 from __future__ import annotations
 
+import sys
+
 import click
 
 from ggwgpu.gguf_file import GGUFError
@@ -25,9 +27,15 @@ def quantize_command(source, target, dtype):
     weights in --type (the types gguf-py quantizes; k-quant files come from llama.cpp's
     llama-quantize). Weights already quantized are dequantized first."""
     check_outputs([("SOURCE", source)], [("TARGET", target)])
+    click.echo(f"loading {source}", err=True)
     try:
         cfg, values, tokenizer = load_model(source)
-        quantized = quantize_model(values, dtype)
+        quantized = {}
+        with click.progressbar(values.items(), label=f"quantizing to {dtype}",
+                               file=sys.stderr) as tensors:
+            for name, value in tensors:     # a tensor at a time, for the progress bar
+                quantized.update(quantize_model({name: value}, dtype))
+        click.echo(f"writing {target}", err=True)
         save_model(target, cfg, quantized, tokenizer)
     except GGUFError as e:
         raise click.ClickException(str(e)) from None

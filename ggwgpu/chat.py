@@ -249,6 +249,20 @@ class RenderTimeout(Exception):
         return f"it runs longer than {RENDER_SECONDS:g} s"
 
 
+IMPORT_WAIT_S = 0.05     # how soon a SIGALRM that found an import running looks again
+
+
+def importing(frame) -> bool:
+    """Whether `frame` (a signal handler's) runs inside an import. An exception raised there
+    leaves the modules being imported half made, and every later import of them in the
+    process fails: a handler that finds an import running waits for it to end instead."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 @contextmanager
 def time_limit(seconds: float):
     """Raise RenderTimeout in the block after `seconds` of wall time, by SIGALRM: in the
@@ -261,6 +275,9 @@ def time_limit(seconds: float):
         return
 
     def expire(signum, frame):
+        if importing(frame):
+            signal.setitimer(signal.ITIMER_REAL, IMPORT_WAIT_S)
+            return
         raise RenderTimeout()
     before = signal.signal(signal.SIGALRM, expire)
     delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds)

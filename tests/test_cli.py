@@ -475,6 +475,38 @@ def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp
     assert "8 windows of 6 tokens" in r.output, r.output
 
 
+def test_eval_takes_the_text_once_in_windows_that_do_not_overlap(tmp_path):
+    """By default the windows are the text's consecutive n_ctx-token pieces, as llama.cpp's
+    perplexity takes them: 100 byte tokens in 6 windows of 16. Those are the windows
+    --samples 6 spreads over the 96 tokens they cover, and a last batch of fewer windows
+    (filled up with rows that count no target) leaves the loss as it is."""
+    base = tiny_base(tmp_path / "base.gguf")
+    text = ("To be, or not to be, that is the question. " * 3)[:100]
+    (tmp_path / "t.txt").write_text(text)
+    (tmp_path / "t96.txt").write_text(text[:96])
+    losses = []
+    for args in ((tmp_path / "t.txt", "--batch", "4"), (tmp_path / "t.txt", "--batch", "6"),
+                 (tmp_path / "t96.txt", "--samples", "6", "--batch", "3")):
+        r = invoke("--backend", "numpy", "eval", str(base), *map(str, args))
+        assert r.exit_code == 0, r.output
+        assert "6 windows of 16 tokens" in r.stdout, r.stdout
+        losses.append(float(re.search(r"loss (\S+) nats/token", r.stdout)[1]))
+    assert losses[0] == losses[1] == losses[2], losses
+
+
+def test_eval_shows_the_perplexity_so_far_on_stderr_and_only_results_on_stdout(tmp_path):
+    base = tiny_base(tmp_path / "base.gguf")
+    (tmp_path / "t.txt").write_text("To be, or not to be, that is the question.\n" * 4)
+    r = invoke("--backend", "numpy", "eval", str(base), str(tmp_path / "t.txt"), "--batch", "4")
+    assert r.exit_code == 0, r.output
+    header, result = r.stdout.splitlines()     # 172 tokens: 10 windows, 3 batches
+    assert header.endswith("t.txt: 10 windows of 16 tokens"), header
+    so_far = re.findall(r"\[(\d+)/3\](\S+)", r.stderr)
+    assert [int(done) for done, _ in so_far] == [1, 2, 3], r.stderr
+    assert f"perplexity {float(so_far[-1][1]):.3f}" in result
+    assert f"loading {base}" in r.stderr and "planning 4 x 16 tokens" in r.stderr
+
+
 def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(tmp_path):
     """Finite weights (the reader refuses others) can still overflow in the forward: eval
     and generate say so and exit 1, rather than printing perplexity nan (or an
@@ -490,7 +522,7 @@ def test_eval_and_generate_of_a_model_that_overflows_float32_are_errors_not_nan(
     r = invoke("--backend", "numpy", "eval", str(tmp_path / "huge.gguf"),
                str(tmp_path / "text.txt"), "--samples", "4")
     assert r.exit_code == 1 and "Traceback" not in r.output, r.output
-    assert "overflow float32 in the forward pass" in r.output and "perplexity" not in r.output
+    assert "overflow float32 in the forward pass" in r.output and "perplexity" not in r.stdout
     for sampling in (("--temp", "0"), ("--temp", "0.8")):      # greedy, and sampled
         r = invoke("--backend", "numpy", "generate", str(tmp_path / "huge.gguf"), "-p", "Hi",
                    "-n", "4", *sampling)

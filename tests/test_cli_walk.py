@@ -11,9 +11,12 @@ makes oversized configurations refusals, not allocations. A run still going afte
 seconds took its options as valid (a billion steps, say): it is cut and counted as such.
 The counts are printed in pytest's closing summary."""
 import collections
+import contextlib
 import os
 import signal
 import struct
+import sys
+import time
 
 import click
 import pytest
@@ -21,6 +24,7 @@ from click.testing import CliRunner
 
 from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
+from ggwgpu.chat import IMPORT_WAIT_S, importing
 from ggwgpu.lora import init_adapter, lora_ranks, save_adapter
 from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
@@ -34,6 +38,7 @@ WALK = {
     "info": [],
     "ops test": ["--op", "add"],
     "ops grad": ["--op", "add"],
+    "ops list": [],
     "demo": ["--steps", "2"],
     "demo baby-llama": ["--seconds", "0.2"],
     "plot": ["{log}", "--out", "{out}"],
@@ -123,23 +128,37 @@ def files(tmp_path_factory):
     return paths
 
 
+@contextlib.contextmanager
+def cut_after(seconds):
+    """Raise Cut in the block after `seconds`, but never inside an import: a cut import (a
+    first `import matplotlib.pyplot` building its font cache on a fresh HOME) would leave
+    its modules half made, and every later import of them in the process would fail."""
+    def cut(signum, frame):
+        if importing(frame):
+            signal.setitimer(signal.ITIMER_REAL, IMPORT_WAIT_S)
+            return
+        raise Cut()
+    old = signal.signal(signal.SIGALRM, cut)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
 def run(args, files):
     """(outcome, output) of `ggwgpu --backend numpy *args`."""
     args = [a.format(**files) if a.startswith("{") else a for a in args]
 
-    def cut(signum, frame):
-        raise Cut()
-    old = signal.signal(signal.SIGALRM, cut)
-    signal.alarm(CUT_AFTER_S)
     try:
-        result = CliRunner().invoke(cli_main.cli, ["--backend", "numpy", *args], input="hi\n",
-                                    env={ENV_VAR: None, cli_main.TRACEBACK_VAR: "1",
-                                         "GGWGPU_MAX_HOST_BYTES": str(2 ** 30)})
+        with cut_after(CUT_AFTER_S):
+            result = CliRunner().invoke(cli_main.cli, ["--backend", "numpy", *args],
+                                        input="hi\n",
+                                        env={ENV_VAR: None, cli_main.TRACEBACK_VAR: "1",
+                                             "GGWGPU_MAX_HOST_BYTES": str(2 ** 30)})
     except Cut:
         return "cut", ""
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
     if isinstance(result.exception, Cut):
         return "cut", ""
     crashed = (result.exception is not None and not isinstance(result.exception, SystemExit)) \
@@ -188,6 +207,17 @@ class _Summary:
 
 def test_the_walk_covers_every_command():
     assert set(WALK) == set(COMMANDS), set(WALK) ^ set(COMMANDS)
+
+
+def test_the_cut_waits_for_an_import_to_end(tmp_path, monkeypatch):
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.6)\ndone = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_module", raising=False)
+    with pytest.raises(Cut):
+        with cut_after(0.2):
+            import slow_module
+            time.sleep(5)
+    assert sys.modules["slow_module"].done
 
 
 @pytest.mark.parametrize("path", list(WALK))

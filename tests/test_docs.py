@@ -1,9 +1,18 @@
-"""The Python examples of docs/python-api.md run as they are, in order, in an empty folder
-(on the NumPy backend): a documented call that stopped working fails here."""
+"""The documentation that can go stale: docs/ops.md is what the op registry gives, and the
+Python examples of docs/python-api.md run as they are, in order, in an empty folder (on the
+NumPy backend), so a documented call that stopped working fails here."""
 import re
 from pathlib import Path
 
-DOC = Path(__file__).parent.parent / "docs" / "python-api.md"
+from ggwgpu_cli.ops import ops_markdown
+
+DOCS = Path(__file__).resolve().parents[1] / "docs"
+
+
+def test_the_op_list_is_the_registry():
+    assert (DOCS / "ops.md").read_text() == ops_markdown(), (
+        "docs/ops.md differs from the op registry: regenerate it with "
+        "`ggwgpu ops list --markdown > docs/ops.md`")
 
 
 def runnable_blocks(text: str) -> list[str]:
@@ -13,13 +22,14 @@ def runnable_blocks(text: str) -> list[str]:
 
 
 def test_the_python_api_examples_run(tmp_path, monkeypatch, capsys):
-    blocks = runnable_blocks(DOC.read_text())
+    doc = DOCS / "python-api.md"
+    blocks = runnable_blocks(doc.read_text())
     assert len(blocks) >= 5
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("GGWGPU_BACKEND", "numpy")
     namespace = {}
     for code in blocks:
-        exec(compile(code, str(DOC), "exec"), namespace)
+        exec(compile(code, str(doc), "exec"), namespace)
     out = capsys.readouterr().out
     assert "perplexity" in out and "30" in out.split()
     for name in ("tiny.gguf", "adapter.gguf", "chat-adapter.best.gguf", "merged.gguf"):
