@@ -264,8 +264,8 @@ def importing(frame) -> bool:
 
 
 @contextmanager
-def time_limit(seconds: float):
-    """Raise RenderTimeout in the block after `seconds` of wall time, by SIGALRM: in the
+def time_limit(seconds: float, error=RenderTimeout):
+    """Raise `error` in the block after `seconds` of wall time, by SIGALRM: in the
     main thread where the platform has setitimer (elsewhere RenderBudget's own checks of the
     clock bound a render, at its loops and operators only). A timer set before (the CLI
     walk's) is put back, less the time spent here."""
@@ -278,7 +278,7 @@ def time_limit(seconds: float):
         if importing(frame):
             signal.setitimer(signal.ITIMER_REAL, IMPORT_WAIT_S)
             return
-        raise RenderTimeout()
+        raise error()
     before = signal.signal(signal.SIGALRM, expire)
     delay, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
     start = time.monotonic()

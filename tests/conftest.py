@@ -90,3 +90,15 @@ def train_state(step=0, **extra) -> dict:
     return {"step": step, "options": dataclasses.asdict(TrainOptions()),
             "data": {"version": 1, "seed": 0, "epoch": 0, "position": 0, "n_samples": 1,
                      "n_ctx": 4}, **extra}
+
+
+@pytest.fixture
+def slow_import(tmp_path, monkeypatch):
+    """A function that imports a module whose import takes 0.6 s (the first time) and
+    returns it: for the timers that must not cut an import."""
+    import importlib
+    import sys
+    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.6)\ndone = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "slow_module", raising=False)
+    return lambda: importlib.import_module("slow_module")

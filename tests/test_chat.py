@@ -156,20 +156,16 @@ def test_a_timer_set_before_a_render_is_put_back():
         signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def test_the_render_bound_waits_for_an_import_to_end(tmp_path, monkeypatch):
+def test_the_render_bound_waits_for_an_import_to_end(slow_import):
     """A bound that passes inside an import raises when the import is done, never in it."""
-    import sys
     import time
 
     from ggwgpu.chat import RenderTimeout, time_limit
-    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.6)\ndone = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "slow_module", raising=False)
     with pytest.raises(RenderTimeout):
         with time_limit(0.2):
-            import slow_module  # noqa: F401
+            slow_import()
             time.sleep(5)
-    assert sys.modules["slow_module"].done
+    assert slow_import().done
 
 
 def test_tojson_keeps_non_ascii():

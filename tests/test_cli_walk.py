@@ -11,11 +11,8 @@ makes oversized configurations refusals, not allocations. A run still going afte
 seconds took its options as valid (a billion steps, say): it is cut and counted as such.
 The counts are printed in pytest's closing summary."""
 import collections
-import contextlib
 import os
-import signal
 import struct
-import sys
 import time
 
 import click
@@ -24,7 +21,7 @@ from click.testing import CliRunner
 
 from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
-from ggwgpu.chat import IMPORT_WAIT_S, importing
+from ggwgpu.chat import time_limit
 from ggwgpu.lora import init_adapter, lora_ranks, save_adapter
 from ggwgpu.models import ModelConfig, init_parameters
 from ggwgpu.tokenizer import ByteTokenizer
@@ -128,23 +125,12 @@ def files(tmp_path_factory):
     return paths
 
 
-@contextlib.contextmanager
 def cut_after(seconds):
-    """Raise Cut in the block after `seconds`, but never inside an import: a cut import (a
-    first `import matplotlib.pyplot` building its font cache on a fresh HOME) would leave
-    its modules half made, and every later import of them in the process would fail."""
-    def cut(signum, frame):
-        if importing(frame):
-            signal.setitimer(signal.ITIMER_REAL, IMPORT_WAIT_S)
-            return
-        raise Cut()
-    old = signal.signal(signal.SIGALRM, cut)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+    """Raise Cut in the block after `seconds`, but never inside an import (chat.time_limit):
+    a cut import (a first `import matplotlib.pyplot` building its font cache on a fresh
+    HOME) would leave its modules half made, and every later import of them in the process
+    would fail."""
+    return time_limit(seconds, Cut)
 
 
 def run(args, files):
@@ -209,15 +195,12 @@ def test_the_walk_covers_every_command():
     assert set(WALK) == set(COMMANDS), set(WALK) ^ set(COMMANDS)
 
 
-def test_the_cut_waits_for_an_import_to_end(tmp_path, monkeypatch):
-    (tmp_path / "slow_module.py").write_text("import time\ntime.sleep(0.6)\ndone = True\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(sys.modules, "slow_module", raising=False)
+def test_the_cut_waits_for_an_import_to_end(slow_import):
     with pytest.raises(Cut):
         with cut_after(0.2):
-            import slow_module
+            slow_import()
             time.sleep(5)
-    assert sys.modules["slow_module"].done
+    assert slow_import().done
 
 
 @pytest.mark.parametrize("path", list(WALK))

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from ggwgpu import data, ops as O
-from ggwgpu.backends import Backend, get_backend, precision_for
+from ggwgpu import data
+from ggwgpu.backends import Backend, precision_for
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import Decoder
 from ggwgpu.graph import build_backward, topo_order
