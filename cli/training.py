@@ -22,6 +22,7 @@ import click
 
 from ggwgpu.chat import BUNDLED as BUNDLED_SETS
 from ggwgpu.data import BUNDLED
+from ggwgpu.tokenizer import Tokenizer
 from ggwgpu.training import inputs
 from ggwgpu.training.run import Reporter, RunStopped, TrainingError
 
@@ -335,8 +336,8 @@ def read_text(texts, corpus: str) -> tuple[str, str]:
         return inputs.training_text(texts, corpus)
 
 
-def training_samples(text: str, tokenizer, cfg, options, samples_after_nl: bool, state,
-                     checkpoint_in):
+def training_samples(text: str, tokenizer: Tokenizer, cfg, options, samples_after_nl: bool,
+                     state, checkpoint_in):
     """The text's tokens, their digest and its shuffled samples, at the resumed position
     when `state` (a checkpoint's) is given — which must be of the same tokens."""
     if len(text) >= LARGE_TEXT:
@@ -400,7 +401,7 @@ def data_options(command):
     return command
 
 
-def example_sets(kw: dict, tokenizer, splits=("train", "valid")) -> dict:
+def example_sets(kw: dict, tokenizer: Tokenizer, splits=("train", "valid")) -> dict:
     """{split: encoded examples} of --data (only the splits asked for and present); the
     template is --chat-template's, else the model's, else ChatML."""
     template = chat_template(tokenizer, kw.get("chat_template"))

@@ -40,6 +40,7 @@ from ..gguf_file import INT_TYPES, K_ARCH, GGUFError, GGUFFile, checked_tensor, 
 from ..gguf_llama import (K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX, checked_params,
                          model_metadata, read_model, read_params)
 from ..models import FAMILIES, ModelConfig, parameter_shapes
+from ..tokenizer import Tokenizer
 from .lbfgs import check_scalars
 from .state import RunState
 
@@ -61,8 +62,8 @@ _T = GGUFValueType
 
 # -- writing ----------------------------------------------------------------------------------
 
-def save_checkpoint(path, cfg: ModelConfig, params: dict, tokenizer, opt_state: dict,
-                    train_state: RunState | dict):
+def save_checkpoint(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer,
+                    opt_state: dict, train_state: RunState | dict):
     """Write a training checkpoint: the model (as `save_model`), AdamW's moments and the
     training state (module docstring). `opt_state` maps parameter names to (m, v) arrays of
     the parameter's shape (empty for an optimizer without moments); `train_state` is a

@@ -12,6 +12,7 @@ import numpy as np
 
 from .. import chat, data
 from ..backends import precision_for
+from ..tokenizer import Tokenizer
 from .options import TrainOptions
 from .state import RunState
 from .trainer import token_digest
@@ -24,7 +25,7 @@ def training_text(texts=(), corpus: str = "shakespeare") -> tuple[str, str]:
     return data.bundled_corpus(corpus), f"the bundled corpus ({corpus})"
 
 
-def text_samples(text: str, tokenizer, n_ctx: int, options: TrainOptions,
+def text_samples(text: str, tokenizer: Tokenizer, n_ctx: int, options: TrainOptions,
                  samples_after_nl: bool = False, state: RunState | None = None,
                  checkpoint: str | None = None):
     """(tokens, their digest, data.Samples) of `text`, at a resumed run's position when
