@@ -7,7 +7,6 @@ Only absolute imports of `ggwgpu` here (see main.py).
 from __future__ import annotations
 
 import math
-import os
 import re
 import shlex
 
@@ -15,17 +14,17 @@ import click
 
 from ggwgpu import gguf_file, gguf_llama
 from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
-from ggwgpu.training import checkpoint, inputs
-from ggwgpu.training.inputs import best_path, default_checkpoint_path, describe_examples
+from ggwgpu.training import checkpoint
+from ggwgpu.training.inputs import best_path, data_files, default_checkpoint_path
 
 from .common import (FiniteFloat, InputPath, chat_template, check_memory, ctx_option,
                      describe_backend, describe_precision, planned_memory, select_backend,
                      with_context)
 from .outputs import check_outputs
-from .training import (LARGE_DATA, ProgressBar, across_ranks, data_options,
+from .training import (ProgressBar, across_ranks, check_steps, data_options,
                        existing_directory, guard_outputs, is_root, local_batch, mpi_world,
-                       planning, read_text, resume_args, resumed_options, stage, steps_of,
-                       train_options, training_options, training_samples, usage_errors)
+                       resume_args, resumed_options, stage, steps_of, train_options,
+                       training_options, usage_errors)
 
 
 MAX_LAYER = 65535      # no llama comes near; the model's own count is checked later
@@ -101,9 +100,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     """
     from ggwgpu import lora
     from ggwgpu.quant import Quantized, dequantize
-    from ggwgpu.tensor import ShapeError
-    from ggwgpu.training import Trainer
-    from ggwgpu.training.run import Validation, device_errors, run_steps
+    from ggwgpu.training.run import Validation, run_steps
+    from ggwgpu.training.setup import FinetuneData, prepare_finetune
 
     ranks = {key[len("rank_"):]: kw.pop(key) for key in list(kw) if key.startswith("rank_")}
     checkpoint_in, checkpoint_out = kw["checkpoint_in"], kw["checkpoint_out"]
@@ -112,7 +110,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     checkpoint_path = checkpoint_out or default_checkpoint_path(out)
     guard_outputs(ctx, [("BASE", base), *(("TEXTS", t) for t in kw["texts"]),
                         ("--checkpoint-in", checkpoint_in),
-                        ("--chat-template", kw["chat_template"]), *data_files(kw["data_path"])],
+                        ("--chat-template", kw["chat_template"]),
+                        *(("--data", path) for path in data_files(kw["data_path"]))],
                   out, checkpoint_path, kw,
                   more=[("the best weights", best_path(out))] if kw["data_path"] else [])
     try:
@@ -171,39 +170,24 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                sum(math.prod(v.shape) for v in values.values()))
     check_memory(ctx, f"finetuning {base}", cfg, values, batch=rows_of(options),
                  trained=trained, flash_attn=options.flash_attn, precision=options.precision)
-    validation_set, preference = None, options.objective != "sft"
-    if preference and not kw["data_path"]:
-        raise click.UsageError(f"--objective {options.objective} trains on preference pairs: "
-                               f"give --data (JSONL lines {{\"prompt\", \"chosen\", "
-                               f"\"rejected\"}}, a directory of splits, or prefs-demo)")
+    preference = options.objective != "sft"
     if preference and mpi_world():
         raise click.UsageError(f"--objective {options.objective} runs in one process: no "
                                f"mpirun")
-    if kw["data_path"]:
-        samples, validation_set, digest, data_lines = (
-            finetune_pairs if preference else finetune_examples)(
-            kw, tokenizer, cfg, options, state, checkpoint_in)
-    else:
-        text, source = read_text(kw["texts"], kw["corpus"])
-        tokens, digest, samples = training_samples(text, tokenizer, cfg, options,
-                                                   samples_after_nl, state, checkpoint_in)
-        data_lines = [f"data: {source}: {len(tokens)} tokens, {samples.n_samples} samples of "
-                      f"{cfg.n_ctx}"]
-    steps = steps_of(kw, samples, options)
+    check_steps(kw)
     local_batch(options)    # under mpirun: the batch must split over the processes
+    data = FinetuneData(kw["texts"], kw["corpus"], kw["data_path"],
+                        chat_template(tokenizer, kw["chat_template"]) if kw["data_path"] else None,
+                        kw["mask_prompt"], kw["drop_long"], not kw["no_pack"], kw["val_split"],
+                        bool(kw["val_every"] or kw["early_stop"]), samples_after_nl)
     backend = select_backend(ctx)
-    if preference and options.objective != "orpo" and state is None:
-        stage(f"the reference log-probabilities of {samples.n_pairs} pairs (the model as it "
-              f"starts)")
     with usage_errors():
-        inputs.attach_references(samples, validation_set, cfg, values, backend, options, state)
-    planning(values)
-    try:
-        trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,
-                          world=mpi_world(), loss_scaler=state and state.loss_scaler)
-    except (ShapeError, *device_errors()) as e:   # over the device's limits, among others
-        raise click.ClickException(f"cannot plan the finetune step: {type(e).__name__}: "
-                                   f"{e}") from None
+        run = prepare_finetune(model_cfg, cfg, tokenizer, base_digest, values, adapter, options,
+                               data, backend, checkpoint_path, step=step, opt_state=opt_state,
+                               state=state, checkpoint_in=checkpoint_in, world=mpi_world(),
+                               stage=stage)
+    trainer, files, validation_set = run.trainer, run.files, run.valid
+    steps = steps_of(kw, trainer.batches, options)
     n_base = sum(math.prod(v.shape) for v in values.values())
     n_trained = sum(p.nelements for p in trainer.graph.params.values())
     world = mpi_world()
@@ -212,7 +196,7 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                f"; {describe_precision(trainer)}")
     click.echo(f"base: {base}: {n_base / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
-    for line in data_lines:
+    for line in run.lines:
         click.echo(line)
     what = "every weight" if full else (f"LoRA alpha {adapter.alpha:g} on "
                                         f"{len(adapter.weights())} weights")
@@ -227,14 +211,6 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         click.echo("note: the base ties its output to token_embd, and llama.cpp cannot apply "
                    "a LoRA pair on either: use the adapter in ggwgpu, or `ggwgpu merge` it "
                    "into a model llama.cpp loads", err=True)
-
-    valid_reference = validation_set.reference if preference and validation_set else None
-    files = checkpoint.RunFiles(trainer, tokenizer, checkpoint_path,
-                                dict(tokens_digest=digest, base=base_digest, mode=mode,
-                                     samples_after_nl=samples_after_nl, n_ctx=cfg.n_ctx,
-                                     valid_reference=None if valid_reference is None
-                                     else valid_reference.tolist()),
-                                model_cfg, None if full else adapter.alpha, base_digest)
 
     def resume_command(steps_left: int) -> str:
         args = resume_args(ctx, ["finetune", base], checkpoint_path, steps_left)
@@ -272,55 +248,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
         click.echo(f"best validation loss {validation.best:.4f}: kept in {best_path(out)}")
 
 
-def data_files(data_path) -> list[tuple[str, str]]:
-    """The files --data reads, as (what, path) inputs for the output checks: the file, or a
-    directory's split files (a bundled set's name is no file)."""
-    from ggwgpu.chat import SPLITS
-    if not data_path:
-        return []
-    if os.path.isdir(data_path):
-        return [("--data", os.path.join(data_path, f"{split}.jsonl")) for split in SPLITS]
-    return [("--data", data_path)] if os.path.exists(data_path) else []
-
-
-def finetune_examples(kw, tokenizer, cfg, options, state, checkpoint_in):
-    """(train batches, validation batches or None, digest, lines to show) of --data: the
-    validation set is valid.jsonl, else --val-split of the training examples."""
-    template = chat_template(tokenizer, kw["chat_template"])
-    size = sum(os.path.getsize(p) for _, p in data_files(kw["data_path"]) if os.path.isfile(p))
-    if size >= LARGE_DATA:
-        stage(f"reading {kw['data_path']} ({size / 2**20:.0f} MiB): rendering, tokenizing and "
-              f"packing its examples")
-    with usage_errors():
-        examples = inputs.finetune_examples(
-            kw["data_path"], tokenizer, template, cfg.n_ctx, options,
-            mask_prompt=kw["mask_prompt"], drop_long=kw["drop_long"], pack=not kw["no_pack"],
-            val_split=kw["val_split"], need_validation=bool(kw["val_every"] or kw["early_stop"]),
-            state=state, checkpoint=checkpoint_in)
-    lines = [f"data: {kw['data_path']}: " + describe_examples("train", examples.train)]
-    if examples.valid is not None:
-        lines.append("      " + describe_examples("validation", examples.valid))
-    return examples.train, examples.valid, examples.digest, lines
-
-
 def rows_of(options) -> int:
     """The rows of a step's batch: two a pair for a preference objective."""
     return options.batch * (1 if options.objective == "sft" else 2)
-
-
-def finetune_pairs(kw, tokenizer, cfg, options, state, checkpoint_in):
-    """finetune_examples of preference pairs (--objective dpo, ipo, orpo)."""
-    template = chat_template(tokenizer, kw["chat_template"])
-    with usage_errors():
-        pairs = inputs.preference_data(
-            kw["data_path"], tokenizer, template, cfg.n_ctx, options,
-            drop_long=kw["drop_long"], val_split=kw["val_split"],
-            need_validation=bool(kw["val_every"] or kw["early_stop"]), state=state,
-            checkpoint=checkpoint_in)
-    lines = [f"data: {kw['data_path']}: " + inputs.describe_pairs("train", pairs.train)]
-    if pairs.valid is not None:
-        lines.append("      " + inputs.describe_pairs("validation", pairs.valid))
-    return pairs.train, pairs.valid, pairs.digest, lines
 
 
 @click.command("merge")

@@ -311,23 +311,15 @@ def usage_errors():
         raise click.UsageError(str(e)) from None
 
 
-# Inputs from which on a stage that may take a while (seconds on 2 cores) says so first
-LARGE_TEXT = 1_000_000          # characters to tokenize
-LARGE_DATA = 1 << 20            # bytes of JSONL to render through a chat template
-LARGE_MODEL = 20_000_000        # parameters to plan a train step for
-
-
 def stage(message: str):
-    """A line on stderr before a stage that takes a while, so that no run sits silent."""
+    """A line on stderr before a stage that takes a while (inputs.LARGE_*), so that no run
+    sits silent."""
     click.echo(f"{message} ...", err=True)
 
 
 def planning(values: dict):
     """Say so before planning the train step of a large model."""
-    import math
-    n = sum(math.prod(v.shape) for v in values.values())
-    if n >= LARGE_MODEL:
-        stage(f"planning the train step of {n / 1e6:.0f} M parameters")
+    inputs.planning_stage(values, stage)
 
 
 def read_text(texts, corpus: str) -> tuple[str, str]:
@@ -340,18 +332,23 @@ def training_samples(text: str, tokenizer: Tokenizer, cfg, options, samples_afte
                      state, checkpoint_in):
     """The text's tokens, their digest and its shuffled samples, at the resumed position
     when `state` (a checkpoint's) is given — which must be of the same tokens."""
-    if len(text) >= LARGE_TEXT:
+    if len(text) >= inputs.LARGE_TEXT:
         stage(f"tokenizing {len(text) / 1e6:.1f} M characters")
     with usage_errors():
         return inputs.text_samples(text, tokenizer, cfg.n_ctx, options, samples_after_nl,
                                    state, checkpoint_in)
 
 
-def steps_of(kw: dict, samples, options) -> int:
-    """--steps, or --epochs as steps over these samples."""
+def check_steps(kw: dict):
+    """--steps 0 only writes OUT from a checkpoint."""
     if kw["steps"] == 0 and not kw["checkpoint_in"]:
         raise click.UsageError("--steps 0 writes OUT from a checkpoint: it needs "
                                "--checkpoint-in")
+
+
+def steps_of(kw: dict, samples, options) -> int:
+    """--steps, or --epochs as steps over these samples."""
+    check_steps(kw)
     if kw["epochs"]:
         return max(1, round(kw["epochs"] * samples.n_samples /
                             (options.batch * options.grad_accum)))

@@ -32,6 +32,7 @@ from .training import TrainOptions, Trainer, logits_bound
 from .training import checkpoint as checkpoints
 from .training import inputs
 from .training.run import PrintReporter, Validation, run_steps
+from .training.setup import FinetuneData, prepare_finetune
 
 TRAIN_DEFAULTS = {"warmup": 50}          # `ggwgpu train`'s, as its --help shows
 FINETUNE_DEFAULTS = {"warmup": 10}       # `ggwgpu finetune`'s
@@ -240,39 +241,15 @@ def _run_finetune(model, values, adapter, options, step, opt_state, state, setup
                   backend, reporter) -> RunResult:
     from .chat import ChatTemplate
     cfg = _with_context(model.cfg, setup["n_ctx"])
-    held, preference = None, options.objective != "sft"
-    if preference and data is None:
-        raise ValueError(f"objective {options.objective} trains on preference pairs: give data")
-    if data is not None:
-        if texts:
-            raise ValueError("give texts or data, not both")
-        template = ChatTemplate.of(model.tokenizer, chat_template, chat_template and "the "
-                                   "chat_template argument")
-        common = dict(drop_long=drop_long, val_split=val_split,
-                      need_validation=bool(val_every or early_stop), state=state,
-                      checkpoint=state and checkpoint)
-        examples = (inputs.preference_data(data, model.tokenizer, template, cfg.n_ctx, options,
-                                           **common) if preference else
-                    inputs.finetune_examples(data, model.tokenizer, template, cfg.n_ctx,
-                                             options, mask_prompt=mask_prompt, pack=pack,
-                                             **common))
-        samples, held, digest = examples.train, examples.valid, examples.digest
-    else:
-        text, _ = inputs.training_text(texts, corpus)
-        _, digest, samples = inputs.text_samples(text, model.tokenizer, cfg.n_ctx, options,
-                                                 setup["samples_after_nl"], state, checkpoint)
-    backend = get_backend(backend)
-    if preference:
-        inputs.attach_references(samples, held, cfg, values, backend, options, state)
-    trainer = Trainer(cfg, values, backend, options, samples, opt_state, step,
-                      lora=adapter, loss_scaler=state and state.loss_scaler)
-    valid_reference = held.reference if preference and held is not None else None
-    files = checkpoints.RunFiles(
-        trainer, model.tokenizer, checkpoint or inputs.default_checkpoint_path(out),
-        dict(tokens_digest=digest, base=model.digest, mode="lora" if adapter else "full",
-             samples_after_nl=setup["samples_after_nl"], n_ctx=cfg.n_ctx,
-             valid_reference=None if valid_reference is None else valid_reference.tolist()),
-        model.cfg, adapter and adapter.alpha, model.digest)
+    template = data and ChatTemplate.of(model.tokenizer, chat_template,
+                                        chat_template and "the chat_template argument")
+    spec = FinetuneData(tuple(texts), corpus, data, template, mask_prompt, drop_long, pack,
+                        val_split, bool(val_every or early_stop), setup["samples_after_nl"])
+    run = prepare_finetune(model.cfg, cfg, model.tokenizer, model.digest, values, adapter,
+                           options, spec, get_backend(backend),
+                           checkpoint or inputs.default_checkpoint_path(out), step=step,
+                           opt_state=opt_state, state=state, checkpoint_in=state and checkpoint)
+    trainer, files, held = run.trainer, run.files, run.valid
     best = inputs.best_path(out) if held is not None else None
     validation = None
     if held is not None:

@@ -264,3 +264,15 @@ def test_lora_on_a_tied_gqa_model_starts_at_the_base_and_merges_untied(tmp_path)
     assert not cfg.tied_embeddings and "output.weight" in merged
     np.testing.assert_allclose(logits_of(backend, merged, cfg=cfg), with_adapter,
                                rtol=1e-5, atol=1e-6)
+
+
+def test_a_bases_digest_is_the_one_earlier_checkpoints_hold():
+    """Config fields added later leave the digest of a model that does not use them as it
+    was (the values here were written by a ggwgpu before those fields), so that finetune
+    checkpoints written then still resume."""
+    from ggwgpu.lora import model_digest
+    from ggwgpu.models import init_parameters
+    for arch, want in (("llama", "be72450dbf2b0654"), ("qwen3", "1a6000f60ae7f235")):
+        cfg = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5,
+                          arch=arch)
+        assert model_digest(cfg, init_parameters(cfg, 0)) == want, arch

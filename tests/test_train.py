@@ -370,10 +370,10 @@ def test_a_large_text_and_a_large_model_say_what_takes_a_while(tmp_path, monkeyp
     stderr says which stage is under way (the thresholds are lowered for this test)."""
     from click.testing import CliRunner
 
-    from ggwgpu_cli import training as cli_training
+    from ggwgpu.training import inputs
     from ggwgpu_cli.main import cli
-    monkeypatch.setattr(cli_training, "LARGE_TEXT", 1000)
-    monkeypatch.setattr(cli_training, "LARGE_MODEL", 1000)
+    monkeypatch.setattr(inputs, "LARGE_TEXT", 1000)
+    monkeypatch.setattr(inputs, "LARGE_MODEL", 1000)
     (tmp_path / "t.txt").write_text(TEXT)
     r = CliRunner().invoke(cli, ["--backend", "numpy", "train", str(tmp_path / "t.txt"),
                                  "--steps", "1", "--n-layer", "1", "--batch", "2",

@@ -5,6 +5,7 @@ whose message names it (the CLI shows it as a usage error)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass
 
@@ -16,6 +17,37 @@ from ..tokenizer import Tokenizer
 from .options import TrainOptions
 from .state import RunState
 from .trainer import token_digest
+
+
+# Inputs from which on a stage that may take a while (seconds on 2 cores) says so first
+LARGE_TEXT = 1_000_000          # characters to tokenize
+LARGE_DATA = 1 << 20            # bytes of JSONL to render through a chat template
+LARGE_MODEL = 20_000_000        # parameters to plan a train step for
+
+
+def planning_stage(values: dict, stage):
+    """Tell `stage` before planning the train step of a large model."""
+    n = sum(math.prod(v.shape) for v in values.values())
+    if n >= LARGE_MODEL:
+        stage(f"planning the train step of {n / 1e6:.0f} M parameters")
+
+
+def data_files(data_path) -> list[str]:
+    """The files a --data path reads: the file, or a directory's split files (a bundled
+    set's name is no file)."""
+    if not data_path:
+        return []
+    if os.path.isdir(data_path):
+        return [os.path.join(data_path, f"{split}.jsonl") for split in chat.SPLITS]
+    return [data_path] if os.path.exists(data_path) else []
+
+
+def data_stage(data_path, stage):
+    """Tell `stage` before rendering and tokenizing a large --data set."""
+    size = sum(os.path.getsize(p) for p in data_files(data_path) if os.path.isfile(p))
+    if size >= LARGE_DATA:
+        stage(f"reading {data_path} ({size / 2**20:.0f} MiB): rendering, tokenizing and "
+              f"packing its examples")
 
 
 def training_text(texts=(), corpus: str = "shakespeare") -> tuple[str, str]:
