@@ -179,7 +179,7 @@ def model_metadata(path, cfg: ModelConfig, tokenizer: Tokenizer,
             K_TYPE: ("model", _T.STRING),
             K_FILE_TYPE: (int(LlamaFileType.ALL_F32), _T.UINT32)}
     meta.update(_hparams(cfg))
-    meta[K_CONFIG_JSON] = (json.dumps(dataclasses.asdict(cfg)), _T.STRING)
+    meta[K_CONFIG_JSON] = (json.dumps(cfg.described()), _T.STRING)
     vocabulary = tokenizer.gguf_metadata()
     for key in vocabulary:
         if not key.startswith(TOKENIZER_PREFIX):

@@ -305,20 +305,10 @@ def merge(cfg: ModelConfig, values: dict, adapters) -> tuple[ModelConfig, dict]:
     return cfg, merged
 
 
-# ModelConfig fields added after finetune checkpoints were first written: at their defaults
-# they are left out of a base's digest, so that those checkpoints still resume
-LATER_CONFIG_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
-                       "n_rot_swa", "shared_kv_layers", "n_embd_per_layer",
-                       "layer_output_scale")
-
-
 def model_digest(cfg: ModelConfig, values: dict) -> str:
     """Identifies a base model (its config and every weight's bytes): a finetune checkpoint
     records it so that resuming onto another base is refused."""
-    default = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
-    config = {k: v for k, v in dataclasses.asdict(cfg).items()
-              if k not in LATER_CONFIG_FIELDS or v != default[k]}
-    h = hashlib.sha256(json.dumps(config, sort_keys=True).encode())
+    h = hashlib.sha256(json.dumps(cfg.described(), sort_keys=True).encode())
     for name in sorted(values):
         v = values[name]
         data = v.data if isinstance(v, Quantized) else np.ascontiguousarray(v, np.float32)

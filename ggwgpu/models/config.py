@@ -7,7 +7,7 @@ were not there.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 
 from ..tensor import ShapeError
 
@@ -103,6 +103,19 @@ class ModelConfig:
         """The model family of `arch` (a models.family.Family)."""
         from . import FAMILIES
         return FAMILIES[self.arch]
+
+    # fields added after files and finetune checkpoints were first written: at their
+    # defaults they are left out of the config's JSON (`described`), so that the files of a
+    # model without them, and the digest of such a base, stay as they were
+    LATER_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
+                    "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale")
+
+    def described(self) -> dict:
+        """The config as a JSON-ready dict: every field, but LATER_FIELDS at their
+        defaults."""
+        defaults = {f.name: f.default for f in fields(self)}
+        return {k: v for k, v in asdict(self).items()
+                if k not in self.LATER_FIELDS or v != defaults[k]}
 
     @property
     def head_dim(self) -> int:

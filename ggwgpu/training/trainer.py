@@ -15,7 +15,6 @@ GradScaler does; such a skip does not count as an optimizer step (AdamW's bias c
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
 
 import numpy as np
 
@@ -222,7 +221,7 @@ class Trainer:
         samples = self.step * self.options.batch * self.options.grad_accum
         reference = self.batches.reference if self.options.objective != "sft" else None
         return RunState(step=self.step, samples=samples, tokens=self.step * self.step_tokens,
-                        options=self.options, model=asdict(self.cfg),
+                        options=self.options, model=self.cfg.described(),
                         data=self.batches.state(),
                         loss_scaler=self.scaler.state() if self.scaler else None,
                         reference=None if reference is None else np.asarray(reference).tolist(),
