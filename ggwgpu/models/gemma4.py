@@ -43,6 +43,17 @@ OUT_SCALE = "layer_output_scale.weight"
 MOE = "mixture-of-experts layers"
 
 
+# Gemma 4's keys, as llama.cpp's converter writes them (gguf.Keys names them only in gguf
+# releases newer than the oldest this package supports)
+KEY_LENGTH_SWA = "{arch}.attention.key_length_swa"
+VALUE_LENGTH_SWA = "{arch}.attention.value_length_swa"
+SLIDING_WINDOW_PATTERN = "{arch}.attention.sliding_window_pattern"
+DIMENSION_COUNT_SWA = "{arch}.rope.dimension_count_swa"
+FREQ_BASE_SWA = "{arch}.rope.freq_base_swa"
+SHARED_KV_LAYERS = "{arch}.attention.shared_kv_layers"
+EMBD_LENGTH_PER_LAYER_INP = "{arch}.embedding_length_per_layer_input"
+
+
 class Gemma4(Family):
     arch = "gemma4"
     rope_mode = "neox"
@@ -52,11 +63,11 @@ class Gemma4(Family):
     reads_rope_freqs = True
     gate = staticmethod(B.geglu)
     keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW,
-            "head_dim_swa": Keys.Attention.KEY_LENGTH_SWA,
-            "n_rot_swa": Keys.Rope.DIMENSION_COUNT_SWA,
-            "rope_freq_base_swa": Keys.Rope.FREQ_BASE_SWA,
-            "shared_kv_layers": Keys.Attention.SHARED_KV_LAYERS,
-            "n_embd_per_layer": Keys.LLM.EMBD_LENGTH_PER_LAYER_INP,
+            "head_dim_swa": KEY_LENGTH_SWA,
+            "n_rot_swa": DIMENSION_COUNT_SWA,
+            "rope_freq_base_swa": FREQ_BASE_SWA,
+            "shared_kv_layers": SHARED_KV_LAYERS,
+            "n_embd_per_layer": EMBD_LENGTH_PER_LAYER_INP,
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
     required = ("sliding_window", "head_dim_swa", "n_rot_swa", "n_embd_per_layer")
     absent = {"final_logit_softcap": 30.0}     # llama.cpp's default: no key, a softcap of 30
@@ -83,20 +94,20 @@ class Gemma4(Family):
 
     def more_keys(self, cfg):
         arch = cfg.arch
-        return {Keys.Attention.VALUE_LENGTH_SWA.format(arch=arch): (cfg.head_dim_swa, _T.UINT32),
-                Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch):
+        return {VALUE_LENGTH_SWA.format(arch=arch): (cfg.head_dim_swa, _T.UINT32),
+                SLIDING_WINDOW_PATTERN.format(arch=arch):
                     ([i in cfg.swa_layers for i in range(cfg.n_layer)], _T.ARRAY)}
 
     def read_more_keys(self, f, hp):
         arch, n_layer = hp["arch"], hp["n_layer"]
-        key = Keys.Attention.SLIDING_WINDOW_PATTERN.format(arch=arch)
+        key = SLIDING_WINDOW_PATTERN.format(arch=arch)
         pattern = f.meta.get(key)
         if not isinstance(pattern, list) or len(pattern) != n_layer or \
                 not all(isinstance(v, (bool, int)) for v in pattern):
             raise GGUFError(f"{f.path}: key {key} must be an array of {n_layer} bools, one "
                             f"per layer (true: a sliding-window layer), got {pattern!r:.80}")
-        key_length = Keys.Attention.KEY_LENGTH_SWA.format(arch=arch)
-        value_length = Keys.Attention.VALUE_LENGTH_SWA.format(arch=arch)
+        key_length = KEY_LENGTH_SWA.format(arch=arch)
+        value_length = VALUE_LENGTH_SWA.format(arch=arch)
         if f.int_key(value_length) != hp["head_dim_swa"]:
             raise GGUFError(f"{f.path}: {value_length} = {f.meta[value_length]} differs from "
                             f"{key_length} = {hp['head_dim_swa']}: llama.cpp's gemma4 needs "
