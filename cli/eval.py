@@ -8,17 +8,17 @@ from __future__ import annotations
 import math
 
 import click
-import numpy as np
 
+from ggwgpu import evaluation
 from ggwgpu.chat import SPLITS
 from ggwgpu.data import BUNDLED
+from ggwgpu.evaluation import perplexity_of
+from ggwgpu.training.inputs import describe_examples
 
 from .common import (InputPath, check_memory, ctx_option, describe_backend, precision_option,
                      resolve_precision, select_backend, with_context)
-from ggwgpu.training.inputs import describe_examples
+from .training import data_options, example_batches, example_sets, positive, read_text
 
-from .training import (data_options, example_batches, example_sets,
-                       positive, read_text)
 
 @click.command("eval")
 @click.argument("model", type=InputPath(exists=True, dir_okay=False))
@@ -51,8 +51,6 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
     from ggwgpu.gguf_file import GGUFError
     from ggwgpu.gguf_llama import load_model
     from ggwgpu.lora import load_adapter
-    from ggwgpu.models import build_train_graph
-    from ggwgpu.training import logits_bound
     click.echo(f"loading {model}", err=True)
     try:
         cfg, values, tokenizer = load_model(model, keep_quantized=True)
@@ -77,41 +75,30 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
             windows = data.Samples(tokenizer.encode(text), cfg.n_ctx, 1, 0, tokenizer.bos_id)
         except ValueError as e:
             raise click.UsageError(f"{source}: {e}") from None
-        if samples is None:     # the text once: every n_ctx-th start
-            starts = windows.starts[::cfg.n_ctx]
-        else:
-            n = min(samples, windows.n_samples)
-            n -= n % min(batch, n)
-            starts = windows.starts[np.linspace(0, windows.n_samples - 1, n).round()
-                                    .astype(np.int64)]
+        spread = None
+        if samples is not None:     # a whole number of batches, as --samples always took
+            spread = min(samples, windows.n_samples)
+            spread -= spread % min(batch, spread)
+        starts = evaluation.window_starts(windows, spread)
         batch = min(batch, len(starts))
         n_batches = -(-len(starts) // batch)
-        batches = (padded(windows.windows(starts[i:i + batch]), batch)     # one at a time
-                   for i in range(0, len(starts), batch))
+        batches = evaluation.window_batches(windows, starts, batch)     # one at a time
         what = f"{source}: {len(starts)} windows of {cfg.n_ctx} tokens"
         packed = False
     check_memory(ctx, f"evaluating {model}", cfg, values, kw["precision"],
                  batch=batch)
     backend = select_backend(ctx)
     precision = resolve_precision(backend, kw["precision"])
-    g = build_train_graph(cfg, values, batch, adapters=adapters, frozen=True,
-                          max_logits_bytes=logits_bound(backend), packed=packed,
-                          precision=precision)
     click.echo(f"planning {batch} x {cfg.n_ctx} tokens a run on {backend.name}", err=True)
-    plan = backend.plan([g.loss])
-    if not packed:
-        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    done = iter(range(1, n_batches + 1))
+
+    def progress(loss_so_far):
+        click.echo(f" [{next(done)}/{n_batches}]{perplexity_of(loss_so_far):.4f}", nl=False,
+                   err=True)
     click.echo("perplexity so far, after each batch:", nl=False, err=True)
-    total, counted = 0.0, 0
-    for done, rows in enumerate(batches, 1):         # the mean over every counted target
-        plan.run(g.feeds(*rows))
-        n_targets = int((rows[1] >= 0).sum())
-        total += float(plan.read(g.loss)[0]) * n_targets
-        counted += n_targets
-        click.echo(f" [{done}/{n_batches}]{perplexity_of(total / max(counted, 1)):.4f}",
-                   nl=False, err=True)
+    loss, _ = evaluation.mean_loss(backend, cfg, values, batches, batch, adapters, precision,
+                                   packed, progress)
     click.echo(err=True)
-    loss = total / max(counted, 1)
     with_lora = "".join(f" + {path}" for path in lora_paths)
     click.echo(f"eval on {describe_backend(backend)} in {precision}: {model}{with_lora} on "
                f"{what}")
@@ -120,18 +107,3 @@ def evaluate(ctx, model, texts, corpus, lora_paths, samples, batch, n_ctx, split
                                    f"overflow {'halves' if precision == 'f16' else 'float32'} "
                                    f"in the forward pass")
     click.echo(f"loss {loss:.4f} nats/token, perplexity {perplexity_of(loss):.3f}")
-
-
-def perplexity_of(loss: float) -> float:
-    return math.inf if loss > 700 else math.exp(loss)     # exp overflows past ~709
-
-
-def padded(rows, batch: int):
-    """(inputs, targets) of fewer windows than `batch`, filled up with rows that count no
-    target (the plan runs `batch` rows)."""
-    inputs, targets = rows
-    missing = batch - len(inputs)
-    if missing == 0:
-        return rows
-    return (np.concatenate([inputs, np.repeat(inputs[:1], missing, axis=0)]),
-            np.concatenate([targets, np.full((missing, targets.shape[1]), -1, targets.dtype)]))

@@ -17,18 +17,16 @@ after saving its checkpoint where it could.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
-import numpy as np
-
-from . import gguf_file, gguf_llama, lora
-from .backends import get_backend, precision_for
+from . import evaluation, gguf_file, gguf_llama, lora
+from .backends import get_backend
+from .data import Samples
 from .generate import Decoder, generate as generate_text
-from .models import ModelConfig, build_train_graph, init_parameters
+from .models import ModelConfig, init_parameters
 from .quant import Quantized, dequantize
 from .tokenizer import ByteTokenizer
-from .training import TrainOptions, Trainer, logits_bound
+from .training import TrainOptions, Trainer
 from .training import checkpoint as checkpoints
 from .training import inputs
 from .training.run import PrintReporter, Validation, run_steps
@@ -272,28 +270,14 @@ def evaluate(model, texts=(), *, corpus: str = "shakespeare", windows: int | Non
     every one the text holds."""
     model = _model(model)
     text, _ = inputs.training_text(texts, corpus)
-    tokens = model.tokenizer.encode(text)
-    cfg = model.cfg
-    x, y = inputs.text_windows(tokens, cfg.n_ctx, model.tokenizer.bos_id, windows)
-    backend = get_backend(backend)
-    batch = max(1, min(batch, len(x)))
-    pad = -len(x) % batch       # rows that fill the last batch, with no target counted
-    x = np.concatenate([x, np.full((pad, cfg.n_ctx), model.tokenizer.bos_id, np.int32)])
-    y = np.concatenate([y, np.full((pad, cfg.n_ctx), -1, np.int32)])
-    graph = build_train_graph(cfg, model.values, batch, adapters=model.adapters, frozen=True,
-                              max_logits_bytes=logits_bound(backend),
-                              precision=precision_for(backend, precision))
-    plan = backend.plan([graph.loss])
-    plan.write(graph.positions, np.arange(cfg.n_ctx, dtype=np.int32))
-    total, counted = 0.0, 0
-    for i in range(0, len(x), batch):
-        plan.run(graph.feeds(x[i:i + batch], y[i:i + batch]))
-        n = int((y[i:i + batch] >= 0).sum())
-        total += float(plan.read(graph.loss)[0]) * n
-        counted += n
-    loss = total / max(counted, 1)
-    return Evaluation(loss, math.exp(loss) if loss < 700 else math.inf, counted,
-                      counted // cfg.n_ctx)
+    samples = Samples(model.tokenizer.encode(text), model.cfg.n_ctx, 1, 0,
+                      model.tokenizer.bos_id)
+    starts = evaluation.window_starts(samples, first=windows)
+    batch = max(1, min(batch, len(starts)))
+    loss, counted = evaluation.mean_loss(get_backend(backend), model.cfg, model.values,
+                                         evaluation.window_batches(samples, starts, batch),
+                                         batch, model.adapters, precision)
+    return Evaluation(loss, evaluation.perplexity_of(loss), counted, len(starts))
 
 
 def generate(model, prompt: str, max_tokens: int = 128, *, temperature: float = 0.8,

@@ -10,8 +10,7 @@ from ggwgpu.graph import build_backward
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
 from ggwgpu.testing import reference_logits
-from ggwgpu.training.preference import (PreferenceLoss, preference_terms, reference_loss,
-                                        sequence_rows)
+from ggwgpu.training.preference import PreferenceLoss, preference_terms, reference_loss
 
 CFG = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=7)
 PAIRS = 2
@@ -55,7 +54,6 @@ def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
     inputs, targets, lengths = batch()
     feeds = g.feeds(inputs, targets)
     feeds[g.weights] = (targets >= 0).astype(np.float32)
-    feeds[g.sequence_rows] = sequence_rows(2 * PAIRS, CFG.n_ctx)
     if terms.inv_lengths is not None:
         feeds[terms.inv_lengths] = (1.0 / lengths)[None].astype(np.float32)
     # any reference log-probabilities; per token exact in float32, as the graph takes them

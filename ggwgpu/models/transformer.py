@@ -137,9 +137,10 @@ class TrainGraph:
                               # sees a key, -inf elsewhere
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # packed with a window: the mask of those layers, as `mask`
-    # with sequences (build_train_graph): f32 input (sequences, batch * n_ctx) that sums each
-    # sequence's rows, and its token terms summed: (1, sequences), minus the log-probability
-    # of each sequence's counted targets when the target weights are 1
+    # with sequences (build_train_graph): the 0/1 (sequences, batch * n_ctx) that sums each
+    # sequence's rows (a constant, sequence i the positions of row i; packed, an input), and
+    # its token terms summed: (1, sequences), minus the log-probability of each sequence's
+    # counted targets when the target weights are 1
     sequence_rows: object = None
     sequence_nll: object = None
     reported = ()   # tensors a training step reads back for its record (report): none
@@ -264,8 +265,9 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
 
     `sequences` > 0 adds each sequence's sum of weighted token terms
     (TrainGraph.sequence_nll, from the rows' cross_entropy_ids_rows and the 0/1 input
-    TrainGraph.sequence_rows that says which rows a sequence has): what a preference loss is
-    made of (ggwgpu.training.preference)."""
+    TrainGraph.sequence_rows that says which positions a sequence has: row i's for sequence
+    i, planned once; an input of each batch when packed): what a preference loss is made of
+    (ggwgpu.training.preference)."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora", precision)
     else:
@@ -315,7 +317,12 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     h = O.reshape(rms_norm(cfg, x, p[family.output_norm]), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
-    seq_rows = input_tensor((sequences, rows), name="sequence rows") if sequences else None
+    seq_rows = None
+    if sequences and packed:
+        seq_rows = input_tensor((sequences, rows), name="sequence rows")
+    elif sequences:
+        seq_rows = constant(np.kron(np.eye(sequences, batch, dtype=np.float32),
+                                    np.ones((1, n), np.float32)), name="sequence rows")
     seq_nll = None
     for start, count in row_chunks(rows, max(1, max_logits_bytes // (4 * cfg.n_vocab))):
         if count < rows:

@@ -78,21 +78,6 @@ def text_samples(text: str, tokenizer: Tokenizer, n_ctx: int, options: TrainOpti
     return tokens, digest, samples
 
 
-def text_windows(tokens, n_ctx: int, bos_id: int, count: int | None = None):
-    """(inputs, targets) of the first `count` (default: all) non-overlapping n_ctx-token
-    windows of `tokens`, each starting after BOS as a training sample does: the text taken
-    once, as llama.cpp's perplexity takes it."""
-    tokens = np.asarray(tokens, np.int32)
-    n = len(tokens) // n_ctx if count is None else min(count, len(tokens) // n_ctx)
-    if n < 1:
-        raise ValueError(f"the text has {len(tokens)} tokens, fewer than one window of "
-                         f"{n_ctx}: give more text or a smaller n_ctx")
-    targets = tokens[:n * n_ctx].reshape(n, n_ctx)
-    inputs = np.empty_like(targets)
-    inputs[:, 0], inputs[:, 1:] = bos_id, targets[:, :-1]
-    return inputs, targets
-
-
 def resume_data(samples, state: RunState, checkpoint: str | None):
     """Put `samples` (data.Samples, chat.ExampleBatches) at the state's position."""
     try:

@@ -132,11 +132,6 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss) -> Prefer
     return PreferenceTerms(total, reference, inv_lengths, chosen_weights)
 
 
-def sequence_rows(n_seq: int, n_ctx: int) -> np.ndarray:
-    """(n_seq, n_seq * n_ctx): row i sums the positions of batch row i (one sequence a row)."""
-    return np.kron(np.eye(n_seq, dtype=np.float32), np.ones((1, n_ctx), np.float32))
-
-
 def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
     """TRL's formulas in float64, from each sequence's log-probability `logp` (2 n_pairs,
     chosen and rejected alternating), its answer length, and the reference model's
@@ -184,7 +179,6 @@ class PreferenceGraph:
         self.graph, self.kind = graph, loss
         self.n_pairs = graph.sequence_nll.shape[1] // 2
         self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss)
-        self.rows = sequence_rows(2 * self.n_pairs, graph.tokens.shape[1])
         self.loss, self.params = self.terms.loss, graph.params
         self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
         self.positions, self.packed, self.tokens = graph.positions, False, graph.tokens
@@ -198,7 +192,6 @@ class PreferenceGraph:
         targets = np.asarray(targets, np.int32)
         feeds = g.feeds(inputs, targets)
         feeds[g.weights] = (targets >= 0).astype(np.float32)
-        feeds[g.sequence_rows] = self.rows
         lengths = np.maximum((targets >= 0).sum(axis=1), 1).astype(np.float64)
         if terms.reference is None:
             reference = None
@@ -257,12 +250,10 @@ def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=N
                           max_logits_bytes=max_logits_bytes or MAX_LOGITS_BYTES)
     plan = backend.plan([g.sequence_nll])
     plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
-    rows = sequence_rows(n, cfg.n_ctx)
     out = np.zeros((batches.n_pairs, 2))
     for inputs, targets, pairs, _ in batches.in_order():
         feeds = g.feeds(inputs, targets)
         feeds[g.weights] = (np.asarray(targets) >= 0).astype(np.float32)
-        feeds[g.sequence_rows] = rows
         plan.run(feeds)
         logp = -plan.read(g.sequence_nll).reshape(-1, 2).astype(np.float64)
         out[pairs[pairs >= 0]] = logp[pairs >= 0]
