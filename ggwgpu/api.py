@@ -162,7 +162,7 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
     reference model being `model` as it starts."""
     model = _model(model)
     options = TrainOptions(**{**FINETUNE_DEFAULTS, **options})
-    values, adapter = _trained_weights(model, full)
+    values, adapter = _trained_weights(model, full), None
     if not full:
         ranks = lora.lora_ranks(model.cfg, lora_r, lora_ranks, lora_layers)
         adapter = lora.init_adapter(model.cfg, ranks, lora_alpha, options.seed)
@@ -173,18 +173,18 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
                          save_every, log, on_nan, backend, reporter)
 
 
-def _trained_weights(model: Model, full: bool):
-    """(values, None) of the model as a finetune trains it: with `full` every weight as
-    f32 (refused for a base in block types), else as stored."""
+def _trained_weights(model: Model, full: bool) -> dict:
+    """The model's values as a finetune trains them: with `full` every weight as f32
+    (refused for a base in block types), else as stored."""
     if not full:
-        return model.values, None
+        return model.values
     blocks = {v.dtype for v in model.values.values() if isinstance(v, Quantized)} - {"f16"}
     if blocks:
         raise ValueError(f"a full finetune trains f32 weights, but {model.path or 'the model'} "
                          f"holds {', '.join(sorted(blocks))} ones: finetune it with LoRA, or "
                          f"start from an f32/f16 model")
     return {n: dequantize(v) if isinstance(v, Quantized) else v
-            for n, v in model.values.items()}, None
+            for n, v in model.values.items()}
 
 
 def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = None,
@@ -216,7 +216,7 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
                             checkpoint or checkpoint_in, save_every, log, on_nan, reporter)
     model = _model(model)
     full = kind != "adapter"
-    values, adapter = _trained_weights(model, full)
+    values, adapter = _trained_weights(model, full), None
     if full:
         _, values, _, opt_state, state = checkpoints.load_checkpoint(checkpoint_in)
     else:

@@ -186,15 +186,11 @@ class Trainer:
                 "grad_norm": record.pop("grad_norm"), "tokens": self.step * self.step_tokens,
                 "skipped": record.pop("skipped"), **record}
 
-    def evaluate(self, batches) -> float:
+    def evaluation(self, batches) -> dict:
         """The mean loss per counted target over `batches` (TrainGraph.feeds's arguments:
         (inputs, targets), or for a packed graph (inputs, targets, segments)), with the
-        parameters left as they are."""
-        return self.evaluation(batches)["loss"]
-
-    def evaluation(self, batches) -> dict:
-        """`evaluate`'s loss, and what else the graph measures (a preference graph: the
-        accuracy and the mean margin of its pairs), each a mean over `batches`."""
+        parameters left as they are, and what else the graph measures (a preference graph:
+        the accuracy and the mean margin of its pairs), each a mean over `batches`."""
         sums = {}
         for batch in batches:
             self.regime.forward(self.feeds(*batch))
