@@ -6,6 +6,11 @@
 
 fn silu(x: f32) -> f32 { return x / (1.0 + exp(-x)); }
 
+fn sigmoid(x: f32) -> f32 { return 1.0 / (1.0 + exp(-x)); }
+
+// log(1 + e^x) without overflow: max(x, 0) + log(1 + e^-|x|).
+fn softplus(x: f32) -> f32 { return max(x, 0.0) + log(1.0 + exp(-abs(x))); }
+
 // silu'(x) * dy.
 fn silu_grad(x: f32, dy: f32) -> f32 {
     let s = 1.0 / (1.0 + exp(-x));

@@ -166,8 +166,17 @@ silu = unary("silu", silu_ref, lambda n, g: (O.silu_back(n.srcs[0], g),), "a * s
              lo=-4.0, hi=4.0)
 gelu = unary("gelu", gelu_ref, lambda n, g: (O.gelu_back(n.srcs[0], g),),
              "gelu(a), tanh approximation as ggml", lo=-4.0, hi=4.0)
+def softplus_ref(a):
+    return np.logaddexp(0, a)
+
+
 # the backward from the output: 1 - tanh(a)^2 = 1 - y^2
 tanh = unary("tanh", np.tanh, lambda n, g: (O.tanh_back(n, g),), "tanh(a)", lo=-4.0, hi=4.0)
+# the backward from the output: sigmoid'(a) = y (1 - y)
+sigmoid = unary("sigmoid", sigmoid_ref, lambda n, g: (O.sigmoid_back(n, g),),
+                "1 / (1 + e ** -a)", lo=-6.0, hi=6.0)
+softplus = unary("softplus", softplus_ref, lambda n, g: (O.mul(g, O.sigmoid(n.srcs[0])),),
+                 "log(1 + e ** a), exact for large |a| (ggml_softplus)", lo=-6.0, hi=6.0)
 
 
 def act_back(name, ref, fwd):
@@ -202,6 +211,18 @@ tanh_back = register(
                    Case((Input((3, 5), layout="permuted"), Input((3, 5), layout="strided"))),
                    Case((Input((LARGE,)), Input((LARGE,))), grad=False)],
     doc="dy * (1 - y * y): the backward of tanh from its output y = tanh(x). Inputs y, dy.")
+
+
+sigmoid_back = register(
+    "sigmoid_back", n_srcs=2, shape=back_shape, shader="elementwise",
+    reference=lambda y, dy: dy * y * (1 - y), no_grad=(0,),
+    backward=lambda n, g: (None, O.sigmoid_back(n.srcs[0], g)),
+    cases=lambda: [Case((Input((1,), 0, 1), Input((1,)))),
+                   Case((Input((5, 7), 0, 1), Input((5, 7)))),
+                   Case((Input((3, 5), 0, 1, "permuted"), Input((3, 5), layout="strided"))),
+                   Case((Input((LARGE,), 0, 1), Input((LARGE,))), grad=False)],
+    doc="dy * y * (1 - y): the backward of sigmoid from its output y = sigmoid(x). Inputs y, "
+        "dy.")
 
 
 # SwiGLU's gate fused: silu(a) * b in one pass, and its backward without the silu(a) or
@@ -343,8 +364,8 @@ geglu_back = register(
     doc="da of geglu: dy * b * gelu'(a). Inputs a, b, dy.")
 
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
-           "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "silu_back", "gelu_back",
-           "tanh_back", "swiglu", "swiglu_back", "geglu", "geglu_back"]
+           "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "sigmoid", "softplus",
+           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back", "geglu", "geglu_back"]
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
@@ -356,9 +377,11 @@ WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
         "step": "select(0.0, 1.0, a > 0.0)", "relu": "max(a, 0.0)", "sqr": "a * a",
         "sqrt": "sqrt(a)", "log": "log(a)", "exp": "exp(a)", "silu": "silu(a)",
         "gelu": "gelu(a)", "tanh": "tanh(clamp(a, -10.0, 10.0))",   # clamped: see gelu_tanh
+        "sigmoid": "sigmoid(a)", "softplus": "softplus(a)",
         "silu_back": "silu_grad(a, b)",          # a = x, b = dy
         "gelu_back": "b * gelu_grad(a)",
         "tanh_back": "b * (1.0 - a * a)",        # a = y, b = dy
+        "sigmoid_back": "b * a * (1.0 - a)",     # a = y, b = dy
         "swiglu": "silu(a) * b",
         "swiglu_back": "silu_grad(a, c * b)",    # a, b, c = dy
         "geglu": "gelu(a) * b",
