@@ -159,8 +159,8 @@ class Decoder:
                                   precision=self.precision)
         self.prefill_graph = build(self.max_ctx, self.max_ctx, name="prefill kv cache")
         self.step_graph = build(1, self.max_ctx)
-        self.prefill_plan = backend.plan([self.prefill_graph.logits])
-        self.step_plan = backend.plan([self.step_graph.logits])
+        self.prefill_plan = backend.plan(self.prefill_graph.outputs)
+        self.step_plan = backend.plan(self.step_graph.outputs)
         self.tokens: list[int] = []     # in the step plan's cache
 
     def memory(self) -> int:
@@ -204,6 +204,8 @@ class Decoder:
         window costs is thus only what changed."""
         tokens = [int(t) for t in tokens]
         keep = len(os.path.commonprefix([self.tokens, tokens[:-1]]))
+        if keep < self.past and self.step_graph.states:
+            keep = 0    # a recurrent state cannot go back: start over
         self.tokens = self.tokens[:keep]    # rows past `keep` are masked and overwritten
         return self.append(tokens[keep:])
 
@@ -219,7 +221,8 @@ class Decoder:
 
 def move_caches(plan, graph, to_plan, to_graph):
     """Hand the cache rows of `graph` run by `plan` (its kv and convolution caches: blocks of
-    [scratch | cache] rows, DecodeGraph.caches) to `to_graph`'s in `to_plan`."""
+    [scratch | cache] rows, DecodeGraph.caches) and its recurrent states to `to_graph`'s in
+    `to_plan`."""
     for (leaf, widths), (to_leaf, _) in zip(graph.caches, to_graph.caches):
         flat = plan.read(leaf).reshape(-1)
         value = np.zeros(to_leaf.nelements, flat.dtype)
@@ -230,6 +233,8 @@ def move_caches(plan, graph, to_plan, to_graph):
             value[to_at + to_graph.n_tokens * width:to_at + to_rows * width] = cache
             at, to_at = at + rows * width, to_at + to_rows * width
         to_plan.write(to_leaf, value.reshape(to_leaf.shape))
+    for leaf, to_leaf in zip(graph.states, to_graph.states):
+        to_plan.write(to_leaf, plan.read(leaf))
 
 
 def window(context: list[int], bos_id, max_ctx: int) -> list[int]:

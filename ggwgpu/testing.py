@@ -371,11 +371,13 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
     neox rope (within sliding_window where set); the final norm is token_embd_norm.
-    gemma4: `gemma4_reference_logits`.
+    gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`.
     `values` are float arrays (dequantize block types first)."""
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
+    if arch == "qwen35":
+        return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch == "gemma3", arch == "granite"
@@ -511,3 +513,68 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
     logits = _rms_norm(x, w["output_norm.weight"], eps) @ out.T
     cap = cfg.final_logit_softcap
     return cap * np.tanh(logits / cap) if cap else logits
+
+
+def delta_rule_steps(q, k, v, g, beta, state=None):
+    """The gated delta rule token by token in float64 (llama.cpp's autoregressive form),
+    independent of models.delta_net: q, k (B, T, H, S_k), v (B, T, H, S_v), g and beta
+    (B, T, H), state (B, H, S_v, S_k) or zeros. Returns o (B, T, H, S_v) and the last state."""
+    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
+    batch, t, heads, s_k = q.shape
+    s = (np.zeros((batch, heads, v.shape[-1], s_k)) if state is None
+         else np.array(state, np.float64))
+    out = np.zeros(v.shape)
+    for i in range(t):
+        s = s * np.exp(g[:, i])[..., None, None]
+        delta = (v[:, i] - np.einsum("bhjk,bhk->bhj", s, k[:, i])) * beta[:, i][..., None]
+        s = s + delta[..., :, None] * k[:, i][..., None, :]
+        out[:, i] = np.einsum("bhjk,bhk->bhj", s, q[:, i]) / np.sqrt(s_k)
+    return out, s
+
+
+def qwen35_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's qwen35 graph (src/models/qwen35.cpp, delta-net-base.cpp) in float64, the
+    delta rule token by token (`delta_rule_steps`). Each block: x + mixer(attn_norm(x)), then
+    x + SwiGLU(post_attention_norm(x)). Recurrent layers: attn_qkv, the causal convolution
+    (ssm_conv1d) and silu, q | k | v split into heads of ssm_state, q and k divided by
+    sqrt(sum of squares + eps), value head h reading query/key head h % groups; decay
+    softplus(ssm_alpha h + ssm_dt) * ssm_a, strength sigmoid(ssm_beta h); output RMS-normed
+    per head by ssm_norm times silu(attn_gate h), then ssm_out. Attention layers: attn_q's
+    rows per head query | gate, Q/K norms, neox rope over n_rot dims (IMROPE with text
+    positions), scores times 1/sqrt(head_dim), the output times sigmoid(gate), attn_output."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    eps, n, hd, s = cfg.norm_eps, len(tokens), cfg.head_dim, cfg.ssm_state
+    positions = np.arange(n, dtype=np.float64)
+    sigmoid = lambda t: 1 / (1 + np.exp(-t))                       # noqa: E731
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        if il in cfg.recurrent_layers:
+            mixed = _silu(_causal_conv(h @ p("attn_qkv.weight").T, p("ssm_conv1d.weight")))
+            keys = cfg.ssm_groups * s
+            q, k, v = np.split(mixed, [keys, 2 * keys], axis=1)
+            q, k, v = (t.reshape(n, -1, s) for t in (q, k, v))
+            q, k = (t / np.sqrt((t * t).sum(-1, keepdims=True) + eps) for t in (q, k))
+            heads = np.arange(cfg.ssm_heads) % cfg.ssm_groups
+            q, k = q[:, heads], k[:, heads]
+            g = np.logaddexp(0, h @ p("ssm_alpha.weight").T + p("ssm_dt.bias")) * p("ssm_a")
+            beta = sigmoid(h @ p("ssm_beta.weight").T)
+            o, _ = delta_rule_steps(q[None], k[None], v[None], g[None], beta[None])
+            z = (h @ p("attn_gate.weight").T).reshape(n, -1, s)
+            o = _rms_norm(o[0], p("ssm_norm.weight"), eps) * _silu(z)
+            x = x + o.reshape(n, -1) @ p("ssm_out.weight").T
+        else:
+            full = (h @ p("attn_q.weight").T).reshape(n, cfg.n_head, 2 * hd)
+            q, gate = full[..., :hd], full[..., hd:]
+            k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "kv")
+            q = _rope(_rms_norm(q, p("attn_q_norm.weight"), eps), positions, cfg.rot, True,
+                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2))
+            k = _rope(_rms_norm(k, p("attn_k_norm.weight"), eps), positions, cfg.rot, True,
+                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2))
+            att = _attention(q, k, v, 1 / np.sqrt(hd)) * sigmoid(gate.reshape(n, -1))
+            x = x + att @ p("attn_output.weight").T
+        h = _rms_norm(x, p("post_attention_norm.weight"), eps)
+        x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T

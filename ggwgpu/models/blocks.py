@@ -102,11 +102,15 @@ class Sequence:
     (C, L) (ggml's SSM_CONV from a zero state: y[t, c] = sum_j x[t - (L - 1 - j), c]
     weight[c, j] over the earlier tokens of t's sequence); None where no block convolves.
     `layer_inputs[i]`: what block i reads beside its input (gemma4's per-layer embeddings,
-    Family.prepare), rows shaped as the block's input; empty where the family has none."""
+    Family.prepare), rows shaped as the block's input; empty where the family has none.
+    `recur(layer, q, k, v, g, beta)` gives the gated delta rule's output (models.delta_net)
+    over the tokens, from the state the layer's sequence had before them: q, k, v
+    (*rows, heads, size), g and beta (*rows, heads), rows as the block's input rows."""
     lead: tuple
     positions: object
     attend: Callable
     convolve: Callable | None = None
+    recur: Callable | None = None
     layer_inputs: list = dataclasses.field(default_factory=list)
 
 

@@ -58,6 +58,11 @@ class ModelConfig:
     n_embd_per_layer: int = 0       # gemma4: width of the per-layer embeddings (0: none)
     layer_output_scale: bool = False  # gemma4: each block's output times its
                                       # layer_output_scale.weight (one value)
+    recurrent_layers: tuple = ()    # qwen35: the blocks whose mixer is a gated delta-net
+    ssm_state: int = 0              # qwen35: the delta-net's head size (ssm.state_size)
+    ssm_heads: int = 0              # qwen35: its value heads (ssm.time_step_rank)
+    ssm_groups: int = 0             # qwen35: its query/key heads (ssm.group_count)
+    rope_sections: tuple = ()       # qwen35: rope.dimension_sections (imrope's t, h, w, e)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -89,10 +94,12 @@ class ModelConfig:
         if any(self.n_head % h for h in self.n_head_kv_layers):
             raise ShapeError(f"n_head {self.n_head} is not a multiple of every layer's K/V "
                              f"heads {self.n_head_kv_layers}")
-        object.__setattr__(self, "swa_layers", tuple(int(i) for i in self.swa_layers))
-        if any(not 0 <= i < self.n_layer for i in self.swa_layers):
-            raise ShapeError(f"swa_layers {self.swa_layers} must be blocks 0 .. "
-                             f"{self.n_layer - 1}")
+        for name in ("swa_layers", "recurrent_layers"):
+            layers = tuple(int(i) for i in getattr(self, name))
+            object.__setattr__(self, name, layers)
+            if any(not 0 <= i < self.n_layer for i in layers):
+                raise ShapeError(f"{name} {layers} must be blocks 0 .. {self.n_layer - 1}")
+        object.__setattr__(self, "rope_sections", tuple(int(i) for i in self.rope_sections))
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
@@ -108,7 +115,9 @@ class ModelConfig:
     # defaults they are left out of the config's JSON (`described`), so that the files of a
     # model without them, and the digest of such a base, stay as they were
     LATER_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
-                    "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale")
+                    "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale",
+                    "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
+                    "rope_sections")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

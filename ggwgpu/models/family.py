@@ -116,6 +116,10 @@ class Family:
             n_head_kv=cfg.n_head_kv_layers[i] if cfg.n_head_kv_layers else cfg.n_head_kv,
             n_ff=cfg.n_ff_layers[i] if cfg.n_ff_layers else cfg.n_ff)
 
+    def conv_widths(self, cfg) -> dict:
+        """{layer: the channels of its causal convolution} of the blocks that convolve."""
+        return {i: cfg.n_embd for i in cfg.conv_layers}
+
     def kv_layer(self, cfg, i: int) -> int:
         """The layer whose keys and values layer i attends to (itself, unless it shares)."""
         return i

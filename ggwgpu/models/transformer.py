@@ -20,6 +20,7 @@ from ..tensor import ShapeError, constant, input_tensor, param
 from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
                      rms_norm)
 from .config import ModelConfig
+from .delta_net import delta_rule
 
 # the rope frequency-factor tables (positive; f32 in an f16 graph: the rope reads f32 factors)
 ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -306,7 +307,13 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     def convolve(i, x, weight):     # each token at its position in its sequence
         return O.ssm_conv(x, weight, positions)
 
-    seq = Sequence(lead, seq_positions, attend, convolve)
+    def recur(i, q, k, v, g, beta):     # each row from a zero state
+        if packed:
+            raise ShapeError(f"{cfg.arch}'s recurrent layers take one sequence per row: "
+                             f"packed rows are not supported")
+        return delta_rule(q, k, v, g, beta)
+
+    seq = Sequence(lead, seq_positions, attend, convolve, recur)
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
     seq = family.prepare(cfg, p, tokens, x, seq)
     checkpoints = []
@@ -403,6 +410,18 @@ class DecodeGraph:
                               # run's convolutions read, from conv_kernel - 1 positions back
     conv_positions: object = None  # i32 input, as conv_rows: their positions (< 0: before 0)
     kv_widths: tuple = ()     # the width of each block of kv, in order (K, V of each layer)
+    conv_widths: tuple = ()   # the width of each block of conv, in order (its layers)
+    states: tuple = ()        # recurrent layers' states (qwen35's delta-nets), leaves kept
+                              # from run to run: the state after the last token run
+    state_writes: tuple = ()  # the writes of the new states: outputs to plan with the logits
+    valid: object = None      # with states: f32 input (n_tokens, 1), 1 on the run's tokens,
+                              # 0 on its padding (which then leaves the states as they are)
+    carry: object = None      # with states: f32 input (1, 1, 1), 0 when a run starts at 0
+
+    @property
+    def outputs(self) -> list:
+        """What a plan of the graph computes: the logits, and the states' writes."""
+        return [self.logits, *self.state_writes]
 
     @property
     def caches(self) -> list:
@@ -411,7 +430,7 @@ class DecodeGraph:
         conv where it exists."""
         caches = [(self.kv, self.kv_widths)]
         if self.conv is not None:
-            caches.append((self.conv, (self.conv.shape[-1],) * self.conv.shape[0]))
+            caches.append((self.conv, self.conv_widths))
         return caches
 
     def feeds(self, tokens, past: int) -> dict:
@@ -442,6 +461,9 @@ class DecodeGraph:
                 self.conv_rows.shape[0], dtype=np.int32)
             feeds[self.conv_rows] = np.clip(at, 0, self.max_ctx - 1)
             feeds[self.conv_positions] = at
+        if self.states:     # the states hold position past - 1's, or start over at 0
+            feeds[self.valid] = (rows < n).astype(np.float32)[:, None]
+            feeds[self.carry] = np.full((1, 1, 1), float(past > 0), np.float32)
         return feeds
 
 
@@ -524,20 +546,38 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))
 
     conv = conv_rows = conv_positions = None    # the convolutions' inputs, cached by position
-    if cfg.conv_layers:
+    conv_widths = family.conv_widths(cfg)
+    conv_starts = dict(zip(conv_widths, rows * np.cumsum([0, *conv_widths.values()])))
+    if conv_widths:
         reach = cfg.conv_kernel - 1
-        conv = constant(np.zeros((len(cfg.conv_layers), rows, cfg.n_embd), np.float32),
-                        precision, name=f"{name}: convolution inputs")
+        conv = constant(np.zeros(rows * sum(conv_widths.values()), np.float32), precision,
+                        name=f"{name}: convolution inputs")
         conv_rows = input_tensor((reach + n_tokens,), "i32", name="convolution rows")
         conv_positions = input_tensor((reach + n_tokens,), "i32", name="convolution positions")
 
     def convolve(i, x, weight):     # x's rows cached by position; ssm_conv over the run's
         # rows and the kernel's reach before them
-        cache = cached(conv, cfg.conv_layers.index(i) * rows * cfg.n_embd, x, cfg.n_embd)
+        width = conv_widths[i]
+        cache = cached(conv, int(conv_starts[i]), x, width)
         y = O.ssm_conv(O.get_rows(cache, conv_rows), weight, conv_positions)
-        return O.view(y, (n_tokens, cfg.n_embd), (cfg.n_embd, 1), reach * cfg.n_embd)
+        return O.view(y, (n_tokens, width), (width, 1), reach * width)
 
-    seq = Sequence((1, n_tokens), positions, attend, convolve)
+    states, state_writes = [], []
+    valid = input_tensor((n_tokens, 1), name="valid tokens") if cfg.recurrent_layers else None
+    carry = input_tensor((1, 1, 1), name="state carried") if cfg.recurrent_layers else None
+
+    def recur(i, q, k, v, g, beta):     # from the state the last run left, or zeros
+        heads, size = v.shape[-2:]
+        state = constant(np.zeros((heads, size, size), np.float32),
+                         name=f"{name}: state of layer {i}")
+        one = lambda t: O.reshape(O.cont(t), (1,) + t.shape)     # noqa: E731 (a batch of 1)
+        o, end = delta_rule(one(q), one(k), one(v), one(O.mul(g, valid)),
+                            one(O.mul(beta, valid)), O.mul(state, carry), final_state=True)
+        states.append(state)
+        state_writes.append(O.cpy(end, state))
+        return O.reshape(O.cont(o), v.shape)
+
+    seq = Sequence((1, n_tokens), positions, attend, convolve, recur)
     x = embed(p, tokens, precision, family.input_scale(cfg))  # (n_tokens, embd)
     seq = family.prepare(cfg, p, tokens, x, seq)
     for i in range(cfg.n_layer):
@@ -548,4 +588,5 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     mask, window_mask = used_of([logits], mask, window_mask)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
                        weights, window, window_mask, conv, conv_rows, conv_positions,
-                       tuple(widths))
+                       tuple(widths), tuple(conv_widths.values()), tuple(states),
+                       tuple(state_writes), valid, carry)

@@ -1,0 +1,130 @@
+"""The gated delta rule (Yang et al., Gated Delta Networks; llama.cpp's delta-net-base.cpp), a
+block piece of Qwen3.5's linear-attention layers, in its chunked form: built from existing
+ops (products, exp, masks), so its backward is the autodiff of those ops.
+
+Per head, with a state S (S_v, S_k) that starts at zero (or at `state`), token t turns it into
+
+    S_t = a_t S_{t-1} + b_t (v_t - a_t S_{t-1} k_t) k_t^T,   o_t = S_t q_t / sqrt(S_k)
+
+with a_t = exp(g_t) the decay (g <= 0) and b_t the write strength. The chunked form takes C
+tokens at once: within a chunk, with G the cumulative sums of g and D[i, j] =
+exp(G_i - G_j) for j <= i (0 above the diagonal), the strictly lower L[i, j] = b_i (k_i . k_j)
+D[i, j] gives W = (I + L)^-1 (the WY form of the chunk's writes; here the product
+(I - L)(I + L^2)(I + L^4)... of the nilpotent L's powers, so no solve op is needed), and
+
+    U = W (b v),  Kc = W (b exp(G) k)                 the writes, before the state's share
+    V = U - Kc S^T                                    what the chunk writes, given S
+    O = (exp(G) q) S^T + ((q k^T) * D) V              the outputs
+    S <- exp(G_last) S + V^T (exp(G_last - G) k)      the state after the chunk
+
+Every product is batched over the chunks and heads; only the state's three products run
+chunk after chunk. A sequence whose length is not a multiple of C is padded with tokens
+that change nothing (b = 0, g = 0) and cut back after.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import ops as O
+from ..tensor import constant, zeros
+
+CHUNK = 64      # llama.cpp's chunk for the scalar-gate delta rule
+
+
+def matmul(x, y):
+    """x @ y over the two innermost dims (mul_mat computes b @ a^T)."""
+    return O.mul_mat(O.cont(O.transpose(y)), x)
+
+
+def masks(c: int) -> tuple:
+    """Constants (c, c): the lower triangle with its diagonal, the strict one, the identity."""
+    lower = np.tril(np.ones((c, c), np.float32))
+    return (constant(lower, name=f"delta rule lower {c}"),
+            constant(lower - np.eye(c, dtype=np.float32), name=f"delta rule strict {c}"),
+            constant(np.eye(c, dtype=np.float32), name=f"delta rule identity {c}"))
+
+
+def unit_lower_inverse(lo, identity, c: int):
+    """(I + lo)^-1 for strictly lower lo (.., c, c): lo is nilpotent (lo^c = 0), so the
+    inverse is sum_k (-lo)^k = (I - lo)(I + lo^2)(I + lo^4)... up to the power c - 1."""
+    inverse, power, reach = O.add(O.neg(lo), identity), lo, 2
+    while reach < c:
+        power = matmul(power, power)
+        inverse = O.add(inverse, matmul(inverse, power))
+        reach *= 2
+    return inverse
+
+
+def heads_first(x, padded: int):
+    """(B, T, H, ...) -> (B * H, padded, ...) contiguous, zeros past T."""
+    b, t, h = x.shape[:3]
+    rest = x.shape[3:]
+    y = O.cont(O.permute(x, (0, 2, 1, 3) if rest else (0, 2, 1)))
+    y = O.reshape(y, (b * h, t) + rest)
+    if padded == t:
+        return y
+    shape = (b * h, padded) + rest
+    strides = tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))
+    return O.acc(zeros(shape), y, strides, 0)
+
+
+def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bool = False):
+    """The gated delta rule over a batch of sequences: q, k (B, T, H, S_k), v (B, T, H, S_v),
+    g (log decay, <= 0) and beta (B, T, H); `state` (B * H, S_v, S_k) or None for zeros.
+    Returns o (B, T, H, S_v) (q scaled by 1/sqrt(S_k) inside), and with `final_state` the
+    state after the last token, (B * H, S_v, S_k)."""
+    batch, t, heads, s_k = q.shape
+    s_v = v.shape[-1]
+    c = min(chunk, t)
+    n = -(-t // c)
+    bh, padded = batch * heads, n * c
+    q = O.scale(q, 1.0 / np.sqrt(s_k))
+    q, k, v = (O.reshape(heads_first(x, padded), (bh, n, c, x.shape[-1])) for x in (q, k, v))
+    g, beta = (heads_first(x, padded) for x in (g, beta))
+    lower, strict, identity = masks(c)
+    # G: cumulative sums of g within each chunk, as a row (bh, n, 1, c) and a column
+    cums = O.mul_mat(lower, O.reshape(g, (bh, n, 1, c)))
+    column = O.reshape(cums, (bh, n, c, 1))
+    diff = O.sub(O.repeat(column, (bh, n, c, c)), cums)                  # G_i - G_j
+    decay = O.mul(O.exp(O.mul(diff, lower)), lower)                      # 0 above the diagonal
+    b = O.reshape(beta, (bh, n, c, 1))
+    kk = O.mul(O.mul(O.mul_mat(k, k), decay), b)                          # b_i (k_i . k_j) D_ij
+    w = None if c == 1 else unit_lower_inverse(O.mul(kk, strict), identity, c)
+    grown = O.exp(column)                                                 # exp(G_i)
+    writes = O.mul(v, b)
+    decayed_keys = O.mul(k, O.mul(b, grown))
+    if w is not None:
+        writes, decayed_keys = matmul(w, writes), matmul(w, decayed_keys)
+    queries = O.mul(q, grown)
+    scores = O.mul(O.mul_mat(k, q), decay)                                # (q_i . k_j) D_ij
+    last = O.view(cums, (bh, n, 1, 1), (n * c, c, 1, 1), c - 1)           # G of each chunk's end
+    to_end = O.mul(k, O.exp(O.sub(O.repeat(last, (bh, n, c, 1)), column)))
+    end_decay = O.exp(last)
+
+    def part(x, i):     # chunk i of (bh, n, c or 1, d)
+        rows, width = x.shape[2:]
+        return O.view(x, (bh, rows, width), (n * rows * width, width, 1), i * rows * width)
+
+    out = zeros((bh, padded, s_v))
+    for i in range(n):
+        new = part(writes, i)
+        if state is not None:
+            new = O.sub(new, O.mul_mat(state, part(decayed_keys, i)))
+        o = matmul(part(scores, i), new)
+        if state is not None:
+            o = O.add(O.mul_mat(state, part(queries, i)), o)
+        out = o if n == 1 else O.acc(out, o, (padded * s_v, s_v, 1), i * c * s_v)
+        if i < n - 1 or final_state:
+            written = O.out_prod(part(to_end, i), new)                    # (bh, s_v, s_k)
+            state = written if state is None else O.add(
+                O.mul(state, part(end_decay, i)), written)
+    out = O.view(out, (batch, heads, t, s_v), (heads * padded * s_v, padded * s_v, s_v, 1), 0)
+    out = O.permute(out, (0, 2, 1, 3))
+    return (out, state) if final_state else out
+
+
+def l2_norm(x, eps: float):
+    """x / sqrt(sum(x^2) + eps) over the last dim, as llama.cpp's build_gdn_l2_norm computes
+    it: rms_norm with eps / n, times 1 / sqrt(n)."""
+    n = x.shape[-1]
+    return O.scale(O.rms_norm(x, eps / n), 1.0 / np.sqrt(n))
