@@ -53,13 +53,17 @@ K_BASE = "ggwgpu.lora.base"
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
 # "wqkv": the fused Q/K/V matrix of families that have one (phi3); "conv_in", "conv_out":
 # lfm2's short-convolution projections; "pe_gate", "pe_proj": gemma4's per-layer embedding
-# gate and projection. A model gets the targets its blocks have.
+# gate and projection; "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out": qwen35's delta-net
+# output gate, decay and strength projections and output (its "wqkv" feeds the
+# convolution). A model gets the targets its blocks have.
 TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
            "wqkv": "attn_qkv.weight", "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
            "ffn_down": "ffn_down.weight", "ffn_up": "ffn_up.weight",
            "conv_in": "shortconv.in_proj.weight", "conv_out": "shortconv.out_proj.weight",
-           "pe_gate": "inp_gate.weight", "pe_proj": "proj.weight"}
+           "pe_gate": "inp_gate.weight", "pe_proj": "proj.weight",
+           "attn_gate": "attn_gate.weight", "ssm_alpha": "ssm_alpha.weight",
+           "ssm_beta": "ssm_beta.weight", "ssm_out": "ssm_out.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
 

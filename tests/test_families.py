@@ -60,6 +60,13 @@ FAMILIES = {
                           shared_kv_layers=2, n_embd_per_layer=4, layer_output_scale=True,
                           rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
                           rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma4"),
+    # Qwen3.5-0.8B: three gated delta-net layers of every four (fewer query/key heads than
+    # value heads, as the 9B), gated attention with heads wider than n_embd / n_head and
+    # partial rotary (1/4 there), tied
+    "qwen35": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_rot=4, n_layer=4,
+                          recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=4, ssm_heads=4,
+                          ssm_groups=2, rope_sections=(1, 1, 0, 0), tied_embeddings=True,
+                          rope_freq_base=1e7, arch="qwen35"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -68,15 +75,17 @@ FAMILIES = {
 # the tensors only that family has (a file without one is refused)
 OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
-               "gemma4": "inp_gate.weight"}
+               "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight"}
 
 
 def family_values(cfg, seed=1):
-    """init_parameters with random norm weights and biases (init makes them 1 and 0)."""
+    """init_parameters with random norm weights and biases (init makes them 1 and 0), and
+    qwen35's ssm_a negative, as -exp(A_log) is."""
     rng = np.random.default_rng(seed)
-    return {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
+    return {k: v if v.ndim > 1 else
+            rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if k.endswith("ssm_a") else 1)
             for k, v in init_parameters(cfg, seed).items()}
 
 
@@ -368,6 +377,13 @@ def test_lora_targets_are_the_matrices_each_block_has():
     gemma4 = lora.lora_ranks(FAMILIES["gemma4"], 2)
     assert {"blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.3.attn_k.weight"} <= set(gemma4)
     assert "blk.4.attn_k.weight" not in gemma4 and "blk.5.attn_v.weight" not in gemma4
+    qwen35 = lora.lora_ranks(FAMILIES["qwen35"], 2)
+    assert {n for n in qwen35 if n.startswith("blk.0.")} == {
+        f"blk.0.{w}.weight" for w in ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta",
+                                       "ssm_out", "ffn_gate", "ffn_down", "ffn_up")}
+    assert {n for n in qwen35 if n.startswith("blk.3.")} == {
+        f"blk.3.{w}.weight" for w in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate",
+                                       "ffn_down", "ffn_up")}
 
 
 def write_tensors(path, cfg, values):

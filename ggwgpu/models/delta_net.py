@@ -55,11 +55,37 @@ def unit_lower_inverse(lo, identity, c: int):
     return inverse
 
 
+def chunking(t: int, chunk: int = CHUNK) -> tuple[int, int]:
+    """(chunk size, chunks) of a sequence of t tokens."""
+    c = min(chunk, t)
+    return c, -(-t // c)
+
+
+def segment_masks(segments, chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
+    """For rows that hold several sequences (`segments` (B, T): each position's sequence, a
+    run of equal values; models.transformer.packed_inputs), what the chunked rule needs to
+    keep them apart: `same` (B, chunks, c, c), 1 where tokens i and j of a chunk are of one
+    sequence, and `carry` (B, chunks, c, 1), 1 where a token's sequence began before its
+    chunk (so the state entering the chunk is its own). Padding joins the last sequence."""
+    segments = np.asarray(segments)
+    batch, t = segments.shape
+    c, n = chunking(t, chunk)
+    runs = np.cumsum(np.concatenate([np.ones((batch, 1), bool),
+                                     segments[:, 1:] != segments[:, :-1]], axis=1), axis=1)
+    runs = np.concatenate([runs, np.repeat(runs[:, -1:], n * c - t, axis=1)], axis=1)
+    runs = runs.reshape(batch, n, c)
+    same = (runs[..., :, None] == runs[..., None, :]).astype(np.float32)
+    carry = (runs == np.concatenate([np.zeros((batch, 1, 1), runs.dtype),
+                                     runs[:, :-1, -1:]], axis=1)).astype(np.float32)
+    return same, carry[..., None]
+
+
 def heads_first(x, padded: int):
-    """(B, T, H, ...) -> (B * H, padded, ...) contiguous, zeros past T."""
+    """(B, T, H, ...) -> (H * B, padded, ...) contiguous, zeros past T: heads outermost, so
+    that a per-row (B, ...) tensor tiles every head's rows."""
     b, t, h = x.shape[:3]
     rest = x.shape[3:]
-    y = O.cont(O.permute(x, (0, 2, 1, 3) if rest else (0, 2, 1)))
+    y = O.cont(O.permute(x, (2, 0, 1, 3) if rest else (2, 0, 1)))
     y = O.reshape(y, (b * h, t) + rest)
     if padded == t:
         return y
@@ -68,15 +94,16 @@ def heads_first(x, padded: int):
     return O.acc(zeros(shape), y, strides, 0)
 
 
-def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bool = False):
+def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bool = False,
+               segments=None):
     """The gated delta rule over a batch of sequences: q, k (B, T, H, S_k), v (B, T, H, S_v),
-    g (log decay, <= 0) and beta (B, T, H); `state` (B * H, S_v, S_k) or None for zeros.
+    g (log decay, <= 0) and beta (B, T, H); `state` (H * B, S_v, S_k) or None for zeros.
     Returns o (B, T, H, S_v) (q scaled by 1/sqrt(S_k) inside), and with `final_state` the
-    state after the last token, (B * H, S_v, S_k)."""
+    state after the last token, (H * B, S_v, S_k). Rows that hold several sequences, each
+    from a zero state, take `segments`: the (same, carry) of `segment_masks`, as f32 tensors."""
     batch, t, heads, s_k = q.shape
     s_v = v.shape[-1]
-    c = min(chunk, t)
-    n = -(-t // c)
+    c, n = chunking(t, chunk)
     bh, padded = batch * heads, n * c
     q = O.scale(q, 1.0 / np.sqrt(s_k))
     q, k, v = (O.reshape(heads_first(x, padded), (bh, n, c, x.shape[-1])) for x in (q, k, v))
@@ -87,10 +114,13 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
     column = O.reshape(cums, (bh, n, c, 1))
     diff = O.sub(O.repeat(column, (bh, n, c, c)), cums)                  # G_i - G_j
     decay = O.mul(O.exp(O.mul(diff, lower)), lower)                      # 0 above the diagonal
+    grown = O.exp(column)                                                 # exp(G_i)
+    if segments is not None:    # nothing passes between sequences
+        same, carry = segments
+        decay, grown = O.mul(decay, same), O.mul(grown, carry)
     b = O.reshape(beta, (bh, n, c, 1))
     kk = O.mul(O.mul(O.mul_mat(k, k), decay), b)                          # b_i (k_i . k_j) D_ij
     w = None if c == 1 else unit_lower_inverse(O.mul(kk, strict), identity, c)
-    grown = O.exp(column)                                                 # exp(G_i)
     writes = O.mul(v, b)
     decayed_keys = O.mul(k, O.mul(b, grown))
     if w is not None:
@@ -98,8 +128,13 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
     queries = O.mul(q, grown)
     scores = O.mul(O.mul_mat(k, q), decay)                                # (q_i . k_j) D_ij
     last = O.view(cums, (bh, n, 1, 1), (n * c, c, 1, 1), c - 1)           # G of each chunk's end
-    to_end = O.mul(k, O.exp(O.sub(O.repeat(last, (bh, n, c, 1)), column)))
+    to_end = O.exp(O.sub(O.repeat(last, (bh, n, c, 1)), column))
     end_decay = O.exp(last)
+    if segments is not None:    # the state leaving a chunk is its last sequence's
+        to_end = O.mul(to_end, O.reshape(O.cont(O.view(
+            same, (batch, n, 1, c), (n * c * c, c * c, c, 1), (c - 1) * c)), (batch, n, c, 1)))
+        end_decay = O.mul(end_decay, O.view(carry, (batch, n, 1, 1), (n * c, c, 1, 1), c - 1))
+    to_end = O.mul(k, to_end)
 
     def part(x, i):     # chunk i of (bh, n, c or 1, d)
         rows, width = x.shape[2:]
@@ -118,8 +153,8 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
             written = O.out_prod(part(to_end, i), new)                    # (bh, s_v, s_k)
             state = written if state is None else O.add(
                 O.mul(state, part(end_decay, i)), written)
-    out = O.view(out, (batch, heads, t, s_v), (heads * padded * s_v, padded * s_v, s_v, 1), 0)
-    out = O.permute(out, (0, 2, 1, 3))
+    out = O.view(out, (heads, batch, t, s_v), (batch * padded * s_v, padded * s_v, s_v, 1), 0)
+    out = O.permute(out, (1, 2, 0, 3))
     return (out, state) if final_state else out
 
 

@@ -20,7 +20,7 @@ from ..tensor import ShapeError, constant, input_tensor, param
 from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
                      rms_norm)
 from .config import ModelConfig
-from .delta_net import delta_rule
+from .delta_net import chunking, delta_rule, segment_masks
 
 # the rope frequency-factor tables (positive; f32 in an f16 graph: the rope reads f32 factors)
 ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
@@ -144,6 +144,9 @@ class TrainGraph:
     # counted targets when the target weights are 1
     sequence_rows: object = None
     sequence_nll: object = None
+    # packed, with recurrent layers: the delta rule's (same, carry) inputs
+    # (models.delta_net.segment_masks), each None where unused
+    segments: tuple | None = None
     reported = ()   # tensors a training step reads back for its record (report): none
 
     def report(self, values) -> dict:
@@ -190,6 +193,9 @@ class TrainGraph:
                 feeds[self.mask] = mask
             if self.window_mask is not None:
                 feeds[self.window_mask] = packed_inputs(segments, self.window)[1]
+            if self.segments is not None:   # (carry is unused with one chunk)
+                feeds.update((t, v) for t, v in zip(self.segments, segment_masks(segments))
+                             if t is not None)
         return feeds
 
     def read_logits(self, plan) -> np.ndarray:
@@ -307,11 +313,14 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     def convolve(i, x, weight):     # each token at its position in its sequence
         return O.ssm_conv(x, weight, positions)
 
-    def recur(i, q, k, v, g, beta):     # each row from a zero state
-        if packed:
-            raise ShapeError(f"{cfg.arch}'s recurrent layers take one sequence per row: "
-                             f"packed rows are not supported")
-        return delta_rule(q, k, v, g, beta)
+    segments = None     # packed: the delta rule's masks that keep a row's sequences apart
+    if packed and cfg.recurrent_layers:
+        c, chunks = chunking(n)
+        segments = (input_tensor((batch, chunks, c, c), name="recurrent same sequence"),
+                    input_tensor((batch, chunks, c, 1), name="recurrent carry"))
+
+    def recur(i, q, k, v, g, beta):     # each sequence from a zero state
+        return delta_rule(q, k, v, g, beta, segments=segments)
 
     seq = Sequence(lead, seq_positions, attend, convolve, recur)
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
@@ -352,9 +361,10 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         # gradient chunk by chunk in the order the planner computes the chunks, so each
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
-    mask, window_mask = used_of([loss, *logits], mask, window_mask)
+    mask, window_mask, *used = used_of([loss, *logits], mask, window_mask, *(segments or ()))
+    segments = tuple(used) if segments else None
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
-                      recompute, mask, window, window_mask, seq_rows, seq_nll)
+                      recompute, mask, window, window_mask, seq_rows, seq_nll, segments)
 
 
 def used_of(outputs, *inputs) -> list:
