@@ -28,7 +28,7 @@ def tiny_values(cfg=TINY, seed=1):
     rng = np.random.default_rng(seed)
     values = init_parameters(cfg, seed=seed)
     values = {k: v if v.ndim > 1 else rng.uniform(0.5, 1.5, v.shape).astype(np.float32)
-              for k, v in values.items()}
+              * (-1 if k.endswith("ssm_a") else 1) for k, v in values.items()}
     values["output.weight" if "output.weight" in values else "token_embd.weight"] *= 8
     return values
 
@@ -84,9 +84,16 @@ GEMMA4 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_embd_head=6, n_layer=5, n
                      n_rot_swa=4, sliding_window=3, shared_kv_layers=2, n_embd_per_layer=3,
                      layer_output_scale=True, rope_freqs=True, tied_embeddings=True,
                      rope_freq_base_swa=1e4, final_logit_softcap=5.0, arch="gemma4")
+# qwen35: gated delta-nets (their states kept from run to run, their convolutions' inputs
+# cached by position) before a gated attention layer
+QWEN35 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_rot=2,
+                     n_layer=4, n_ff=12, n_ctx=8, recurrent_layers=(0, 1, 2), conv_kernel=3,
+                     ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
+                     tied_embeddings=True, arch="qwen35")
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
-            "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4}
+            "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
+            "qwen35": QWEN35}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)
@@ -138,6 +145,28 @@ def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():
     assert runs[-1] == (6, [3])
     np.testing.assert_allclose(d.sync(target[:2]), TrainingForward(backend, TINY, values)(
         target)[1], rtol=0, atol=1e-12)
+
+
+def test_a_recurrent_decoder_starts_over_where_a_sync_goes_back():
+    """A delta-net's state cannot go back: a sync that leaves the cached tokens runs the
+    whole sequence again from position 0 (and a prefill after steps starts over too), with
+    the training forward's logits; one that only appends runs what is new."""
+    backend = NumpyBackend(np.float64)
+    values = tiny_values(QWEN35)
+    forward = TrainingForward(backend, QWEN35, values)
+    d = Decoder(backend, QWEN35, values)
+    d.prefill([1, 4, 7])
+    d.step(2)
+    runs = []
+    append = d.append
+    d.append = lambda tokens: runs.append((d.past, list(tokens))) or append(tokens)
+    target = [1, 4, 7, 5, 6, 3]
+    np.testing.assert_allclose(d.sync(target), forward(target)[-1], rtol=0, atol=1e-12)
+    assert runs == [(0, target)]
+    longer = target + [8, 2]
+    np.testing.assert_allclose(d.sync(longer), forward(longer)[-1], rtol=0, atol=1e-12)
+    assert runs[-1] == (6, [8, 2])
+    np.testing.assert_allclose(d.prefill([3, 3]), forward([3, 3])[-1], rtol=0, atol=1e-12)
 
 
 def test_sync_on_the_device_equals_the_training_forward(wgpu):
@@ -290,22 +319,24 @@ def test_window_keeps_bos_and_the_last_half_when_full():
     assert window([5, 6, 7, 8, 9], None, 4) == [8, 9]
 
 
-def test_greedy_generation_past_the_context_equals_recomputing_every_window():
+@pytest.mark.parametrize("cfg", [TINY, QWEN35], ids=["llama", "qwen35"])
+def test_greedy_generation_past_the_context_equals_recomputing_every_window(cfg):
     """Greedy tokens against the training graph run on the whole window for every token
     (what the cache must compute): the window grows to n_ctx, then starts over as BOS and
-    the last n_ctx // 2 tokens (here four times)."""
+    the last n_ctx // 2 tokens (here four times; a recurrent model runs each new window
+    from its start)."""
     backend, bos = NumpyBackend(np.float64), 1
-    values = tiny_values()
+    values = tiny_values(cfg)
     s = Sampling(temperature=0.0, repeat_penalty=1.3, repeat_last_n=5)
     prompt = [bos, 4, 7]
-    got = list(generate_tokens(Decoder(backend, TINY, values), prompt, 20, s, 0, bos, None))
-    forward, context, win = TrainingForward(backend, TINY, values), list(prompt), list(prompt)
+    got = list(generate_tokens(Decoder(backend, cfg, values), prompt, 20, s, 0, bos, None))
+    forward, context, win = TrainingForward(backend, cfg, values), list(prompt), list(prompt)
     for _ in range(20):
         logits = forward(win)[-1]
         token = int(np.argmax(apply_repeat_penalty(logits, context[-5:], 1.3)))
         context.append(token)
-        full = len(win) == TINY.n_ctx
-        win = [bos] + context[-(TINY.n_ctx // 2):] if full else win + [token]
+        full = len(win) == cfg.n_ctx
+        win = [bos] + context[-(cfg.n_ctx // 2):] if full else win + [token]
     assert got == context[len(prompt):]
 
 
