@@ -86,10 +86,14 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
         family = cfg.family
         if family.layers_alike(cfg):
             width = cfg.n_layer * cfg.kv_dim
-        else:   # each layer with K/V of its own, at its width
+        else:   # each attention layer with K/V of its own, at its width
             width = sum(family.layer(cfg, i).kv_dim for i in range(cfg.n_layer)
-                        if family.kv_layer(cfg, i) == i)
-        need["KV cache"] = 2 * value_bytes * cfg.n_ctx * width
+                        if family.kv_layer(cfg, i) == i and family.attends(cfg, i))
+        convolved = sum(family.conv_widths(cfg).values())   # inputs cached by position
+        need["KV cache"] = value_bytes * cfg.n_ctx * (2 * width + convolved)
+        if cfg.recurrent_layers:    # qwen35's delta-net states, f32
+            need["recurrent states"] = F32 * len(cfg.recurrent_layers) * cfg.ssm_heads * \
+                cfg.ssm_state ** 2
     return need
 
 

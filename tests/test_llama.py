@@ -59,12 +59,18 @@ GEMMA4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_embd_head=6, n_layer=5, n
                      shared_kv_layers=2, n_embd_per_layer=3, layer_output_scale=True,
                      rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
                      rope_freq_base_swa=1e4, final_logit_softcap=2.0, arch="gemma4")
+# Qwen3.5: two gated delta-net layers (two query/key heads for four value heads) before a
+# gated attention layer with partial rope
+QWEN35 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_rot=2,
+                     n_layer=3, n_ff=12, n_ctx=5, recurrent_layers=(0, 1), conv_kernel=3,
+                     ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
+                     tied_embeddings=True, arch="qwen35")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
-           "gemma4": GEMMA4}
+           "gemma4": GEMMA4, "qwen35": QWEN35}
 BATCH = 2
 
 
@@ -73,8 +79,10 @@ def model_values(cfg):
     values = init_parameters(cfg, seed=1)
     # random norm weights and biases too (init makes them 1 and 0), so their gradients
     # are generic
+    # (qwen35's ssm_a negative, as -exp(A_log) is)
     return {k: v if v.ndim > 1 else
-            rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else (0.5, 1.5),
+            rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else
+                        (-1.5, -0.5) if k.endswith("ssm_a") else (0.5, 1.5),
                         v.shape).astype(np.float32)
             for k, v in values.items()}
 
@@ -324,3 +332,14 @@ def test_the_memory_estimate_of_gemma4_counts_each_layer_and_only_its_own_kv_cac
                                                  parameter_shapes(GEMMA4).values())
     widths = [4, 4, 12]     # layers 0, 1 (one K/V head of 4), 2 (two of 6); 3, 4 share
     assert memory.estimate(GEMMA4, decoder=True)["KV cache"] == 2 * 4 * GEMMA4.n_ctx * sum(widths)
+
+
+def test_the_memory_estimate_of_qwen35_counts_caches_of_what_each_layer_keeps():
+    """An attention layer's K/V, a delta-net's convolution inputs (by position) and state."""
+    from ggwgpu import memory
+    need = memory.estimate(QWEN35, decoder=True)
+    conv = 2 * 3 * 2 + 3 * 4        # q | k | v of the two delta-net layers
+    assert need["KV cache"] == 4 * QWEN35.n_ctx * (2 * 6 + 2 * conv)
+    assert need["recurrent states"] == 4 * 2 * 4 * 3 * 3
+    assert memory.parameter_count(QWEN35) == sum(math.prod(s) for s in
+                                                 parameter_shapes(QWEN35).values())

@@ -120,6 +120,10 @@ class Family:
         """{layer: the channels of its causal convolution} of the blocks that convolve."""
         return {i: cfg.n_embd for i in cfg.conv_layers}
 
+    def attends(self, cfg, i: int) -> bool:
+        """Whether block i's mixer is attention (a KV cache's layer)."""
+        return i not in cfg.conv_layers
+
     def kv_layer(self, cfg, i: int) -> int:
         """The layer whose keys and values layer i attends to (itself, unless it shares)."""
         return i

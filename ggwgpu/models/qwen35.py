@@ -94,6 +94,9 @@ class Qwen35(Family):
             raise ShapeError(f"rope_sections {cfg.rope_sections} leave rotated pairs "
                              f"{still[:4]} to the fourth position component: not supported")
 
+    def attends(self, cfg, i: int) -> bool:
+        return i not in cfg.recurrent_layers
+
     def layers_alike(self, cfg) -> bool:
         return False
 

@@ -521,7 +521,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     last = input_tensor((1,), "i32", name="last token")
     starts, widths = {}, []     # where each layer's K (then V) rows start in the flat cache
     for i in range(cfg.n_layer):
-        if family.kv_layer(cfg, i) == i:
+        if family.kv_layer(cfg, i) == i and family.attends(cfg, i):
             starts[i] = rows * sum(widths)
             widths += [family.layer(cfg, i).kv_dim] * 2
     kv = constant(np.zeros(max(rows * sum(widths), 1), np.float32), precision, name=name)
