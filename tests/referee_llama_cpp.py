@@ -74,6 +74,19 @@ CONFIGS = {
                                   head_dim_swa=16, n_rot_swa=16, sliding_window=16,
                                   rope_freqs=True, rope_freq_base=1e6, final_logit_softcap=3.0,
                                   arch="gemma4"),
+    # Qwen3.5 0.8B-shaped: three gated delta-net layers of four (as many query/key heads as
+    # value heads), gated attention with heads wider than n_embd / n_head and a quarter of
+    # each rotated (IMROPE's sections), tied
+    "qwen35": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_rot=8, n_layer=4,
+                          recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=16, ssm_heads=4,
+                          ssm_groups=4, rope_sections=(2, 1, 1, 0), tied_embeddings=True,
+                          rope_freq_base=1e7, arch="qwen35"),
+    # 9B-shaped: twice as many value heads as query/key heads, untied, eight layers
+    "qwen35-groups": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=16, n_rot=4,
+                                 n_layer=8, recurrent_layers=(0, 1, 2, 4, 5, 6), conv_kernel=4,
+                                 ssm_state=8, ssm_heads=8, ssm_groups=4,
+                                 rope_sections=(1, 1, 0, 0), rope_freq_base=1e7,
+                                 arch="qwen35"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),
@@ -88,6 +101,8 @@ def values_of(cfg, seed=1):
     for k in v:
         if k.endswith(".bias"):
             v[k] = rng.uniform(-0.5, 0.5, v[k].shape).astype(np.float32)
+        if k.endswith("ssm_a"):     # -exp(A_log)
+            v[k] = -v[k]
     if cfg.arch == "gemma4" and cfg.rope_freqs:     # the converter's proportional rope
         turning = len(v["rope_freqs.weight"]) // 4
         v["rope_freqs.weight"][:] = 1e30
