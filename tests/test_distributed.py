@@ -183,7 +183,7 @@ def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_pat
     assert one[-1]["loss"] != one[0]["loss"]
 
 
-@pytest.mark.parametrize("arch", ["gemma3", "phi3"])
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "gemma4", "lfm2", "qwen35"])
 def test_a_lora_finetune_of_another_family_over_two_ranks_matches_one_process(tmp_path, mpiexec,
                                                                               arch):
     """gemma3 (sliding windows, sandwich norms) and phi3 (fused matrices, LongRoPE)."""
