@@ -105,7 +105,9 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
     token_embd pair to the output as well), so tok_embd and out get no pair unless `ranks`
     asks for one; such an adapter works in ggwgpu and in a merged model only. A target the
     family lacks (wq of a phi3, whose Q, K and V are one fused wqkv) gets no pair, and
-    asking for it is an error."""
+    asking for it is an error. A rank above what a matrix can use (its smaller side) is an
+    error, but for a matrix narrower than the model (qwen35's ssm_alpha and ssm_beta have a
+    row per head) under the common rank r: its pair then takes the rank it can use."""
     shapes = matrix_shapes(cfg)
     blocks = {name.split(".", 2)[2] for name in shapes if name.startswith("blk.")}
     present = {kind for kind, weight in TARGETS.items()
@@ -134,12 +136,12 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
             continue
         names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
             [n for n in (f"blk.{i}.{TARGETS[kind]}" for i in layers) if n in shapes]
-        if names:       # a rank above the matrix's smaller side adds nothing but memory
-            n_out, n_in = shapes[names[0]]
-            if rank > min(n_out, n_in):
-                raise ValueError(f"rank {rank} of {kind} is more than {names[0]} "
+        for name in names:  # a rank above the matrix's smaller side adds nothing but memory
+            n_out, n_in = shapes[name]
+            if rank > min(n_out, n_in) and (kind in asked or min(n_out, n_in) >= cfg.n_embd):
+                raise ValueError(f"rank {rank} of {kind} is more than {name} "
                                  f"({n_out} x {n_in}) can use: at most {min(n_out, n_in)}")
-        out.update({name: rank for name in names})
+            out[name] = min(rank, n_out, n_in)  # the default r: as much as a small one takes
     if not out:
         raise ValueError("no weight gets a LoRA pair: every rank is 0 or no layer is chosen")
     return out

@@ -87,6 +87,12 @@ CONFIGS = {
                                  ssm_state=8, ssm_heads=8, ssm_groups=4,
                                  rope_sections=(1, 1, 0, 0), rope_freq_base=1e7,
                                  arch="qwen35"),
+    # recurrent layers that no interval gives: attention.recurrent_layers
+    "qwen35-layers": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=16, n_rot=16,
+                                 n_layer=4, recurrent_layers=(0, 2, 3), conv_kernel=3,
+                                 ssm_state=16, ssm_heads=2, ssm_groups=2,
+                                 rope_sections=(3, 3, 2, 0), tied_embeddings=True,
+                                 arch="qwen35"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

@@ -9,13 +9,14 @@ import dataclasses
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from gguf import GGUFReader
+from gguf import GGUFReader, GGUFValueType
 
 from ggwgpu import gguf_file, gguf_llama, lora
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
+from ggwgpu.tensor import ShapeError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
 from ggwgpu.tokenizer import ByteTokenizer
@@ -415,3 +416,44 @@ def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_experts_re
     with pytest.raises(ValueError, match="layer 4 would attend to the K/V of layer 2, which "
                                          "is not a sliding one"):
         dataclasses.replace(cfg, swa_layers=(0, 1, 3, 4))
+
+
+def test_qwen35_files_say_which_layers_recur_and_what_is_refused(tmp_path):
+    """Recurrent layers from full_attention_interval (4 when absent, as llama.cpp reads it)
+    or from attention.recurrent_layers; a multi-token-prediction block, an inner size that
+    is not heads * state, and rope sections that would leave pairs unturned are refused."""
+    cfg = FAMILIES["qwen35"]
+    values = family_values(cfg)
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    assert meta["qwen35.full_attention_interval"][0] == 4
+    assert meta["qwen35.ssm.inner_size"][0] == cfg.ssm_heads * cfg.ssm_state
+
+    def read(path, **changes):
+        edited = {k: v for k, v in meta.items() if k not in changes}
+        edited.update({k: v for k, v in changes.items() if v is not None})
+        gguf_file.write_gguf(path, edited, values)
+        return load_model(path)[0]
+    plain = read(tmp_path / "a.gguf", **{"qwen35.full_attention_interval": None})
+    assert float32_fields(plain) == float32_fields(cfg)
+    odd = dataclasses.replace(cfg, recurrent_layers=(0, 2, 3))
+    path = write_tensors(tmp_path / "odd.gguf", odd, family_values(odd))
+    assert "qwen35.attention.recurrent_layers" in GGUFReader(path).fields
+    assert load_model(path)[0].recurrent_layers == (0, 2, 3)
+    with pytest.raises(GGUFError, match="multi-token-prediction"):
+        read(tmp_path / "b.gguf", **{"qwen35.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError, match="ssm.inner_size = 12 is not"):
+        read(tmp_path / "c.gguf", **{"qwen35.ssm.inner_size": (12, GGUFValueType.UINT32)})
+    with pytest.raises(ShapeError, match=r"leave rotated pairs \[1\] to the fourth"):
+        dataclasses.replace(cfg, rope_sections=(1, 0, 0, 1))
+
+
+def test_a_common_rank_above_a_narrow_matrix_takes_the_rank_it_can_use():
+    """qwen35's ssm_alpha and ssm_beta have a row per value head (4): --lora-r 8 gives them
+    rank-4 pairs; asking rank 8 of them alone is refused."""
+    cfg = FAMILIES["qwen35"]
+    ranks = lora.lora_ranks(cfg, 8)
+    assert ranks["blk.0.ssm_alpha.weight"] == ranks["blk.0.ssm_beta.weight"] == 4
+    assert ranks["blk.0.attn_qkv.weight"] == 8
+    with pytest.raises(ValueError, match="rank 8 of ssm_beta is more than blk.0.ssm_beta.weight"):
+        lora.lora_ranks(cfg, 2, {"ssm_beta": 8})
