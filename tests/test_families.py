@@ -420,8 +420,9 @@ def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_experts_re
 
 def test_qwen35_files_say_which_layers_recur_and_what_is_refused(tmp_path):
     """Recurrent layers from full_attention_interval (4 when absent, as llama.cpp reads it)
-    or from attention.recurrent_layers; a multi-token-prediction block, an inner size that
-    is not heads * state, and rope sections that would leave pairs unturned are refused."""
+    or from attention.recurrent_layers; the multi-token-prediction block the converter
+    appends is read past; an inner size that is not heads * state, and rope sections that
+    would leave pairs unturned are refused."""
     cfg = FAMILIES["qwen35"]
     values = family_values(cfg)
     meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
@@ -440,8 +441,21 @@ def test_qwen35_files_say_which_layers_recur_and_what_is_refused(tmp_path):
     path = write_tensors(tmp_path / "odd.gguf", odd, family_values(odd))
     assert "qwen35.attention.recurrent_layers" in GGUFReader(path).fields
     assert load_model(path)[0].recurrent_layers == (0, 2, 3)
-    with pytest.raises(GGUFError, match="multi-token-prediction"):
-        read(tmp_path / "b.gguf", **{"qwen35.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    # a multi-token-prediction block appended (block_count counts it; llama.cpp's main
+    # graph, as ggwgpu, reads past it)
+    mtp = dataclasses.replace(cfg, n_layer=cfg.n_layer + 1, recurrent_layers=(0, 1, 2))
+    extra = {k: v for k, v in family_values(mtp).items() if k.startswith(f"blk.{cfg.n_layer}.")}
+    extra[f"blk.{cfg.n_layer}.nextn.eh_proj.weight"] = np.ones((16, 32), np.float32)
+    meta_mtp = gguf_llama.model_metadata(tmp_path / "m.gguf", mtp, ByteTokenizer(), None)
+    del meta_mtp[gguf_llama.K_CONFIG_JSON]
+    assert meta_mtp["qwen35.attention.recurrent_layers"][0] == [True] * 3 + [False] * 2
+    meta_mtp["qwen35.nextn_predict_layers"] = (1, GGUFValueType.UINT32)
+    path = tmp_path / "mtp.gguf"
+    gguf_file.write_gguf(path, meta_mtp, values | extra)
+    got_cfg, got, _ = load_model(path)
+    assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
+    with pytest.raises(GGUFError, match="leaves no block of the 4"):
+        read(tmp_path / "b.gguf", **{"qwen35.nextn_predict_layers": (4, GGUFValueType.UINT32)})
     with pytest.raises(GGUFError, match="ssm.inner_size = 12 is not"):
         read(tmp_path / "c.gguf", **{"qwen35.ssm.inner_size": (12, GGUFValueType.UINT32)})
     with pytest.raises(ShapeError, match=r"leave rotated pairs \[1\] to the fourth"):

@@ -18,8 +18,13 @@ pre-norm; there is no ffn_norm).
 Rope is llama.cpp's IMROPE, which for text tokens (all three position components equal, the
 fourth 0) is neox rope over rope.dimension_count dims: rope.dimension_sections must not give
 any rotated pair to the fourth component (it would stay still), as no published file does.
-Norm weights are stored as they multiply (the converter adds Qwen3.5's 1 to them).
-Not supported: the multi-token-prediction block (nextn_predict_layers), refused by name."""
+Norm weights are stored as they multiply (the converter adds 1 to those Qwen3.5 keeps as
+offsets from 1). The multi-token-prediction block that the converter appends by default
+(nextn_predict_layers blocks past the model's, counted in block_count) is read past, as
+llama.cpp's main graph does (it runs it only to draft tokens); files ggwgpu writes leave it
+out."""
+import re
+
 from gguf import GGUFValueType as _T
 
 from .. import ops as O
@@ -65,7 +70,6 @@ class Qwen35(Family):
     keys = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm.state_size",
             "ssm_heads": "{arch}.ssm.time_step_rank", "ssm_groups": "{arch}.ssm.group_count"}
     required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
-    unsupported = {"nextn.eh_proj.weight": "the multi-token-prediction block"}
 
     # -- the model's sizes -----------------------------------------------------------------
 
@@ -114,10 +118,11 @@ class Qwen35(Family):
         return keys
 
     def read_more_keys(self, f, hp: dict) -> dict:
-        n_layer, arch = hp["n_layer"], self.arch
-        if f.meta.get(NEXTN.format(arch=arch)):
-            raise GGUFError(f"{f.path}: {NEXTN.format(arch=arch)}: ggwgpu's qwen35 does not "
-                            f"support the multi-token-prediction block")
+        blocks, arch = hp["n_layer"], self.arch
+        n_layer = blocks - f.int_key(NEXTN.format(arch=arch), default=0, minimum=0)
+        if n_layer < 1:
+            raise GGUFError(f"{f.path}: {NEXTN.format(arch=arch)} leaves no block of the "
+                            f"{blocks} for the model")
         sections = f.meta.get(DIMENSION_SECTIONS.format(arch=arch))
         if not isinstance(sections, list) or len(sections) < 4 or \
                 not all(isinstance(s, int) and s >= 0 for s in sections[:4]):
@@ -125,10 +130,10 @@ class Qwen35(Family):
                             f"array of 4 sizes, got {sections!r}")
         layers = f.meta.get(RECURRENT_LAYERS.format(arch=arch))
         if layers is not None:
-            if not isinstance(layers, list) or len(layers) != n_layer:
+            if not isinstance(layers, list) or len(layers) != blocks:
                 raise GGUFError(f"{f.path}: {RECURRENT_LAYERS.format(arch=arch)} must hold one "
-                                f"value per layer ({n_layer})")
-            recurrent = tuple(i for i, v in enumerate(layers) if v)
+                                f"value per block ({blocks})")
+            recurrent = tuple(i for i, v in enumerate(layers[:n_layer]) if v)
         else:
             interval = f.int_key(FULL_ATTENTION_INTERVAL.format(arch=arch),
                                  default=DEFAULT_INTERVAL, minimum=1)
@@ -138,7 +143,13 @@ class Qwen35(Family):
             raise GGUFError(f"{f.path}: {INNER_SIZE.format(arch=arch)} = {inner} is not "
                             f"{arch}.ssm.time_step_rank * {arch}.ssm.state_size = "
                             f"{hp['ssm_heads'] * hp['ssm_state']}")
-        return {"rope_sections": tuple(sections[:4]), "recurrent_layers": recurrent}
+        return {"rope_sections": tuple(sections[:4]), "recurrent_layers": recurrent,
+                "n_layer": n_layer}
+
+    def ignored(self, cfg, name):
+        """The multi-token-prediction blocks' tensors, past the model's blocks."""
+        block = re.match(r"blk\.(\d+)\.", name)
+        return block is not None and int(block[1]) >= cfg.n_layer
 
     # -- tensors ---------------------------------------------------------------------------
 
