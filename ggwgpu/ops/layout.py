@@ -1,5 +1,6 @@
 """Layout ops. view, reshape, permute and transpose are zero-copy (no dispatch: the result
 shares its source's storage); cont and cpy materialise; acc adds into a view of a copy;
+concat joins two tensors along a dim;
 cast is a contiguous copy into another element type (cpy with a type change, as ggml_cast),
 and cpy into a tensor of another type converts the same way.
 
@@ -176,6 +177,48 @@ cpy = register(
         "as ggml_cpy. Runs where the graph orders it: read b before it only through it.")
 
 
+def concat_shape(srcs, dim):
+    a, b = srcs
+    need_float(a, b)
+    if a.dtype != b.dtype or a.ndim != b.ndim or not -a.ndim <= dim < a.ndim or \
+            any(n != m for d, (n, m) in enumerate(zip(a.shape, b.shape)) if d != dim % a.ndim):
+        raise ShapeError(f"cannot concatenate {a.shape} {a.dtype} and {b.shape} {b.dtype} "
+                         f"along dim {dim}")
+    shape = list(a.shape)
+    shape[dim % a.ndim] += b.shape[dim % a.ndim]
+    return tuple(shape), a.dtype, {}
+
+
+def concat_parts(node) -> list[tuple[tuple, tuple, int]]:
+    """(shape, strides, offset) of each source's place in the contiguous result."""
+    shape, dim = node.shape, node.params["dim"] % len(node.shape)
+    strides = tuple(int(np.prod(shape[d + 1:])) for d in range(len(shape)))
+    a = node.srcs[0].shape
+    return [(a, strides, 0), (node.srcs[1].shape, strides, a[dim] * strides[dim])]
+
+
+def concat_backward(node, g):
+    g = g if g.is_contiguous() else O.cont(g)
+    return tuple(O.view(g, *part) for part in concat_parts(node))
+
+
+concat = register(
+    "concat", n_srcs=2, params=("dim",), shape=concat_shape, shader="layout", entry="cpy",
+    dispatches=lambda n: [Dispatch("cpy", n.layout(*part), (src,), n=src.nelements)
+                          for part, src in zip(concat_parts(n), n.srcs)],
+    f16_nmse=0.0,  # exact: copies halves
+    reference=lambda a, b, dim: np.concatenate([a, b], axis=dim),
+    fast=lambda out, a, b, dim: np.concatenate([a, b], axis=dim, out=out),
+    backward=concat_backward,
+    cases=lambda: [Case((Input((2, 3, 4)), Input((2, 5, 4))), {"dim": 1}),
+                   Case((Input((3, 4), layout="permuted"), Input((2, 4), layout="strided")),
+                        {"dim": 0}),
+                   Case((Input((2, 3)), Input((2, 1))), {"dim": -1}),
+                   Case((Input((1,)), Input((LARGE,))), {"dim": 0}, grad=False)],
+    doc="a and b joined along dim (their other dims equal), as ggml_concat; the gradient "
+        "is the result's gradient cut back into the two parts.")
+
+
 def cast_shape(srcs, dtype):
     (a,) = srcs
     need_float(a)
@@ -269,5 +312,5 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "concat", "diag",
            "reshape_any"]
