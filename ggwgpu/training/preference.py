@@ -255,8 +255,8 @@ class PreferenceGraph:
         if world is not None:       # this rank's units, their pairs a run of the batch's
             k = len(inputs) // world.size
             rows = slice(world.rank * k, (world.rank + 1) * k)
-            seen = sequences[rows][sequences[rows] >= 0]
-            first, mine = seen.min() // 2, seen.max() // 2 + 1 - seen.min() // 2
+            seen = sequences[rows][sequences[rows] >= 0] // 2
+            first, mine = seen.min(), seen.max() + 1 - seen.min()
         local = sequences[rows] - np.where(sequences[rows] >= 0, 2 * first, 0)
         feeds = sequence_feeds(self.graph, np.asarray(inputs)[rows], targets[rows], local, mine)
 
