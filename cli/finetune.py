@@ -171,9 +171,6 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     check_memory(ctx, f"finetuning {base}", cfg, values, batch=rows_of(options),
                  trained=trained, flash_attn=options.flash_attn, precision=options.precision)
     preference = options.objective != "sft"
-    if preference and mpi_world():
-        raise click.UsageError(f"--objective {options.objective} runs in one process: no "
-                               f"mpirun")
     check_steps(kw)
     local_batch(options)    # under mpirun: the batch must split over the processes
     data = FinetuneData(kw["texts"], kw["corpus"], kw["data_path"],
@@ -201,8 +198,10 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     what = "every weight" if full else (f"LoRA alpha {adapter.alpha:g} on "
                                         f"{len(adapter.weights())} weights")
     per_step = options.batch * options.grad_accum
-    rows = (f"{per_step} pairs ({2 * per_step} x {cfg.n_ctx} tokens, {options.objective})"
-            if preference else f"{per_step} x {cfg.n_ctx} tokens")
+    rows = f"{per_step} x {cfg.n_ctx} tokens"
+    if preference:
+        unit = "packed pairs of rows" if trainer.graph.packed else "pairs"
+        rows = f"{per_step} {unit} ({2 * per_step} x {cfg.n_ctx} tokens, {options.objective})"
     click.echo(f"training {what}: {n_trained} parameters; {steps} steps of {rows}; "
                f"{planned_memory(trainer.plan)}")
 

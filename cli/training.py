@@ -391,7 +391,8 @@ def data_options(command):
         click.option("--no-pack", cls=Repeated, is_flag=True,
                      help="One example per row, padded (default: several whole examples "
                           "packed into a row, each seeing only itself, when that makes "
-                          "fewer rows)."),
+                          "fewer rows; preference pairs: several pairs to each two rows, "
+                          "the chosen answers in one, the rejected in the other)."),
     ]
     for option in reversed(options):
         command = option(command)

@@ -9,8 +9,8 @@ A file or a directory of splits, as chat data (chat.load_dataset). Each answer i
 a chat example of the prompt and that answer (chat.encode_example: through the chat
 template, a string prompt a user turn and a string answer the assistant's), and only the
 answer's tokens are trained. `PairBatches` makes batches of pairs for the preference losses
-(training/preference.py): row 2i of a batch the chosen sequence of its pair i, row 2i + 1
-the rejected one.
+(training/preference.py): padded, row 2i of a batch the chosen sequence of its pair i and
+row 2i + 1 the rejected one; packed, several pairs in each such pair of rows.
 """
 from __future__ import annotations
 
@@ -79,19 +79,50 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
                  for answer in (chosen, rejected))
 
 
+def pack_pairs(spans, n_ctx: int) -> list[list[int]]:
+    """Pairs whose chosen and rejected sequences fill these positions ((chosen, rejected)
+    each <= n_ctx) in units of two rows of n_ctx, the chosen sequences one after another in
+    the first row and the rejected ones in the second: first-fit decreasing (the longest
+    pair first, each into the first unit with room in both rows, ties in index order), so
+    the same spans always give the same units. Returns each unit's pair indices in the order
+    placed."""
+    spans = np.asarray(spans, np.int64).reshape(-1, 2)
+    units, room = [], np.empty((len(spans), 2), np.int64)
+    for i in sorted(range(len(spans)), key=lambda i: (-spans[i].sum(), i)):
+        fits = np.flatnonzero((room[:len(units)] >= spans[i]).all(axis=1))
+        if len(fits):
+            units[fits[0]].append(i)
+            room[fits[0]] -= spans[i]
+        else:
+            room[len(units)] = n_ctx - spans[i]
+            units.append([i])
+    return units
+
+
 class PairBatches(RowBatches):
-    """Shuffled batches of `batch` pairs, one sequence a row (padded): (inputs, targets)
-    (2 batch, n_ctx) as chat.ExampleBatches makes them, row 2i chosen and 2i + 1 rejected,
-    the pairs' indices (batch,), and their reference log-probabilities (2 batch,) from
-    `reference` (n_pairs, 2), None until it is set (training/preference.sequence_logps). A
-    sequence longer than n_ctx + 1 tokens is cut (`truncated` counts the pairs), or with
+    """Shuffled batches of pairs in units of two rows of n_ctx: padded (pack False) a unit is
+    one pair, its chosen sequence in the first row and its rejected one in the second; packed
+    (pack True, `pack_pairs`) a unit holds several pairs, the chosen sequences one after
+    another in its first row and the rejected ones in its second, each seeing only itself
+    (chat.ExampleBatches' packing, in pairs of rows). pack "auto" packs when that makes
+    fewer units than pairs. A batch is `batch` units (2 batch rows, each unit's two rows
+    together) and the tuple
+
+        (inputs, targets) (2 batch, n_ctx) as chat.ExampleBatches makes them,
+        pairs (P,) the indices of the batch's pairs (P = batch when padded),
+        reference (2 P,) their reference log-probabilities, chosen and rejected
+            alternating, from `reference` (n_pairs, 2), None until it is set
+            (training/preference.sequence_logps),
+        sequences (2 batch, n_ctx) which sequence of the batch each position belongs to
+            (2 i the chosen one of the batch's pair i, 2 i + 1 its rejected one; -1 for
+            padding).
+
+    A sequence longer than n_ctx + 1 tokens is cut (`truncated` counts the pairs), or with
     `drop_long` its pair left out; a pair with an answer of no trained token in its window
     is left out too (`dropped` counts both). `state()`/`load_state()` resume exactly."""
 
-    packed = False
-
     def __init__(self, pairs: list[tuple[Example, Example]], n_ctx: int, batch: int,
-                 seed: int, pad_id: int = 0, drop_long: bool = False):
+                 seed: int, pad_id: int = 0, drop_long: bool = False, pack: bool | str = False):
         def fits(e):
             return len(e) <= n_ctx + 1
         kept = [p for p in pairs if (not drop_long or all(map(fits, p)))
@@ -101,53 +132,95 @@ class PairBatches(RowBatches):
         if not kept:
             raise DataError(f"no preference pair has trained tokens in both answers within "
                             f"n_ctx {n_ctx} (of {len(pairs)} pairs)")
+        if pack not in (True, False, "auto"):
+            raise ValueError(f"pack must be True, False or 'auto', got {pack!r}")
         self.n_ctx, self.batch, self.n_pairs = int(n_ctx), int(batch), len(kept)
-        self.inputs = np.full((2 * len(kept), n_ctx), pad_id, np.int32)
-        self.targets = np.full((2 * len(kept), n_ctx), IGNORE, np.int32)
-        for row, e in enumerate(e for p in kept for e in p):
-            place(e, self.inputs[row], self.targets[row])
-        self.order = EpochOrder(len(kept), seed)
+        spans = [[min(len(e), n_ctx + 1) - 1 for e in p] for p in kept]
+        units = pack_pairs(spans, n_ctx) if pack else [[i] for i in range(len(kept))]
+        if pack == "auto" and len(units) == len(kept):
+            units = [[i] for i in range(len(kept))]
+        self.packed = len(units) < len(kept) or pack is True
+        self.units = units
+        self.unit_pairs = max(map(len, units))   # the most pairs a unit holds (pair_slots)
+        self.inputs = np.full((2 * len(units), n_ctx), pad_id, np.int32)
+        self.targets = np.full((2 * len(units), n_ctx), IGNORE, np.int32)
+        self.sequences = np.full((2 * len(units), n_ctx), -1, np.int32)
+        for u, members in enumerate(units):
+            for side in (0, 1):
+                row, at = 2 * u + side, 0
+                for j, i in enumerate(members):
+                    end = place(kept[i][side], self.inputs[row], self.targets[row], at)
+                    self.sequences[row, at:end] = 2 * j + side
+                    at = end
+        self._used = sum(map(sum, spans))
+        self.order = EpochOrder(len(units), seed)
         self.reference = None
 
     @property
     def n_samples(self) -> int:
-        """Pairs (a step of `batch` of them is an epoch's batch / n_samples)."""
-        return self.n_pairs
+        """Units (a step of `batch` of them is an epoch's batch / n_samples): pairs when
+        padded."""
+        return len(self.units)
+
+    @property
+    def fill(self) -> float:
+        """The share of the rows' positions that hold a sequence rather than padding."""
+        return self._used / self.inputs.size
+
+    def pair_slots(self, units: int) -> int:
+        """The most pairs a batch of `units` units holds: the pair slots of its graph (a
+        packed batch of fewer pairs fills the rest with its first pair, weighted 0)."""
+        return units * self.unit_pairs
 
     def lengths(self) -> np.ndarray:
         """Each sequence's trained tokens (2 n_pairs,), chosen and rejected alternating."""
-        return (self.targets != IGNORE).sum(axis=1)
+        out = np.zeros(2 * self.n_pairs, np.int64)
+        for u, members in enumerate(self.units):
+            for side in (0, 1):
+                row = 2 * u + side
+                counted = np.bincount(self.sequences[row][self.targets[row] != IGNORE],
+                                      minlength=2 * len(members))
+                out[2 * np.asarray(members) + side] = counted[side::2]
+        return out
 
-    def _rows(self, pairs):
-        pairs = np.asarray(pairs, np.int64)
-        rows = np.stack([2 * pairs, 2 * pairs + 1], axis=1).reshape(-1)
+    def _rows(self, units):
+        units = np.asarray(units, np.int64)
+        rows = np.stack([2 * units, 2 * units + 1], axis=1).reshape(-1)
+        counts = np.array([len(self.units[u]) for u in units])
+        sequences = self.sequences[rows].copy()
+        offsets = np.repeat(2 * (np.cumsum(counts) - counts), 2)     # each unit's first
+        sequences += np.where(sequences >= 0, offsets[:, None], 0)
+        pairs = np.concatenate([self.units[u] for u in units]).astype(np.int64)
         reference = None if self.reference is None else self.reference[pairs].reshape(-1)
-        return self.inputs[rows], self.targets[rows], pairs, reference
+        return self.inputs[rows], self.targets[rows], pairs, reference, sequences
 
     def in_order(self, limit: int | None = None):
-        """Batches of the pairs in order, the same every time (for evaluation and the
+        """Batches of the units in order, the same every time (for evaluation and the
         reference log-probabilities): at most `limit` batches; the last one filled up by
-        repeating pairs, which its third element (the pairs) marks with -1."""
-        n = self.n_pairs if limit is None else min(self.n_pairs, limit * self.batch)
+        repeating units, whose pairs its third element (the pairs) marks with -1."""
+        n = self.n_samples if limit is None else min(self.n_samples, limit * self.batch)
         for start in range(0, n, self.batch):
-            pairs = np.arange(start, start + self.batch)
-            inputs, targets, _, reference = self._rows(pairs % n)
-            yield inputs, targets, np.where(pairs < n, pairs, -1), reference
+            units = np.arange(start, start + self.batch)
+            inputs, targets, pairs, reference, sequences = self._rows(units % n)
+            repeated = np.concatenate([[u >= n] * len(self.units[u % n]) for u in units])
+            yield inputs, targets, np.where(repeated, -1, pairs), reference, sequences
 
     def next_batch(self):
         return self._rows(self.order.take(self.batch))
 
     def state(self) -> dict:
-        return {"version": STATE_VERSION, **self.order.state(), "n_samples": self.n_pairs,
-                "n_ctx": self.n_ctx, "packed": False}
+        return {"version": STATE_VERSION, **self.order.state(), "n_samples": self.n_samples,
+                "n_pairs": self.n_pairs, "n_ctx": self.n_ctx, "packed": self.packed}
 
     def load_state(self, state: dict) -> None:
         try:
-            same = (int(state["version"]), int(state["n_samples"]), int(state["n_ctx"]),
-                    state["packed"]) == (STATE_VERSION, self.n_pairs, self.n_ctx, False)
+            same = (int(state["version"]), int(state["n_samples"]),
+                    int(state.get("n_pairs", state["n_samples"])), int(state["n_ctx"]),
+                    state["packed"]) == (STATE_VERSION, self.n_samples, self.n_pairs,
+                                         self.n_ctx, self.packed)
         except (KeyError, TypeError, ValueError):
             same = False
         if not same:
             raise DataError(f"the saved pair order does not fit these pairs: resume with the "
-                            f"same data, vocabulary and n_ctx ({state!r})")
+                            f"same data, vocabulary, n_ctx and packing ({state!r})")
         self.order.load_state(state)

@@ -183,10 +183,53 @@ def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_pat
     assert one[-1]["loss"] != one[0]["loss"]
 
 
+@pytest.mark.parametrize("objective, packing", [("dpo", "padded"), ("dpo", "packed"),
+                                               ("orpo", "packed")])
+def test_a_preference_finetune_over_two_ranks_matches_one_process(tmp_path, mpiexec, objective,
+                                                                  packing):
+    """Each rank trains its pairs of each batch; the loss, the TRL metrics of the step and of
+    validation, and the adapter are one process's with the whole batch. Packed, the ranks'
+    parts of a batch hold different numbers of pairs (answers of 1 to 3 repeats)."""
+    base = tmp_path / "base.gguf"
+    r = CliRunner().invoke(cli, train_args("--batch", "2", "--steps", "1", "--out", str(base)))
+    assert r.exit_code == 0, r.output
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i % 7}+{i % 3}=",
+                                        "chosen": str(i % 7 + i % 3) * (1 + i % 3),
+                                        "rejected": str(i % 7 + i % 3 + 1) * (1 + i % 2)})
+                            + "\n" for i in range(24)))
+    args = ["--backend", "numpy", "finetune", str(base), "--data", str(data), "--objective",
+            objective, "--beta", "0.5", "--n-ctx", "256" if packing == "packed" else "64",
+            "--steps", "3", "--warmup", "2", "--lr", "1e-2", "--val-split", "0.25",
+            "--val-every", "3"]
+    r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
+                                 "--out", str(tmp_path / "one.gguf")])
+    assert r.exit_code == 0, r.output
+    assert ("packed into" in r.output) == (packing == "packed"), r.output
+    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
+                "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
+    assert r.returncode == 0, r.stdout + r.stderr
+    one, two = ([json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
+                for k in ("one", "two"))
+    # rewards: beta (logp - ref), of log-probabilities of tens of nats summed in float32
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy"):
+        np.testing.assert_allclose([x[key] for x in two], [x[key] for x in one], rtol=1e-5,
+                                   atol=1e-5, err_msg=key)
+    for key in ("val_loss", "val_accuracy", "val_margin"):
+        np.testing.assert_allclose(two[-1][key], one[-1][key], rtol=1e-5, atol=1e-5,
+                                   err_msg=key)
+    assert one[-1]["loss"] != one[0]["loss"]
+    from ggwgpu.lora import load_adapter
+    a, b = (load_adapter(tmp_path / f"{k}.gguf").tensors for k in ("one", "two"))
+    for name, value in a.items():
+        np.testing.assert_allclose(b[name], value, rtol=0, atol=2e-5, err_msg=name)
+
+
 @pytest.mark.parametrize("arch", ["gemma3", "phi3", "gemma4", "lfm2", "qwen35"])
 def test_a_lora_finetune_of_another_family_over_two_ranks_matches_one_process(tmp_path, mpiexec,
                                                                               arch):
-    """gemma3 (sliding windows, sandwich norms) and phi3 (fused matrices, LongRoPE)."""
+    """gemma3 (sliding windows, sandwich norms), phi3 (fused matrices, LongRoPE), gemma4
+    (shared K/V, per-layer embeddings), lfm2 (short convolutions), qwen35 (delta-nets)."""
     from test_families import FAMILIES, family_file
     base = family_file(tmp_path / "base.gguf", FAMILIES[arch])
     text = tmp_path / "text.txt"

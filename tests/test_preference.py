@@ -211,18 +211,25 @@ def finetune_cli(d, *args):
                                     "--warmup", "1", *args])
 
 
+@pytest.mark.parametrize("packing", ["padded", "packed"])
 @pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
-def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, objective):
+def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, objective, packing):
+    """Packed at n_ctx 200: three pairs (of about 66 bytes a sequence) to each two rows."""
     import json
     d = tiny_base
     out, log = tmp_path / "straight.gguf", tmp_path / "straight.jsonl"
+    n_ctx = ["--n-ctx", "200"] if packing == "packed" else []
     r = finetune_cli(d, "--objective", objective, "--steps", "4", "--out", str(out),
-                     "--log", str(log))
+                     "--log", str(log), *n_ctx)
     assert r.exit_code == 0, r.output
-    assert f"4 steps of 2 pairs (4 x 96 tokens, {objective})" in r.output
+    assert (f"4 steps of 2 pairs (4 x 96 tokens, {objective})" if packing == "padded" else
+            f"4 steps of 2 packed pairs of rows (4 x 200 tokens, {objective})") in r.output
+    assert ("packed into 3 pairs of rows of 200 (3.0 pairs each)" in r.output) \
+        == (packing == "packed")
     ckpt = tmp_path / "ckpt.gguf"
     r = finetune_cli(d, "--objective", objective, "--steps", "2", "--out", str(tmp_path / "a"),
-                     "--checkpoint-out", str(ckpt), "--log", str(tmp_path / "log.jsonl"))
+                     "--checkpoint-out", str(ckpt), "--log", str(tmp_path / "log.jsonl"),
+                     *n_ctx)
     assert r.exit_code == 0, r.output
     r = finetune_cli(d, "--steps", "2", "--checkpoint-in", str(ckpt), "--out",
                      str(tmp_path / "resumed.gguf"), "--log", str(tmp_path / "log.jsonl"))
@@ -307,3 +314,128 @@ def test_an_f16_graph_gives_the_f32_loss_and_gradients_within_halves(wgpu, loss)
     for name, grad in want_grads.items():
         cos = (grads[name] * grad).sum() / (np.linalg.norm(grads[name]) * np.linalg.norm(grad))
         assert cos > 0.999, name
+
+
+# -- packed pairs: several to each two rows ----------------------------------------------------
+
+PACKED = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=16)
+
+
+def example_pairs(n=4, seed=5):
+    """Pairs of chat.Example sharing a prompt, answers of different lengths (1-5 tokens)."""
+    from ggwgpu.chat import Example
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        prompt = rng.integers(0, PACKED.n_vocab, rng.integers(2, 5))
+        pair = []
+        for _ in range(2):
+            answer = rng.integers(0, PACKED.n_vocab, rng.integers(1, 6))
+            pair.append(Example(np.concatenate([prompt, answer]).astype(np.int32),
+                                np.arange(len(prompt) + len(answer)) >= len(prompt)))
+        out.append(tuple(pair))
+    return out
+
+
+def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0):
+    """The preference graph's loss and gradients on the one batch that holds all of
+    `batches`' pairs (pairs.PairBatches), `spare` more pair slots per unit than it needs."""
+    from ggwgpu.training.preference import PreferenceGraph
+    batches.unit_pairs += spare
+    lengths = batches.lengths()
+    batches.reference = (-lengths * np.resize([1.5, 1.25, 2.0, 0.75], len(lengths))
+                         ).reshape(-1, 2)
+    g = build_train_graph(PACKED, values, 2 * batches.batch, lora=lora, packed=batches.packed,
+                          sequences=2 * batches.pair_slots(batches.batch))
+    pg = PreferenceGraph(g, loss)
+    grads = build_backward(pg.loss, list(g.params.values()))
+    plan = (backend or NumpyBackend(np.float64)).plan([pg.loss, g.sequence_nll,
+                                                       *grads.values()])
+    if not g.packed:
+        plan.write(g.positions, np.arange(PACKED.n_ctx, dtype=np.int32))
+    (batch,) = batches.in_order()
+    plan.run(pg.feeds(*batch))
+    logp = -plan.read(g.sequence_nll)[0][:2 * len(batch[2])].reshape(-1, 2)
+    by_pair = np.zeros_like(logp)
+    by_pair[batch[2]] = logp
+    return (float(plan.read(pg.loss)[0]), by_pair,
+            {p.name: plan.read(grad) for p, grad in grads.items()})
+
+
+def padded_and_packed(pairs):
+    from ggwgpu.pairs import PairBatches
+    padded = PairBatches(pairs, PACKED.n_ctx, len(pairs), seed=0)
+    packed = PairBatches(pairs, PACKED.n_ctx, 1, seed=0, pack=True)
+    packed = PairBatches(pairs, PACKED.n_ctx, packed.n_samples, seed=0, pack=True)
+    assert not padded.packed and packed.packed and packed.n_samples < len(pairs)
+    return padded, packed
+
+
+def test_pairs_pack_two_rows_at_a_time_and_keep_their_lengths():
+    from ggwgpu.pairs import PairBatches, pack_pairs
+    # (2, 6) does not fit beside (5, 3): the rejected row of that unit has 5 left
+    assert pack_pairs([(5, 3), (2, 6), (4, 4), (3, 1)], 8) == [[0, 3], [1], [2]]
+    pairs = example_pairs(7)
+    padded, packed = padded_and_packed(pairs)
+    np.testing.assert_array_equal(packed.lengths(), padded.lengths())
+    np.testing.assert_array_equal(padded.lengths(), [e.trained[1:].sum() for p in pairs
+                                                     for e in p])
+    inputs, targets, got, _, sequences = next(packed.in_order())
+    assert sorted(got) == list(range(7))
+    for i, pair in enumerate(got):        # each sequence in its unit's first or second row
+        for side in (0, 1):
+            rows, cols = np.nonzero(sequences == 2 * i + side)
+            assert (rows % 2 == side).all() and len(set(rows)) == 1
+            np.testing.assert_array_equal(inputs[rows, cols], pairs[pair][side].ids[:-1])
+    with pytest.raises(ValueError, match="pack must be"):
+        PairBatches(pairs, PACKED.n_ctx, 1, 0, pack="yes")
+
+
+@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss):
+    """The same pairs, one sequence a row or several pairs to two rows (with spare pair
+    slots, filled and weighted 0): the loss of TRL's formulas and the same gradients (4
+    pairs: the weights 1/4, an f32 input, are exact)."""
+    values = {k: v.astype(np.float64) for k, v in init_parameters(PACKED, seed=3).items()}
+    adapter = init_adapter(PACKED, lora_ranks(PACKED, 2), alpha=4.0, seed=2)
+    adapter.tensors = {k: (v + 0.1).astype(np.float64) for k, v in adapter.tensors.items()}
+    pairs = example_pairs()
+    for lora in (None, adapter):
+        padded, packed = padded_and_packed(pairs)
+        want, want_logp, want_grads = pairs_loss(padded, values, loss, lora)
+        got, logp, grads = pairs_loss(packed, values, loss, lora, spare=1)
+        assert got == pytest.approx(want, rel=1e-12)
+        np.testing.assert_allclose(logp, want_logp, rtol=1e-12)
+        for name, grad in want_grads.items():
+            np.testing.assert_allclose(grads[name], grad, rtol=1e-9, atol=1e-13, err_msg=name)
+    # and the loss is TRL's of each sequence's log-probability on its own
+    lengths = padded.lengths()
+    reference = padded.reference.reshape(-1)
+    inputs, targets = padded.inputs, padded.targets
+    own = []
+    for row, target in zip(inputs, targets):
+        logits = reference_logits(PACKED, values, row)
+        logsm = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
+        own.append(logsm[np.flatnonzero(target >= 0), target[target >= 0]].sum())
+    np.testing.assert_allclose(
+        pairs_loss(packed, values, loss)[1].reshape(-1), own, rtol=1e-12)
+    want = reference_loss(own, lengths, reference, loss)["loss"]
+    assert pairs_loss(packed, values, loss)[0] == pytest.approx(want, rel=2e-7)
+
+
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+def test_the_device_gives_packed_pairs_the_padded_loss_and_gradients(wgpu, loss):
+    values = init_parameters(PACKED, seed=3)
+    adapter = init_adapter(PACKED, lora_ranks(PACKED, 2), alpha=4.0, seed=2)
+    adapter.tensors = {k: v + np.float32(0.1) for k, v in adapter.tensors.items()}
+    pairs = example_pairs()
+    for lora in (None, adapter):
+        padded, packed = padded_and_packed(pairs)
+        want, want_logp, want_grads = pairs_loss(padded, values, loss, lora, NumpyBackend())
+        got, logp, grads = pairs_loss(packed, values, loss, lora, wgpu, spare=1)
+        assert got == pytest.approx(want, rel=1e-5)
+        np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
+        scale = max(np.abs(g).max() for g in want_grads.values())
+        for name, grad in want_grads.items():      # float32 sums in another order
+            np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
+                                       err_msg=name)

@@ -145,12 +145,14 @@ def finetune_examples(path, tokenizer, template, n_ctx: int, options: TrainOptio
 
 
 def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions, *,
-                    drop_long: bool = False, val_split: float | None = None,
+                    drop_long: bool = False, pack: bool = True, val_split: float | None = None,
                     need_validation: bool = False, state: RunState | None = None,
                     checkpoint: str | None = None) -> ExampleData:
     """The preference pairs of `path` (pairs.py) as pairs.PairBatches of options.batch
-    pairs: the validation set is its valid split, else `val_split` of the training pairs;
-    at a resumed run's position when `state` is given."""
+    units of two rows, packed where that makes fewer units than pairs (unless `pack` is
+    False): the validation set is its valid split, else `val_split` of the training pairs,
+    packed as the training pairs are and given as many pair slots (both run through one
+    graph); at a resumed run's position when `state` is given."""
     from .. import pairs
     try:
         sets = chat.load_dataset(path, check=pairs.check_pair)
@@ -168,20 +170,23 @@ def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions
         raise ValueError(f"{checkpoint} was trained on other pairs: pass the same --data (and "
                          f"template options) to resume")
     batches = pairs.PairBatches(train, n_ctx, options.batch, options.seed,
-                                drop_long=drop_long)
+                                drop_long=drop_long, pack="auto" if pack else False)
     if state is not None:
         resume_data(batches, state, checkpoint)
-    held = None if valid is None else pairs.PairBatches(valid, n_ctx, options.batch,
-                                                         options.seed, drop_long=drop_long)
+    held = None
+    if valid is not None:
+        held = pairs.PairBatches(valid, n_ctx, options.batch, options.seed,
+                                 drop_long=drop_long, pack=batches.packed)
+        batches.unit_pairs = held.unit_pairs = max(batches.unit_pairs, held.unit_pairs)
     return ExampleData(batches, held, digest)
 
 
 def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
-                      state: RunState | None = None):
+                      state: RunState | None = None, world=None):
     """Give the pairs (pairs.PairBatches) of `train` and `valid` (or None) their reference
     log-probabilities (DPO and IPO need them): a resumed run's, else those of the model
     `values` as they are now (the base of a LoRA finetune; the starting weights of a full
-    one), computed once."""
+    one), computed once (with `world`, a distributed.World, shared out over the ranks)."""
     from .preference import sequence_logps
     if options.objective not in ("dpo", "ipo"):
         return
@@ -193,13 +198,21 @@ def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
             batches.reference = np.asarray(saved, np.float64)
         else:
             batches.reference = sequence_logps(cfg, values, batches, backend,
-                                               precision_for(backend, options.precision))
+                                               precision_for(backend, options.precision),
+                                               world=world)
 
 
 def describe_pairs(name: str, batches) -> str:
     """One line on a split's preference pairs: counts, what was cut or left out."""
-    return (f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens, one "
-            f"sequence per row of {batches.n_ctx}" + cut_and_left_out(batches, "pairs "))
+    line = f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens; "
+    if batches.packed:
+        line += (f"packed into {batches.n_samples} pairs of rows of {batches.n_ctx} "
+                 f"({batches.n_pairs / batches.n_samples:.1f} pairs each), {batches.fill:.0%} "
+                 f"of positions used")
+    else:
+        line += (f"one sequence per row of {batches.n_ctx}, padded, {batches.fill:.0%} of "
+                 f"positions used")
+    return line + cut_and_left_out(batches, "pairs ")
 
 
 def cut_and_left_out(batches, unit: str = "") -> str:

@@ -169,7 +169,8 @@ class TrainOptions:
     objective: str = _option(
         "sft", Bound(str, choices=OBJECTIVES),
         "sft: next-token loss on text or --data examples; dpo, ipo, orpo: preference "
-        "finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs a step.",
+        "finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs a step "
+        "(packed: --batch pairs of rows, several pairs in each).",
         cli="finetune")
     beta: float = _option(0.1, POSITIVE, "DPO, IPO: how far the model may move from the "
                           "reference, the base (TRL's beta).", cli="finetune")

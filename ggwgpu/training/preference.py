@@ -1,10 +1,12 @@
 """Preference finetuning: DPO (Rafailov et al. 2023) with the sigmoid loss and label
 smoothing, its IPO variant, and ORPO (Hong et al. 2024), with TRL's formulas.
 
-A batch holds pairs: row 2i the chosen answer of pair i, row 2i + 1 the rejected one, each
-with its prompt, and only the answer's tokens counted (target weight 1). The training graph
-sums each sequence's token terms (build_train_graph's `sequences`: cross_entropy_ids_rows
-and a 0/1 product), so a sequence's log-probability is
+A batch holds pairs (pairs.PairBatches): padded, row 2i the chosen answer of pair i and row
+2i + 1 the rejected one; packed, several pairs to each two rows. Each answer comes with its
+prompt, and only the answer's tokens are counted (target weight 1). The training graph sums
+each sequence's token terms (build_train_graph's `sequences`: cross_entropy_ids_rows and a
+0/1 product with the sequence rows, a constant when padded, an input of each packed batch),
+so a sequence's log-probability is
 
     logp(seq) = -sequence_nll(seq) = sum over its answer tokens of log p(token | before)
 
@@ -19,7 +21,9 @@ pair (c chosen, r rejected):
     ORPO  log_odds = (avg_c - log(1 - exp(avg_c))) - (avg_r - log(1 - exp(avg_r)))
           loss = NLL of the chosen answers (mean per token) + lambda * softplus(-log_odds)
 
-each averaged over the batch's pairs; softplus(x) = log(1 + exp(x)) = -logsigmoid(-x).
+each averaged over the batch's pairs (a packed batch's pairs vary in number: each pair's
+weight is then an input, 1 / the batch's pairs); softplus(x) = log(1 + exp(x)) =
+-logsigmoid(-x).
 `reference_loss` computes the same from log-probabilities in float64, apart from the graph.
 """
 from __future__ import annotations
@@ -86,23 +90,30 @@ def pair_matrix(n_pairs: int) -> np.ndarray:
 @dataclass
 class PreferenceTerms:
     """The graph's preference loss and the inputs it adds: the reference log-probabilities
-    (1, 2 n_pairs) (DPO; IPO's per answer token, as its policy's), for IPO and ORPO each sequence's 1 / answer length (1, 2 n_pairs) and, for
-    ORPO, the chosen sequences' weights of the mean NLL (1, 2 n_pairs): 1 / (the chosen
-    answers' tokens) at chosen sequences, 0 at rejected ones."""
+    (1, 2 n_pairs) (DPO; IPO's per answer token, as its policy's), for IPO and ORPO each
+    sequence's 1 / answer length (1, 2 n_pairs), for ORPO the chosen sequences' weights of
+    the mean NLL (1, 2 n_pairs): 1 / (the chosen answers' tokens) at chosen sequences, 0 at
+    rejected ones, and when `weighted` each pair's weight in the mean (1, n_pairs)."""
     loss: object
     reference: object
     inv_lengths: object
     chosen_weights: object
+    pair_weights: object = None
 
 
-def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss) -> PreferenceTerms:
-    """The loss of the module docstring over a graph's sequence_nll (1, 2 n_pairs)."""
+def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
+                     weighted: bool = False) -> PreferenceTerms:
+    """The loss of the module docstring over a graph's sequence_nll (1, 2 n_pairs): the
+    pairs' terms averaged (1 / n_pairs each), or with `weighted` summed times the input
+    pair_weights (a packed batch holds a varying number of pairs, a rank's part of a batch
+    is a share of its mean)."""
     n_seq = 2 * n_pairs
     pairs = constant(pair_matrix(n_pairs), name="pairs")
     reference = input_tensor((1, n_seq), name="reference logp") if loss.needs_reference else None
     inv_lengths = input_tensor((1, n_seq), name="1 / answer length") if loss.per_token else None
     chosen_weights = input_tensor((1, n_seq), name="chosen weights") \
         if loss.kind == "orpo" else None
+    pair_weights = input_tensor((1, n_pairs), name="pair weights") if weighted else None
     logp = O.neg(sequence_nll)
     if loss.per_token:
         logp = O.mul(logp, inv_lengths)
@@ -110,13 +121,17 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss) -> Prefer
     def chosen_minus_rejected(x):               # (1, n_seq) -> (1, n_pairs)
         return O.mul_mat(pairs, x)
 
+    def mean(terms):                            # (1, n_pairs) -> (1,)
+        if pair_weights is None:
+            return O.scale(O.sum(terms), 1.0 / n_pairs)
+        return O.sum(O.mul(terms, pair_weights))
+
     if loss.kind == "orpo":
         one = constant(np.ones(1, np.float32), name="one")
         log1m = O.log(O.add1(O.neg(O.exp(logp)), one))                # log(1 - exp(avg))
         log_odds = chosen_minus_rejected(O.sub(logp, log1m))
         nll = O.sum(O.mul(sequence_nll, chosen_weights))
-        total = O.add(nll, O.scale(O.sum(softplus(O.neg(log_odds))),
-                                   loss.orpo_lambda / n_pairs))
+        total = O.add(nll, O.scale(mean(softplus(O.neg(log_odds))), loss.orpo_lambda))
     else:
         d = chosen_minus_rejected(O.sub(logp, O.reshape(reference, (1, n_seq))))
         if loss.kind == "ipo":
@@ -128,8 +143,37 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss) -> Prefer
             terms = softplus(O.neg(z))
             if eps:
                 terms = O.add(O.scale(terms, 1 - eps), O.scale(softplus(z), eps))
-        total = O.scale(O.sum(terms), 1.0 / n_pairs)
-    return PreferenceTerms(total, reference, inv_lengths, chosen_weights)
+        total = mean(terms)
+    return PreferenceTerms(total, reference, inv_lengths, chosen_weights, pair_weights)
+
+
+def sequence_matrix(sequences, n_pairs: int, n_slots: int) -> np.ndarray:
+    """A packed graph's sequence rows (TrainGraph.sequence_rows): (2 n_slots, positions) 0/1,
+    1 where `sequences` (rows, n_ctx) puts a position in that sequence; the slots past the
+    batch's n_pairs pairs repeat its first pair (a finite loss that a weight 0 leaves out:
+    ORPO's log(1 - exp(avg)) of an empty sequence is -inf)."""
+    flat = np.asarray(sequences).reshape(-1)
+    m = np.zeros((2 * n_slots, flat.size), np.float32)
+    at = np.flatnonzero(flat >= 0)
+    m[flat[at], at] = 1
+    m[2 * n_pairs:] = m[np.arange(2 * n_pairs, 2 * n_slots) % 2]
+    return m
+
+
+def sequence_feeds(graph, inputs, targets, sequences, n_pairs: int) -> dict:
+    """The inputs of a training graph with sequences (build_train_graph's `sequences`) for a
+    batch of pairs.PairBatches (`sequences` as its batches give them, `n_pairs` pairs):
+    tokens and targets, every counted target of weight 1 (a sequence's terms then sum to
+    minus its log-probability), and for a packed graph the segments and sequence rows."""
+    targets = np.asarray(targets, np.int32)
+    feeds = graph.feeds(inputs, targets, sequences if graph.packed else None)
+    feeds[graph.weights] = (targets >= 0).astype(np.float32)
+    if graph.packed:
+        slots = graph.sequence_rows.shape[0] // 2
+        if n_pairs > slots:
+            raise ValueError(f"a batch of {n_pairs} pairs, the graph has {slots} pair slots")
+        feeds[graph.sequence_rows] = sequence_matrix(sequences, n_pairs, slots)
+    return feeds
 
 
 def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
@@ -167,63 +211,96 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
 
 
 class PreferenceGraph:
-    """A training graph (models.TrainGraph, built with `sequences` = 2 pairs) whose loss is a
-    preference loss: what a Trainer needs of a graph (loss, params, checkpoints, recompute,
-    positions, packed), `feeds(inputs, targets, pairs, reference)` of a pairs.PairBatches
-    batch, and the batch's rewards, margins and accuracy (`report`) from its sequences'
-    log-probabilities (`reported`, read back after a step)."""
+    """A training graph (models.TrainGraph, built with `sequences` = 2 pair slots) whose loss
+    is a preference loss: what a Trainer needs of a graph (loss, params, checkpoints,
+    recompute, positions, packed), `feeds(*batch)` of a pairs.PairBatches batch, and the
+    batch's rewards, margins and accuracy (`report`) from its sequences' log-probabilities
+    (`reported`, read back after a step).
 
-    def __init__(self, graph, loss: PreferenceLoss):
-        if graph.sequence_nll is None or graph.packed:
-            raise ValueError("a preference graph needs a padded training graph with sequences")
-        self.graph, self.kind = graph, loss
-        self.n_pairs = graph.sequence_nll.shape[1] // 2
-        self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss)
+    With `world` (distributed.World) the graph is one rank's: `feeds` takes the whole batch
+    and keeps this rank's units of it (2 rows each, the batch cut into world.size parts as
+    for text), each pair weighted by 1 / the whole batch's pairs (ORPO's NLL by the whole
+    batch's chosen tokens), so that the ranks' losses and gradients sum to one process's;
+    the metrics gather every rank's log-probabilities and are the whole batch's."""
+
+    def __init__(self, graph, loss: PreferenceLoss, world=None):
+        if graph.sequence_nll is None:
+            raise ValueError("a preference graph needs a training graph with sequences")
+        self.graph, self.kind, self.world = graph, loss, world
+        self.n_pairs = graph.sequence_nll.shape[1] // 2            # pair slots
+        self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss,
+                                      weighted=graph.packed or world is not None)
         self.loss, self.params = self.terms.loss, graph.params
         self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
-        self.positions, self.packed, self.tokens = graph.positions, False, graph.tokens
+        self.positions, self.packed, self.tokens = graph.positions, graph.packed, graph.tokens
         self.reported = (graph.sequence_nll,)
         self.last = None
 
-    def feeds(self, inputs, targets, pairs, reference=None) -> dict:
-        """The graph's inputs of a batch: `pairs` (-1 for a filler pair, which no loss or
-        metric counts) and `reference` (2 pairs,) their reference log-probabilities."""
-        g, terms = self.graph, self.terms
-        targets = np.asarray(targets, np.int32)
-        feeds = g.feeds(inputs, targets)
-        feeds[g.weights] = (targets >= 0).astype(np.float32)
-        lengths = np.maximum((targets >= 0).sum(axis=1), 1).astype(np.float64)
-        if terms.reference is None:
-            reference = None
-        elif reference is None:
+    def feeds(self, inputs, targets, pairs, reference, sequences) -> dict:
+        """The graph's inputs of a batch (pairs.PairBatches'): `pairs` (-1 for a filler
+        pair, which no loss or metric counts) and `reference` (2 pairs,) their reference
+        log-probabilities, with a world the whole batch's."""
+        terms, world = self.terms, self.world
+        targets, sequences = np.asarray(targets, np.int32), np.asarray(sequences)
+        pairs = np.asarray(pairs)
+        n = len(pairs)
+        lengths = np.maximum(np.bincount(sequences[targets >= 0], minlength=2 * n), 1
+                             ).astype(np.float64)
+        real = pairs >= 0
+        if terms.reference is not None and reference is None:
             raise ValueError(f"{self.kind.kind} needs the reference model's log-probabilities "
                              f"of the pairs")
-        else:
-            reference = np.asarray(reference, np.float64)
-            feeds[terms.reference] = (reference / lengths if self.kind.per_token
-                                      else reference)[None].astype(np.float32)
+        reference = None if terms.reference is None else np.asarray(reference, np.float64)
+        rows, first, mine = slice(None), 0, n
+        if world is not None:       # this rank's units, their pairs a run of the batch's
+            k = len(inputs) // world.size
+            rows = slice(world.rank * k, (world.rank + 1) * k)
+            seen = sequences[rows][sequences[rows] >= 0] // 2
+            first, mine = seen.min(), seen.max() + 1 - seen.min()
+        local = sequences[rows] - np.where(sequences[rows] >= 0, 2 * first, 0)
+        feeds = sequence_feeds(self.graph, np.asarray(inputs)[rows], targets[rows], local, mine)
+
+        def slots(x, repeat=True):
+            """Per sequence of the whole batch (2 n,) -> this graph's sequence slots: this
+            rank's, then the filler slots (as the sequence rows: the first pair again, or
+            0 where a weight leaves them out)."""
+            x = x[2 * first:2 * (first + mine)]
+            rest = np.tile(x[:2], self.n_pairs - mine) if repeat \
+                else np.zeros(2 * (self.n_pairs - mine))
+            return np.concatenate([x, rest])[None].astype(np.float32)
+        if reference is not None:
+            feeds[terms.reference] = slots(reference / lengths if self.kind.per_token
+                                           else reference)
         if terms.inv_lengths is not None:
-            feeds[terms.inv_lengths] = (1.0 / lengths)[None].astype(np.float32)
-        if terms.chosen_weights is not None:
-            w = np.zeros(len(lengths))
-            w[0::2] = 1.0 / lengths[0::2].sum()
-            feeds[terms.chosen_weights] = w[None].astype(np.float32)
-        self.last = (lengths, reference, np.asarray(pairs) >= 0)
+            feeds[terms.inv_lengths] = slots(1.0 / lengths)
+        if terms.chosen_weights is not None:     # of the whole batch's chosen answers
+            w = np.zeros(2 * n)
+            w[0::2] = real / lengths[0::2][real].sum()
+            feeds[terms.chosen_weights] = slots(w, repeat=False)
+        if terms.pair_weights is not None:       # 1 / the whole batch's pairs
+            feeds[terms.pair_weights] = slots(np.repeat(real / real.sum(), 2),
+                                              repeat=False)[:, 0::2]
+        self.last = (lengths, reference, real, first, mine)
         return feeds
 
     def _metrics(self, sequence_nll) -> tuple[dict, int]:
         """reference_loss of the last batch's real pairs (an evaluation's last batch is
-        filled up with repeated ones), and how many there are."""
-        lengths, reference, real = self.last
+        filled up with repeated ones), and how many there are; with a world, of the whole
+        batch (every rank's log-probabilities summed into one buffer)."""
+        lengths, reference, real, first, mine = self.last
+        nll = np.zeros(2 * len(real))
+        nll[2 * first:2 * (first + mine)] = np.asarray(sequence_nll, np.float64).reshape(-1)[
+            :2 * mine]
+        if self.world is not None:
+            self.world.allreduce(nll)
         rows = np.repeat(real, 2)
-        logp = -np.asarray(sequence_nll, np.float64).reshape(-1)[rows]
-        return reference_loss(logp, lengths[rows],
+        return reference_loss(-nll[rows], lengths[rows],
                               None if reference is None else reference[rows],
                               self.kind), int(real.sum())
 
     def weighed(self, plan, batch) -> dict:
         """The batch's loss, accuracy and mean margin times its pairs, and its pairs
-        ("count"), of the real pairs only."""
+        ("count"), of the real pairs only (with a world, of the whole batch)."""
         r, n = self._metrics(plan.read(self.graph.sequence_nll))
         return {"loss": r["loss"] * n, "accuracy": r["accuracy"] * n,
                 "margin": float(r["margin"].mean()) * n, "count": n}
@@ -238,23 +315,27 @@ class PreferenceGraph:
 
 
 def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=None,
-                   max_logits_bytes: int | None = None) -> np.ndarray:
+                   max_logits_bytes: int | None = None, world=None) -> np.ndarray:
     """Each pair's log-probabilities of its chosen and rejected answer, (n_pairs, 2), under
     the model `values` (with `lora`'s pairs added, if given), frozen: the reference model of
     DPO and IPO, computed once before training (a LoRA finetune's reference is its base;
-    a full finetune's, its starting weights)."""
+    a full finetune's, its starting weights). The batches are `batches`' (pairs.PairBatches,
+    padded or packed as they are); with `world` each rank computes every world.size-th
+    batch and the ranks sum their parts, so every rank has them all."""
     from ..models import MAX_LOGITS_BYTES, build_train_graph
-    n = 2 * batches.batch
-    g = build_train_graph(cfg, values, n, adapters=(lora,) if lora else (), frozen=True,
-                          sequences=n, precision=precision,
+    n = 2 * batches.pair_slots(batches.batch)
+    g = build_train_graph(cfg, values, 2 * batches.batch, adapters=(lora,) if lora else (),
+                          frozen=True, sequences=n, precision=precision,
+                          packed=batches.packed,
                           max_logits_bytes=max_logits_bytes or MAX_LOGITS_BYTES)
     plan = backend.plan([g.sequence_nll])
-    plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+    if not g.packed:
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     out = np.zeros((batches.n_pairs, 2))
-    for inputs, targets, pairs, _ in batches.in_order():
-        feeds = g.feeds(inputs, targets)
-        feeds[g.weights] = (np.asarray(targets) >= 0).astype(np.float32)
-        plan.run(feeds)
-        logp = -plan.read(g.sequence_nll).reshape(-1, 2).astype(np.float64)
+    for k, (inputs, targets, pairs, _, sequences) in enumerate(batches.in_order()):
+        if world is not None and k % world.size != world.rank:
+            continue
+        plan.run(sequence_feeds(g, inputs, targets, sequences, len(pairs)))
+        logp = -plan.read(g.sequence_nll).reshape(-1, 2)[:len(pairs)].astype(np.float64)
         out[pairs[pairs >= 0]] = logp[pairs >= 0]
-    return out
+    return out if world is None else world.allreduce(out)

@@ -70,7 +70,7 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
                       need_validation=data.need_validation, **resumed)
         if preference:
             split = inputs.preference_data(data.data, tokenizer, data.template, cfg.n_ctx,
-                                           options, **common)
+                                           options, pack=data.pack, **common)
             describe = inputs.describe_pairs
         else:
             split = inputs.finetune_examples(data.data, tokenizer, data.template, cfg.n_ctx,
@@ -92,7 +92,7 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
     if preference and options.objective != "orpo" and state is None:
         stage(f"the reference log-probabilities of {samples.n_pairs} pairs (the model as it "
               f"starts)")
-    inputs.attach_references(samples, valid, cfg, values, backend, options, state)
+    inputs.attach_references(samples, valid, cfg, values, backend, options, state, world)
     inputs.planning_stage(values, stage)
     try:
         trainer = Trainer(cfg, values, backend, options, samples, opt_state, step, lora=adapter,

@@ -73,8 +73,8 @@ def check_state(state) -> dict:
     for key in STATE_STRINGS:
         if key in state and not isinstance(state[key], str):
             raise ValueError(f"{key} must be a string, got {state[key]!r}")
-    if "reference" in state:
-        check_reference(state["reference"], data["n_samples"])
+    if "reference" in state:    # packed pairs: n_samples counts units, n_pairs the pairs
+        check_reference(state["reference"], data.get("n_pairs", data["n_samples"]))
     if "valid_reference" in state:
         check_reference(state["valid_reference"], None, "valid_reference")
     if "loss_scaler" in state:
@@ -93,7 +93,7 @@ def check_reference(reference, n_pairs: int | None, key: str = "reference"):
     if not isinstance(reference, list) or not reference or (
             n_pairs is not None and len(reference) != n_pairs):
         raise ValueError(f"{key} must be a list of " +
-                         ("pairs" if n_pairs is None else f"{n_pairs} pairs (data.n_samples)"))
+                         ("pairs" if n_pairs is None else f"{n_pairs} pairs (data.n_pairs)"))
     for i, pair in enumerate(reference):
         if not (isinstance(pair, list) and len(pair) == 2 and all(
                 isinstance(v, (int, float)) and not isinstance(v, bool)

@@ -93,28 +93,28 @@ class Trainer:
         ranks before the update (distributed.py). `loss_scaler` is a checkpoint's
         RunState.loss_scaler (LossScaler.state()); without one a dynamic loss scale starts at
         options.loss_scale_init. With a preference objective (options.objective dpo, ipo,
-        orpo) the batches are pairs.PairBatches' (options.batch pairs, two rows each), with
-        their reference log-probabilities set (preference.sequence_logps; DPO, IPO)."""
+        orpo) the batches are pairs.PairBatches' (options.batch units of two rows, a pair
+        each when padded), with their reference log-probabilities set
+        (preference.sequence_logps; DPO, IPO)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
         self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
         preference = options.objective != "sft"
-        if preference and world is not None:
-            raise ValueError(f"objective {options.objective} runs in one process: no MPI")
-        rows = 2 * batch if preference else batch     # a pair is two rows
+        rows = 2 * batch if preference else batch     # a unit of pairs is two rows
         g = graph or build_train_graph(cfg, values, rows, flash=options.flash_attn,
                                        lora=lora,
                                        max_logits_bytes=logits_bound(
                                            backend, options.checkpointing, lora is None),
                                        packed=getattr(batch_source, "packed", False),
                                        precision=self.precision,
-                                       sequences=rows if preference else 0)
+                                       sequences=2 * batch_source.pair_slots(batch)
+                                       if preference else 0)
         if preference:
             from .preference import PreferenceGraph, PreferenceLoss
             g = PreferenceGraph(g, PreferenceLoss(options.objective, options.beta,
                                                   options.label_smoothing,
-                                                  options.orpo_lambda))
+                                                  options.orpo_lambda), world)
         self.graph = g
         # the frozen values of a full model (rope factors, models.FROZEN): `parameters` gives
         # them back
@@ -160,14 +160,15 @@ class Trainer:
 
     @property
     def step_tokens(self) -> int:
-        rows = 2 if self.options.objective != "sft" else 1        # a pair is two rows
+        rows = 2 if self.options.objective != "sft" else 1        # a unit of pairs: two
         return rows * self.options.batch * self.options.grad_accum * self.cfg.n_ctx
 
     def feeds(self, inputs, targets, *rest) -> dict:
         """The graph's inputs for one batch from the batch source (with the segments when
-        its rows are packed; a preference graph's pairs and reference): with a world, this
-        rank's rows of it, weighted by the whole batch's count of targets."""
-        if self.world is None:
+        its rows are packed; a preference graph's pairs, reference and sequences): with a
+        world, this rank's rows of it, weighted by the whole batch's count of targets (a
+        preference graph takes the whole batch and keeps its rank's part itself)."""
+        if self.world is None or self.options.objective != "sft":
             return self.graph.feeds(inputs, targets, *rest)
         segments = rest[0] if rest else None
         inputs_, targets_, counted = self.world.rows(inputs, targets)
@@ -196,7 +197,9 @@ class Trainer:
             self.regime.forward(self.feeds(*batch))
             for key, value in self.graph.weighed(self.plan, batch).items():
                 sums[key] = sums.get(key, 0) + value
-        if self.world is not None:   # each rank's loss is its share of each batch's mean
+        if self.world is not None and self.options.objective == "sft":
+            # each rank's loss is its share of each batch's mean (a preference graph's
+            # are the whole batch's already)
             sums["loss"] = float(self.world.allreduce(np.array([sums.get("loss", 0.0)]))[0])
         total = sums.pop("loss", 0.0)
         count = max(sums.pop("count", 0), 1)
