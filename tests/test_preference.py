@@ -319,6 +319,12 @@ def test_an_f16_graph_gives_the_f32_loss_and_gradients_within_halves(wgpu, loss)
 # -- packed pairs: several to each two rows ----------------------------------------------------
 
 PACKED = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=16)
+# a delta-net before an attention layer, rows of two chunks: packed sequences keep apart
+# in the recurrent state too
+PACKED_QWEN35 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_rot=2,
+                            n_layer=2, n_ff=12, n_ctx=32, recurrent_layers=(0,), conv_kernel=3,
+                            ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
+                            arch="qwen35")
 
 
 def example_pairs(n=4, seed=5):
@@ -337,7 +343,7 @@ def example_pairs(n=4, seed=5):
     return out
 
 
-def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0):
+def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0, cfg=PACKED):
     """The preference graph's loss and gradients on the one batch that holds all of
     `batches`' pairs (pairs.PairBatches), `spare` more pair slots per unit than it needs."""
     from ggwgpu.training.preference import PreferenceGraph
@@ -345,14 +351,14 @@ def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0):
     lengths = batches.lengths()
     batches.reference = (-lengths * np.resize([1.5, 1.25, 2.0, 0.75], len(lengths))
                          ).reshape(-1, 2)
-    g = build_train_graph(PACKED, values, 2 * batches.batch, lora=lora, packed=batches.packed,
+    g = build_train_graph(cfg, values, 2 * batches.batch, lora=lora, packed=batches.packed,
                           sequences=2 * batches.pair_slots(batches.batch))
     pg = PreferenceGraph(g, loss)
     grads = build_backward(pg.loss, list(g.params.values()))
     plan = (backend or NumpyBackend(np.float64)).plan([pg.loss, g.sequence_nll,
                                                        *grads.values()])
     if not g.packed:
-        plan.write(g.positions, np.arange(PACKED.n_ctx, dtype=np.int32))
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     (batch,) = batches.in_order()
     plan.run(pg.feeds(*batch))
     logp = -plan.read(g.sequence_nll)[0][:2 * len(batch[2])].reshape(-1, 2)
@@ -362,11 +368,11 @@ def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0):
             {p.name: plan.read(grad) for p, grad in grads.items()})
 
 
-def padded_and_packed(pairs):
+def padded_and_packed(pairs, n_ctx=PACKED.n_ctx):
     from ggwgpu.pairs import PairBatches
-    padded = PairBatches(pairs, PACKED.n_ctx, len(pairs), seed=0)
-    packed = PairBatches(pairs, PACKED.n_ctx, 1, seed=0, pack=True)
-    packed = PairBatches(pairs, PACKED.n_ctx, packed.n_samples, seed=0, pack=True)
+    padded = PairBatches(pairs, n_ctx, len(pairs), seed=0)
+    packed = PairBatches(pairs, n_ctx, 1, seed=0, pack=True)
+    packed = PairBatches(pairs, n_ctx, packed.n_samples, seed=0, pack=True)
     assert not padded.packed and packed.packed and packed.n_samples < len(pairs)
     return padded, packed
 
@@ -391,19 +397,20 @@ def test_pairs_pack_two_rows_at_a_time_and_keep_their_lengths():
         PairBatches(pairs, PACKED.n_ctx, 1, 0, pack="yes")
 
 
+@pytest.mark.parametrize("cfg", [PACKED, PACKED_QWEN35], ids=["llama", "qwen35"])
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
-def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss):
+def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss, cfg):
     """The same pairs, one sequence a row or several pairs to two rows (with spare pair
     slots, filled and weighted 0): the loss of TRL's formulas and the same gradients (4
-    pairs: the weights 1/4, an f32 input, are exact)."""
-    values = {k: v.astype(np.float64) for k, v in init_parameters(PACKED, seed=3).items()}
-    adapter = init_adapter(PACKED, lora_ranks(PACKED, 2), alpha=4.0, seed=2)
+    pairs: the weights 1/4, an f32 input, are exact; qwen35's 8 fill rows past one chunk)."""
+    values = {k: v.astype(np.float64) for k, v in init_parameters(cfg, seed=3).items()}
+    adapter = init_adapter(cfg, lora_ranks(cfg, 2), alpha=4.0, seed=2)
     adapter.tensors = {k: (v + 0.1).astype(np.float64) for k, v in adapter.tensors.items()}
-    pairs = example_pairs()
+    pairs = example_pairs(8 if cfg is PACKED_QWEN35 else 4)     # 1/8 is exact too
     for lora in (None, adapter):
-        padded, packed = padded_and_packed(pairs)
-        want, want_logp, want_grads = pairs_loss(padded, values, loss, lora)
-        got, logp, grads = pairs_loss(packed, values, loss, lora, spare=1)
+        padded, packed = padded_and_packed(pairs, cfg.n_ctx)
+        want, want_logp, want_grads = pairs_loss(padded, values, loss, lora, cfg=cfg)
+        got, logp, grads = pairs_loss(packed, values, loss, lora, spare=1, cfg=cfg)
         assert got == pytest.approx(want, rel=1e-12)
         np.testing.assert_allclose(logp, want_logp, rtol=1e-12)
         for name, grad in want_grads.items():
@@ -414,13 +421,13 @@ def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss):
     inputs, targets = padded.inputs, padded.targets
     own = []
     for row, target in zip(inputs, targets):
-        logits = reference_logits(PACKED, values, row)
+        logits = reference_logits(cfg, values, row)
         logsm = logits - np.logaddexp.reduce(logits, axis=-1, keepdims=True)
         own.append(logsm[np.flatnonzero(target >= 0), target[target >= 0]].sum())
     np.testing.assert_allclose(
-        pairs_loss(packed, values, loss)[1].reshape(-1), own, rtol=1e-12)
+        pairs_loss(packed, values, loss, cfg=cfg)[1].reshape(-1), own, rtol=1e-12)
     want = reference_loss(own, lengths, reference, loss)["loss"]
-    assert pairs_loss(packed, values, loss)[0] == pytest.approx(want, rel=2e-7)
+    assert pairs_loss(packed, values, loss, cfg=cfg)[0] == pytest.approx(want, rel=2e-7)
 
 
 @pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)

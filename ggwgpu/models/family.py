@@ -101,6 +101,10 @@ class Family:
         (reading drops it)."""
         return False
 
+    def initial(self, name: str) -> float:
+        """The value a fresh model's vector `name` (not a bias) starts at: 1, a norm's."""
+        return 1.0
+
     def check(self, cfg):
         """Raise a ShapeError where cfg's hyper-parameters do not make a model of the family."""
 

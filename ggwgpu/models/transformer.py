@@ -51,14 +51,15 @@ def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """train-text-from-scratch's initialisation for matrices: normal(0, 1) clamped to
-    [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1, biases at 0."""
+    [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1, biases at 0, other
+    vectors at what their family says (Family.initial: qwen35's ssm_a at -1, a decay)."""
     rng = np.random.default_rng(seed)
     values = {}
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith(".bias"):
             values[name] = np.zeros(shape, np.float32)
         elif len(shape) == 1:
-            values[name] = np.ones(shape, np.float32)
+            values[name] = np.full(shape, cfg.family.initial(name), np.float32)
         else:
             w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
             values[name] = w.astype(np.float32)
