@@ -1,6 +1,6 @@
 """The gated delta rule (Yang et al., Gated Delta Networks; llama.cpp's delta-net-base.cpp), a
-block piece of Qwen3.5's linear-attention layers, in its chunked form: built from existing
-ops (products, exp, masks), so its backward is the autodiff of those ops.
+block piece of Qwen3.5's linear-attention layers, in its chunked form: built from ops
+(products, exp, masks, concat), so its backward is the autodiff of those ops.
 
 Per head, with a state S (S_v, S_k) that starts at zero (or at `state`), token t turns it into
 
@@ -18,7 +18,7 @@ D[i, j] gives W = (I + L)^-1 (the WY form of the chunk's writes; here the produc
     S <- exp(G_last) S + V^T (exp(G_last - G) k)      the state after the chunk
 
 Every product is batched over the chunks and heads; only the state's three products run
-chunk after chunk. A sequence whose length is not a multiple of C is padded with tokens
+chunk after chunk, and the chunks' outputs are joined in pairs. A sequence whose length is not a multiple of C is padded with tokens
 that change nothing (b = 0, g = 0) and cut back after.
 """
 from __future__ import annotations
