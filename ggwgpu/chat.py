@@ -25,6 +25,7 @@ is an error naming the example).
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 import time
@@ -183,6 +184,7 @@ class ChatTemplate:
 
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
         self.origin, self.budget = origin, RenderBudget()
+        self.last_answer_only = 0    # conversations whose earlier answers `turns` left out
         env = bounded_environment(self.budget)(trim_blocks=True, lstrip_blocks=True,
                                                extensions=[loopcontrols])
         env.filters["tojson"] = tojson
@@ -227,7 +229,30 @@ class ChatTemplate:
     def turns(self, messages, answers_from: int = 0) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, is_answer) pieces: each assistant
         turn's generation prompt is a piece of its own (not an answer), then its content and
-        end-of-turn text (an answer, if the message's index is at least `answers_from`)."""
+        end-of-turn text (an answer, if the message's index is at least `answers_from`).
+
+        That needs every start of the conversation to render as the start of the whole.
+        Where the template renders otherwise (Qwen3's and Qwen3.5's earlier answers lose
+        their reasoning tags; Gemma 4's generation prompt opens an empty thought that an
+        answer does not have; Qwen3.5 refuses a conversation without a user turn), the
+        conversation is cut as TRL cuts a prompt from its completion: the last message, if
+        an assistant's, is the answer from where the whole and the rendering of the messages
+        before it with the generation prompt part; earlier answers stay context (untrained:
+        `last_answer_only` counts such conversations)."""
+        try:
+            return self._turns_of_prefixes(messages, answers_from)
+        except DataError:
+            full = self.render(messages)     # a template that fails on the whole: its error
+        last = len(messages) - 1
+        if messages[last]["role"] != "assistant":
+            return [(full, False)]
+        prompt = self.render(messages[:last], add_generation_prompt=True)
+        start = len(os.path.commonprefix([prompt, full]))
+        self.last_answer_only += any(m["role"] == "assistant" for m in messages[:last])
+        return [(t, trained) for t, trained in ((full[:start], False),
+                                                (full[start:], last >= answers_from)) if t]
+
+    def _turns_of_prefixes(self, messages, answers_from: int) -> list[tuple[str, bool]]:
         pieces, done = [], ""
         for i, message in enumerate(messages):
             parts = []

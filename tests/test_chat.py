@@ -77,6 +77,48 @@ def test_templates_render_conversations_as_their_models_expect(name):
     assert not any("Hi?" in t or "assistant" in t for t in answers)
 
 
+# Templates written to behave as published ones do where a conversation's start does not
+# render as the start of the whole: Qwen3's answers after the last user turn carry empty
+# reasoning tags and earlier ones lose them; Qwen3.5's refuses a conversation without a
+# user turn; Gemma 4's generation prompt opens an empty thought that no answer has.
+REASONING = (
+    "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+    "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last %}{{ '<|im_start|>assistant\n"
+    "<think>\n\n</think>\n\n' + m['content'] + '<|im_end|>\n' }}{% else %}"
+    "{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+NEEDS_USER = ("{% if not (messages | selectattr('role', 'equalto', 'user') | list) %}"
+              "{{ raise_exception('No user query found in messages.') }}{% endif %}" + CHATML)
+THOUGHT = ("{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' else "
+           "m['role']) + '\n' + m['content'] | trim + '<turn|>\n' }}{% endfor %}"
+           "{% if add_generation_prompt %}{{ '<|turn>model\n<|channel>thought\n<channel|>' }}"
+           "{% endif %}")
+
+
+@pytest.mark.parametrize("source, last, first", [
+    (REASONING, "<think>\n\n</think>\n\n Yes. <|im_end|>\n",
+     "<think>\n\n</think>\n\nHello.<|im_end|>\n"),
+    (NEEDS_USER, " Yes. <|im_end|>\n", "Hello.<|im_end|>\n"),
+    (THOUGHT, "Yes.<turn|>\n", "Hello.<turn|>\n")], ids=["reasoning", "needs-user", "thought"])
+def test_a_template_that_renders_starts_otherwise_trains_the_last_answer(source, last, first):
+    """As TRL cuts a completion from its prompt: the whole conversation as the template
+    renders it, the last answer from where it parts from the rendering of the messages
+    before it with the generation prompt; earlier answers are context (and counted)."""
+    template = ChatTemplate(source, bos_token="<s>", eos_token="</s>")
+    turns = template.turns(CHAT)
+    assert "".join(t for t, _ in turns) == template.render(CHAT)
+    assert [t for t, trained in turns if trained] == [last]
+    assert template.last_answer_only == 1
+    one = CHAT[1:3]       # one answer: the same cut, nothing left out
+    assert [t for t, trained in template.turns(one) if trained] == [first]
+    assert template.last_answer_only == 1
+    assert not any(trained for _, trained in template.turns(CHAT[:4]))   # ends with a user
+    assert not any(trained for _, trained in template.turns(CHAT, answers_from=5))
+    with pytest.raises(DataError, match="No user query"):
+        ChatTemplate(NEEDS_USER).turns(CHAT[:1] + [{"role": "assistant", "content": "x"}])
+
+
 def test_a_template_without_generation_prompt_for_the_default_system_turn():
     """SmolLM2's template adds a system turn when there is none: it is part of the first
     turn's text, and the prompt of a one-turn conversation ends with the assistant header."""

@@ -669,6 +669,27 @@ def test_finetune_on_chat_data_validates_and_keeps_the_best(tmp_path):
     assert float(re.search(r"loss (\S+) nats", r.output)[1]) == pytest.approx(best, abs=1e-4)
 
 
+def test_finetune_says_when_a_template_leaves_earlier_answers_untrained(tmp_path):
+    """A template that renders earlier answers otherwise in a longer conversation (as
+    Qwen3's drops their reasoning tags) trains each conversation's last answer, and says
+    how many conversations had earlier ones."""
+    from test_chat import REASONING
+    base = tiny_base(tmp_path / "base.gguf")
+    data = tmp_path / "turns.jsonl"
+    turn = lambda role, text: {"role": role, "content": text}     # noqa: E731
+    data.write_text("".join(json.dumps({"messages": [turn("user", f"{i}+1="),
+                                                     turn("assistant", str(i + 1))]
+                                        + [turn("user", "again"), turn("assistant", "ok")]
+                                        * (i % 2)}) + "\n" for i in range(8)))
+    template = tmp_path / "reasoning.jinja"
+    template.write_text(REASONING)
+    r = finetune_on(base, "--data", str(data), "--chat-template", str(template),
+                    "--mask-prompt", "--n-ctx", "64", "--steps", "1",
+                    "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0, r.output
+    assert "4 conversations train their last answer only" in r.output, r.output
+
+
 def test_finetune_stops_early_without_improvement(tmp_path):
     base = tiny_base(tmp_path / "base.gguf")
     data, template = chat_data(tmp_path)
