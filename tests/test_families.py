@@ -471,3 +471,27 @@ def test_a_common_rank_above_a_narrow_matrix_takes_the_rank_it_can_use():
     assert ranks["blk.0.attn_qkv.weight"] == 8
     with pytest.raises(ValueError, match="rank 8 of ssm_beta is more than blk.0.ssm_beta.weight"):
         lora.lora_ranks(cfg, 2, {"ssm_beta": 8})
+
+
+@pytest.mark.parametrize("arch, taps", [("lfm2", "shortconv.conv.weight"),
+                                        ("qwen35", "ssm_conv1d.weight")])
+def test_convolution_taps_stored_in_f16_are_read_as_values(arch, taps, tmp_path):
+    """An F16 file stores the convolutions' taps (2-D, too short a row for a block type) in
+    F16: the graph reads them as values, so they come back as f32 even where the matrices
+    stay in their block type, with the logits of the file read all in f32."""
+    from ggwgpu.quant import quantize
+    cfg = FAMILIES[arch]
+    path = tmp_path / "m.gguf"
+    save_model(path, cfg, {k: quantize(v, "f16") if v.ndim == 2 else v
+                           for k, v in family_values(cfg).items()}, ByteTokenizer())
+    kept = load_model(path, keep_quantized=True)[1]
+    assert kept["blk.0.ffn_up.weight"].dtype == "f16"
+    assert isinstance(kept[f"blk.0.{taps}"], np.ndarray)
+    tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    logits = []
+    for values in (kept, load_model(path)[1]):
+        g = build_train_graph(cfg, values, 1, frozen=True)
+        plan = NumpyBackend().plan(g.logits)
+        plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+        logits.append(g.read_logits(plan))
+    np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)

@@ -48,6 +48,10 @@ class Family:
     # Tensors of files of the arch that ggwgpu cannot compute with: block tensor name ->
     # the feature they belong to (a file with one is refused, naming it).
     unsupported: dict = {}
+    # 2-D block tensors the graph reads as values, not as a product's weight (a convolution's
+    # taps): read as f32 even from a block type (an F16 file stores them so), where other
+    # matrices may stay in theirs (gguf_llama.load_model's keep_quantized)
+    values_only: tuple = ()
 
     def __repr__(self):
         return f"<family {self.arch}>"

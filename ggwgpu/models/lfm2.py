@@ -23,6 +23,7 @@ class LFM2(Family):
     keys = {"conv_kernel": "{arch}.shortconv.l_cache",     # (gguf-py 0.17 lacks it)
             "sliding_window": Keys.Attention.SLIDING_WINDOW}
     required = ("conv_kernel",)
+    values_only = ("shortconv.conv.weight",)
 
     def window(self, cfg, i):
         return 0 if i in cfg.conv_layers else cfg.sliding_window

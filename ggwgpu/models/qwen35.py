@@ -70,6 +70,7 @@ class Qwen35(Family):
     keys = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm.state_size",
             "ssm_heads": "{arch}.ssm.time_step_rank", "ssm_groups": "{arch}.ssm.group_count"}
     required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
+    values_only = ("ssm_conv1d.weight",)
 
     # -- the model's sizes -----------------------------------------------------------------
 
