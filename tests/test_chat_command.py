@@ -228,3 +228,33 @@ def test_a_long_chat_renders_a_bounded_number_of_windows_a_turn():
         list(s.reply("Hi?", 3))
         per_turn.append(len(calls) - before)
     assert max(per_turn) <= 6 and s.start > 50
+
+
+def test_a_recurrent_model_chats_where_the_template_rewrites_earlier_answers():
+    """qwen35 (delta-net states that cannot go back) under a template that drops the
+    reasoning tags of answers before the last user turn, as Qwen3.5's does: the next turn's
+    rendering departs from the cache inside it, so the decoder runs it again from its start,
+    with the logits of a fresh prefill of the whole conversation."""
+    template = ChatTemplate(
+        "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
+        "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
+        "{{ m['role'][0] }}:{% if m['role'] == 'assistant' and loop.index0 > ns.last %}<t></t>"
+        "{% endif %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:<t>"
+        "{% endif %}")
+    cfg = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_head_kv=1,
+                      n_embd_head=8, n_rot=4, n_layer=2, n_ff=24, n_ctx=64,
+                      recurrent_layers=(0,), conv_kernel=3, ssm_state=4, ssm_heads=2,
+                      ssm_groups=2, rope_sections=(1, 1, 0, 0), arch="qwen35")
+    values = init_parameters(cfg, seed=3)
+    backend = NumpyBackend(np.float64)
+    s = ChatSession(Decoder(backend, cfg, values), ByteTokenizer(), template, "Be brief.",
+                    GREEDY, 0)
+    recorder = Recorder(s.decoder)
+    runs, append = [], s.decoder.append
+    s.decoder.append = lambda tokens: runs.append(s.decoder.past) or append(tokens)
+    list(s.reply("Hi?", 4))
+    list(s.reply("And?", 4))
+    tokens, logits = recorder.calls[-1]
+    assert ByteTokenizer().decode(tokens).endswith("\nu:And?\na:<t>") and runs == [0, 0]
+    np.testing.assert_allclose(logits, Decoder(backend, cfg, values).prefill(tokens),
+                               rtol=0, atol=1e-12)
