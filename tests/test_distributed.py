@@ -153,6 +153,20 @@ def test_without_mpi4py_the_error_says_what_to_install(monkeypatch):
     assert r.exit_code == 1 and "pip install 'ggwgpu[mpi]'" in r.output, r.output
 
 
+def one_and_two_ranks(tmp_path, mpiexec, args, packing):
+    """The logs of `args` (a finetune) as one process with --batch 4 (one.gguf) and as two
+    ranks with --batch 2 each (two.gguf): the records of each, one and two."""
+    r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
+                                 "--out", str(tmp_path / "one.gguf")])
+    assert r.exit_code == 0, r.output
+    assert ("packed into" in r.output) == (packing == "packed"), r.output
+    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
+                "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
+    assert r.returncode == 0, r.stdout + r.stderr
+    return ([json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
+            for k in ("one", "two"))
+
+
 @pytest.mark.parametrize("packing", ["padded", "packed"])
 def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_path, mpiexec,
                                                                          packing):
@@ -169,15 +183,7 @@ def test_a_lora_finetune_on_chat_data_over_two_ranks_matches_one_process(tmp_pat
     args = ["--backend", "numpy", "finetune", str(base), "--data", str(data), "--mask-prompt",
             "--n-ctx", n_ctx, "--steps", "3", "--warmup", "2", "--lr", "1e-2", "--val-split",
             "0.25", "--val-every", "3"]
-    r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
-                                 "--out", str(tmp_path / "one.gguf")])
-    assert r.exit_code == 0, r.output
-    assert ("packed into" in r.output) == (packing == "packed"), r.output
-    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
-                "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
-    assert r.returncode == 0, r.stdout + r.stderr
-    one, two = ([json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
-                for k in ("one", "two"))
+    one, two = one_and_two_ranks(tmp_path, mpiexec, args, packing)
     np.testing.assert_allclose([x["loss"] for x in two], [x["loss"] for x in one], rtol=1e-5)
     np.testing.assert_allclose(two[-1]["val_loss"], one[-1]["val_loss"], rtol=1e-5)
     assert one[-1]["loss"] != one[0]["loss"]
@@ -202,15 +208,7 @@ def test_a_preference_finetune_over_two_ranks_matches_one_process(tmp_path, mpie
             objective, "--beta", "0.5", "--n-ctx", "256" if packing == "packed" else "64",
             "--steps", "3", "--warmup", "2", "--lr", "1e-2", "--val-split", "0.25",
             "--val-every", "3"]
-    r = CliRunner().invoke(cli, [*args, "--batch", "4", "--log", str(tmp_path / "one.jsonl"),
-                                 "--out", str(tmp_path / "one.gguf")])
-    assert r.exit_code == 0, r.output
-    assert ("packed into" in r.output) == (packing == "packed"), r.output
-    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", *args, "--batch", "2",
-                "--log", tmp_path / "two.jsonl", "--out", tmp_path / "two.gguf")
-    assert r.returncode == 0, r.stdout + r.stderr
-    one, two = ([json.loads(line) for line in (tmp_path / f"{k}.jsonl").read_text().splitlines()]
-                for k in ("one", "two"))
+    one, two = one_and_two_ranks(tmp_path, mpiexec, args, packing)
     # rewards: beta (logp - ref), of log-probabilities of tens of nats summed in float32
     for key in ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy"):
         np.testing.assert_allclose([x[key] for x in two], [x[key] for x in one], rtol=1e-5,

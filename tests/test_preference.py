@@ -148,6 +148,18 @@ def test_bad_constants_are_refused_by_name():
             PreferenceLoss(**kw)
 
 
+def assert_float32_alike(got, want):
+    """(loss, log-probabilities, gradients) of the device against NumPy's: float32 sums in
+    another order."""
+    (loss, logp, grads), (want_loss, want_logp, want_grads) = got, want
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
+    scale = max(np.abs(g).max() for g in want_grads.values())
+    for name, grad in want_grads.items():
+        np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
+                                   err_msg=name)
+
+
 @pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
 def test_the_device_computes_the_loss_and_gradients_numpy_does(wgpu, loss):
     values = init_parameters(CFG, seed=3)
@@ -157,12 +169,7 @@ def test_the_device_computes_the_loss_and_gradients_numpy_does(wgpu, loss):
         want, want_logp, want_grads, _ = graph_loss(values, loss, lora, 3 * 4 * CFG.n_vocab,
                                                     NumpyBackend())
         got, logp, grads, _ = graph_loss(values, loss, lora, 3 * 4 * CFG.n_vocab, wgpu)
-        assert got == pytest.approx(want, rel=1e-5)
-        np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
-        scale = max(np.abs(g).max() for g in want_grads.values())
-        for name, grad in want_grads.items():      # float32 sums in another order
-            np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
-                                       err_msg=name)
+        assert_float32_alike((got, logp, grads), (want, want_logp, want_grads))
 
 
 def test_a_step_that_starts_at_the_reference_has_a_gradient():
@@ -440,9 +447,4 @@ def test_the_device_gives_packed_pairs_the_padded_loss_and_gradients(wgpu, loss)
         padded, packed = padded_and_packed(pairs)
         want, want_logp, want_grads = pairs_loss(padded, values, loss, lora, NumpyBackend())
         got, logp, grads = pairs_loss(packed, values, loss, lora, wgpu, spare=1)
-        assert got == pytest.approx(want, rel=1e-5)
-        np.testing.assert_allclose(logp, want_logp, rtol=1e-5)
-        scale = max(np.abs(g).max() for g in want_grads.values())
-        for name, grad in want_grads.items():      # float32 sums in another order
-            np.testing.assert_allclose(grads[name], grad, rtol=1e-4, atol=1e-5 * scale,
-                                       err_msg=name)
+        assert_float32_alike((got, logp, grads), (want, want_logp, want_grads))
