@@ -237,8 +237,8 @@ class ChatTemplate:
         answer does not have; Qwen3.5 refuses a conversation without a user turn), the
         conversation is cut as TRL cuts a prompt from its completion: the last message, if
         an assistant's, is the answer from where the whole and the rendering of the messages
-        before it with the generation prompt part; earlier answers stay context (untrained:
-        `last_answer_only` counts such conversations)."""
+        before it with the generation prompt part; earlier answers stay context (not answers:
+        `last_answer_only` counts the conversations that had some from `answers_from` on)."""
         try:
             return self._turns_of_prefixes(messages, answers_from)
         except DataError:
@@ -248,7 +248,8 @@ class ChatTemplate:
             return [(full, False)]
         prompt = self.render(messages[:last], add_generation_prompt=True)
         start = len(os.path.commonprefix([prompt, full]))
-        self.last_answer_only += any(m["role"] == "assistant" for m in messages[:last])
+        self.last_answer_only += any(m["role"] == "assistant"
+                                     for m in messages[answers_from:last])
         return [(t, trained) for t, trained in ((full[:start], False),
                                                 (full[start:], last >= answers_from)) if t]
 

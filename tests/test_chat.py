@@ -115,6 +115,7 @@ def test_a_template_that_renders_starts_otherwise_trains_the_last_answer(source,
     assert template.last_answer_only == 1
     assert not any(trained for _, trained in template.turns(CHAT[:4]))   # ends with a user
     assert not any(trained for _, trained in template.turns(CHAT, answers_from=5))
+    assert template.last_answer_only == 1      # answers before answers_from are no answers
     with pytest.raises(DataError, match="No user query"):
         ChatTemplate(NEEDS_USER).turns(CHAT[:1] + [{"role": "assistant", "content": "x"}])
 

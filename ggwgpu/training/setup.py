@@ -81,7 +81,7 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
         lines = [f"data: {data.data}: " + describe("train", samples)]
         if valid is not None:
             lines.append("      " + describe("validation", valid))
-        if data.template is not None and data.template.last_answer_only:
+        if data.mask_prompt and data.template is not None and data.template.last_answer_only:
             lines.append(f"      {data.template.last_answer_only} conversations train their "
                          f"last answer only: the chat template renders earlier answers "
                          f"otherwise in a longer conversation (as Qwen3's does)")
