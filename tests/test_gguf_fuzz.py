@@ -1,5 +1,5 @@
 """Hostile GGUF files: hypothesis mutates small valid files (an f32 model, a checkpoint, a
-vocabulary, a Q8_0/Q4_0/F16 model, a LoRA adapter) by byte flips, truncation, integer fields
+vocabulary, a Q8_0/Q4_0/F16 model, a LoRA adapter, a qwen35 hybrid) by byte flips, truncation, integer fields
 of the header, metadata and tensor infos overwritten with boundary values, bytes inserted or
 deleted and tensor infos swapped, and each file's loader must either return a well-formed
 result or raise GGUFError naming the file. Any other exception fails, and so does an example
@@ -36,6 +36,12 @@ FUZZ = settings(max_examples=EXAMPLES, derandomize=True, database=None,
                 deadline=timedelta(seconds=2))
 
 CFG = ModelConfig(n_vocab=9, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=4)
+# a hybrid: a gated delta-net and a gated attention layer, and the keys they bring (ssm.*,
+# rope sections, recurrent layers as an array)
+HYBRID = ModelConfig(n_vocab=9, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=4, n_rot=2,
+                     n_layer=2, n_ff=12, n_ctx=4, recurrent_layers=(1,), conv_kernel=3,
+                     ssm_state=2, ssm_heads=2, ssm_groups=1, rope_sections=(1, 0, 0, 0),
+                     arch="qwen35")
 QCFG = ModelConfig(n_vocab=9, n_embd=32, n_head=2, n_layer=1, n_ff=32, n_ctx=4)
 VOCAB = SentencePieceVocab(["<unk>", "<s>", "</s>", "\u2581", "a", "b", "ab", "<0x0A>", "<0x41>"],
                            [0.0, 0.0, 0.0, -1.0, -2.0, -2.0, -0.5, 0.0, 0.0],
@@ -131,6 +137,7 @@ def bases(tmp_path_factory):
     vocab_file(folder / "vocab")
     quantized_model_file(folder / "quantized")
     save_adapter(folder / "adapter", init_adapter(CFG, lora_ranks(CFG, r=2), alpha=4.0), CFG)
+    save_model(folder / "hybrid", HYBRID, init_parameters(HYBRID, 0), VOCAB)
     return {kind: layout((folder / kind).read_bytes()) for kind in LOADERS}
 
 
@@ -221,7 +228,8 @@ def check_adapter(adapter):
 # base file -> (loader, check of its result)
 LOADERS = {"model": (load_model, check_model), "checkpoint": (load_checkpoint, check_checkpoint),
            "vocab": (load_vocab, check_vocab), "quantized": (load_model, check_model),
-           "adapter": (lambda path: load_adapter(path, CFG), check_adapter)}
+           "adapter": (lambda path: load_adapter(path, CFG), check_adapter),
+           "hybrid": (load_model, check_model)}
 
 TALLY = collections.Counter()
 
