@@ -3,7 +3,7 @@ a message and exit code 1 or 2 (or runs, exit 0), never a Python exception.
 
 Each command starts from a small valid command line (WALK); the walk puts every hostile
 file (truncated or lying GGUF, a model of 2^31 - 1 or 1 token of context, a model whose
-chat template loops or fails, empty, a
+chat template loops or fails, a qwen35 hybrid of 16 or 2^31 - 1 tokens, empty, a
 directory, a FIFO, a device, text that is not UTF-8, JSONL with a bad line) in each of its file arguments and options, and each
 hostile number (0, -1, huge, NaN) in each of its number options. $GGWGPU_TRACEBACK=1 makes
 an unexpected exception escape the command group (a bug, found here); a 1 GiB host limit
@@ -58,7 +58,8 @@ REFUSED = {"plot": "needs matplotlib", "bench matmul": "times the wgpu backend",
            "bench ops": "times the wgpu backend"}
 OUTPUTS = {"out", "target", "json_path", "checkpoint_out", "log_path"}
 HOSTILE_INPUTS = ["truncated model", "lying model", "huge context model", "one-token model",
-                  "looping template model", "failing template model",
+                  "looping template model", "failing template model", "hybrid model",
+                  "huge context hybrid model",
                   "empty", "directory", "fifo", "device", "not utf-8", "bad jsonl"]
 # chat templates come from model files: one that would loop for hours, one that includes
 TEMPLATES = {"looping template model": "{% for i in range(100000) %}{% for j in range(100000)"
@@ -86,9 +87,15 @@ def command_paths(group=cli_main.cli, prefix=()):
 COMMANDS = dict(command_paths())
 
 
-def tiny_model(path, n_ctx=16, template=None):
-    cfg = ModelConfig(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2, n_layer=1, n_ff=32,
-                      n_ctx=n_ctx)
+# a qwen35: a gated delta-net (its state and convolution cache) before gated attention
+HYBRID = dict(n_layer=2, n_head_kv=1, n_embd_head=8, n_rot=4, recurrent_layers=(0,),
+              conv_kernel=3, ssm_state=4, ssm_heads=2, ssm_groups=1, rope_sections=(1, 1, 0, 0),
+              arch="qwen35")
+
+
+def tiny_model(path, n_ctx=16, template=None, **family):
+    cfg = ModelConfig(**{**dict(n_vocab=ByteTokenizer().n_vocab, n_embd=16, n_head=2,
+                                n_layer=1, n_ff=32, n_ctx=n_ctx), **family})
     gguf_llama.save_model(path, cfg, init_parameters(cfg, 0), ByteTokenizer(),
                           template and {"tokenizer.chat_template": template})
     return cfg
@@ -108,6 +115,8 @@ def files(tmp_path_factory):
     (d / "lying model").write_bytes(data[:at] + struct.pack("<Q", 2 ** 40) + data[at + 8:])
     tiny_model(d / "huge context model", n_ctx=2 ** 31 - 1)
     tiny_model(d / "one-token model", n_ctx=1)
+    tiny_model(d / "hybrid model", **HYBRID)
+    tiny_model(d / "huge context hybrid model", n_ctx=2 ** 31 - 1, **HYBRID)
     for name, template in TEMPLATES.items():
         tiny_model(d / name, template=template)
     (d / "empty").write_bytes(b"")
