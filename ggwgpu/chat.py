@@ -464,11 +464,15 @@ STATE_VERSION = 2   # 2: rows may be packed (the state says whether)
 def pack_rows(lengths, n_ctx: int) -> list[list[int]]:
     """Items of these lengths (each <= n_ctx) in rows of n_ctx: first-fit decreasing (the
     longest first, each into the first row with room, ties in index order), so the same
-    lengths always give the same rows. Returns each row's item indices in the order placed."""
+    lengths always give the same rows. Returns each row's item indices in the order placed.
+    An item may span several rows side by side: `lengths` (items, k) then fills units of k
+    rows, an item fitting where each of its k parts does (preference pairs: pairs.pack_pairs),
+    the longest by the sum of its parts."""
     lengths = np.asarray(lengths, np.int64)
-    rows, room = [], np.empty(len(lengths), np.int64)
-    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        fits = np.flatnonzero(room[:len(rows)] >= lengths[i])
+    lengths = lengths.reshape(len(lengths), -1)
+    rows, room = [], np.empty(lengths.shape, np.int64)
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i].sum(), i)):
+        fits = np.flatnonzero((room[:len(rows)] >= lengths[i]).all(axis=1))
         if len(fits):
             rows[fits[0]].append(i)
             room[fits[0]] -= lengths[i]

@@ -19,7 +19,7 @@ import json
 import numpy as np
 
 from .chat import (IGNORE, ROLES, STATE_VERSION, Example, RowBatches, _need_unicode,
-                   encode_example, place)
+                   encode_example, pack_rows, place)
 from .data import DataError, EpochOrder
 
 
@@ -82,21 +82,11 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
 def pack_pairs(spans, n_ctx: int) -> list[list[int]]:
     """Pairs whose chosen and rejected sequences fill these positions ((chosen, rejected)
     each <= n_ctx) in units of two rows of n_ctx, the chosen sequences one after another in
-    the first row and the rejected ones in the second: first-fit decreasing (the longest
-    pair first, each into the first unit with room in both rows, ties in index order), so
-    the same spans always give the same units. Returns each unit's pair indices in the order
-    placed."""
-    spans = np.asarray(spans, np.int64).reshape(-1, 2)
-    units, room = [], np.empty((len(spans), 2), np.int64)
-    for i in sorted(range(len(spans)), key=lambda i: (-spans[i].sum(), i)):
-        fits = np.flatnonzero((room[:len(units)] >= spans[i]).all(axis=1))
-        if len(fits):
-            units[fits[0]].append(i)
-            room[fits[0]] -= spans[i]
-        else:
-            room[len(units)] = n_ctx - spans[i]
-            units.append([i])
-    return units
+    the first row and the rejected ones in the second: chat.pack_rows's first-fit
+    decreasing over both rows (the longest pair first, each into the first unit with room in
+    both), so the same spans always give the same units. Returns each unit's pair indices in
+    the order placed."""
+    return pack_rows(np.asarray(spans, np.int64).reshape(-1, 2), n_ctx)
 
 
 class PairBatches(RowBatches):

@@ -23,6 +23,8 @@ that change nothing (b = 0, g = 0) and cut back after.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .. import ops as O
@@ -41,12 +43,22 @@ def matmul(x, y):
     return O.mul_mat(O.cont(O.transpose(y)), x)
 
 
-def masks(c: int) -> tuple:
-    """Constants (c, c): the lower triangle with its diagonal, the strict one, the identity."""
+@functools.cache
+def mask_values(c: int) -> tuple:
+    """(c, c) arrays: the lower triangle with its diagonal, the strict one, the identity;
+    made once, so every layer's constants share one storage (base.SharedConstants)."""
     lower = np.tril(np.ones((c, c), np.float32))
-    return (constant(lower, name=f"delta rule lower {c}"),
-            constant(lower - np.eye(c, dtype=np.float32), name=f"delta rule strict {c}"),
-            constant(np.eye(c, dtype=np.float32), name=f"delta rule identity {c}"))
+    identity = np.eye(c, dtype=np.float32)
+    values = lower, lower - identity, identity
+    for v in values:
+        v.flags.writeable = False
+    return values
+
+
+def masks(c: int) -> tuple:
+    """Constants of mask_values(c)."""
+    return tuple(constant(v, name=f"delta rule {kind} {c}")
+                 for v, kind in zip(mask_values(c), ("lower", "strict", "identity")))
 
 
 def unit_lower_inverse(lo, identity, c: int):
@@ -105,7 +117,11 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
     g (log decay, <= 0) and beta (B, T, H); `state` (H * B, S_v, S_k) or None for zeros.
     Returns o (B, T, H, S_v) (q scaled by 1/sqrt(S_k) inside), and with `final_state` the
     state after the last token, (H * B, S_v, S_k). Rows that hold several sequences, each
-    from a zero state, take `segments`: the (same, carry) of `segment_masks`, as f32 tensors."""
+    from a zero state, take `segments`: the (same, carry) of `segment_masks`, as f32 tensors.
+    The rule runs in f32 whatever the activations (its cumulative decays, its state): f16
+    inputs are cast, and o comes back in v's type."""
+    dtype = v.dtype
+    q, k, v, g, beta = (O.cast(t, "f32") if t.dtype == "f16" else t for t in (q, k, v, g, beta))
     batch, t, heads, s_k = q.shape
     s_v = v.shape[-1]
     c, n = chunking(t, chunk)
@@ -164,6 +180,7 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
     out = O.view(outs[0], (heads, batch, t, s_v), (batch * padded * s_v, padded * s_v, s_v, 1),
                  0)
     out = O.permute(out, (1, 2, 0, 3))
+    out = O.cast(out, dtype) if dtype != out.dtype else out
     return (out, state) if final_state else out
 
 

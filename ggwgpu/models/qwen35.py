@@ -216,11 +216,7 @@ class Qwen35(Family):
         q, k = (l2_norm(O.cont(t), cfg.norm_eps) for t in (q, k))
         if cfg.ssm_groups != cfg.ssm_heads:     # value head h reads query/key head h % groups
             q, k = (O.repeat(t, rows + (cfg.ssm_heads, s)) for t in (q, k))
-        # the rule's cumulative decays and its state in f32, whatever the activations
-        q, k, v, decay, beta = (O.cast(t, "f32") if t.dtype == "f16" else t
-                                for t in (q, k, O.cont(v), decay, beta))
-        o = seq.recur(i, q, k, v, decay, beta)                      # (*rows, heads, s)
-        o = O.cast(o, x.dtype) if o.dtype != x.dtype else o
+        o = seq.recur(i, q, k, O.cont(v), decay, beta)              # (*rows, heads, s)
         gated = O.mul(B.rms_norm(cfg, o, p[b + "ssm_norm.weight"]),
                       O.silu(B.split_heads(z, rows, cfg.ssm_heads, s)))
         return B.linear(p, b + "ssm_out.weight", O.reshape(gated, rows + (values,)), residual=x)

@@ -425,7 +425,7 @@ class DecodeGraph:
     states: tuple = ()        # recurrent layers' states (qwen35's delta-nets), leaves kept
                               # from run to run: the state after the last token run
     state_writes: tuple = ()  # the writes of the new states: outputs to plan with the logits
-    valid: object = None      # with states: f32 input (n_tokens, 1), 1 on the run's tokens,
+    valid: object = None      # with states: input (n_tokens, 1), 1 on the run's tokens,
                               # 0 on its padding (which then leaves the states as they are)
     carry: object = None      # with states: f32 input (1, 1, 1), 0 when a run starts at 0
 
@@ -574,7 +574,8 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         return O.view(y, (n_tokens, width), (width, 1), reach * width)
 
     states, state_writes = [], []
-    valid = input_tensor((n_tokens, 1), name="valid tokens") if cfg.recurrent_layers else None
+    valid = (input_tensor((n_tokens, 1), precision, name="valid tokens") if cfg.recurrent_layers
+             else None)
     carry = input_tensor((1, 1, 1), name="state carried") if cfg.recurrent_layers else None
 
     def recur(i, q, k, v, g, beta):     # from the state the last run left, or zeros
