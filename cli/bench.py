@@ -342,8 +342,10 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
     """Time per op of one training step, wgpu against NumPy.
 
     Both backends train the same llama step (checked by their warm-up losses), then run it
-    once op by op: on wgpu each dispatch is submitted and waited on alone (WgpuPlan.profile),
-    so the times include a submit and a wait per dispatch; NumPy times each node.
+    once op by op: on wgpu each dispatch is timed alone (WgpuPlan.profile): on the device by
+    timestamp queries where the adapter has them, else submitted and waited on, so that the
+    times include a submit and a wait each; NumPy times each node. Then the wgpu time by
+    kernel (shader and entry point), the kernel variants the adapter was given included.
     """
     wgpu_backend, why = wgpu_for(ctx, "bench ops")
     if wgpu_backend is None:
@@ -364,9 +366,19 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
                f"{total['wgpu']:>9.2f} {total['numpy']:>9.2f} "
                f"{total['numpy'] / total['wgpu']:>10.3f}  "
                "(wgpu/numpy: speed ratio, numpy ms / wgpu ms)")
+    click.echo("wgpu ms: " + ("device time, from timestamp queries around each dispatch"
+                              if times["wgpu_clock"] == "device" else
+                              "host time of a submit and a wait per dispatch (this adapter "
+                              "has no timestamp queries)"))
+    kernels = sorted(times["kernels"].items(), key=lambda kv: -kv[1]["wgpu_ms"])
+    click.echo(f"{'kernel':<40} {'disp':>5} {'wgpu ms':>9} {'share':>6}")
+    for kernel, r in kernels[:top]:
+        click.echo(f"{kernel:<40} {r['dispatches']:>5} {r['wgpu_ms']:>9.2f} "
+                   f"{r['wgpu_ms'] / total['wgpu']:>6.1%}")
     stats = step_stats(trainers["wgpu"].plan, repeat)
     echo_step_stats(stats)
     write_json(json_path, {"bench": "ops", "config": config_name, "ops": ops,
+                           "kernels": times["kernels"], "wgpu_clock": times["wgpu_clock"],
                            "total_ms": total, "wgpu": stats})
 
 

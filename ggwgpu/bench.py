@@ -322,22 +322,29 @@ def describe_config(config_name: str, **changes) -> str:
 
 def op_times(trainers: dict) -> dict:
     """One training step run op by op on both backends of checked_trainers: on wgpu each
-    dispatch submitted and waited on alone (WgpuPlan.profile), on NumPy each node timed.
-    {"ops": {op: nodes, dispatches, wgpu_ms, numpy_ms}, "total_ms": {backend: ms},
-    "nodes": NumPy's nodes, "dispatches": wgpu's}."""
+    dispatch timed alone (WgpuPlan.profile: on the device by timestamp queries where the
+    adapter has them, else a submit and a wait each), on NumPy each node timed.
+    {"ops": {op: nodes, dispatches, wgpu_ms, numpy_ms}, "kernels": {shader:entry point:
+    dispatches, wgpu_ms}, "total_ms": {backend: ms}, "nodes": NumPy's nodes, "dispatches":
+    wgpu's, "wgpu_clock": "device" or "host"}."""
     numpy_times = trainers["numpy"].plan.profile()
     plan = trainers["wgpu"].plan
-    wgpu_times = [(op, s) for op, (_, s) in zip(plan.dispatch_ops, plan.profile())]
-    ops = {}
+    profiled = plan.profile()
+    wgpu_times = [(op, s) for op, (_, s) in zip(plan.dispatch_ops, profiled)]
+    ops, kernels = {}, {}
     for backend, times in (("numpy", numpy_times), ("wgpu", wgpu_times)):
         for op, s in times:
             row = ops.setdefault(op, {"nodes": 0, "dispatches": 0, "wgpu_ms": 0.0,
                                       "numpy_ms": 0.0})
             row["nodes" if backend == "numpy" else "dispatches"] += 1
             row[f"{backend}_ms"] += 1e3 * s
+    for kernel, s in profiled:
+        row = kernels.setdefault(kernel, {"dispatches": 0, "wgpu_ms": 0.0})
+        row["dispatches"] += 1
+        row["wgpu_ms"] += 1e3 * s
     total = {key: sum(r[f"{key}_ms"] for r in ops.values()) for key in ("wgpu", "numpy")}
-    return {"ops": ops, "total_ms": total, "nodes": len(numpy_times),
-            "dispatches": len(wgpu_times)}
+    return {"ops": ops, "kernels": kernels, "total_ms": total, "nodes": len(numpy_times),
+            "dispatches": len(wgpu_times), "wgpu_clock": plan.profile_clock}
 
 
 # -- the PyTorch peer -------------------------------------------------------------------------

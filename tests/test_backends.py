@@ -133,6 +133,41 @@ def test_device_seconds_times_a_run_where_timestamps_exist(wgpu):
     np.testing.assert_allclose(plan.read(y), NumpyBackend().compute([y], feeds)[0], rtol=1e-5)
 
 
+@pytest.mark.parametrize("clock", ["device", "host"])
+def test_profile_times_each_dispatch_and_computes_the_run(wgpu, monkeypatch, clock):
+    """profile() runs every dispatch once, in order, as run() does: by timestamp queries in
+    chunks of passes (2 here, so several submits) or by a submit and a wait each."""
+    from ggwgpu.backends import wgpu_backend
+    if clock == "device" and not wgpu.has_timestamps:
+        pytest.skip("the adapter has no timestamp queries (the host clock is tested)")
+    monkeypatch.setattr(wgpu, "has_timestamps", clock == "device")
+    monkeypatch.setattr(wgpu_backend, "PROFILE_PASSES", 2)
+    x, w, y, z = small_graph()
+    plan = wgpu.plan([z])
+    feeds = {x: np.ones((6, 8), np.float32), w: np.ones(8, np.float32)}
+    times = plan.profile(feeds)
+    assert plan.profile_clock == clock
+    assert [k for k, _ in times] == [f"{stem}:{d.entry}" for stem, d in plan.dispatches]
+    assert len(times) > 2 and all(0 <= s < 60 for _, s in times)
+    assert sum(s for _, s in times) > 0
+    np.testing.assert_allclose(plan.read(z), NumpyBackend().compute([z], feeds)[0], rtol=1e-5)
+
+
+def test_timestamps_count_nanoseconds_by_the_queue_s_period(wgpu, monkeypatch):
+    """Ticks times the queue's period: one pass's time scales with a period 1000 times
+    longer (the ticks themselves differ from run to run, so only the order is checked)."""
+    if not wgpu.has_timestamps:
+        pytest.skip("the adapter has no timestamp queries")
+    assert wgpu.timestamp_period > 0
+    x, w, y, z = small_graph()
+    plan = wgpu.plan([y])
+    feeds = {x: np.ones((6, 8), np.float32), w: np.ones(8, np.float32)}
+    plan.device_seconds(feeds)
+    seconds = min(plan.device_seconds() for _ in range(3))
+    monkeypatch.setattr(wgpu, "timestamp_period", wgpu.timestamp_period * 1000)
+    assert min(plan.device_seconds() for _ in range(3)) > 10 * seconds
+
+
 FAST = [(name, case) for name in sorted(OPS) if OPS[name].fast
         for case in testing.cases_of(name)]
 

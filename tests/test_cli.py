@@ -316,6 +316,12 @@ def test_bench_ops_times_each_op_on_both_backends(tmp_path):
     assert ops["rms_norm_mul"]["nodes"] == 2 * (2 * 4 + 1)   # forward, and in dw
     assert ops["swiglu"]["nodes"] == 2 * 4 and ops["swiglu_back"]["nodes"] == 4
     assert sum(r["dispatches"] for r in ops.values()) == report["wgpu"]["dispatches"]
+    kernels = report["kernels"]
+    assert sum(r["dispatches"] for r in kernels.values()) == report["wgpu"]["dispatches"]
+    assert sum(r["wgpu_ms"] for r in kernels.values()) == pytest.approx(
+        report["total_ms"]["wgpu"])
+    assert report["wgpu_clock"] in ("device", "host")
+    assert kernels["elementwise:swiglu"]["dispatches"] == 2 * 4
     assert all(r["numpy_ms"] > 0 for r in ops.values() if r["nodes"])
     shown = [line.split()[0] for line in result.output.splitlines()
              if line.split() and line.split()[0] in ops]

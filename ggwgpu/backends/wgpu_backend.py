@@ -92,6 +92,10 @@ def whole_words(block: np.ndarray) -> np.ndarray:
     return data
 
 
+# dispatches timed per submit by WgpuPlan.profile: WebGPU allows 4096 queries in a set
+PROFILE_PASSES = 2048
+
+
 def grid_2d(groups: int) -> tuple[int, int]:
     x = min(groups, MAX_GROUPS)
     return x, math.ceil(groups / x)
@@ -111,7 +115,10 @@ class WgpuBackend(Backend):
                     if f in self.adapter.features]
         self.device = self.adapter.request_device_sync(
             required_features=features, required_limits={k: limits[k] for k in wanted})
-        self.has_timestamps = "timestamp-query" in self.device.features
+        # nanoseconds per timestamp tick; no timestamps where the period cannot be read
+        self.timestamp_period = (wgpu_direct.timestamp_period(self.device.queue)
+                                 if "timestamp-query" in self.device.features else None)
+        self.has_timestamps = self.timestamp_period is not None
         self.has_f16 = "shader-f16" in self.device.features
         self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
@@ -233,7 +240,8 @@ class WgpuPlan(Plan):
         self._commands, self._handles = self._commands_of(range(len(self.recorded)))
         self.direct_calls = self._handles is not None
         self._stage_commands = {}     # stage -> _commands_of its dispatches
-        self._timer = None
+        self._timer = None          # (timestamp query set, resolve buffer), made when asked
+        self.profile_clock = None   # how the last profile() timed: "device" or "host"
         # host time of the last run(): (all of it, recording and submitting the dispatches)
         self.host_seconds = None
 
@@ -356,36 +364,71 @@ class WgpuPlan(Plan):
             self.encode(encoder)
             device.queue.submit([encoder.finish()])
             return None
-        if self._timer is None:
-            self._timer = (device.create_query_set(type=wgpu.QueryType.timestamp, count=2),
-                           device.create_buffer(size=16, usage=wgpu.BufferUsage.QUERY_RESOLVE
-                                                | wgpu.BufferUsage.COPY_SRC))
-        queries, resolved = self._timer
+        queries, resolved = self._timestamps(2)
         self.encode(encoder, {"query_set": queries, "beginning_of_pass_write_index": 0,
                               "end_of_pass_write_index": 1})
-        encoder.resolve_query_set(queries, 0, 2, resolved, 0)
-        start, end = np.frombuffer(self._copy_back(encoder, [(resolved, 0, 16)]), np.uint64)
-        return (int(end) - int(start)) * 1e-9   # WebGPU timestamps count nanoseconds
+        return float(self._resolve(encoder, queries, resolved, 1)[0])
+
+    def _timestamps(self, count: int):
+        """(a timestamp query set of at least `count` queries, a buffer to resolve it into),
+        made once and grown when asked for more."""
+        if self._timer is None or self._timer[0].count < count:
+            device = self.backend.device
+            self._timer = (device.create_query_set(type=wgpu.QueryType.timestamp, count=count),
+                           device.create_buffer(size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE
+                                                | wgpu.BufferUsage.COPY_SRC))
+        return self._timer
+
+    def _resolve(self, encoder, queries, resolved, pairs: int) -> np.ndarray:
+        """Submit `encoder` with the first `pairs` (begin, end) timestamp pairs of `queries`
+        resolved and read back: the seconds between each pair."""
+        encoder.resolve_query_set(queries, 0, 2 * pairs, resolved, 0)
+        ticks = np.frombuffer(self._copy_back(encoder, [(resolved, 0, 16 * pairs)]), np.uint64)
+        ticks = ticks.reshape(pairs, 2).astype(np.int64)
+        return (ticks[:, 1] - ticks[:, 0]) * (self.backend.timestamp_period * 1e-9)
 
     def profile(self, feeds=None) -> list[tuple[str, float]]:
-        """Run the graph once dispatch by dispatch, waiting after each: (kernel, seconds)
-        per dispatch. Slower than run(); for finding the kernels that dominate a step."""
+        """Run the graph once dispatch by dispatch: (kernel, seconds) per dispatch. Where the
+        adapter has timestamp queries, each dispatch is a compute pass of its own timed on
+        the device (all of them in a few submits; self.profile_clock = "device"); else each
+        is submitted and waited on alone, its time the host's ("host": a submit and a wait
+        each). For finding the kernels that dominate a step."""
         for t, value in (feeds or {}).items():
             self.write(t, value)
         device, times = self.backend.device, []
+        names = [f"{stem}:{d.entry}" for stem, d in self.dispatches]
         self.sync()
-        for (stem, d), (pipeline, group, (x, y)) in zip(self.dispatches, self.recorded):
+        if self.backend.has_timestamps:
+            self.profile_clock = "device"
+            for first in range(0, len(self.recorded), PROFILE_PASSES):
+                chunk = self.recorded[first:first + PROFILE_PASSES]
+                queries, resolved = self._timestamps(2 * PROFILE_PASSES)
+                encoder = device.create_command_encoder()
+                for j, command in enumerate(chunk):
+                    self._dispatch_alone(encoder, command, {
+                        "query_set": queries, "beginning_of_pass_write_index": 2 * j,
+                        "end_of_pass_write_index": 2 * j + 1})
+                times.extend(self._resolve(encoder, queries, resolved, len(chunk)))
+            return list(zip(names, map(float, times)))
+        self.profile_clock = "host"
+        for command in self.recorded:
             start = time.perf_counter()
             encoder = device.create_command_encoder()
-            cpass = encoder.begin_compute_pass()
-            cpass.set_pipeline(pipeline)
-            cpass.set_bind_group(0, group)
-            cpass.dispatch_workgroups(x, y, 1)
-            cpass.end()
+            self._dispatch_alone(encoder, command)
             device.queue.submit([encoder.finish()])
             self.sync()
-            times.append((f"{stem}:{d.entry}", time.perf_counter() - start))
-        return times
+            times.append(time.perf_counter() - start)
+        return list(zip(names, times))
+
+    @staticmethod
+    def _dispatch_alone(encoder, command, timestamp_writes=None):
+        """Record one recorded dispatch (pipeline, bind group, grid) as a compute pass."""
+        pipeline, group, (x, y) = command
+        cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
+        cpass.set_pipeline(pipeline)
+        cpass.set_bind_group(0, group)
+        cpass.dispatch_workgroups(x, y, 1)
+        cpass.end()
 
     def write(self, t, value):
         value = self._check_value(t, value)

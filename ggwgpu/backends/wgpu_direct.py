@@ -1,6 +1,6 @@
 """The one place ggwgpu reaches past wgpu-py's public API: the encode loop's three commands
 (set pipeline, set bind group, dispatch) called as wgpu-native's C functions on the objects'
-native handles.
+native handles, and the queue's timestamp period, which wgpu-py does not expose.
 
 wgpu-py wraps each call in Python error capture and builds a cffi array of dynamic offsets per
 set_bind_group: about 2.5 µs of a step's ~4 µs of host time per dispatch on lavapipe. Calling
@@ -76,3 +76,14 @@ def record(cpass, commands, handles=None) -> None:
             cpass.set_pipeline(pipeline)
         cpass.set_bind_group(0, group)
         cpass.dispatch_workgroups(x, y, 1)
+
+
+def timestamp_period(queue) -> float | None:
+    """Nanoseconds per tick of `queue`'s timestamp queries (wgpu-native resolves raw ticks:
+    1 on NVIDIA and lavapipe, 10 or more on some AMD cards), or None where it cannot be read
+    from this wgpu-py."""
+    try:
+        from wgpu.backends.wgpu_native._api import lib
+        return float(lib.wgpuQueueGetTimestampPeriod(queue._internal))
+    except (ImportError, AttributeError):
+        return None
