@@ -43,7 +43,8 @@ CONFIG_HELP = ("tiny: vocab 256, embd 128, 4 heads, 4 layers, ff 352, ctx 64; sm
                "smollm-135m, smollm-360m: SmolLM2's shapes (30 layers, embd 576, 9/3 heads, ff "
                "1536; 32 layers, embd 960, 15/5 heads, ff 2560; vocab 49152, tied), a rank-4 "
                "LoRA on a frozen q4_0 base (smollm-135m-q8: q8_0; smollm-135m-full: every "
-               "weight in f32), 4 x 128 tokens, checkpointing.")
+               "weight in f32), 4 x 128 tokens, checkpointing; smollm-135m-lora-f32: the "
+               "LoRA on an f32 base without checkpointing, as the PyTorch peer trains it.")
 
 json_option = click.option("--json", "json_path", type=click.Path(dir_okay=False),
                            callback=lambda ctx, param, path: path and (
@@ -219,7 +220,8 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_
     if refusal:
         torch_why = f"no peer: {refusal}"
     elif use_torch:
-        peer, failed = in_own_process(torch_peer, cfg, options, steps, torch_device)
+        peer, failed = in_own_process(torch_peer, cfg, options, steps, torch_device,
+                                      config.lora_rank if config.lora else 0)
         torch_why = f"failed: {failed}" if failed else "not importable"
         if peer is not None:
             loss["torch"], seconds["torch"] = peer["loss"], peer["seconds"]

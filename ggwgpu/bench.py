@@ -18,7 +18,7 @@ import numpy as np
 
 from .backends import Backend, NumpyBackend
 from .backends.base import Plan
-from .models import ModelConfig
+from .models import LORA_A, LORA_B, ModelConfig
 from .ops import OPS
 
 
@@ -37,7 +37,7 @@ class BenchConfig:
     """A `bench train` config: a llama's shape, the samples per step and how it trains."""
     model: dict                 # ModelConfig fields
     batch: int
-    base: str | None = None     # a block type: LoRA on a frozen base stored in it
+    base: str | None = None     # LoRA on a frozen base stored in this type ("f32" or a block type)
     lora_rank: int = 4          # rank of every block matrix's pair (alpha = rank: scale 1)
     checkpointing: bool = False
     steps: int = 5              # timed steps unless --steps says otherwise
@@ -46,6 +46,10 @@ class BenchConfig:
     @property
     def lora(self) -> bool:
         return self.base is not None
+
+    @property
+    def quantized_base(self) -> bool:
+        return self.lora and self.base != "f32"
 
 
 # SmolLM2's published shapes (head size 64, grouped-query attention, tied embeddings)
@@ -69,6 +73,10 @@ BENCH_TRAIN_CONFIGS = {
                                **PUBLISHED_FINETUNE),
     "smollm-135m-full": BenchConfig(SMOLLM2_135M, shape_of="SmolLM2-135M",
                                     **{**PUBLISHED_FINETUNE, "lora_rank": 0}),
+    # the same LoRA finetune on an f32 base, every activation kept: what the PyTorch peer
+    # trains too (f32 against f32, on a GPU)
+    "smollm-135m-lora-f32": BenchConfig(SMOLLM2_135M, base="f32", shape_of="SmolLM2-135M",
+                                        **{**PUBLISHED_FINETUNE, "checkpointing": False}),
 }
 BENCH_TRAIN_MAX_REL_ERR = 1e-3
 F16_MAX_REL_ERR = 1e-2      # the same for the f16 step (activations rounded to halves)
@@ -193,18 +201,23 @@ def bench_model(config_name: str, **changes):
 
 def bench_weights(config_name: str, cfg: ModelConfig):
     """(values, adapter) of a bench config: train-text-from-scratch's random init (seed 0);
-    for a LoRA config its 2-D weights in the base's block type and a fresh adapter of
-    lora_rank on every block matrix (what `ggwgpu finetune` trains), else adapter None."""
-    from . import lora
+    for a LoRA config its 2-D weights in the base's type and a fresh adapter of lora_rank
+    on every block matrix (what `ggwgpu finetune` trains), else adapter None."""
     from .models import init_parameters
     from .quant import quantize_model
     config = BENCH_TRAIN_CONFIGS[config_name]
     values = init_parameters(cfg, 0)
     if not config.lora:
         return values, None
-    ranks = lora.lora_ranks(cfg, config.lora_rank)
-    return (quantize_model(values, config.base),
-            lora.init_adapter(cfg, ranks, alpha=config.lora_rank, seed=0))
+    return (quantize_model(values, config.base) if config.quantized_base else values,
+            bench_adapter(cfg, config.lora_rank))
+
+
+def bench_adapter(cfg: ModelConfig, rank: int):
+    """The fresh adapter a LoRA bench config trains: rank `rank` on every block matrix,
+    alpha = rank (scale 1), seed 0."""
+    from . import lora
+    return lora.init_adapter(cfg, lora.lora_ranks(cfg, rank), alpha=rank, seed=0)
 
 
 def bench_trainer(config_name: str, backend: Backend, cfg: ModelConfig, options, weights):
@@ -360,10 +373,11 @@ def torch_peer_refusal(cfg: ModelConfig, base: str | None = None) -> str | None:
     """Why the PyTorch peer (torch_llama_step) does not train what ggwgpu trains for `cfg`
     (with LoRA on a frozen `base` of that block type, if given), in words; None where it
     does. The peer is llama's block (RMS norms, rope in normal mode, SwiGLU) with
-    grouped-query attention, tied embeddings and full training with AdamW: no other family,
-    no rope frequency factors or other family hyper-parameter, no LoRA. It keeps every
-    activation: a checkpointing config's model and results, without its recomputation."""
-    if base is not None:
+    grouped-query attention, tied embeddings, trained whole or by LoRA pairs on an f32 base,
+    with AdamW: no other family, no rope frequency factors or other family hyper-parameter,
+    no block-type base. It keeps every activation: a checkpointing config's model and
+    results, without its recomputation."""
+    if base not in (None, "f32"):
         return f"PyTorch has no {base} matmul, and an f32 base would time other work"
     if cfg.arch != "llama":
         return (f"the PyTorch peer is a llama (GQA, tied embeddings), not {cfg.arch}: it "
@@ -377,22 +391,28 @@ def torch_peer_refusal(cfg: ModelConfig, base: str | None = None) -> str | None:
     return None
 
 
-def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: str = "cpu"):
+def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: str = "cpu",
+                     adapter=None):
     """One AdamW training step of the same llama in PyTorch on `device` ("cpu", "cuda"), as a
     function that returns the loss (read back: each step waits for its kernels); None when
-    torch is not importable (it is no dependency of ggwgpu). Only for the configs it
-    represents (torch_peer_refusal). Call it only where no lavapipe device exists
-    (torch_peer in its own process)."""
+    torch is not importable (it is no dependency of ggwgpu). With `adapter` (a lora.Adapter
+    on block matrices) the base is frozen and the pairs train: W x + scale B (A x), as
+    ggwgpu computes it. Only for the configs it represents (torch_peer_refusal). Call it
+    only where no lavapipe device exists (torch_peer in its own process)."""
     try:
         import torch
         import torch.nn.functional as F
     except ImportError:
         return None
-    params = {name: torch.tensor(v, device=device, requires_grad=True)
+    params = {name: torch.tensor(v, device=device, requires_grad=adapter is None)
               for name, v in values.items()}
-    groups = [{"params": [p for p in params.values() if p.ndim >= 2],
+    pairs = {} if adapter is None else {
+        name: torch.tensor(v, device=device, requires_grad=True)
+        for name, v in adapter.tensors.items()}
+    trained = pairs or params
+    groups = [{"params": [p for p in trained.values() if p.ndim >= 2],
                "weight_decay": options.weight_decay},
-              {"params": [p for p in params.values() if p.ndim < 2], "weight_decay": 0.0}]
+              {"params": [p for p in trained.values() if p.ndim < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=options.lr, betas=(options.beta1, options.beta2),
                             eps=options.eps)
     t, rot = cfg.n_ctx, cfg.rot
@@ -406,6 +426,15 @@ def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: s
     def rms_norm(x, w):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
 
+    def linear(x, i, name):
+        """Block i's matrix `name` applied to x, with its LoRA pair where it has one."""
+        weight = f"blk.{i}.{name}.weight"
+        y = F.linear(x, params[weight])
+        if weight + LORA_A in pairs:
+            y = y + adapter.scale(weight) * F.linear(F.linear(x, pairs[weight + LORA_A]),
+                                                     pairs[weight + LORA_B])
+        return y
+
     def rope(x):  # (batch, ctx, head, dim), ggml's "normal" mode: pairs (2k, 2k + 1)
         x0, x1 = x[..., 0:rot:2], x[..., 1:rot:2]
         rotated = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1).flatten(-2)
@@ -416,19 +445,17 @@ def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: s
         b = inputs.shape[0]
         x = params["token_embd.weight"][torch.from_numpy(inputs).long().to(device)]
         for i in range(cfg.n_layer):
-            w = {name[len(f"blk.{i}."):-len(".weight")]: p for name, p in params.items()
-                 if name.startswith(f"blk.{i}.")}
-            h = rms_norm(x, w["attn_norm"])
-            q, k, v = (F.linear(h, w[f"attn_{n}"]).view(b, t, heads, cfg.head_dim)
+            h = rms_norm(x, params[f"blk.{i}.attn_norm.weight"])
+            q, k, v = (linear(h, i, f"attn_{n}").view(b, t, heads, cfg.head_dim)
                        for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
             q, k, v = (y.transpose(1, 2) for y in (rope(q), rope(k), v))
             # grouped-query attention: each K/V head serves n_head / n_head_kv query heads
             k, v = (y.repeat_interleave(cfg.n_head // cfg.kv_heads, dim=1) for y in (k, v))
             att = torch.softmax(q @ k.transpose(-1, -2) * scale + mask, -1) @ v
-            x = x + F.linear(att.transpose(1, 2).reshape(b, t, cfg.q_dim), w["attn_output"])
-            h = rms_norm(x, w["ffn_norm"])
-            x = x + F.linear(F.silu(F.linear(h, w["ffn_gate"])) * F.linear(h, w["ffn_up"]),
-                             w["ffn_down"])
+            x = x + linear(att.transpose(1, 2).reshape(b, t, cfg.q_dim), i, "attn_output")
+            h = rms_norm(x, params[f"blk.{i}.ffn_norm.weight"])
+            x = x + linear(F.silu(linear(h, i, "ffn_gate")) * linear(h, i, "ffn_up"), i,
+                           "ffn_down")
         out = params.get("output.weight", params["token_embd.weight"])    # tied embeddings
         logits = F.linear(rms_norm(x, params["output_norm.weight"]), out)
         loss = F.cross_entropy(logits.reshape(-1, cfg.n_vocab),
@@ -436,24 +463,27 @@ def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: s
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if options.grad_clip:
-            torch.nn.utils.clip_grad_norm_(list(params.values()), options.grad_clip)
+            torch.nn.utils.clip_grad_norm_(list(trained.values()), options.grad_clip)
         opt.step()
         return loss.item()
 
     return step
 
 
-def torch_peer(cfg: ModelConfig, options, steps: int, device: str = "cpu") -> dict | None:
+def torch_peer(cfg: ModelConfig, options, steps: int, device: str = "cpu",
+               lora_rank: int = 0) -> dict | None:
     """PyTorch training of a bench llama on `device` (same weights and batches as the other
-    backends), meant for in_own_process(): {'loss': of the warm-up step, 'seconds': mean of
-    `steps` timed steps}, or None when torch is not importable. A config the peer does not
-    represent raises ValueError saying why (torch_peer_refusal)."""
+    backends; with `lora_rank`, bench_adapter's pairs on its f32 base), meant for
+    in_own_process(): {'loss': of the warm-up step, 'seconds': mean of `steps` timed
+    steps}, or None when torch is not importable. A config the peer does not represent
+    raises ValueError saying why (torch_peer_refusal)."""
     from .models import init_parameters
     refusal = torch_peer_refusal(cfg)
     if refusal:
         raise ValueError(refusal)
     step = torch_llama_step(cfg, options, init_parameters(cfg, 0),
-                            RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), device)
+                            RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch), device,
+                            bench_adapter(cfg, lora_rank) if lora_rank else None)
     if step is None:
         return None
     loss, seconds = timed_steps(step, steps)

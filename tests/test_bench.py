@@ -50,7 +50,7 @@ def test_every_published_shape_builds_and_plans_at_two_layers(name):
     # a pair (2 tensors) on each of a block's 7 matrices; or 9 tensors a block, the
     # embedding and the output norm (tied: no output matrix)
     assert plan.counts["opt_step_adamw"] == (2 * 7 * 2 if config.lora else 9 * 2 + 2)
-    assert ("mul_mat_q" in plan.counts) == config.lora
+    assert ("mul_mat_q" in plan.counts) == config.quantized_base
 
 
 def test_the_memory_minimum_of_a_small_lora_step_is_counted_by_hand(hand_config):
@@ -132,6 +132,7 @@ def test_the_torch_peer_represents_llamas_with_gqa_and_tied_embeddings_only():
     assert torch_peer_refusal(llama) is None
     assert torch_peer_refusal(llama, "q4_0") == \
         "PyTorch has no q4_0 matmul, and an f32 base would time other work"
+    assert torch_peer_refusal(llama, "f32") is None      # LoRA on an f32 base
     qwen2 = dataclasses.replace(llama, arch="qwen2")
     assert "a llama (GQA, tied embeddings), not qwen2" in torch_peer_refusal(qwen2)
     factors = dataclasses.replace(llama, rope_freqs=True, final_logit_softcap=30.0)

@@ -250,19 +250,19 @@ def test_bench_train_checks_the_losses_and_prints_tokens_per_s(tmp_path):
         assert memory["peak"] <= memory["planned"]
 
 
-def peer_in_a_child_process(cfg, options, steps, device="cpu"):
+def peer_in_a_child_process(cfg, options, steps, device="cpu", lora_rank=0):
     """A stand-in for the PyTorch peer: fails unless multiprocessing started it."""
     import multiprocessing
     assert multiprocessing.parent_process() is not None, "the peer ran in the bench's process"
     return {"loss": 1.25, "seconds": cfg.n_ctx * options.batch / 1000}  # 1000 tokens/s
 
 
-def peer_that_segfaults(cfg, options, steps, device="cpu"):
+def peer_that_segfaults(cfg, options, steps, device="cpu", lora_rank=0):
     import signal
     os.kill(os.getpid(), signal.SIGSEGV)
 
 
-def peer_that_raises(cfg, options, steps, device="cpu"):
+def peer_that_raises(cfg, options, steps, device="cpu", lora_rank=0):
     raise RuntimeError("no BLAS today")
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 # (config, bench train options): the shapes of issue 31 on a GPU, a small one on lavapipe
 GPU_BENCHES = [("tiny", []), ("small", []), ("smollm-135m-full", ["--steps", "3"]),
-               ("smollm-135m", ["--steps", "3"])]
+               ("smollm-135m-lora-f32", ["--steps", "3"]), ("smollm-135m", ["--steps", "3"])]
 LAVAPIPE_BENCHES = [("tiny", ["--layers", "2", "--steps", "1"])]
 
 
