@@ -22,7 +22,7 @@ from ggwgpu.bench import (BENCH_MAX_REL_ERR, BENCH_SIZES, BENCH_TRAIN_CONFIGS,
                           bench_trainer, bench_weights, checked_trainers, describe_config,
                           dispatches_per_layer, f16_trainer, in_own_process, matmul_row,
                           memory_against_minimum, op_times, planned_memory, rate_ratios,
-                          step_stats, timed_steps, timed_wgpu_steps, torch_peer,
+                          step_stats, timed_steps, timed_wgpu_steps, torch_matmul, torch_peer,
                           torch_peer_refusal, train_step_stats)
 
 from .common import (backend_choice, describe_backend, human_bytes, positive_ints,
@@ -113,14 +113,18 @@ def parse_sizes(ctx, param, values) -> list[tuple[int, int, int]]:
                    f"Default: {','.join('x'.join(map(str, s)) for s in BENCH_SIZES)}.")
 @click.option("--repeat", default=5, show_default=True, type=click.IntRange(min=1),
               help="Timed runs per shape, after one warm-up run.")
+@click.option("--torch-device", type=click.Choice(["cpu", "cuda"]),
+              help="Also time PyTorch's f32 matmul there (TF32 off), in a process of its own.")
 @json_option
 @click.pass_context
-def bench_matmul(ctx, sizes, repeat, json_path):
+def bench_matmul(ctx, sizes, repeat, torch_device, json_path):
     """GFLOP/s of the wgpu mul_mat and of NumPy's matmul on the same shapes.
 
     wgpu: the mean time of back-to-back runs of a planned graph (one submit each) up to the
     GPU finishing. NumPy: the median time of `b @ a.T` in float32. Each shape's wgpu result
-    is checked against float64 NumPy before any number is printed.
+    is checked against float64 NumPy before any number is printed. With --torch-device,
+    PyTorch's `b @ a.T` in f32 as well, timed as wgpu is: on a CUDA GPU, cuBLAS's f32 rate
+    on a large shape is the card's measured f32 rate.
     """
     name, by = backend_choice(ctx)
     if name == "numpy" and by == "--backend":
@@ -148,8 +152,18 @@ def bench_matmul(ctx, sizes, repeat, json_path):
                    f"{row['host_us_per_dispatch']:>12.2f}  {device:>9}  "
                    f"{row['memory']['planned']:>13}")
         rows.append(row)
+    if torch_device:
+        rates, failed = in_own_process(torch_matmul, sizes, repeat, torch_device)
+        if rates is None:
+            click.echo(f"torch {torch_device}: " + (f"failed: {failed}" if failed
+                                                    else "not importable"))
+        for row in rows if rates else []:
+            row["torch_gflops"] = rate = rates[f"{row['m']}x{row['n']}x{row['k']}"]
+            row["ratio_wgpu_torch"] = row["gflops"]["wgpu"] / rate
+            click.echo(f"torch {torch_device} {row['m']}x{row['n']}x{row['k']}: {rate:.2f} "
+                       f"GFLOP/s f32, wgpu/torch {row['ratio_wgpu_torch']:.3f}")
     write_json(json_path, {"bench": "matmul", "device": describe_backend(backend),
-                           "shapes": rows})
+                           "torch_device": torch_device, "shapes": rows})
 
 
 # -- bench train -----------------------------------------------------------------------------
@@ -373,9 +387,9 @@ def bench_ops(ctx, config_name, top, repeat, json_path):
                               "host time of a submit and a wait per dispatch (this adapter "
                               "has no timestamp queries)"))
     kernels = sorted(times["kernels"].items(), key=lambda kv: -kv[1]["wgpu_ms"])
-    click.echo(f"{'kernel':<40} {'disp':>5} {'wgpu ms':>9} {'share':>6}")
+    click.echo(f"{'kernel':<48} {'disp':>5} {'wgpu ms':>9} {'share':>6}")
     for kernel, r in kernels[:top]:
-        click.echo(f"{kernel:<40} {r['dispatches']:>5} {r['wgpu_ms']:>9.2f} "
+        click.echo(f"{kernel:<48} {r['dispatches']:>5} {r['wgpu_ms']:>9.2f} "
                    f"{r['wgpu_ms'] / total['wgpu']:>6.1%}")
     stats = step_stats(trainers["wgpu"].plan, repeat)
     echo_step_stats(stats)

@@ -490,6 +490,32 @@ def torch_peer(cfg: ModelConfig, options, steps: int, device: str = "cpu",
     return {"loss": loss, "seconds": seconds}
 
 
+def torch_matmul(sizes, repeat: int, device: str = "cpu") -> dict | None:
+    """GFLOP/s of PyTorch's f32 `b @ a.T` on `device` for each (M, N, K) of `sizes`, as bench
+    matmul times wgpu (the mean of back-to-back runs up to the device finishing, after a
+    warm-up): {"MxNxK": GFLOP/s}; None when torch is not importable. TF32 is off, so a CUDA
+    GPU is measured at its f32 rate: f32 against f32. For in_own_process."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rates = {}
+    for m, n, k in sizes:
+        a = torch.randn(m, k, device=device)
+        b = torch.randn(n, k, device=device)
+        b @ a.T
+        done()
+        t0 = time.perf_counter()
+        for _ in range(repeat):
+            b @ a.T
+        done()
+        rates[f"{m}x{n}x{k}"] = 2.0 * m * n * k * repeat / (time.perf_counter() - t0) / 1e9
+    return rates
+
+
 def _send_result(conn, fn, args):
     try:
         conn.send((True, fn(*args)))

@@ -210,8 +210,36 @@ def test_bench_matmul_reports_no_numbers_from_a_wrong_kernel(monkeypatch, wgpu):
     assert "GFLOP/s" not in result.output.splitlines()[-1]
 
 
+def matmul_in_a_child_process(sizes, repeat, device="cpu"):
+    """A stand-in for PyTorch's matmul: 100 GFLOP/s a shape, on a CUDA device only, and
+    only where multiprocessing started it."""
+    import multiprocessing
+    assert multiprocessing.parent_process() is not None and device == "cuda"
+    return {f"{m}x{n}x{k}": 100.0 for m, n, k in sizes}
+
+
+def test_bench_matmul_times_pytorch_s_matmul_in_its_own_process(monkeypatch, wgpu, tmp_path):
+    monkeypatch.setattr(cli_bench, "torch_matmul", matmul_in_a_child_process)
+    out = tmp_path / "matmul.json"
+    result = invoke("bench", "matmul", "--sizes", "16x8x4,8x8x8", "--repeat", "1",
+                    "--torch-device", "cuda", "--json", str(out))
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert report["torch_device"] == "cuda"
+    for r in report["shapes"]:
+        assert r["torch_gflops"] == 100.0
+        assert r["ratio_wgpu_torch"] == pytest.approx(r["gflops"]["wgpu"] / 100)
+        assert (f"torch cuda {r['m']}x{r['n']}x{r['k']}: 100.00 GFLOP/s f32, wgpu/torch "
+                f"{r['ratio_wgpu_torch']:.3f}") in result.output
+    monkeypatch.setattr(cli_bench, "torch_matmul", peer_that_raises)
+    result = invoke("bench", "matmul", "--sizes", "8x8x8", "--repeat", "1",
+                    "--torch-device", "cuda")
+    assert result.exit_code == 0, result.output
+    assert "torch cuda: failed: RuntimeError: no BLAS today" in result.output
+
+
 @pytest.mark.parametrize("args", [("--sizes", "64x64"), ("--sizes", "0x4x4"),
-                                  ("--repeat", "0")])
+                                  ("--repeat", "0"), ("--torch-device", "tpu")])
 def test_bench_matmul_rejects_bad_arguments(args):
     result = invoke("bench", "matmul", *args)
     assert result.exit_code == 2, result.output

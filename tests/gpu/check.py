@@ -1,8 +1,10 @@
 """The GPU check: on a machine with a hardware adapter, in one run of a few minutes, what
 ggwgpu does there — the adapters seen, the op matrix (every op, kernel variant, f32 and
-f16) forced onto the hardware adapter, and `bench train` of the tiny, small and
-SmolLM2-135M shapes on wgpu (f32, f16) next to PyTorch on the same GPU (CUDA, eager, the
-same model, batch and optimizer) — ending with one table. `--lavapipe` is its mode for a
+f16) forced onto the hardware adapter, `bench train` of the tiny, small and SmolLM2-135M
+shapes on wgpu (f32, f16) next to PyTorch on the same GPU (CUDA, eager, the same model,
+batch and optimizer), the step's largest product against the card's measured f32 rate
+(cuBLAS on a 4096 cube, TF32 off), and where the 135M LoRA step's time goes by kernel
+(timestamp queries) — ending with one table. `--lavapipe` is its mode for a
 machine without a GPU (Mesa's software Vulkan, small configs, no CUDA peer): the test suite
 runs it, so the script is proven before a GPU is at hand (tests/test_gpu_check.py).
 
@@ -34,6 +36,12 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_BENCHES = [("tiny", []), ("small", []), ("smollm-135m-full", ["--steps", "3"]),
                ("smollm-135m-lora-f32", ["--steps", "3"]), ("smollm-135m", ["--steps", "3"])]
 LAVAPIPE_BENCHES = [("tiny", ["--layers", "2", "--steps", "1"])]
+# bench matmul: the 135M step's largest product (the output head: vocab x tokens x embd), and
+# a cube whose cuBLAS f32 rate is the card's measured f32 rate
+GPU_MATMUL, CARD_RATE_SHAPE = "49152x512x576,4096x4096x4096", "4096x4096x4096"
+LAVAPIPE_MATMUL = "256x512x256"
+OPS_CONFIG = {False: "smollm-135m-lora-f32", True: "tiny"}    # bench ops, by --lavapipe
+TOP_KERNELS = 6
 
 
 def run(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, str, float]:
@@ -108,6 +116,7 @@ def main(argv=None) -> int:
         if r.get("wgpu") and r["wgpu"].get("device_ms") is not None:
             cells.append(f"device {r['wgpu']['device_ms']:.1f} ms/step")
         rows.append((f"bench {config}", "; ".join(cells), f"{seconds:.0f} s"))
+    rows += matmul_rows(o.lavapipe, failed) + kernel_rows(o.lavapipe, failed)
     print("\nGPU check" + (" (lavapipe mode)" if o.lavapipe else "") + ": "
           + (hardware[0] if hardware else seen[0] if seen else "no adapter"))
     width = max(len(r[0]) for r in rows)
@@ -115,6 +124,57 @@ def main(argv=None) -> int:
         print(f"  {name:<{width}}  {what}  ({seconds})")
     print("result: " + ("ok" if not failed else "FAILED: " + ", ".join(failed)))
     return 1 if failed else 0
+
+
+def bench_json(failed: list, name: str, *args: str) -> tuple[dict | None, str]:
+    """`ggwgpu bench ARGS --json`: (its report, seconds as a cell), or (None, ...) with
+    `name` added to `failed`."""
+    with tempfile.TemporaryDirectory() as d:
+        report = Path(d) / "bench.json"
+        code, _, seconds = ggwgpu("bench", *args, "--json", str(report))
+        if code or not report.exists():
+            failed.append(name)
+            return None, f"{seconds:.0f} s"
+        return json.loads(report.read_text()), f"{seconds:.0f} s"
+
+
+def matmul_rows(lavapipe: bool, failed: list) -> list[tuple]:
+    """bench matmul rows: each shape's wgpu GFLOP/s (and PyTorch's, on CUDA), and the
+    largest product's fraction of the card's measured f32 rate."""
+    torch = [] if lavapipe else ["--torch-device", "cuda"]
+    r, seconds = bench_json(failed, "bench matmul", "matmul", "--sizes",
+                            LAVAPIPE_MATMUL if lavapipe else GPU_MATMUL, *torch)
+    if r is None:
+        return [("bench matmul", "failed", seconds)]
+    rows, card = [], None
+    for s in r["shapes"]:
+        shape = f"{s['m']}x{s['n']}x{s['k']}"
+        cells = [f"wgpu {s['gflops']['wgpu']:.0f} GFLOP/s"]
+        if "torch_gflops" in s:
+            cells.append(f"torch {s['torch_gflops']:.0f} GFLOP/s, wgpu/torch "
+                         f"{s['ratio_wgpu_torch']:.3f}")
+            if shape == CARD_RATE_SHAPE:
+                card = s["torch_gflops"]
+        rows.append((f"matmul {shape}", "; ".join(cells), seconds))
+    if card:
+        largest = r["shapes"][0]
+        rows.append(("largest product", f"{largest['gflops']['wgpu'] / card:.3f} of the card's "
+                     f"measured f32 rate ({card:.0f} GFLOP/s, cuBLAS {CARD_RATE_SHAPE})",
+                     seconds))
+    return rows
+
+
+def kernel_rows(lavapipe: bool, failed: list) -> list[tuple]:
+    """bench ops: where a training step's time goes, by kernel, as shares of the step."""
+    config = OPS_CONFIG[lavapipe]
+    r, seconds = bench_json(failed, "bench ops", "ops", "--config", config, "--repeat", "1")
+    if r is None:
+        return [(f"ops {config}", "failed", seconds)]
+    total = r["total_ms"]["wgpu"]
+    ranked = sorted(r["kernels"].items(), key=lambda kv: -kv[1]["wgpu_ms"])[:TOP_KERNELS]
+    clock = "device" if r["wgpu_clock"] == "device" else "host: submit and wait"
+    return [(f"ops {config}", f"{total:.1f} ms a step, dispatch by dispatch ({clock}); "
+             + ", ".join(f"{k} {v['wgpu_ms'] / total:.0%}" for k, v in ranked), seconds)]
 
 
 if __name__ == "__main__":
