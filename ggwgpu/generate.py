@@ -1,12 +1,13 @@
 """Text generation: a llama with a KV cache on any backend, sampled on the host.
 
-    decoder = Decoder(backend, cfg, values)          # two planned graphs, built once
+    decoder = Decoder(backend, cfg, values)          # its planned graphs, built once
     text = generate(backend, cfg, values, tokenizer, "ROMEO:", 100, seed=1)
 
-`Decoder` runs the model: `prefill(tokens)` puts a whole window of tokens into the cache in
-one run of a max_ctx-token graph and `step(token)` appends one token with a one-token graph
-(see `build_decode_graph` for how the cache works with static views); each gives the logits
-of its last token, the only thing read back.
+`Decoder` runs the model: `prefill(tokens)` puts a window of tokens into the cache in runs
+of a graph that takes several tokens at once (the smallest of PREFILL_SIZES that holds them,
+else chunks of the largest) and `step(token)` appends one token with a one-token graph (see
+`build_decode_graph` for how the cache works with static views); each gives the logits of
+its last token, the only thing read back.
 
 Sampling follows llama.cpp's sampler chain and its defaults on those logits, in NumPy: repeat
 penalty over the last `repeat_last_n` tokens of the context (default 1.0: off), then top-k
@@ -18,7 +19,7 @@ the seed.
 
 Context limit: the model saw windows of n_ctx tokens that start with BOS at position 0 (see
 data.Samples). When the window is full, generation slides: the window becomes BOS plus the
-last max_ctx // 2 tokens and is recomputed in one prefill run, at positions from 0 again
+last max_ctx // 2 tokens and is recomputed in one prefill, at positions from 0 again
 (llama.cpp's context shift with n_keep = BOS, but recomputed rather than re-roped, so every
 logit is exactly the model's on a window it could have been trained on). A prompt longer
 than the window is cut the same way. Generation stops at any end-of-generation token
@@ -37,7 +38,16 @@ import numpy as np
 from .backends import precision_for
 from .backends.base import planned_bytes
 from .models import ModelConfig, build_decode_graph, half_values
+from .tensor import ShapeError
 from .tokenizer import Tokenizer, VocabError
+
+
+# The sizes (tokens a run takes) of the decoder's graphs for several tokens, each capped at
+# max_ctx. A run costs its graph's whole size, padding included: a chat turn of a few dozen
+# tokens takes the small one rather than a whole window, and a longer span runs in chunks of
+# the large one (llama.cpp's default micro-batch), never one graph of max_ctx tokens (a
+# 2048-token context cost 3.7x the time per chat turn that way).
+PREFILL_SIZES = (64, 512)
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -135,12 +145,14 @@ def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generat
 
 class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
-    two plans on `backend`, built once: a max_ctx-token graph for prefills and a one-token
-    graph for steps. Both graphs' weights are constants made from the same `values`
-    arrays, so the backend holds them once for both plans (base.SharedConstants); each plan
-    has its own cache, and a run of the prefill plan takes the step plan's cache and hands it
-    back (one read and one write of the cache each way). `tokens` are the ids the cache holds (positions 0 .. past -
-    1); they change only when a run is complete, so an interrupted run leaves a usable cache.
+    plans on `backend`, built once: a one-token graph for steps and a graph for each of
+    PREFILL_SIZES (capped at max_ctx) for runs of several tokens (`prefills`). The graphs'
+    weights are constants made from the same `values` arrays, so the backend holds them once
+    for all plans (base.SharedConstants); each plan has its own cache, and a prefill's runs
+    take the step plan's cache and hand it back (one read and one write of the cache each
+    way). `tokens` are the ids the step plan's cache holds (positions 0 .. past - 1); they
+    change only when a prefill or step is complete, so an interrupted one leaves a usable
+    cache.
     `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does.
     `precision` (backends.precision_for: auto, f32, f16): f16 keeps float weights,
     activations and the cache in halves."""
@@ -157,15 +169,17 @@ class Decoder:
             values = half_values(values)
         build = functools.partial(build_decode_graph, cfg, values, adapters=adapters,
                                   precision=self.precision)
-        self.prefill_graph = build(self.max_ctx, self.max_ctx, name="prefill kv cache")
         self.step_graph = build(1, self.max_ctx)
-        self.prefill_plan = backend.plan(self.prefill_graph.outputs)
         self.step_plan = backend.plan(self.step_graph.outputs)
+        self.prefills = {}      # tokens a run takes -> (graph, plan)
+        for size in sorted({min(size, self.max_ctx) for size in PREFILL_SIZES}):
+            graph = build(size, self.max_ctx, name=f"prefill kv cache ({size})")
+            self.prefills[size] = graph, backend.plan(graph.outputs)
         self.tokens: list[int] = []     # in the step plan's cache
 
     def memory(self) -> int:
-        """The bytes of storage the two plans take, the weights they share counted once."""
-        return planned_bytes([self.prefill_plan, self.step_plan])
+        """The bytes of storage the plans take, the weights they share counted once."""
+        return planned_bytes([self.step_plan, *(plan for _, plan in self.prefills.values())])
 
     @property
     def past(self) -> int:
@@ -188,13 +202,10 @@ class Decoder:
 
     def append(self, tokens) -> np.ndarray:
         """Append `tokens` at positions past, past + 1, ... (at most max_ctx in all); the
-        logits of the last one. One token is a step, more are one run of the prefill plan
-        at that offset."""
+        logits of the last one. One token is a step, more are a prefill at that offset."""
         tokens = [int(t) for t in np.atleast_1d(tokens)]
         if len(tokens) == 1:
             return self.step(tokens[0])
-        if self.past:       # the prefill plan attends to the cache the steps wrote
-            move_caches(self.step_plan, self.step_graph, self.prefill_plan, self.prefill_graph)
         return self._run_prefill(tokens)
 
     def sync(self, tokens) -> np.ndarray:
@@ -210,11 +221,20 @@ class Decoder:
         return self.append(tokens[keep:])
 
     def _run_prefill(self, tokens) -> np.ndarray:
-        g = self.prefill_graph
+        """Append `tokens` (1 or more) in runs of the smallest prefill graph that holds them
+        all, else in chunks of the largest; the logits of the last."""
         tokens = [int(t) for t in np.atleast_1d(tokens)]
-        self.prefill_plan.run(g.feeds(tokens, self.past))
-        logits = self.prefill_plan.read(g.logits)[0]
-        move_caches(self.prefill_plan, g, self.step_plan, self.step_graph)
+        size = next((n for n in self.prefills if n >= len(tokens)), max(self.prefills))
+        graph, plan = self.prefills[size]
+        if self.past + len(tokens) > self.max_ctx:      # before any run changes a cache
+            raise ShapeError(f"positions {self.past} .. {self.past + len(tokens) - 1} do not "
+                             f"fit a cache of {self.max_ctx}")
+        if self.past:       # the prefill attends to the cache the steps wrote
+            move_caches(self.step_plan, self.step_graph, plan, graph)
+        for at in range(0, len(tokens), size):
+            plan.run(graph.feeds(tokens[at:at + size], self.past + at))
+        logits = plan.read(graph.logits)[0]
+        move_caches(plan, graph, self.step_plan, self.step_graph)
         self.tokens = self.tokens + tokens
         return logits
 

@@ -2,6 +2,7 @@
 the sampler chain on hand-made logits, greedy generation (window sliding included) against
 a plain recomputation, seeds, and the `generate` and `train --predict` commands."""
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -15,6 +16,7 @@ from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, 
                              top_p_filter, window)
 from ggwgpu.models import (ModelConfig, build_decode_graph, build_train_graph,
                                  init_parameters)
+from ggwgpu.tensor import ShapeError
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli.main import cli
 
@@ -147,6 +149,42 @@ def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():
         target)[1], rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("name", ["mha", "gqa-tied", "lfm2-window", "gemma4", "qwen35"])
+def test_prefills_run_in_the_smallest_graph_that_holds_them_or_in_chunks(name, monkeypatch):
+    """Prefill graphs of 4 and 8 tokens in a context of 24: 19 prompt tokens run as chunks
+    of 8, 8 and 3, an append of 3 in the graph of 4, one of 2 after steps too; every run's
+    logits are the training forward's (the caches, convolution inputs and recurrent states
+    carried from chunk to chunk and graph to graph); a prefill that would pass the context
+    is refused before any run."""
+    generation = sys.modules[Decoder.__module__]    # ggwgpu.generate is also a function
+    monkeypatch.setattr(generation, "PREFILL_SIZES", (8, 4, 512))   # 512: capped at 24
+    backend = NumpyBackend(np.float64)
+    cfg = dataclasses.replace(FAMILIES[name], n_ctx=24)
+    values = tiny_values(cfg)
+    forward = TrainingForward(backend, cfg, values)
+    d = Decoder(backend, cfg, values)
+    assert list(d.prefills) == [4, 8, 24]
+    del d.prefills[24]          # the largest is 8: longer spans run in chunks
+    runs = []
+    for size, (graph, plan) in d.prefills.items():
+        run = plan.run
+        plan.run = lambda feeds, size=size, run=run, **kw: runs.append(size) or run(feeds, **kw)
+    tokens = list(np.random.default_rng(5).integers(0, cfg.n_vocab, 24))
+    np.testing.assert_allclose(d.prefill(tokens[:19]), forward(tokens[:19])[-1],
+                               rtol=0, atol=1e-12)
+    assert runs == [8, 8, 8]
+    np.testing.assert_allclose(d.append(tokens[19:22]), forward(tokens[:22])[-1],
+                               rtol=0, atol=1e-12)
+    d.step(tokens[22])
+    assert runs[3:] == [4] and d.tokens == tokens[:23]
+    with pytest.raises(ShapeError, match="positions 23 .. 24 do not fit a cache of 24"):
+        d.append([1, 2])
+    assert runs[4:] == [] and d.tokens == tokens[:23]
+    np.testing.assert_allclose(d.sync(tokens[:20] + [3, 3]), forward(tokens[:20] + [3, 3])[-1],
+                               rtol=0, atol=1e-12)
+    assert runs[4:] == ([8, 8, 8] if name == "qwen35" else [4])  # a state goes back to 0
+
+
 def test_a_recurrent_decoder_starts_over_where_a_sync_goes_back():
     """A delta-net's state cannot go back: a sync that leaves the cached tokens runs the
     whole sequence again from position 0 (and a prefill after steps starts over too), with
@@ -204,7 +242,8 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     values = {k: quantize(v, "q8_0") if k.endswith("attn_q.weight") else v
               for k, v in tiny_values(cfg).items()}
     d = Decoder(backend, cfg, values)
-    plans, graphs = (d.prefill_plan, d.step_plan), (d.prefill_graph, d.step_graph)
+    [(prefill_graph, prefill_plan)] = d.prefills.values()      # one size: max_ctx 8
+    plans, graphs = (prefill_plan, d.step_plan), (prefill_graph, d.step_graph)
     storage = [plan.storage if backend_name == "numpy" else
                {key: place[0] for key, place in plan.places.items()} for plan in plans]
     for name in values:
@@ -229,7 +268,8 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     got = [d.prefill(tokens[:3])] + [d.step(t) for t in tokens[3:]]
     scale = np.abs(ref).max()
     assert np.abs(np.array(got) - ref[2:]).max() <= 1e-5 * scale
-    del d.prefill_plan, plans, storage     # the step plan alone keeps the weights
+    d.prefills.clear()
+    del prefill_plan, plans, storage     # the step plan alone keeps the weights
     gc.collect()
     d.tokens = d.tokens[:3]
     assert np.abs(d.step(tokens[3]) - ref[3]).max() <= 1e-5 * scale
