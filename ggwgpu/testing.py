@@ -108,7 +108,10 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator, half: bool = 
         else:
             leaf = src = input_tensor(shape, dtype, name=f"in{k}")
         leaves.append(leaf)
-        if spec.dtype == "i32":
+        if spec.dtype == "i32" and spec.dist == "distinct":     # no value twice
+            values[leaf] = rng.permutation(np.arange(spec.lo, spec.hi, dtype=np.int32))[
+                :int(np.prod(leaf.shape))].reshape(leaf.shape)
+        elif spec.dtype == "i32":
             values[leaf] = rng.integers(spec.lo, spec.hi, leaf.shape, dtype=np.int32)
         elif spec.dist == "probs":
             v = rng.uniform(0.01, 1.0, leaf.shape)

@@ -1,4 +1,5 @@
-// Row gather (get_rows) and its deterministic scatter-add backward (get_rows_back).
+// Row gather (get_rows) and its deterministic scatter-add backward (get_rows_back); the row
+// write set_rows.
 // #include common
 
 // int32 views of the bindings: an entry point uses either the alias or the f32 name of a
@@ -68,4 +69,14 @@ fn k_get_rows_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workg
         j = src1_i32[p.off.z + p.u.x + u32(j)];
     }
     dst[at_d(idx)] = to_TD(acc);
+}
+
+// set_rows: dst [n_cols, n_rows] (a view of b: only the rows named are written), src0 a
+// [n_cols, n], src1_i32 ids [n] (distinct). One invocation per element of a.
+@compute @workgroup_size(WG)
+fn k_set_rows(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_0);                       // (col, row of a)
+    let row = clamp_id(src1_i32[at_1(vec4u(idx.y, 0u, 0u, 0u))], p.ne_d.y);
+    dst[at_d(vec4u(idx.x, row, 0u, 0u))] = to_TD(f32(src0[at_0(idx)]));
 }

@@ -406,7 +406,8 @@ class DecodeGraph:
     max_ctx: int              # cache rows: positions 0 .. max_ctx - 1
     tokens: object            # i32 input (n_tokens,)
     positions: object         # i32 input (n_tokens,)
-    slots: object             # i32 input (max_ctx,): the row of [new | cache] each cache row takes
+    writes: object            # i32 input (n_tokens,): the row of [scratch | cache] each token's
+                              # K/V goes to (its position's, padding a scratch row)
     mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
@@ -458,11 +459,10 @@ class DecodeGraph:
         ids = np.zeros(self.n_tokens, np.int32)
         ids[:n] = tokens
         rows = np.arange(self.n_tokens)
-        slots = np.arange(self.max_ctx, dtype=np.int32) + self.n_tokens   # keep every row ...
-        slots[past:past + n] = rows[:n]                                   # ... but the new ones
+        writes = np.where(rows < n, self.n_tokens + past + rows, rows).astype(np.int32)
         ahead = (past + rows)[:, None] - np.arange(self.max_ctx)[None, :]
         feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
-                 self.slots: slots, self.last: np.array([n - 1], np.int32)}
+                 self.writes: writes, self.last: np.array([n - 1], np.int32)}
         if self.mask is not None:
             feeds[self.mask] = additive(ahead >= 0)
         if self.window_mask is not None:
@@ -491,17 +491,12 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     A layer that shares K/V (gemma4's last shared_kv_layers) has none of its own: it attends
     to the cache rows its source layer updated earlier in the same run.
 
-    Writing the new rows at position `past` is the catch: a view's offset is fixed when the
-    graph is built, but `past` changes every run. So a run writes its new K/V rows to the
-    fixed scratch rows (cpy into a static view), then rebuilds the cache rows with get_rows
-    over [scratch | cache] through the i32 input `slots` (slot r = r + n_tokens keeps cache
-    row r, slot i < n_tokens takes new row i), and cpy writes that back over the cache rows.
-    Every run thus copies the whole cache twice (2 * max_ctx * kv_dim floats per layer, for K
-    and V) and attends to all max_ctx rows, with a mask input (-inf on rows past a query's
-    position) through soft_max_ext instead of the static diag_mask_inf. For the small models
-    this trains (n_ctx 64 .. 512) that costs less than the projections of one token; the
-    alternatives are one graph per position (a plan per token) or a new op that writes rows
-    at i32 positions (ggml's set_rows), which would make the copies and the padding go away.
+    Writing the new rows at position `past`, which changes every run while a view's offset is
+    fixed when the graph is built: set_rows writes each token's K/V row at the row the i32
+    input `writes` names, its position's cache row (padding tokens of a short run: their
+    own scratch row, so they never touch the cache). A run attends to all max_ctx rows, with
+    a mask input (-inf on rows past a query's position) through soft_max_ext instead of the
+    static diag_mask_inf: one pass over the cache per run.
 
     Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
     a token equal the training graph's logits at its position (tests/test_generate.py).
@@ -517,7 +512,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     p, _ = model_weights(values, adapters, train=None, precision=precision)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
-    slots = input_tensor((max_ctx,), "i32", name="cache slots")
+    writes = input_tensor((n_tokens,), "i32", name="cache rows written")
     mask = input_tensor((n_tokens, max_ctx), precision, name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
     starts, widths = {}, []     # where each layer's K (then V) rows start in the flat cache
@@ -528,13 +523,12 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     kv = constant(np.zeros(max(rows * sum(widths), 1), np.float32), precision, name=name)
 
     def cached(leaf, base, new, width):
-        """Write `new` (n_tokens rows of `width`, any layout) into the cache rows chosen by
-        slots, in the block of `leaf` that starts at element `base`; the updated cache rows,
+        """Write `new` (n_tokens rows of `width`) at the rows `writes` names of the block of
+        `leaf` that starts at element `base` ([scratch | cache]); the updated cache rows,
         (max_ctx, width)."""
-        staged = O.cpy(new, O.view(leaf, (n_tokens, width), (width, 1), base))
-        table = O.view(staged, (rows, width), (width, 1), 0)   # [new | cache], after the write
-        return O.cpy(O.get_rows(table, slots), O.view(leaf, (max_ctx, width), (width, 1),
-                                                      base + n_tokens * width))
+        block = O.view(leaf, (rows, width), (width, 1), base)
+        written = O.set_rows(O.reshape_any(new, (n_tokens, width)), writes, block)
+        return O.view(written, (max_ctx, width), (width, 1), n_tokens * width)
 
     window = layers_window(cfg)
     window_mask = (input_tensor((n_tokens, max_ctx), precision, name="window mask") if window
@@ -598,7 +592,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
     mask, window_mask = used_of([logits], mask, window_mask)
-    return DecodeGraph(n_tokens, max_ctx, tokens, positions, slots, mask, last, logits, kv,
+    return DecodeGraph(n_tokens, max_ctx, tokens, positions, writes, mask, last, logits, kv,
                        weights, window, window_mask, conv, conv_rows, conv_positions,
                        tuple(widths), tuple(conv_widths.values()), tuple(states),
                        tuple(state_writes), valid, carry)

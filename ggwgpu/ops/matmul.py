@@ -98,6 +98,11 @@ def mul_mat_into(out, a, b, alpha=1.0):
                   out=out.reshape(-1, out.shape[-1]))
     else:
         a6, b6 = batch_split(a, b)
+        # the b entries that share an entry of a (grouped-query attention's heads of one K/V
+        # head) as rows of one product: a read once per group, not once per entry (b's rows
+        # copied together where their strides do not merge; out is contiguous: a view)
+        A0, r0, A1, r1, rows, cols = b6.shape
+        b6 = b6.reshape(A0, r0, A1, 1, r1 * rows, cols)
         np.matmul(b6, np.swapaxes(a6, -1, -2),
                   out=out.reshape(b6.shape[:-1] + a6.shape[-2:-1]))
     epilogue_into(out, alpha)

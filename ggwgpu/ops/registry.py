@@ -72,7 +72,8 @@ class Input:
     dtype: str = "f32"
     dist: str = "uniform"   # or "probs": positive rows that sum to 1 (cross-entropy targets),
                             # "nonfinite": uniform with one NaN or infinity, or an
-                            # attention mask of testing.MASKS (-inf where hidden)
+                            # attention mask of testing.MASKS (-inf where hidden);
+                            # i32 "distinct": no value twice
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Row gather (embedding lookup) and its scatter-add backward: get_rows, get_rows_back.
+"""Row gather (embedding lookup) and its scatter-add backward: get_rows, get_rows_back; and
+the row write set_rows (a decoder's new KV-cache rows, at their positions).
 
 Shader: shaders/rows.wgsl. ids are int32 and take no gradient.
 
@@ -19,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, Tensor
+from ..tensor import ShapeError, Tensor, zeros
 from .registry import Case, Dispatch, Input, need_float, register
 
 
@@ -145,4 +146,55 @@ get_rows_back = register(
         "(shape ids.shape + (n_cols,)) added at ids; repeated ids add up, in id order "
         "(deterministic, no atomics).")
 
-__all__ = ["get_rows", "get_rows_back"]
+# -- set_rows --------------------------------------------------------------------------------
+
+def set_rows_shape(srcs):
+    a, ids, b = srcs
+    need_float(a, b)
+    check_ids(ids)
+    if a.ndim != 2 or b.ndim != 2 or ids.shape != a.shape[:1] or a.shape[1] != b.shape[1]:
+        raise ShapeError(f"set_rows writes rows a [n, n_cols] at ids [n] into b [n_rows, "
+                         f"n_cols]; got a {a.shape}, ids {ids.shape}, b {b.shape}")
+    return b.shape, b.dtype, {"strides": b.strides, "offset": b.offset, "view_src": b}
+
+
+def set_rows_ref(a, ids, b):
+    check_range("set_rows", ids, b.shape[0])
+    if len(np.unique(ids)) != ids.size:
+        raise ValueError("set_rows: an id repeats (two rows for one place)")
+    out = b.copy()
+    out[ids] = a
+    return out
+
+
+def set_rows_into(out, a, ids, b):
+    check_range("set_rows", ids, b.shape[0])
+    if not np.shares_memory(out, b):    # in a graph `out` is b's storage; else b's value first
+        np.copyto(out, b)
+    out[ids] = a
+
+
+set_rows = register(
+    "set_rows", n_srcs=3, shape=set_rows_shape, shader="rows", reference=set_rows_ref,
+    fast=set_rows_into, f16_nmse=0.0,  # exact: copies halves
+    dispatches=lambda n: [Dispatch("set_rows", n, n.srcs[:2], n=n.srcs[0].nelements)],
+    no_grad=(1,),
+    # a's rows are read where they went; b's gradient is g but where a's rows replaced it
+    backward=lambda n, g: (O.get_rows(g, n.srcs[1]), None,
+                           O.set_rows(zeros(n.srcs[0].shape), n.srcs[1], O.cont(g))),
+    cases=lambda: [
+        Case((Input((1, 1)), Input((1,), 0, 1, dtype="i32"), Input((1, 1)))),
+        Case((Input((3, 5)), Input((3,), 0, 7, dtype="i32", dist="distinct"), Input((7, 5)))),
+        Case((Input((4, 3), layout="permuted"), Input((4,), 0, 9, "strided", "i32", "distinct"),
+              Input((9, 3), layout="strided"))),
+        Case((Input((5, 6), layout="strided"), Input((5,), 0, 5, dtype="i32", dist="distinct"),
+              Input((5, 6), layout="permuted"))),                    # every row replaced
+        Case((Input((300, 70)), Input((300,), 0, 1000, dtype="i32", dist="distinct"),
+              Input((1000, 70))), grad=False),
+    ],
+    doc="b [n_rows, n_cols] with row ids[i] replaced by row i of a [n, n_cols] (ids [n] int32, "
+        "distinct), written into b's storage: the result is a view of b, as ggml_set_rows. "
+        "Repeated ids raise ValueError in the reference (the shader leaves either row), ids "
+        "out of range IndexError (the shader clamps them).")
+
+__all__ = ["get_rows", "get_rows_back", "set_rows"]
