@@ -9,7 +9,8 @@ machine without a GPU (Mesa's software Vulkan, small configs, no CUDA peer): the
 runs it, so the script is proven before a GPU is at hand (tests/test_gpu_check.py).
 
 On the GPU machine (which reaches no package registry), after tests/gpu/prepare.sh filled
-.gl/ and .whl/ here, with .gl and .whl carried along:
+.gl/ and .whl/ here, with .gl and .whl carried along, `bash tests/gpu/run.sh LOG` does all
+of this:
 
     for f in .gl/*.deb; do dpkg -x $f /; done; ldconfig
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl
