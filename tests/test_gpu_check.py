@@ -1,6 +1,7 @@
 """tests/gpu/check.py, the GPU check of a machine with a hardware adapter, proven in its
 lavapipe mode: it finds the adapter, runs a slice of the op matrix, a bench train, a bench
 matmul and a bench ops on it, and ends with its table and "result: ok"."""
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -21,3 +22,51 @@ def test_the_gpu_check_runs_in_its_lavapipe_mode_and_ends_with_its_table(wgpu):
     ops = next(line for line in table.splitlines() if line.lstrip().startswith("ops tiny"))
     assert "ms a step, dispatch by dispatch (" in ops and ":mul_mat" in ops
     assert table.rstrip().endswith("result: ok")
+
+
+def check_module():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
+    """What only a GPU run prints, from reports shaped as bench matmul --torch-device cuda
+    and bench ops write them: each product beside cuBLAS, the largest one's fraction of the
+    cube's cuBLAS rate, and the step's time by kernel."""
+    check = check_module()
+    reports = {
+        "matmul": {"shapes": [
+            {"m": 49152, "n": 512, "k": 576, "gflops": {"wgpu": 6000.0},
+             "torch_gflops": 30000.0, "ratio_wgpu_torch": 0.2},
+            {"m": 4096, "n": 4096, "k": 4096, "gflops": {"wgpu": 8000.0},
+             "torch_gflops": 48000.0, "ratio_wgpu_torch": 1 / 6}]},
+        "ops": {"total_ms": {"wgpu": 40.0}, "wgpu_clock": "device", "kernels": {
+            "matmul:mul_mat_tiled": {"dispatches": 900, "wgpu_ms": 30.0},
+            "optim:opt_step_adamw": {"dispatches": 420, "wgpu_ms": 4.0},
+            "norm_workgroup:rms_norm_mul": {"dispatches": 61, "wgpu_ms": 6.0}}}}
+    asked = []
+
+    def bench_json(failed, name, *args):
+        asked.append(args)
+        return reports[args[0]], "7 s"
+    monkeypatch.setattr(check, "bench_json", bench_json)
+    rows = check.matmul_rows(False, []) + check.kernel_rows(False, [])
+    assert asked[0] == ("matmul", "--sizes", check.GPU_MATMUL, "--torch-device", "cuda")
+    assert asked[1] == ("ops", "--config", "smollm-135m-lora-f32", "--repeat", "1")
+    assert rows == [
+        ("matmul 49152x512x576", "wgpu 6000 GFLOP/s; torch 30000 GFLOP/s, wgpu/torch 0.200",
+         "7 s"),
+        ("matmul 4096x4096x4096", "wgpu 8000 GFLOP/s; torch 48000 GFLOP/s, wgpu/torch 0.167",
+         "7 s"),
+        ("largest product", "0.125 of the card's measured f32 rate (48000 GFLOP/s, cuBLAS "
+         "4096x4096x4096)", "7 s"),
+        ("ops smollm-135m-lora-f32", "40.0 ms a step, dispatch by dispatch (device); "
+         "matmul:mul_mat_tiled 75%, norm_workgroup:rms_norm_mul 15%, optim:opt_step_adamw "
+         "10%", "7 s")]
+    failed = []
+    monkeypatch.setattr(check, "bench_json", lambda failed_, name, *a: (
+        failed_.append(name), (None, "1 s"))[1])
+    assert check.matmul_rows(False, failed) == [("bench matmul", "failed", "1 s")]
+    assert failed == ["bench matmul"]
