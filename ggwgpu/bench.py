@@ -565,7 +565,7 @@ class DispatchCounter(Backend):
         self.storage_limits, self.kernel_variants = like.storage_limits, like.kernel_variants
         self.info = like.info
 
-    def plan(self, outputs, sentinel=0):
+    def plan(self, outputs, sentinel=0, shared=()):
         class CountedPlan(Plan):
             def write(self, t, value):      # no storage: nothing to write
                 pass

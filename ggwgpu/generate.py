@@ -27,6 +27,7 @@ than the window is cut the same way. Generation stops at any end-of-generation t
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -36,7 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from .backends import precision_for
-from .backends.base import planned_bytes
+from .backends.base import planned_bytes, same_storage
 from .models import ModelConfig, build_decode_graph, half_values
 from .tensor import ShapeError
 from .tokenizer import Tokenizer, VocabError
@@ -147,12 +148,12 @@ class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
     plans on `backend`, built once: a one-token graph for steps and a graph for each of
     PREFILL_SIZES (capped at max_ctx) for runs of several tokens (`prefills`). The graphs'
-    weights are constants made from the same `values` arrays, so the backend holds them once
-    for all plans (base.SharedConstants); each plan has its own cache, and a prefill's runs
-    take the step plan's cache and hand it back (one read and one write of the cache each
-    way). `tokens` are the ids the step plan's cache holds (positions 0 .. past - 1); they
-    change only when a prefill or step is complete, so an interrupted one leaves a usable
-    cache.
+    weights are constants made from the same `values` arrays, and their caches and
+    recurrent states are built on one `state` dict, so the backend holds each once for all
+    plans (base.SharedConstants): a run of any plan writes the cache the others read.
+    `tokens` are the ids the cache holds (positions 0 .. past - 1); they change only when a
+    prefill or step is complete, so an interrupted one leaves a usable cache (a recurrent
+    model's states cannot tell: it then starts over).
     `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does.
     `precision` (backends.precision_for: auto, f32, f16): f16 keeps float weights,
     activations and the cache in halves."""
@@ -167,15 +168,17 @@ class Decoder:
         self.precision = precision_for(backend, precision)
         if self.precision == "f16":
             values = half_values(values)
-        build = functools.partial(build_decode_graph, cfg, values, adapters=adapters,
-                                  precision=self.precision)
-        self.step_graph = build(1, self.max_ctx)
-        self.step_plan = backend.plan(self.step_graph.outputs)
-        self.prefills = {}      # tokens a run takes -> (graph, plan)
-        for size in sorted({min(size, self.max_ctx) for size in PREFILL_SIZES}):
-            graph = build(size, self.max_ctx, name=f"prefill kv cache ({size})")
-            self.prefills[size] = graph, backend.plan(graph.outputs)
-        self.tokens: list[int] = []     # in the step plan's cache
+        sizes = sorted({min(size, self.max_ctx) for size in PREFILL_SIZES})
+        build = functools.partial(build_decode_graph, cfg, values, max_ctx=self.max_ctx,
+                                  adapters=adapters, precision=self.precision,
+                                  scratch=sizes[-1], state={})
+
+        def planned(n_tokens):
+            graph = build(n_tokens)
+            return graph, backend.plan(graph.outputs, shared=graph.kept)
+        self.step_graph, self.step_plan = planned(1)
+        self.prefills = {size: planned(size) for size in sizes}    # tokens a run takes ->
+        self.tokens: list[int] = []     # in the cache
 
     def memory(self) -> int:
         """The bytes of storage the plans take, the weights they share counted once."""
@@ -196,7 +199,8 @@ class Decoder:
         if self.past >= self.max_ctx:
             raise ValueError(f"the cache is full ({self.max_ctx} positions): prefill a window")
         g = self.step_graph
-        self.step_plan.run(g.feeds([token], self.past))
+        with self._states_kept():
+            self.step_plan.run(g.feeds([token], self.past))
         self.tokens = self.tokens + [int(token)]
         return self.step_plan.read(g.logits)[0]
 
@@ -229,32 +233,34 @@ class Decoder:
         if self.past + len(tokens) > self.max_ctx:      # before any run changes a cache
             raise ShapeError(f"positions {self.past} .. {self.past + len(tokens) - 1} do not "
                              f"fit a cache of {self.max_ctx}")
-        if self.past:       # the prefill attends to the cache the steps wrote
-            move_caches(self.step_plan, self.step_graph, plan, graph)
-        for at in range(0, len(tokens), size):
-            plan.run(graph.feeds(tokens[at:at + size], self.past + at))
+        with self._states_kept():
+            move_kept(self.step_plan, self.step_graph, plan, graph)
+            for at in range(0, len(tokens), size):
+                plan.run(graph.feeds(tokens[at:at + size], self.past + at))
+            move_kept(plan, graph, self.step_plan, self.step_graph)
         logits = plan.read(graph.logits)[0]
-        move_caches(plan, graph, self.step_plan, self.step_graph)
         self.tokens = self.tokens + tokens
         return logits
 
+    @contextlib.contextmanager
+    def _states_kept(self):
+        """Runs that change the recurrent states in place: when they stop part way, the
+        states hold no prefix of `tokens` any more, so the next run starts over."""
+        try:
+            yield
+        except BaseException:
+            if self.step_graph.states:
+                self.tokens = []
+            raise
 
-def move_caches(plan, graph, to_plan, to_graph):
-    """Hand the cache rows of `graph` run by `plan` (its kv and convolution caches: blocks of
-    [scratch | cache] rows, DecodeGraph.caches) and its recurrent states to `to_graph`'s in
-    `to_plan`."""
-    for (leaf, widths), (to_leaf, _) in zip(graph.caches, to_graph.caches):
-        flat = plan.read(leaf).reshape(-1)
-        value = np.zeros(to_leaf.nelements, flat.dtype)
-        at = to_at = 0
-        for width in widths:
-            rows, to_rows = (g.n_tokens + g.max_ctx for g in (graph, to_graph))
-            cache = flat[at + graph.n_tokens * width:at + rows * width]
-            value[to_at + to_graph.n_tokens * width:to_at + to_rows * width] = cache
-            at, to_at = at + rows * width, to_at + to_rows * width
-        to_plan.write(to_leaf, value.reshape(to_leaf.shape))
-    for leaf, to_leaf in zip(graph.states, to_graph.states):
-        to_plan.write(to_leaf, plan.read(leaf))
+
+def move_kept(plan, graph, to_plan, to_graph):
+    """Hand the leaves `graph` keeps from run to run in `plan` (DecodeGraph.kept: caches,
+    recurrent states) to `to_graph`'s in `to_plan`, where the two plans do not hold them in
+    common (a Decoder's plans do, but on a backend that shares nothing)."""
+    for leaf, to_leaf in zip(graph.kept, to_graph.kept):
+        if not same_storage(plan, leaf, to_plan, to_leaf):
+            to_plan.write(to_leaf, plan.read(leaf))
 
 
 def window(context: list[int], bos_id, max_ctx: int) -> list[int]:

@@ -185,6 +185,42 @@ def test_prefills_run_in_the_smallest_graph_that_holds_them_or_in_chunks(name, m
     assert runs[4:] == ([8, 8, 8] if name == "qwen35" else [4])  # a state goes back to 0
 
 
+@pytest.mark.parametrize("name", ["mha", "lfm2", "qwen35"])
+def test_an_interrupted_prefill_leaves_a_cache_the_next_sync_can_use(name, monkeypatch):
+    """A prefill stopped in its second chunk (Ctrl-C): the tokens stay those the cache held
+    before it, or none for a recurrent model whose states moved on; the next sync gives the
+    training forward's logits. On a backend whose plans share nothing, the kept leaves are
+    copied between plans instead, with the same logits."""
+    generation = sys.modules[Decoder.__module__]
+    monkeypatch.setattr(generation, "PREFILL_SIZES", (4,))
+    backend = NumpyBackend(np.float64)
+    cfg = dataclasses.replace(FAMILIES[name], n_ctx=16)
+    values = tiny_values(cfg)
+    forward = TrainingForward(backend, cfg, values)
+    tokens = list(np.random.default_rng(6).integers(0, cfg.n_vocab, 16))
+    d = Decoder(backend, cfg, values)
+    d.prefill(tokens[:3])
+    graph, plan = d.prefills[4]
+    run, calls = plan.run, []
+
+    def interrupted(feeds, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(feeds, **kw)
+    plan.run = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        d.append(tokens[3:12])
+    assert d.tokens == ([] if name == "qwen35" else tokens[:3])
+    np.testing.assert_allclose(d.sync(tokens[:12]), forward(tokens[:12])[-1], rtol=0, atol=1e-12)
+    monkeypatch.setattr(generation, "same_storage", lambda *args: False)
+    copied = Decoder(backend, cfg, values)
+    copied.prefill(tokens[:6])
+    copied.step(tokens[6])
+    np.testing.assert_allclose(copied.sync(tokens[:14]), forward(tokens[:14])[-1],
+                               rtol=0, atol=1e-12)
+
+
 def test_a_recurrent_decoder_starts_over_where_a_sync_goes_back():
     """A delta-net's state cannot go back: a sync that leaves the cached tokens runs the
     whole sequence again from position 0 (and a prefill after steps starts over too), with
@@ -233,8 +269,8 @@ def test_kv_cache_logits_on_the_device_equal_the_training_forward(wgpu, cfg):
 @pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
 def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     """The prefill and step plans share every weight's storage (q8_0 ones and, on NumPy,
-    their dequantized values included) but not their caches; the logits are the training
-    forward's, also after the step plan alone is left; memory counts the weights once."""
+    their dequantized values included) and their cache; the logits are the training
+    forward's, also after the step plan alone is left; memory counts each once."""
     import gc
     from ggwgpu.quant import Quantized, dequantize, quantize
     backend = NumpyBackend() if backend_name == "numpy" else request.getfixturevalue("wgpu")
@@ -250,18 +286,18 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
         weights = [g.params[name].storage for g in graphs]
         assert storage[0][id(weights[0])] is storage[1][id(weights[1])], name
         assert {id(w) for w in weights} <= plans[0].constant_keys | plans[1].constant_keys
-    assert storage[0][id(graphs[0].kv)] is not storage[1][id(graphs[1].kv)]
+    assert storage[0][id(graphs[0].kv)] is storage[1][id(graphs[1].kv)]
     assert {id(s) for s in plans[0].constants.values()} == \
         {id(s) for s in plans[1].constants.values()}
-    assert len(plans[0].constants) == len(values)
+    assert len(plans[0].constants) == len(values) + 1       # the weights and the cache
     if backend_name == "numpy":
-        assert len(backend.constants) == len(values)
+        assert len(backend.constants) == len(values) + 1
         q = [id(g.params["blk.0.attn_q.weight"]) for g in graphs]
         assert plans[0].dense[q[0]] is plans[1].dense[q[1]]
-    weight_bytes = sum(plans[0].nbytes(g) for g in graphs[0].params.values())
+    shared_bytes = sum(plans[0].nbytes(g) for g in [*graphs[0].params.values(), graphs[0].kv])
     m = [plan.memory() for plan in plans]
-    assert m[0]["shared"] == m[1]["shared"] == weight_bytes
-    assert d.memory() == m[0]["planned"] + m[1]["planned"] - weight_bytes
+    assert m[0]["shared"] == m[1]["shared"] == shared_bytes
+    assert d.memory() == m[0]["planned"] + m[1]["planned"] - shared_bytes
     tokens = [1, 4, 7, 2, 5]
     dense = {k: dequantize(v) if isinstance(v, Quantized) else v for k, v in values.items()}
     ref = TrainingForward(NumpyBackend(np.float64), cfg, dense)(tokens)

@@ -79,10 +79,13 @@ class Plan:
     sharing off). Leaves with a value (params, constants) are uploaded once; inputs come
     with each run. Constants the plan never writes take their storage from the backend's
     SharedConstants (`constants`), shared with its other plans; a write() to one first
-    gives the plan a copy of its own (params and inputs are never shared).
+    gives the plan a copy of its own (params and inputs are never shared). So do the
+    constant leaves named in `shared` that its nodes write: state that the plans of graphs
+    built on the same value hold in common, each run's writes seen by the others (a
+    decoder's caches).
     """
 
-    def __init__(self, outputs, sentinel: int = 0):
+    def __init__(self, outputs, sentinel: int = 0, shared=()):
         self.outputs = list(outputs)
         self.order = topo_order(self.outputs)
         # a multiple of 4 elements: storage then starts 16-byte aligned for vec4 kernels
@@ -102,8 +105,9 @@ class Plan:
             if OPS[node.op].updates:    # an optimizer step writes its sources in place
                 written.update(id(s.storage) for s in node.srcs)
         # the leaves whose storage may be shared with the backend's other plans: constants
-        # that no node writes (not params, which the optimizer updates, nor inputs); none
-        # with sentinels, whose guards a test checks plan by plan
+        # that no node writes (not params, which the optimizer updates, nor inputs) or that
+        # `shared` names; none with sentinels, whose guards a test checks plan by plan
+        written -= {id(t.storage) for t in shared}
         self.constant_keys = set() if self.sentinel else {
             id(r) for r in self.roots
             if r.op is None and r.value is not None and not r.is_param and id(r) not in written}
@@ -274,6 +278,12 @@ class Plan:
         return stray
 
 
+def same_storage(plan: Plan, t: Tensor, other: Plan, other_t: Tensor) -> bool:
+    """Whether leaf t of `plan` and leaf other_t of `other` are one shared storage."""
+    shared = plan.constants.get(id(t.storage))
+    return shared is not None and shared is other.constants.get(id(other_t.storage))
+
+
 def planned_bytes(plans) -> int:
     """The storage several plans of one backend take together: each plan's own, and each
     constant they share once."""
@@ -307,7 +317,7 @@ class Backend:
     kernel_variants: dict[str, str]
     info: dict
 
-    def plan(self, outputs, sentinel: int = 0) -> Plan:
+    def plan(self, outputs, sentinel: int = 0, shared=()) -> Plan:
         raise NotImplementedError
 
     def compute(self, outputs, feeds=None) -> list[np.ndarray]:

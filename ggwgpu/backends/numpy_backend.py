@@ -103,8 +103,8 @@ def reference_kernel(reference):
 
 
 class NumpyPlan(Plan):
-    def __init__(self, backend, outputs, sentinel=0):
-        super().__init__(outputs, sentinel)
+    def __init__(self, backend, outputs, sentinel=0, shared=()):
+        super().__init__(outputs, sentinel, shared)
         self.float_dtype = backend.float_dtype
         self.fast = backend.fast
         self.threads, self.split_min = backend.threads, backend.split_min
@@ -299,5 +299,5 @@ class NumpyBackend(Backend):
         self.kernel_variants = {}       # no shaders
         self.info = {"device": "host CPU", "backend_type": "NumPy"}
 
-    def plan(self, outputs, sentinel=0):
-        return NumpyPlan(self, outputs, sentinel)
+    def plan(self, outputs, sentinel=0, shared=()):
+        return NumpyPlan(self, outputs, sentinel, shared)

@@ -170,13 +170,13 @@ class WgpuBackend(Backend):
                 label=f"{stem}:{entry}", layout=self.pipeline_layout, compute=compute)
         return self._pipelines[key]
 
-    def plan(self, outputs, sentinel=0):
-        return WgpuPlan(self, outputs, sentinel)
+    def plan(self, outputs, sentinel=0, shared=()):
+        return WgpuPlan(self, outputs, sentinel, shared)
 
 
 class WgpuPlan(Plan):
-    def __init__(self, backend: WgpuBackend, outputs, sentinel=0):
-        super().__init__(outputs, sentinel)
+    def __init__(self, backend: WgpuBackend, outputs, sentinel=0, shared=()):
+        super().__init__(outputs, sentinel, shared)
         self.backend = backend
         device = backend.device
         self.dispatches, self.dispatch_ops, private = [], [], {}

@@ -16,7 +16,7 @@ import numpy as np
 from .. import ops as O
 from ..graph import topo_order
 from ..quant import Quantized
-from ..tensor import ShapeError, constant, input_tensor, param
+from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
 from .blocks import (LORA, LORA_A, LORA_B, OUTPUT, Sequence, attention, embed, output,
                      rms_norm)
 from .config import ModelConfig
@@ -406,13 +406,13 @@ class DecodeGraph:
     max_ctx: int              # cache rows: positions 0 .. max_ctx - 1
     tokens: object            # i32 input (n_tokens,)
     positions: object         # i32 input (n_tokens,)
-    writes: object            # i32 input (n_tokens,): the row of [scratch | cache] each token's
+    writes: object            # i32 input (n_tokens,): the row of [cache | scratch] each token's
                               # K/V goes to (its position's, padding a scratch row)
     mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
     kv: object                # the cache, a flat leaf: per layer with its own K/V, K then V,
-                              # each (n_tokens + max_ctx, the layer's kv_dim)
+                              # each (max_ctx + scratch rows, the layer's kv_dim)
     params: dict              # name -> weight leaf (frozen constants)
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
@@ -436,14 +436,11 @@ class DecodeGraph:
         return [self.logits, *self.state_writes]
 
     @property
-    def caches(self) -> list:
-        """The leaves that keep their rows from run to run, each with the widths of its
-        blocks of [n_tokens scratch rows | max_ctx cache rows], one after another: kv, and
-        conv where it exists."""
-        caches = [(self.kv, self.kv_widths)]
-        if self.conv is not None:
-            caches.append((self.conv, self.conv_widths))
-        return caches
+    def kept(self) -> list:
+        """The leaves that keep their values from run to run: the caches (kv, and conv where
+        it exists) and the recurrent states. Graphs built on one `state` dict hold the same
+        values: planned with these as `shared`, their plans hold them in common."""
+        return [self.kv, *([self.conv] if self.conv is not None else []), *self.states]
 
     def feeds(self, tokens, past: int) -> dict:
         """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
@@ -459,7 +456,7 @@ class DecodeGraph:
         ids = np.zeros(self.n_tokens, np.int32)
         ids[:n] = tokens
         rows = np.arange(self.n_tokens)
-        writes = np.where(rows < n, self.n_tokens + past + rows, rows).astype(np.int32)
+        writes = np.where(rows < n, past + rows, self.max_ctx + rows).astype(np.int32)
         ahead = (past + rows)[:, None] - np.arange(self.max_ctx)[None, :]
         feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
                  self.writes: writes, self.last: np.array([n - 1], np.int32)}
@@ -479,22 +476,27 @@ class DecodeGraph:
 
 
 def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
-                       name: str = "kv cache", adapters=(), precision: str = "f32") -> DecodeGraph:
+                       adapters=(), precision: str = "f32", scratch: int | None = None,
+                       state: dict | None = None) -> DecodeGraph:
     """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
-    gives the logits of one of them. Plan it once (one graph of n_tokens = max_ctx for
-    prompts, one of n_tokens = 1 for each sampled token) and run it per step.
+    gives the logits of one of them. Plan it once (a graph of several tokens for prompts,
+    one of n_tokens = 1 for each sampled token) and run it per step.
 
     The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
     V of positions 0 .. max_ctx - 1, one row of the layer's kv_dim (n_head_kv * head_dim)
-    each, after n_tokens rows of scratch, one block after another in one flat leaf:
-        K or V of a layer = [n_tokens new rows | max_ctx cache rows]
+    each, then `scratch` rows (default n_tokens; at least n_tokens - 1), one block after
+    another in one flat leaf:
+        K or V of a layer = [max_ctx cache rows | scratch rows]
     A layer that shares K/V (gemma4's last shared_kv_layers) has none of its own: it attends
-    to the cache rows its source layer updated earlier in the same run.
+    to the cache rows its source layer updated earlier in the same run. The values of the
+    leaves kept from run to run (DecodeGraph.kept: caches, recurrent states) come from
+    `state` (made there when missing): graphs of one max_ctx and scratch built on one dict
+    hold the same arrays, which their plans can share (Plan's `shared`).
 
     Writing the new rows at position `past`, which changes every run while a view's offset is
     fixed when the graph is built: set_rows writes each token's K/V row at the row the i32
-    input `writes` names, its position's cache row (padding tokens of a short run: their
-    own scratch row, so they never touch the cache). A run attends to all max_ctx rows, with
+    input `writes` names, its position's cache row (padding token i of a short run: scratch
+    row i, so it never touches the cache). A run attends to all max_ctx rows, with
     a mask input (-inf on rows past a query's position) through soft_max_ext instead of the
     static diag_mask_inf: one pass over the cache per run.
 
@@ -508,7 +510,16 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     n_tokens = int(n_tokens)
     if not 1 <= n_tokens <= max_ctx:
         raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
-    rows, family = n_tokens + max_ctx, cfg.family
+    scratch = n_tokens if scratch is None else int(scratch)
+    if scratch < n_tokens - 1:
+        raise ShapeError(f"{scratch} scratch rows cannot take the padding of {n_tokens} tokens")
+    rows, family = max_ctx + scratch, cfg.family
+    state = {} if state is None else state
+
+    def kept(key, shape, dtype, name):
+        """A leaf kept from run to run, its value state[key] (zeros when new)."""
+        value = state.setdefault(key, np.zeros(shape, DTYPES[dtype]))
+        return constant(value, dtype, name=name)
     p, _ = model_weights(values, adapters, train=None, precision=precision)
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
@@ -520,15 +531,15 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         if family.kv_layer(cfg, i) == i and family.attends(cfg, i):
             starts[i] = rows * sum(widths)
             widths += [family.layer(cfg, i).kv_dim] * 2
-    kv = constant(np.zeros(max(rows * sum(widths), 1), np.float32), precision, name=name)
+    kv = kept("kv", max(rows * sum(widths), 1), precision, "kv cache")
 
     def cached(leaf, base, new, width):
         """Write `new` (n_tokens rows of `width`) at the rows `writes` names of the block of
-        `leaf` that starts at element `base` ([scratch | cache]); the updated cache rows,
+        `leaf` that starts at element `base` ([cache | scratch]); the updated cache rows,
         (max_ctx, width)."""
         block = O.view(leaf, (rows, width), (width, 1), base)
         written = O.set_rows(O.reshape_any(new, (n_tokens, width)), writes, block)
-        return O.view(written, (max_ctx, width), (width, 1), n_tokens * width)
+        return O.view(written, (max_ctx, width), (width, 1), 0)
 
     window = layers_window(cfg)
     window_mask = (input_tensor((n_tokens, max_ctx), precision, name="window mask") if window
@@ -555,8 +566,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     conv_starts = dict(zip(conv_widths, rows * np.cumsum([0, *conv_widths.values()])))
     if conv_widths:
         reach = cfg.conv_kernel - 1
-        conv = constant(np.zeros(rows * sum(conv_widths.values()), np.float32), precision,
-                        name=f"{name}: convolution inputs")
+        conv = kept("conv", rows * sum(conv_widths.values()), precision, "convolution inputs")
         conv_rows = input_tensor((reach + n_tokens,), "i32", name="convolution rows")
         conv_positions = input_tensor((reach + n_tokens,), "i32", name="convolution positions")
 
@@ -574,13 +584,12 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
 
     def recur(i, q, k, v, g, beta):     # from the state the last run left, or zeros
         heads, size = v.shape[-2:]
-        state = constant(np.zeros((heads, size, size), np.float32),
-                         name=f"{name}: state of layer {i}")
+        leaf = kept(f"state {i}", (heads, size, size), "f32", f"state of layer {i}")
         one = lambda t: O.reshape(O.cont(t), (1,) + t.shape)     # noqa: E731 (a batch of 1)
         o, end = delta_rule(one(q), one(k), one(v), one(O.mul(g, valid)),
-                            one(O.mul(beta, valid)), O.mul(state, carry), final_state=True)
-        states.append(state)
-        state_writes.append(O.cpy(end, state))
+                            one(O.mul(beta, valid)), O.mul(leaf, carry), final_state=True)
+        states.append(leaf)
+        state_writes.append(O.cpy(end, leaf))
         return O.reshape(O.cont(o), v.shape)
 
     seq = Sequence((1, n_tokens), positions, attend, convolve, recur)
