@@ -49,6 +49,19 @@ from .tokenizer import Tokenizer, VocabError
 # the large one (llama.cpp's default micro-batch), never one graph of max_ctx tokens (a
 # 2048-token context cost 3.7x the time per chat turn that way).
 PREFILL_SIZES = (64, 512)
+# The cache rows a graph reads (its span): a run takes the graph of the smallest span that
+# holds its positions, so that it costs what the filled part of the cache asks for rather
+# than the whole window (--n-ctx 8192 decoded at half the speed of 512 that way). Spans
+# FIRST_SPAN, 4 times that, ..., then the window.
+FIRST_SPAN = 512
+
+
+def attention_spans(max_ctx: int) -> list[int]:
+    spans, span = [], FIRST_SPAN
+    while span < max_ctx:
+        spans.append(span)
+        span *= 4
+    return spans + [max_ctx]
 
 
 # -- sampling ---------------------------------------------------------------------------------
@@ -146,11 +159,12 @@ def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generat
 
 class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
-    plans on `backend`, built once: a one-token graph for steps and a graph for each of
-    PREFILL_SIZES (capped at max_ctx) for runs of several tokens (`prefills`). The graphs'
-    weights are constants made from the same `values` arrays, and their caches and
-    recurrent states are built on one `state` dict, so the backend holds each once for all
-    plans (base.SharedConstants): a run of any plan writes the cache the others read.
+    plans on `backend`, built once: for each span of attention_spans (the cache rows a graph
+    reads), a one-token graph for steps (`steps`) and a graph of each of PREFILL_SIZES
+    (capped at max_ctx) for runs of several tokens (`prefills`). The graphs' weights are
+    constants made from the same `values` arrays, and their caches and recurrent states are
+    built on one `state` dict, so the backend holds each once for all plans
+    (base.SharedConstants): a run of any plan writes the cache the others read.
     `tokens` are the ids the cache holds (positions 0 .. past - 1); they change only when a
     prefill or step is complete, so an interrupted one leaves a usable cache (a recurrent
     model's states cannot tell: it then starts over).
@@ -168,21 +182,28 @@ class Decoder:
         self.precision = precision_for(backend, precision)
         if self.precision == "f16":
             values = half_values(values)
-        sizes = sorted({min(size, self.max_ctx) for size in PREFILL_SIZES})
+        self.sizes = sorted({min(size, self.max_ctx) for size in PREFILL_SIZES})
+        self.spans = attention_spans(self.max_ctx)
         build = functools.partial(build_decode_graph, cfg, values, max_ctx=self.max_ctx,
                                   adapters=adapters, precision=self.precision,
-                                  scratch=sizes[-1], state={})
+                                  scratch=self.sizes[-1], state={})
 
-        def planned(n_tokens):
-            graph = build(n_tokens)
+        def planned(n_tokens, span):
+            graph = build(n_tokens, span=span)
             return graph, backend.plan(graph.outputs, shared=graph.kept)
-        self.step_graph, self.step_plan = planned(1)
-        self.prefills = {size: planned(size) for size in sizes}    # tokens a run takes ->
+        self.steps = {span: planned(1, span) for span in self.spans}
+        self.prefills = {(size, span): planned(size, span)         # (tokens a run takes,
+                         for size in self.sizes for span in self.spans if span >= size}
+        self._holder = self.steps[self.spans[0]]    # the graph and plan that ran last
         self.tokens: list[int] = []     # in the cache
 
+    @property
+    def plans(self) -> list:
+        return [plan for _, plan in (*self.steps.values(), *self.prefills.values())]
+
     def memory(self) -> int:
-        """The bytes of storage the plans take, the weights they share counted once."""
-        return planned_bytes([self.step_plan, *(plan for _, plan in self.prefills.values())])
+        """The bytes of storage the plans take, what they share counted once."""
+        return planned_bytes(self.plans)
 
     @property
     def past(self) -> int:
@@ -198,11 +219,11 @@ class Decoder:
         """Append one token at position `past`; its logits, (n_vocab,)."""
         if self.past >= self.max_ctx:
             raise ValueError(f"the cache is full ({self.max_ctx} positions): prefill a window")
-        g = self.step_graph
+        graph, plan = self.steps[self._span(self.past + 1)]
         with self._states_kept():
-            self.step_plan.run(g.feeds([token], self.past))
+            self._run(graph, plan, [token], self.past)
         self.tokens = self.tokens + [int(token)]
-        return self.step_plan.read(g.logits)[0]
+        return plan.read(graph.logits)[0]
 
     def append(self, tokens) -> np.ndarray:
         """Append `tokens` at positions past, past + 1, ... (at most max_ctx in all); the
@@ -219,28 +240,41 @@ class Decoder:
         window costs is thus only what changed."""
         tokens = [int(t) for t in tokens]
         keep = len(os.path.commonprefix([self.tokens, tokens[:-1]]))
-        if keep < self.past and self.step_graph.states:
+        if keep < self.past and self._holder[0].states:
             keep = 0    # a recurrent state cannot go back: start over
         self.tokens = self.tokens[:keep]    # rows past `keep` are masked and overwritten
         return self.append(tokens[keep:])
 
     def _run_prefill(self, tokens) -> np.ndarray:
-        """Append `tokens` (1 or more) in runs of the smallest prefill graph that holds them
-        all, else in chunks of the largest; the logits of the last."""
+        """Append `tokens` (1 or more) in runs of the smallest prefill size that holds them
+        all, else in chunks of the largest, each of the smallest span that holds its
+        positions; the logits of the last."""
         tokens = [int(t) for t in np.atleast_1d(tokens)]
-        size = next((n for n in self.prefills if n >= len(tokens)), max(self.prefills))
-        graph, plan = self.prefills[size]
+        size = next((n for n in self.sizes if n >= len(tokens)), self.sizes[-1])
         if self.past + len(tokens) > self.max_ctx:      # before any run changes a cache
             raise ShapeError(f"positions {self.past} .. {self.past + len(tokens) - 1} do not "
                              f"fit a cache of {self.max_ctx}")
         with self._states_kept():
-            move_kept(self.step_plan, self.step_graph, plan, graph)
             for at in range(0, len(tokens), size):
-                plan.run(graph.feeds(tokens[at:at + size], self.past + at))
-            move_kept(plan, graph, self.step_plan, self.step_graph)
-        logits = plan.read(graph.logits)[0]
+                chunk = tokens[at:at + size]
+                end = self.past + at + len(chunk)
+                graph, plan = self.prefills[size, self._span(max(end, size))]
+                self._run(graph, plan, chunk, self.past + at)
         self.tokens = self.tokens + tokens
-        return logits
+        return plan.read(graph.logits)[0]
+
+    def _span(self, end: int) -> int:
+        """The smallest span that holds positions 0 .. end - 1."""
+        return next(span for span in self.spans if span >= end)
+
+    def _run(self, graph, plan, tokens, past: int):
+        """One run of `plan`, after the leaves kept from run to run reach it from the plan
+        that ran last (nothing to copy where they share them, as a Decoder's plans do)."""
+        held_graph, held_plan = self._holder
+        if held_plan is not plan:
+            move_kept(held_plan, held_graph, plan, graph)
+            self._holder = graph, plan
+        plan.run(graph.feeds(tokens, past))
 
     @contextlib.contextmanager
     def _states_kept(self):
@@ -249,7 +283,7 @@ class Decoder:
         try:
             yield
         except BaseException:
-            if self.step_graph.states:
+            if self._holder[0].states:
                 self.tokens = []
             raise
 

@@ -150,39 +150,50 @@ def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():
 
 
 @pytest.mark.parametrize("name", ["mha", "gqa-tied", "lfm2-window", "gemma4", "qwen35"])
-def test_prefills_run_in_the_smallest_graph_that_holds_them_or_in_chunks(name, monkeypatch):
-    """Prefill graphs of 4 and 8 tokens in a context of 24: 19 prompt tokens run as chunks
-    of 8, 8 and 3, an append of 3 in the graph of 4, one of 2 after steps too; every run's
-    logits are the training forward's (the caches, convolution inputs and recurrent states
-    carried from chunk to chunk and graph to graph); a prefill that would pass the context
-    is refused before any run."""
+def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, monkeypatch):
+    """Prefill graphs of 4 and 8 tokens and spans of 8 and 24 rows in a context of 24: 19
+    prompt tokens run as chunks of 8, 8 and 3, the first reading 8 rows; an append of 3 in
+    the graph of 4, a step; every run's logits are the training forward's (the caches,
+    convolution inputs and recurrent states carried from chunk to chunk and graph to
+    graph); a prefill that would pass the context is refused before any run."""
     generation = sys.modules[Decoder.__module__]    # ggwgpu.generate is also a function
-    monkeypatch.setattr(generation, "PREFILL_SIZES", (8, 4, 512))   # 512: capped at 24
+    monkeypatch.setattr(generation, "PREFILL_SIZES", (8, 4))
+    monkeypatch.setattr(generation, "FIRST_SPAN", 8)
     backend = NumpyBackend(np.float64)
     cfg = dataclasses.replace(FAMILIES[name], n_ctx=24)
     values = tiny_values(cfg)
     forward = TrainingForward(backend, cfg, values)
     d = Decoder(backend, cfg, values)
-    assert list(d.prefills) == [4, 8, 24]
-    del d.prefills[24]          # the largest is 8: longer spans run in chunks
+    assert d.spans == [8, 24] and list(d.steps) == [8, 24]
+    assert list(d.prefills) == [(4, 8), (4, 24), (8, 8), (8, 24)]
     runs = []
-    for size, (graph, plan) in d.prefills.items():
+    for (size, span), (graph, plan) in [*d.prefills.items(),
+                                        *(((1, s), gp) for s, gp in d.steps.items())]:
         run = plan.run
-        plan.run = lambda feeds, size=size, run=run, **kw: runs.append(size) or run(feeds, **kw)
+        plan.run = lambda feeds, key=(size, span), run=run, **kw: runs.append(key) or run(
+            feeds, **kw)
     tokens = list(np.random.default_rng(5).integers(0, cfg.n_vocab, 24))
     np.testing.assert_allclose(d.prefill(tokens[:19]), forward(tokens[:19])[-1],
                                rtol=0, atol=1e-12)
-    assert runs == [8, 8, 8]
+    assert runs == [(8, 8), (8, 24), (8, 24)]
     np.testing.assert_allclose(d.append(tokens[19:22]), forward(tokens[:22])[-1],
                                rtol=0, atol=1e-12)
-    d.step(tokens[22])
-    assert runs[3:] == [4] and d.tokens == tokens[:23]
+    np.testing.assert_allclose(d.step(tokens[22]), forward(tokens[:23])[-1],
+                               rtol=0, atol=1e-12)
+    assert runs[3:] == [(4, 24), (1, 24)] and d.tokens == tokens[:23]
     with pytest.raises(ShapeError, match="positions 23 .. 24 do not fit a cache of 24"):
         d.append([1, 2])
-    assert runs[4:] == [] and d.tokens == tokens[:23]
+    assert runs[5:] == [] and d.tokens == tokens[:23]
     np.testing.assert_allclose(d.sync(tokens[:20] + [3, 3]), forward(tokens[:20] + [3, 3])[-1],
                                rtol=0, atol=1e-12)
-    assert runs[4:] == ([8, 8, 8] if name == "qwen35" else [4])  # a state goes back to 0
+    assert runs[5:] == ([(8, 8), (8, 24), (8, 24)] if name == "qwen35"   # a state goes back
+                        else [(4, 24)])
+    np.testing.assert_allclose(d.prefill(tokens[:3]), forward(tokens[:3])[-1],
+                               rtol=0, atol=1e-12)
+    for t in range(3, 9):
+        np.testing.assert_allclose(d.step(tokens[t]), forward(tokens[:t + 1])[-1],
+                                   rtol=0, atol=1e-12)
+    assert runs[-7:] == [(4, 8)] + [(1, 8)] * 5 + [(1, 24)]
 
 
 @pytest.mark.parametrize("name", ["mha", "lfm2", "qwen35"])
@@ -200,7 +211,7 @@ def test_an_interrupted_prefill_leaves_a_cache_the_next_sync_can_use(name, monke
     tokens = list(np.random.default_rng(6).integers(0, cfg.n_vocab, 16))
     d = Decoder(backend, cfg, values)
     d.prefill(tokens[:3])
-    graph, plan = d.prefills[4]
+    graph, plan = d.prefills[4, 16]
     run, calls = plan.run, []
 
     def interrupted(feeds, **kw):
@@ -278,8 +289,9 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     values = {k: quantize(v, "q8_0") if k.endswith("attn_q.weight") else v
               for k, v in tiny_values(cfg).items()}
     d = Decoder(backend, cfg, values)
-    [(prefill_graph, prefill_plan)] = d.prefills.values()      # one size: max_ctx 8
-    plans, graphs = (prefill_plan, d.step_plan), (prefill_graph, d.step_graph)
+    [(prefill_graph, prefill_plan)] = d.prefills.values()      # one size and span: 8
+    [(step_graph, step_plan)] = d.steps.values()
+    plans, graphs = (prefill_plan, step_plan), (prefill_graph, step_graph)
     storage = [plan.storage if backend_name == "numpy" else
                {key: place[0] for key, place in plan.places.items()} for plan in plans]
     for name in values:

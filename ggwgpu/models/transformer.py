@@ -408,7 +408,7 @@ class DecodeGraph:
     positions: object         # i32 input (n_tokens,)
     writes: object            # i32 input (n_tokens,): the row of [cache | scratch] each token's
                               # K/V goes to (its position's, padding a scratch row)
-    mask: object              # f32 input (n_tokens, max_ctx): 0 where a query sees a key, -inf
+    mask: object              # f32 input (n_tokens, span): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
     kv: object                # the cache, a flat leaf: per layer with its own K/V, K then V,
@@ -416,19 +416,18 @@ class DecodeGraph:
     params: dict              # name -> weight leaf (frozen constants)
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
-    conv: object = None       # convolutions' cache, a leaf (conv layers, n_tokens + max_ctx,
-                              # n_embd): their inputs by position, as kv
+    conv: object = None       # convolutions' cache, a leaf (conv layers, max_ctx + scratch
+                              # rows, their widths): their inputs by position, as kv
     conv_rows: object = None  # i32 input (conv_kernel - 1 + n_tokens,): the cache rows that the
                               # run's convolutions read, from conv_kernel - 1 positions back
     conv_positions: object = None  # i32 input, as conv_rows: their positions (< 0: before 0)
-    kv_widths: tuple = ()     # the width of each block of kv, in order (K, V of each layer)
-    conv_widths: tuple = ()   # the width of each block of conv, in order (its layers)
     states: tuple = ()        # recurrent layers' states (qwen35's delta-nets), leaves kept
                               # from run to run: the state after the last token run
     state_writes: tuple = ()  # the writes of the new states: outputs to plan with the logits
     valid: object = None      # with states: input (n_tokens, 1), 1 on the run's tokens,
                               # 0 on its padding (which then leaves the states as they are)
     carry: object = None      # with states: f32 input (1, 1, 1), 0 when a run starts at 0
+    span: int = 0             # the cache rows a run reads: positions 0 .. span - 1
 
     @property
     def outputs(self) -> list:
@@ -450,14 +449,16 @@ class DecodeGraph:
         n, past = len(tokens), int(past)
         if not 1 <= n <= self.n_tokens:
             raise ShapeError(f"a run takes 1 to {self.n_tokens} tokens, got {n}")
-        if past < 0 or past + n > self.max_ctx:
+        if past < 0 or past + n > self.span:
             raise ShapeError(f"positions {past} .. {past + n - 1} do not fit a cache of "
-                             f"{self.max_ctx}")
+                             f"{self.span}" + (f" (a graph that reads {self.span} of its "
+                                               f"{self.max_ctx} rows)"
+                                               if self.span < self.max_ctx else ""))
         ids = np.zeros(self.n_tokens, np.int32)
         ids[:n] = tokens
         rows = np.arange(self.n_tokens)
         writes = np.where(rows < n, past + rows, self.max_ctx + rows).astype(np.int32)
-        ahead = (past + rows)[:, None] - np.arange(self.max_ctx)[None, :]
+        ahead = (past + rows)[:, None] - np.arange(self.span)[None, :]
         feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
                  self.writes: writes, self.last: np.array([n - 1], np.int32)}
         if self.mask is not None:
@@ -467,7 +468,7 @@ class DecodeGraph:
         if self.conv is not None:   # the run's positions and the kernel's reach before them
             at = past - (self.conv_rows.shape[0] - self.n_tokens) + np.arange(
                 self.conv_rows.shape[0], dtype=np.int32)
-            feeds[self.conv_rows] = np.clip(at, 0, self.max_ctx - 1)
+            feeds[self.conv_rows] = np.clip(at, 0, self.span - 1)
             feeds[self.conv_positions] = at
         if self.states:     # the states hold position past - 1's, or start over at 0
             feeds[self.valid] = (rows < n).astype(np.float32)[:, None]
@@ -477,7 +478,7 @@ class DecodeGraph:
 
 def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: int | None = None,
                        adapters=(), precision: str = "f32", scratch: int | None = None,
-                       state: dict | None = None) -> DecodeGraph:
+                       state: dict | None = None, span: int | None = None) -> DecodeGraph:
     """Inference with a KV cache: one run appends up to n_tokens tokens to the cache and
     gives the logits of one of them. Plan it once (a graph of several tokens for prompts,
     one of n_tokens = 1 for each sampled token) and run it per step.
@@ -496,9 +497,11 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     Writing the new rows at position `past`, which changes every run while a view's offset is
     fixed when the graph is built: set_rows writes each token's K/V row at the row the i32
     input `writes` names, its position's cache row (padding token i of a short run: scratch
-    row i, so it never touches the cache). A run attends to all max_ctx rows, with
-    a mask input (-inf on rows past a query's position) through soft_max_ext instead of the
-    static diag_mask_inf: one pass over the cache per run.
+    row i, so it never touches the cache). A run attends to the first `span` rows (default
+    max_ctx; positions past + n_tokens must fit), with a mask input (-inf on rows past a
+    query's position) through soft_max_ext instead of the static diag_mask_inf: one pass
+    over those rows per run, so a graph of a small span costs what the filled part of the
+    cache asks for.
 
     Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
     a token equal the training graph's logits at its position (tests/test_generate.py).
@@ -508,8 +511,10 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     """
     max_ctx = int(max_ctx or cfg.n_ctx)
     n_tokens = int(n_tokens)
-    if not 1 <= n_tokens <= max_ctx:
-        raise ShapeError(f"n_tokens {n_tokens} must be in 1 .. max_ctx {max_ctx}")
+    span = max_ctx if span is None else int(span)
+    if not 1 <= n_tokens <= span <= max_ctx:
+        raise ShapeError(f"n_tokens {n_tokens} and span {span} must be 1 <= n_tokens <= span "
+                         f"<= max_ctx {max_ctx}")
     scratch = n_tokens if scratch is None else int(scratch)
     if scratch < n_tokens - 1:
         raise ShapeError(f"{scratch} scratch rows cannot take the padding of {n_tokens} tokens")
@@ -524,7 +529,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     tokens = input_tensor((n_tokens,), "i32", name="tokens")
     positions = input_tensor((n_tokens,), "i32", name="positions")
     writes = input_tensor((n_tokens,), "i32", name="cache rows written")
-    mask = input_tensor((n_tokens, max_ctx), precision, name="attention mask")
+    mask = input_tensor((n_tokens, span), precision, name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
     starts, widths = {}, []     # where each layer's K (then V) rows start in the flat cache
     for i in range(cfg.n_layer):
@@ -535,14 +540,14 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
 
     def cached(leaf, base, new, width):
         """Write `new` (n_tokens rows of `width`) at the rows `writes` names of the block of
-        `leaf` that starts at element `base` ([cache | scratch]); the updated cache rows,
-        (max_ctx, width)."""
+        `leaf` that starts at element `base` ([cache | scratch]); the cache rows the run
+        reads, (span, width)."""
         block = O.view(leaf, (rows, width), (width, 1), base)
         written = O.set_rows(O.reshape_any(new, (n_tokens, width)), writes, block)
-        return O.view(written, (max_ctx, width), (width, 1), 0)
+        return O.view(written, (span, width), (width, 1), 0)
 
     window = layers_window(cfg)
-    window_mask = (input_tensor((n_tokens, max_ctx), precision, name="window mask") if window
+    window_mask = (input_tensor((n_tokens, span), precision, name="window mask") if window
                    else None)
     attended = {}       # layer -> its updated K and V cache rows (shared KV reads them)
 
@@ -552,11 +557,11 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         else:
             heads, width = k.shape[-2:]
             k, v = (O.reshape(cached(kv, starts[i] + part * rows * heads * width, t,
-                                     heads * width), (1, max_ctx, heads, width))
+                                     heads * width), (1, span, heads, width))
                     for part, t in enumerate((k, v)))
             attended[i] = k, v
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
-        kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, max_ctx)
+        kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, span)
         probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))
@@ -603,5 +608,4 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     mask, window_mask = used_of([logits], mask, window_mask)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, writes, mask, last, logits, kv,
                        weights, window, window_mask, conv, conv_rows, conv_positions,
-                       tuple(widths), tuple(conv_widths.values()), tuple(states),
-                       tuple(state_writes), valid, carry)
+                       tuple(states), tuple(state_writes), valid, carry, span)
