@@ -28,18 +28,24 @@ def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, samplin
     stream = TextStream(tokenizer, ids)
     click.echo(stream.push(), nl=False)
     t1, count = time.perf_counter(), 0
+    first = None        # when the first token came: the prompt pass and its sample
     for token in generate_tokens(decoder, ids, n, sampling, seed, context_bos(tokenizer),
                                  tokenizer.eog_ids):
         count += 1
+        first = first or time.perf_counter()
         piece = stream.push(token)
         if piece:
             click.echo(piece, nl=False)
             sys.stdout.flush()
     click.echo(stream.finish())
     t2 = time.perf_counter()
-    click.echo(f"{count} tokens in {t2 - t1:.2f} s ({count / (t2 - t1):.1f} tokens/s, the prompt "
-               f"pass of {len(ids)} tokens included; planning {t1 - t0:.2f} s, "
-               f"{decoder.memory() / 2**20:.1f} MiB planned)", err=True)
+    first = first or t2
+    # as llama.cpp reports them: the prompt pass, then the tokens after the first
+    after = f"{(count - 1) / (t2 - first):.1f} tokens/s" if count > 1 else "-"
+    click.echo(f"prompt: {len(ids)} tokens in {first - t1:.2f} s "
+               f"({len(ids) / (first - t1):.1f} tokens/s); generation: {count} tokens in "
+               f"{t2 - t1:.2f} s ({after} after the first); planning {t1 - t0:.2f} s, "
+               f"{decoder.memory() / 2**20:.1f} MiB planned", err=True)
 
 
 def stream_reply(session, text: str, n: int) -> int:

@@ -2,6 +2,7 @@
 the sampler chain on hand-made logits, greedy generation (window sliding included) against
 a plain recomputation, seeds, and the `generate` and `train --predict` commands."""
 import dataclasses
+import re
 import sys
 
 import numpy as np
@@ -495,7 +496,11 @@ def test_generate_command_prints_prompt_and_continuation(tmp_path, byte_model):
     assert first.exit_code == 0, first.output
     assert first.stdout.startswith("To be") and len(first.stdout) > len("To be\n")
     assert first.stdout == again.stdout
-    assert "tokens/s" in first.stderr
+    stats = re.search(r"prompt: (\d+) tokens in [\d.]+ s \([\d.]+ tokens/s\); generation: "
+                      r"(\d+) tokens in [\d.]+ s \(([\d.]+ tokens/s|-) after the first\)",
+                      first.stderr)
+    assert stats and stats[1] == str(len(prompt_tokens(ByteTokenizer(), "To be"))), first.stderr
+    assert 1 <= int(stats[2]) <= 16
     greedy = {invoke(*args, "--temp", "0", "--seed", seed).stdout for seed in ("1", "2")}
     assert len(greedy) == 1
 
