@@ -45,7 +45,7 @@ from .tokenizer import Tokenizer, VocabError
 
 # The sizes (tokens a run takes) of the decoder's graphs for several tokens, each capped at
 # max_ctx. A run costs its graph's whole size, padding included: a chat turn of a few dozen
-# tokens takes the small one rather than a whole window, and a longer span runs in chunks of
+# tokens takes the small one rather than a whole window, and more tokens go in chunks of
 # the large one (llama.cpp's default micro-batch), never one graph of max_ctx tokens (a
 # 2048-token context cost 3.7x the time per chat turn that way).
 PREFILL_SIZES = (64, 512)

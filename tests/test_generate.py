@@ -124,6 +124,15 @@ def test_kv_cache_takes_several_tokens_after_a_past():
     np.testing.assert_allclose(plan.read(g.logits)[0], ref[4], rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="do not fit"):
         g.feeds(tokens[:3], TINY.n_ctx - 2)
+    # padding takes scratch rows after the cache: a graph of 4 tokens needs 3 of them
+    with pytest.raises(ShapeError, match="2 scratch rows cannot take the padding of 4 tokens"):
+        build_decode_graph(TINY, values, 4, scratch=2)
+    g = build_decode_graph(TINY, values, 4, scratch=3)
+    plan = backend.plan([g.logits], sentinel=4)     # guards: nothing written past the rows
+    plan.run(g.feeds(tokens[:1], 0))
+    plan.run(g.feeds(tokens[1:2], 1))
+    np.testing.assert_allclose(plan.read(g.logits)[0], ref[1], rtol=0, atol=1e-12)
+    assert plan.stray_writes() == []
 
 
 def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():

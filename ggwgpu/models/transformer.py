@@ -457,7 +457,7 @@ class DecodeGraph:
         ids = np.zeros(self.n_tokens, np.int32)
         ids[:n] = tokens
         rows = np.arange(self.n_tokens)
-        writes = np.where(rows < n, past + rows, self.max_ctx + rows).astype(np.int32)
+        writes = np.where(rows < n, past + rows, self.max_ctx + rows - 1).astype(np.int32)
         ahead = (past + rows)[:, None] - np.arange(self.span)[None, :]
         feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
                  self.writes: writes, self.last: np.array([n - 1], np.int32)}
@@ -496,8 +496,8 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
 
     Writing the new rows at position `past`, which changes every run while a view's offset is
     fixed when the graph is built: set_rows writes each token's K/V row at the row the i32
-    input `writes` names, its position's cache row (padding token i of a short run: scratch
-    row i, so it never touches the cache). A run attends to the first `span` rows (default
+    input `writes` names, its position's cache row (padding token i >= 1 of a short run:
+    scratch row i - 1, so it never touches the cache). A run attends to the first `span` rows (default
     max_ctx; positions past + n_tokens must fit), with a mask input (-inf on rows past a
     query's position) through soft_max_ext instead of the static diag_mask_inf: one pass
     over those rows per run, so a graph of a small span costs what the filled part of the
