@@ -38,6 +38,7 @@ import numpy as np
 
 from .backends import precision_for
 from .backends.base import planned_bytes, same_storage
+from .memory import PREFILL_CHUNK
 from .models import ModelConfig, build_decode_graph, half_values
 from .tensor import ShapeError
 from .tokenizer import Tokenizer, VocabError
@@ -48,7 +49,7 @@ from .tokenizer import Tokenizer, VocabError
 # tokens takes the small one rather than a whole window, and more tokens go in chunks of
 # the large one (llama.cpp's default micro-batch), never one graph of max_ctx tokens (a
 # 2048-token context cost 3.7x the time per chat turn that way).
-PREFILL_SIZES = (64, 512)
+PREFILL_SIZES = (64, PREFILL_CHUNK)
 # The cache rows a graph reads (its span): a run takes the graph of the smallest span that
 # holds its positions, so that it costs what the filled part of the cache asks for rather
 # than the whole window (--n-ctx 8192 decoded at half the speed of 512 that way). Spans

@@ -22,6 +22,7 @@ from .models import ModelConfig, parameter_shapes
 
 HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
 F32, F16 = 4, 2    # bytes per value
+PREFILL_CHUNK = 512     # the most tokens a decoder's run takes (generate.PREFILL_SIZES)
 
 
 class MemoryLimitError(ValueError):
@@ -69,7 +70,7 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
     f32 whatever the precision); `weight_bytes`: the loaded weights' bytes (default: f32
     parameters); `dequantized`: values of block-type weights that the NumPy backend also holds
     as f32 (its products read them so, once dequantized); `decoder`: a KV cache of cfg.n_ctx
-    positions; `value_bytes`: bytes of an activation or KV-cache value (F16 = 2 where they are
+    positions and the attention scores of a prefill chunk over all of them; `value_bytes`: bytes of an activation or KV-cache value (F16 = 2 where they are
     f16 tensors, which both backends store as halves)."""
     need = {"weights": F32 * parameter_count(cfg) if weight_bytes is None else weight_bytes}
     if dequantized:
@@ -91,6 +92,9 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
                         if family.kv_layer(cfg, i) == i and family.attends(cfg, i))
         convolved = sum(family.conv_widths(cfg).values())   # inputs cached by position
         need["KV cache"] = value_bytes * cfg.n_ctx * (2 * width + convolved)
+        # one layer's scores of the decoder's largest prefill chunk (generate.PREFILL_SIZES)
+        need["prefill attention scores"] = value_bytes * cfg.n_head * min(
+            PREFILL_CHUNK, cfg.n_ctx) * cfg.n_ctx
         if cfg.recurrent_layers:    # qwen35's delta-net states, f32
             need["recurrent states"] = F32 * len(cfg.recurrent_layers) * cfg.ssm_heads * \
                 cfg.ssm_state ** 2

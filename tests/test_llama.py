@@ -321,6 +321,9 @@ def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value
     f16 = memory.estimate(cfg, batch=2, trained=7, decoder=True, value_bytes=memory.F16)
     assert f16["activations"] * 2 == f32["activations"]
     assert f16["KV cache"] * 2 == f32["KV cache"]
+    assert f32["prefill attention scores"] == 4 * 2 * 5 * 5      # heads x chunk x window
+    long = memory.estimate(dataclasses.replace(cfg, n_ctx=4096), decoder=True)
+    assert long["prefill attention scores"] == 4 * 2 * memory.PREFILL_CHUNK * 4096
     assert f16["weights"] == f32["weights"]
     assert f16["gradients and optimizer moments"] == f32["gradients and optimizer moments"]
 
