@@ -70,3 +70,17 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
         failed_.append(name), (None, "1 s"))[1])
     assert check.matmul_rows(False, failed) == [("bench matmul", "failed", "1 s")]
     assert failed == ["bench matmul"]
+
+
+def test_a_check_out_of_budget_still_prints_its_table():
+    """--budget too short for any step: each is left out and named so, and the table and the
+    result line still come."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--lavapipe", "--budget", "5"],
+                          capture_output=True, text=True, timeout=300)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    table = out[out.index("GPU check (lavapipe mode):"):]
+    lines = table.splitlines()
+    assert "op matrix" in lines[1] and "not run: --budget ran out" in lines[1]
+    assert sum("not run: --budget ran out" in line for line in lines) == 4   # every step
+    assert lines[-1].startswith("result: FAILED: op matrix, bench train tiny (out of time)")

@@ -3,12 +3,15 @@
 # and .whl/ beside it (tests/gpu/prepare.sh fills them where the registries are reachable):
 # unpack the Vulkan loader, install the carried wheels and ggwgpu, name the NVIDIA driver if
 # Vulkan finds no hardware adapter, and run tests/gpu/check.py, its output also written to
-# the log file given (default gpu-check.log) as it comes. Exit code: the check's.
+# the log file given (default gpu-check.log) as it comes, within the seconds given (default
+# 480: the table prints before a 10-minute call ends). Exit code: the check's.
 #
-#     bash tests/gpu/run.sh "$OUT/gpu-check.log"
+#     bash tests/gpu/run.sh "$OUT/gpu-check.log" 480
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 log=${1:-gpu-check.log}
+budget=${2:-480}
+start=$SECONDS
 for f in .gl/*.deb; do dpkg -x "$f" /; done
 ldconfig
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -24,4 +27,5 @@ if ! hardware; then
     echo "no hardware adapter found: VK_DRIVER_FILES=$VK_DRIVER_FILES"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$log"
-PYTHONUNBUFFERED=1 python3 tests/gpu/check.py 2>&1 | tee -a "$log"
+PYTHONUNBUFFERED=1 python3 tests/gpu/check.py --budget $((budget - SECONDS + start)) 2>&1 |
+    tee -a "$log"
