@@ -308,15 +308,18 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
         weights = [g.params[name].storage for g in graphs]
         assert storage[0][id(weights[0])] is storage[1][id(weights[1])], name
         assert {id(w) for w in weights} <= plans[0].constant_keys | plans[1].constant_keys
-    assert storage[0][id(graphs[0].kv)] is storage[1][id(graphs[1].kv)]
+    assert len(graphs[0].caches) == 2 * cfg.n_layer       # K and V of each layer
+    for cache, other in zip(graphs[0].caches, graphs[1].caches, strict=True):
+        assert storage[0][id(cache)] is storage[1][id(other)]
     assert {id(s) for s in plans[0].constants.values()} == \
         {id(s) for s in plans[1].constants.values()}
-    assert len(plans[0].constants) == len(values) + 1       # the weights and the cache
+    assert len(plans[0].constants) == len(values) + 2 * cfg.n_layer    # weights and caches
     if backend_name == "numpy":
-        assert len(backend.constants) == len(values) + 1
+        assert len(backend.constants) == len(values) + 2 * cfg.n_layer
         q = [id(g.params["blk.0.attn_q.weight"]) for g in graphs]
         assert plans[0].dense[q[0]] is plans[1].dense[q[1]]
-    shared_bytes = sum(plans[0].nbytes(g) for g in [*graphs[0].params.values(), graphs[0].kv])
+    shared_bytes = sum(plans[0].nbytes(g) for g in [*graphs[0].params.values(),
+                                                     *graphs[0].caches])
     m = [plan.memory() for plan in plans]
     assert m[0]["shared"] == m[1]["shared"] == shared_bytes
     assert d.memory() == m[0]["planned"] + m[1]["planned"] - shared_bytes

@@ -64,7 +64,7 @@ def check_storage_limits(tensors, nbytes, limits: dict, in_parts=frozenset(), pa
             raise DeviceLimitError(
                 f"tensor {t.name or t.op} {t.shape} needs {nbytes(t)} bytes, more than the "
                 f"device's {key.replace('-', ' ')} ({key}) of {limit} bytes{how}: make the "
-                f"model, the vocabulary or the batch smaller")
+                f"model, the vocabulary, the batch or the context (--n-ctx) smaller")
 
 
 def request_adapter():

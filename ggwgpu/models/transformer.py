@@ -411,13 +411,12 @@ class DecodeGraph:
     mask: object              # f32 input (n_tokens, span): 0 where a query sees a key, -inf
     last: object              # i32 input (1,): the token whose logits are computed
     logits: object            # (1, n_vocab): the logits of token `last`
-    kv: object                # the cache, a flat leaf: per layer with its own K/V, K then V,
-                              # each (max_ctx + scratch rows, the layer's kv_dim)
+    caches: tuple             # leaves of (max_ctx + scratch rows, width), by position: K and V
+                              # of each layer with its own, the convolution inputs of each
+                              # convolution layer, in layer order
     params: dict              # name -> weight leaf (frozen constants)
     window: int = 0           # the sliding window of the layers that have one (0: none)
     window_mask: object = None  # with a window: those layers' mask input, as `mask`
-    conv: object = None       # convolutions' cache, a leaf (conv layers, max_ctx + scratch
-                              # rows, their widths): their inputs by position, as kv
     conv_rows: object = None  # i32 input (conv_kernel - 1 + n_tokens,): the cache rows that the
                               # run's convolutions read, from conv_kernel - 1 positions back
     conv_positions: object = None  # i32 input, as conv_rows: their positions (< 0: before 0)
@@ -436,10 +435,10 @@ class DecodeGraph:
 
     @property
     def kept(self) -> list:
-        """The leaves that keep their values from run to run: the caches (kv, and conv where
-        it exists) and the recurrent states. Graphs built on one `state` dict hold the same
-        values: planned with these as `shared`, their plans hold them in common."""
-        return [self.kv, *([self.conv] if self.conv is not None else []), *self.states]
+        """The leaves that keep their values from run to run: the caches and the recurrent
+        states. Graphs built on one `state` dict hold the same values: planned with these as
+        `shared`, their plans hold them in common."""
+        return [*self.caches, *self.states]
 
     def feeds(self, tokens, past: int) -> dict:
         """Inputs of a run that appends `tokens` (1 .. n_tokens ids) at positions past,
@@ -465,7 +464,7 @@ class DecodeGraph:
             feeds[self.mask] = additive(ahead >= 0)
         if self.window_mask is not None:
             feeds[self.window_mask] = additive((ahead >= 0) & (ahead < self.window))
-        if self.conv is not None:   # the run's positions and the kernel's reach before them
+        if self.conv_rows is not None:  # the run's positions and the kernel's reach before them
             at = past - (self.conv_rows.shape[0] - self.n_tokens) + np.arange(
                 self.conv_rows.shape[0], dtype=np.int32)
             feeds[self.conv_rows] = np.clip(at, 0, self.span - 1)
@@ -483,10 +482,10 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     gives the logits of one of them. Plan it once (a graph of several tokens for prompts,
     one of n_tokens = 1 for each sampled token) and run it per step.
 
-    The cache is a leaf, so it keeps its value from run to run: per layer, K (after rope) and
-    V of positions 0 .. max_ctx - 1, one row of the layer's kv_dim (n_head_kv * head_dim)
-    each, then `scratch` rows (default n_tokens; at least n_tokens - 1), one block after
-    another in one flat leaf:
+    The cache is leaves, which keep their values from run to run: per layer, K (after rope)
+    and V of positions 0 .. max_ctx - 1, one row of the layer's kv_dim (n_head_kv *
+    head_dim) each, then `scratch` rows (default n_tokens; at least n_tokens - 1), a leaf
+    each (so that a storage binding holds one layer's, not all):
         K or V of a layer = [max_ctx cache rows | scratch rows]
     A layer that shares K/V (gemma4's last shared_kv_layers) has none of its own: it attends
     to the cache rows its source layer updated earlier in the same run. The values of the
@@ -531,19 +530,14 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     writes = input_tensor((n_tokens,), "i32", name="cache rows written")
     mask = input_tensor((n_tokens, span), precision, name="attention mask")
     last = input_tensor((1,), "i32", name="last token")
-    starts, widths = {}, []     # where each layer's K (then V) rows start in the flat cache
-    for i in range(cfg.n_layer):
-        if family.kv_layer(cfg, i) == i and family.attends(cfg, i):
-            starts[i] = rows * sum(widths)
-            widths += [family.layer(cfg, i).kv_dim] * 2
-    kv = kept("kv", max(rows * sum(widths), 1), precision, "kv cache")
+    caches = []
 
-    def cached(leaf, base, new, width):
-        """Write `new` (n_tokens rows of `width`) at the rows `writes` names of the block of
-        `leaf` that starts at element `base` ([cache | scratch]); the cache rows the run
-        reads, (span, width)."""
-        block = O.view(leaf, (rows, width), (width, 1), base)
-        written = O.set_rows(O.reshape_any(new, (n_tokens, width)), writes, block)
+    def cached(key, new, width, name):
+        """Write `new` (n_tokens rows of `width`) at the rows `writes` names of the cache
+        leaf state[key] ([cache | scratch]); the cache rows the run reads, (span, width)."""
+        leaf = kept(key, (rows, width), precision, name)
+        caches.append(leaf)
+        written = O.set_rows(O.reshape_any(new, (n_tokens, width)), writes, leaf)
         return O.view(written, (span, width), (width, 1), 0)
 
     window = layers_window(cfg)
@@ -556,9 +550,9 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
             k, v = attended[i]
         else:
             heads, width = k.shape[-2:]
-            k, v = (O.reshape(cached(kv, starts[i] + part * rows * heads * width, t,
-                                     heads * width), (1, span, heads, width))
-                    for part, t in enumerate((k, v)))
+            k, v = (O.reshape(cached(f"{part} {i}", t, heads * width,
+                                     f"layer {i}'s {part.upper()} cache"),
+                              (1, span, heads, width)) for part, t in zip("kv", (k, v)))
             attended[i] = k, v
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
         kq = O.mul_mat(k, q)                                      # (1, head, n_tokens, span)
@@ -566,19 +560,17 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))
 
-    conv = conv_rows = conv_positions = None    # the convolutions' inputs, cached by position
+    conv_rows = conv_positions = None    # the convolutions' inputs, cached by position
     conv_widths = family.conv_widths(cfg)
-    conv_starts = dict(zip(conv_widths, rows * np.cumsum([0, *conv_widths.values()])))
     if conv_widths:
         reach = cfg.conv_kernel - 1
-        conv = kept("conv", rows * sum(conv_widths.values()), precision, "convolution inputs")
         conv_rows = input_tensor((reach + n_tokens,), "i32", name="convolution rows")
         conv_positions = input_tensor((reach + n_tokens,), "i32", name="convolution positions")
 
     def convolve(i, x, weight):     # x's rows cached by position; ssm_conv over the run's
         # rows and the kernel's reach before them
         width = conv_widths[i]
-        cache = cached(conv, int(conv_starts[i]), x, width)
+        cache = cached(f"conv {i}", x, width, f"layer {i}'s convolution inputs")
         y = O.ssm_conv(O.get_rows(cache, conv_rows), weight, conv_positions)
         return O.view(y, (n_tokens, width), (width, 1), reach * width)
 
@@ -606,6 +598,6 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
     mask, window_mask = used_of([logits], mask, window_mask)
-    return DecodeGraph(n_tokens, max_ctx, tokens, positions, writes, mask, last, logits, kv,
-                       weights, window, window_mask, conv, conv_rows, conv_positions,
+    return DecodeGraph(n_tokens, max_ctx, tokens, positions, writes, mask, last, logits,
+                       tuple(caches), weights, window, window_mask, conv_rows, conv_positions,
                        tuple(states), tuple(state_writes), valid, carry, span)
