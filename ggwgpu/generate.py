@@ -37,7 +37,7 @@ from typing import Iterator
 import numpy as np
 
 from .backends import precision_for
-from .backends.base import planned_bytes, same_storage
+from .backends.base import DeviceLimitError, planned_bytes, same_storage
 from .memory import PREFILL_CHUNK
 from .models import ModelConfig, build_decode_graph, half_values
 from .tensor import ShapeError
@@ -193,8 +193,18 @@ class Decoder:
             graph = build(n_tokens, span=span)
             return graph, backend.plan(graph.outputs, shared=graph.kept)
         self.steps = {span: planned(1, span) for span in self.spans}
-        self.prefills = {(size, span): planned(size, span)         # (tokens a run takes,
-                         for size in self.sizes for span in self.spans if span >= size}
+        self.prefills = {}      # (tokens a run takes, span) -> (graph, plan)
+        for span in self.spans:
+            for size in (size for size in self.sizes if size <= span):
+                # fewer tokens where a run's tensors (its attention scores: heads x tokens x
+                # span) would pass the device's limits (a storage binding of 128 MiB)
+                while (size, span) not in self.prefills:
+                    try:
+                        self.prefills[size, span] = planned(size, span)
+                    except DeviceLimitError:
+                        if size == 1:
+                            raise
+                        size //= 2
         self._holder = self.steps[self.spans[0]]    # the graph and plan that ran last
         self.tokens: list[int] = []     # in the cache
 
@@ -251,16 +261,19 @@ class Decoder:
         all, else in chunks of the largest, each of the smallest span that holds its
         positions; the logits of the last."""
         tokens = [int(t) for t in np.atleast_1d(tokens)]
-        size = next((n for n in self.sizes if n >= len(tokens)), self.sizes[-1])
         if self.past + len(tokens) > self.max_ctx:      # before any run changes a cache
             raise ShapeError(f"positions {self.past} .. {self.past + len(tokens) - 1} do not "
                              f"fit a cache of {self.max_ctx}")
         with self._states_kept():
-            for at in range(0, len(tokens), size):
-                chunk = tokens[at:at + size]
-                end = self.past + at + len(chunk)
-                graph, plan = self.prefills[size, self._span(max(end, size))]
-                self._run(graph, plan, chunk, self.past + at)
+            at = 0
+            while at < len(tokens):
+                left = len(tokens) - at
+                size = next((n for n in self.sizes if n >= left), self.sizes[-1])
+                span = self._span(max(self.past + at + min(left, size), size))
+                size = max(n for n, s in self.prefills if s == span and n <= size)
+                graph, plan = self.prefills[size, span]
+                self._run(graph, plan, tokens[at:at + size], self.past + at)
+                at += size
         self.tokens = self.tokens + tokens
         return plan.read(graph.logits)[0]
 

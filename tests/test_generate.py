@@ -162,7 +162,8 @@ def test_sync_keeps_the_shared_prefix_and_gives_a_fresh_prefill_s_logits():
 @pytest.mark.parametrize("name", ["mha", "gqa-tied", "lfm2-window", "gemma4", "qwen35"])
 def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, monkeypatch):
     """Prefill graphs of 4 and 8 tokens and spans of 8 and 24 rows in a context of 24: 19
-    prompt tokens run as chunks of 8, 8 and 3, the first reading 8 rows; an append of 3 in
+    prompt tokens run as chunks of 8, 8 and 3 (in the graph of 4), the first reading 8 rows;
+    an append of 3 in
     the graph of 4, a step; every run's logits are the training forward's (the caches,
     convolution inputs and recurrent states carried from chunk to chunk and graph to
     graph); a prefill that would pass the context is refused before any run."""
@@ -175,7 +176,7 @@ def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, mon
     forward = TrainingForward(backend, cfg, values)
     d = Decoder(backend, cfg, values)
     assert d.spans == [8, 24] and list(d.steps) == [8, 24]
-    assert list(d.prefills) == [(4, 8), (4, 24), (8, 8), (8, 24)]
+    assert sorted(d.prefills) == [(4, 8), (4, 24), (8, 8), (8, 24)]
     runs = []
     for (size, span), (graph, plan) in [*d.prefills.items(),
                                         *(((1, s), gp) for s, gp in d.steps.items())]:
@@ -185,7 +186,7 @@ def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, mon
     tokens = list(np.random.default_rng(5).integers(0, cfg.n_vocab, 24))
     np.testing.assert_allclose(d.prefill(tokens[:19]), forward(tokens[:19])[-1],
                                rtol=0, atol=1e-12)
-    assert runs == [(8, 8), (8, 24), (8, 24)]
+    assert runs == [(8, 8), (8, 24), (4, 24)]
     np.testing.assert_allclose(d.append(tokens[19:22]), forward(tokens[:22])[-1],
                                rtol=0, atol=1e-12)
     np.testing.assert_allclose(d.step(tokens[22]), forward(tokens[:23])[-1],
@@ -204,6 +205,40 @@ def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, mon
         np.testing.assert_allclose(d.step(tokens[t]), forward(tokens[:t + 1])[-1],
                                    rtol=0, atol=1e-12)
     assert runs[-7:] == [(4, 8)] + [(1, 8)] * 5 + [(1, 24)]
+
+
+def test_prefills_take_fewer_tokens_where_a_graph_would_pass_the_device_s_limits(monkeypatch):
+    """A backend refusing tensors larger than the 4-token, 24-row prefill's biggest (as a
+    device refuses one over its storage binding): the 8-token graph is planned for 8 rows
+    only, longer spans run 4 tokens at a time, with the training forward's logits."""
+    from ggwgpu.backends.base import DeviceLimitError
+    generation = sys.modules[Decoder.__module__]
+    monkeypatch.setattr(generation, "PREFILL_SIZES", (4, 8))
+    monkeypatch.setattr(generation, "FIRST_SPAN", 8)
+    cfg = dataclasses.replace(TINY, n_ctx=24)
+    values = tiny_values(cfg)
+
+    def biggest(plan):
+        return max(node.nelements for node in plan.nodes)
+    limit = biggest(NumpyBackend(np.float64).plan(
+        build_decode_graph(cfg, values, 4, scratch=8).outputs))
+
+    class Limited(NumpyBackend):
+        def plan(self, outputs, sentinel=0, shared=()):
+            plan = super().plan(outputs, sentinel, shared)
+            if biggest(plan) > limit:
+                raise DeviceLimitError(f"a tensor of {biggest(plan)} values")
+            return plan
+    d = Decoder(Limited(np.float64), cfg, values)
+    assert sorted(d.prefills) == [(4, 8), (4, 24), (8, 8)]
+    runs = []
+    for key, (graph, plan) in d.prefills.items():
+        run = plan.run
+        plan.run = lambda feeds, key=key, run=run, **kw: runs.append(key) or run(feeds, **kw)
+    tokens = list(np.random.default_rng(7).integers(0, cfg.n_vocab, 19))
+    np.testing.assert_allclose(d.prefill(tokens), TrainingForward(
+        NumpyBackend(np.float64), cfg, values)(tokens)[-1], rtol=0, atol=1e-12)
+    assert runs == [(8, 8), (4, 24), (4, 24), (4, 24)]
 
 
 @pytest.mark.parametrize("name", ["mha", "lfm2", "qwen35"])
