@@ -11,8 +11,8 @@ import click
 
 from ggwgpu.tokenizer import VocabError
 
-from .common import (InputPath, chat_template, check_memory, ctx_option, describe_backend,
-                     load_model, lora_option, precision_option, resolve_precision,
+from .common import (MAX_DEFAULT_DECODE_CTX, InputPath, chat_template, check_memory, ctx_option,
+                     describe_backend, load_model, lora_option, precision_option, resolve_precision,
                      sampling_of, sampling_options, select_backend, template_option)
 from .streaming import new_session, stream_reply
 
@@ -25,7 +25,7 @@ from .streaming import new_session, stream_reply
               help="Tokens per answer at most (-1: until an end-of-generation token).")
 @sampling_options
 @lora_option
-@ctx_option("Tokens the KV cache holds")
+@ctx_option("Tokens the KV cache holds", MAX_DEFAULT_DECODE_CTX)
 @template_option()
 @precision_option
 @click.pass_context

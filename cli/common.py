@@ -147,6 +147,9 @@ def planned_memory(plan) -> str:
 
 
 MAX_DEFAULT_CTX = 512   # a published model's context (8k, 128k) is far beyond a step's budget
+# generate and chat: a KV cache costs its memory, and a run only the cache rows it reads
+# (generate.Decoder), so their window is llama.cpp's default
+MAX_DEFAULT_DECODE_CTX = 4096
 
 
 def positive_ints(example: str):
@@ -164,18 +167,17 @@ def positive_ints(example: str):
     return parse
 
 
-def ctx_option(what: str):
+def ctx_option(what: str, cap: int = MAX_DEFAULT_CTX):
     """--n-ctx of the commands that run a loaded model: its window, in tokens."""
     return click.option("--n-ctx", "n_ctx", type=click.IntRange(min=2),
-                        help=f"{what} (default: the model's context length, at most "
-                             f"{MAX_DEFAULT_CTX}).")
+                        help=f"{what} (default: the model's context length, at most {cap}).")
 
 
-def with_context(cfg, n_ctx):
-    """cfg with n_ctx tokens per window: the given one, else the model's, capped at
-    MAX_DEFAULT_CTX (the model file keeps its own context length)."""
+def with_context(cfg, n_ctx, cap: int = MAX_DEFAULT_CTX):
+    """cfg with n_ctx tokens per window: the given one, else the model's, capped at `cap`
+    (the model file keeps its own context length)."""
     import dataclasses
-    return dataclasses.replace(cfg, n_ctx=n_ctx or min(cfg.n_ctx, MAX_DEFAULT_CTX))
+    return dataclasses.replace(cfg, n_ctx=n_ctx or min(cfg.n_ctx, cap))
 
 
 # -- what generate and chat share -------------------------------------------------------------
@@ -241,7 +243,7 @@ def load_model(path, lora_paths=(), n_ctx=None):
                                f"({gguf_llama.arch_keys(cfg.arch).ctx}) is {cfg.n_ctx}, "
                                f"but generating needs at least 2 tokens: give --n-ctx 2 or "
                                f"more")
-    return with_context(cfg, n_ctx), values, tokenizer, adapters
+    return with_context(cfg, n_ctx, MAX_DEFAULT_DECODE_CTX), values, tokenizer, adapters
 
 
 def template_option(cls=click.Option):

@@ -8,9 +8,9 @@ from __future__ import annotations
 import click
 
 from .common import InputPath, chat_template as load_chat_template
-from .common import (check_memory, ctx_option, describe_backend, load_model, lora_option,
-                     precision_option, resolve_precision, sampling_of, sampling_options,
-                     select_backend, template_option)
+from .common import (MAX_DEFAULT_DECODE_CTX, check_memory, ctx_option, describe_backend,
+                     load_model, lora_option, precision_option, resolve_precision, sampling_of,
+                     sampling_options, select_backend, template_option)
 from .streaming import chat_answer, stream_sample
 
 
@@ -25,7 +25,7 @@ from .streaming import chat_answer, stream_sample
                    "token: EOS, <|im_end|>, <|eot_id|>, ...).")
 @sampling_options
 @lora_option
-@ctx_option("Tokens the KV cache holds")
+@ctx_option("Tokens the KV cache holds", MAX_DEFAULT_DECODE_CTX)
 @click.option("--chat", is_flag=True,
               help="The prompt is a user message put through the model's chat template with "
                    "the generation prompt (after --system); only the answer is printed.")

@@ -70,8 +70,9 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
     f32 whatever the precision); `weight_bytes`: the loaded weights' bytes (default: f32
     parameters); `dequantized`: values of block-type weights that the NumPy backend also holds
     as f32 (its products read them so, once dequantized); `decoder`: a KV cache of cfg.n_ctx
-    positions and the attention scores of a prefill chunk over all of them; `value_bytes`: bytes of an activation or KV-cache value (F16 = 2 where they are
-    f16 tensors, which both backends store as halves)."""
+    positions and the attention scores of a prefill chunk over all of them; `value_bytes`:
+    bytes of an activation or KV-cache value (F16 = 2 where they are f16 tensors, which both
+    backends store as halves)."""
     need = {"weights": F32 * parameter_count(cfg) if weight_bytes is None else weight_bytes}
     if dequantized:
         need["dequantized weights"] = F32 * dequantized

@@ -496,11 +496,11 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     Writing the new rows at position `past`, which changes every run while a view's offset is
     fixed when the graph is built: set_rows writes each token's K/V row at the row the i32
     input `writes` names, its position's cache row (padding token i >= 1 of a short run:
-    scratch row i - 1, so it never touches the cache). A run attends to the first `span` rows (default
-    max_ctx; positions past + n_tokens must fit), with a mask input (-inf on rows past a
-    query's position) through soft_max_ext instead of the static diag_mask_inf: one pass
-    over those rows per run, so a graph of a small span costs what the filled part of the
-    cache asks for.
+    scratch row i - 1, so it never touches the cache). A run attends to the first `span`
+    rows (default max_ctx; positions past + n_tokens must fit), with a mask input (-inf on
+    rows past a query's position) through soft_max_ext instead of the static
+    diag_mask_inf: one pass over those rows per run, so a graph of a small span costs what
+    the filled part of the cache asks for.
 
     Attention, rope, norms and feed-forward are those of build_train_graph, so the logits of
     a token equal the training graph's logits at its position (tests/test_generate.py).
