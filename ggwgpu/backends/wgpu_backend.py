@@ -374,9 +374,9 @@ class WgpuPlan(Plan):
         made once and grown when asked for more."""
         if self._timer is None or self._timer[0].count < count:
             device = self.backend.device
+            usage = wgpu.BufferUsage.QUERY_RESOLVE | wgpu.BufferUsage.COPY_SRC
             self._timer = (device.create_query_set(type=wgpu.QueryType.timestamp, count=count),
-                           device.create_buffer(size=8 * count, usage=wgpu.BufferUsage.QUERY_RESOLVE
-                                                | wgpu.BufferUsage.COPY_SRC))
+                           device.create_buffer(size=8 * count, usage=usage))
         return self._timer
 
     def _resolve(self, encoder, queries, resolved, pairs: int) -> np.ndarray:
