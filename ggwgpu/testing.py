@@ -581,3 +581,22 @@ def qwen35_reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def example_pairs(n: int, n_vocab: int, prompt_tokens: tuple, answer_tokens: tuple,
+                  seed: int) -> list:
+    """n preference pairs of chat.Example sharing a random prompt of [lo, hi) tokens
+    (`prompt_tokens`), each answer random of `answer_tokens` [lo, hi) tokens, only the
+    answer trained."""
+    from .chat import Example
+    rng = np.random.default_rng(seed)
+    pairs = []
+    for _ in range(n):
+        prompt = rng.integers(0, n_vocab, rng.integers(*prompt_tokens))
+        pair = []
+        for _ in range(2):
+            answer = rng.integers(0, n_vocab, rng.integers(*answer_tokens))
+            ids = np.concatenate([prompt, answer]).astype(np.int32)
+            pair.append(Example(ids, np.arange(len(ids)) >= len(prompt)))
+        pairs.append(tuple(pair))
+    return pairs

@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 from gguf import GGUFReader
 
-from ggwgpu import gguf_llama, lora
+from ggwgpu import gguf_llama, lora, testing
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.chat import Example
 from ggwgpu.graph import build_backward
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
 from ggwgpu.pairs import PairBatches
@@ -72,17 +71,7 @@ def write_files(d: Path) -> None:
 
 def make_pairs(seed: int = 5) -> list:
     """N_PAIRS pairs of chat.Example sharing a prompt (3-8 tokens), answers of 2-12."""
-    rng = np.random.default_rng(seed)
-    pairs = []
-    for _ in range(N_PAIRS):
-        prompt = rng.integers(0, CFG.n_vocab, rng.integers(3, 9))
-        pair = []
-        for _ in range(2):
-            answer = rng.integers(0, CFG.n_vocab, rng.integers(2, 13))
-            ids = np.concatenate([prompt, answer]).astype(np.int32)
-            pair.append(Example(ids, np.arange(len(ids)) >= len(prompt)))
-        pairs.append(tuple(pair))
-    return pairs
+    return testing.example_pairs(N_PAIRS, CFG.n_vocab, (3, 9), (2, 13), seed)
 
 
 # -- PyTorch: the model and TRL's losses -------------------------------------------------------

@@ -9,6 +9,7 @@ from ggwgpu.backends import NumpyBackend
 from ggwgpu.graph import build_backward
 from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
+from ggwgpu import testing
 from ggwgpu.testing import reference_logits
 from ggwgpu.training.preference import PreferenceLoss, preference_terms, reference_loss
 
@@ -335,19 +336,9 @@ PACKED_QWEN35 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_
 
 
 def example_pairs(n=4, seed=5):
-    """Pairs of chat.Example sharing a prompt, answers of different lengths (1-5 tokens)."""
-    from ggwgpu.chat import Example
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        prompt = rng.integers(0, PACKED.n_vocab, rng.integers(2, 5))
-        pair = []
-        for _ in range(2):
-            answer = rng.integers(0, PACKED.n_vocab, rng.integers(1, 6))
-            pair.append(Example(np.concatenate([prompt, answer]).astype(np.int32),
-                                np.arange(len(prompt) + len(answer)) >= len(prompt)))
-        out.append(tuple(pair))
-    return out
+    """Pairs of chat.Example sharing a prompt (2-4 tokens), answers of different lengths
+    (1-5 tokens)."""
+    return testing.example_pairs(n, PACKED.n_vocab, (2, 5), (1, 6), seed)
 
 
 def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0, cfg=PACKED):
