@@ -21,17 +21,30 @@ Also here: the block types' codes the quantized kernels branch on (p.u.x).
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 from .quant import TYPES
 
 MATMUL_ENV = "GGWGPU_MATMUL"
 
-# mul_mat's kernels that read vec4s, by variant: (entry, shader file, tile of the result one
-# workgroup computes as (M, N), entry for an `a` stored K-outermost or None). 'subgroup'
-# reads a K-outermost `a` (out_prod) as it lies.
-MATMUL_KERNELS = {"tiled": ("mul_mat_tiled", "matmul", (64, 64), None),
-                  "subgroup": ("mul_mat_subgroup", "matmul_subgroup", (32, 16),
-                               "mul_mat_subgroup_t")}
+class MatmulKernels(NamedTuple):
+    """mul_mat's kernels that read vec4s, of one variant: the entry, its shader file, the tile
+    of the result one workgroup computes as (M, N); `entry_t`, where there is one, reads an
+    `a` and a `b` both stored K-outermost; `either_layout`: the entry reads each operand in
+    either layout, as a flag in p.u.y says (ops/matmul.py's tiled_layouts)."""
+    entry: str
+    shader: str
+    tile: tuple[int, int]
+    entry_t: str | None = None
+    either_layout: bool = False
+
+
+# 'subgroup' reads a K-outermost `a` and `b` (out_prod) as they lie; 'tiled' reads any
+# mix of layouts (the backward products' transposed views) as it lies.
+MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
+                                         either_layout=True),
+                  "subgroup": MatmulKernels("mul_mat_subgroup", "matmul_subgroup", (32, 16),
+                                            "mul_mat_subgroup_t")}
 
 # mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
 # (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere.

@@ -80,7 +80,17 @@ def as_laid_out(values: np.ndarray, layout: str) -> np.ndarray:
         leaf = np.full(values.shape[:-1] + (values.shape[-1] + 3,), np.nan)
         leaf[..., 1:1 + values.shape[-1]] = values
         return leaf
+    if layout == "padded_t":
+        t = np.swapaxes(values, -1, -2)
+        leaf = np.full(t.shape[:-1] + (padded_row(t.shape[-1]),), np.nan)
+        leaf[..., :t.shape[-1]] = t
+        return leaf
     return values
+
+
+def padded_row(n: int) -> int:
+    """The row length of a 'padded_t' leaf: n rounded up to a multiple of 4, plus 4."""
+    return -(-n // 4) * 4 + 4
 
 
 def build_case(opdef: OpDef, case: Case, rng: np.random.Generator, half: bool = False):
@@ -101,6 +111,12 @@ def build_case(opdef: OpDef, case: Case, rng: np.random.Generator, half: bool = 
             axes = tuple(reversed(range(len(shape))))
             leaf = input_tensor(tuple(shape[a] for a in axes), dtype, name=f"in{k}")
             src = O.permute(leaf, axes)
+        elif spec.layout == "padded_t":
+            # the transpose of a leaf's rows padded to a multiple of 4 (offset 0): a
+            # backward product's operand, read K-outermost, its rows not a multiple of 4
+            rows = shape[:-2] + (shape[-1], shape[-2])
+            leaf = input_tensor(rows[:-1] + (padded_row(rows[-1]),), dtype, name=f"in{k}")
+            src = O.transpose(O.view(leaf, rows, leaf.strides, 0))
         elif spec.layout == "strided":
             # rows padded by 3 elements and one element of offset: a view inside a bigger leaf
             leaf = input_tensor(shape[:-1] + (shape[-1] + 3,), dtype, name=f"in{k}")

@@ -45,13 +45,49 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
 
 // k_mul_mat_tiled, for GPUs: a workgroup of 16 x 16 invocations computes a 64 x 64 tile of
 // dst, each invocation a 4 x 4 block of it. Per step of 16 along K the workgroup stages
-// 64 x 16 of a and of b in workgroup memory (one vec4 load per invocation each), transposed
-// so that the inner loop reads 4 consecutive m (or n) as one vec4. Operands: contiguous
-// along K, K % 4 == 0, offsets and row strides multiples of 4 (ops/matmul.py).
+// 64 x 16 of a and of b in workgroup memory as [k][m / 4] (and [k][n / 4]) vec4s, one vec4
+// load per invocation each, so that the inner loop reads 4 consecutive m (or n) as one vec4.
+// Each operand is read as it lies, in either of two layouts (p.u.y: bit 0 for a, bit 1 for b;
+// ops/matmul.py's tiled_layouts): 0, rows along K (contiguous along K, K % 4 == 0), each
+// vec4 transposed into the tile; 1, stored K-outermost (contiguous along m or n: the
+// transposed views of every backward product), each vec4 a tile entry as it is. Offsets and
+// the other strides are multiples of 4. Rows past M or N are clamped on load, never stored.
 const TILE = 64u;
-const TILE_K4 = 4u;                                // 16 along K, in vec4s
+const TILE_K = 16u;
 var<workgroup> tile_a: array<vec4f, 256>;          // [k][m / 4]: 16 x 64 of a
 var<workgroup> tile_b: array<vec4f, 256>;          // [k][n / 4]: 16 x 64 of b
+
+// The vec4 at `at` of b (is_b) or a; is_b is a constant at each call, so one load remains.
+fn load_operand4(at: u32, is_b: bool) -> vec4f {
+    if (is_b) { return vec4f(src1_v4[at]); }
+    return vec4f(src0_v4[at]);
+}
+
+// Rows along K: the invocation loads row `lid / 4` of the tile, vec4 `lid % 4` of the step
+// (k from k0 + 4 (lid % 4)), and writes its 4 values into 4 entries of the tile.
+fn stage_along_k(lid: u32, k0: u32, K: u32, rows: u32, first: u32, base: u32, stride: u32,
+                 is_b: bool) {
+    let row = lid / 4u;
+    let k = k0 + (lid % 4u) * 4u;
+    let at = (base + min(first + row, rows - 1u) * stride) / 4u + min(k, K - 4u) / 4u;
+    var v = vec4f();
+    if (k < K) { v = load_operand4(at, is_b); }
+    let t = (lid % 4u) * 64u + row / 4u;              // tile index of (k - k0, row)
+    for (var i = 0u; i < 4u; i++) {
+        if (is_b) { tile_b[t + i * 16u][row % 4u] = v[i]; } else { tile_a[t + i * 16u][row % 4u] = v[i]; }
+    }
+}
+
+// Stored K-outermost: the invocation loads row k0 + lid / 16 along K, the 4 values from
+// first + 4 (lid % 16) on, which are one tile entry.
+fn stage_along_rows(lid: u32, k0: u32, K: u32, rows: u32, first: u32, base: u32,
+                    k_stride: u32, is_b: bool) {
+    let k = k0 + lid / 16u;
+    let at = (base + min(k, K - 1u) * k_stride + min(first + (lid % 16u) * 4u, (rows - 1u) & ~3u)) / 4u;
+    var v = vec4f();
+    if (k < K) { v = load_operand4(at, is_b); }
+    if (is_b) { tile_b[lid] = v; } else { tile_a[lid] = v; }
+}
 
 @compute @workgroup_size(256)
 fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
@@ -59,31 +95,30 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
     let M = p.ne_d.x;
     let N = p.ne_d.y;
-    let K4 = p.ne_0.x / 4u;
+    let K = p.ne_0.x;
     let tile = product_tile(g, TILE, TILE);
     let m0 = tile.x;
     let n0 = tile.y;
     let base = product_bases(tile.z);
-    // staging: this invocation loads row `row` of the tile, vec4 number `kq` of the step
-    let row = lid / TILE_K4;
-    let kq = lid % TILE_K4;
-    let a_row = base.y / 4u + min(m0 + row, M - 1u) * (p.nb_0.y / 4u);
-    let b_row = base.z / 4u + min(n0 + row, N - 1u) * (p.nb_1.y / 4u);
-    let at = kq * 4u * 16u + row / 4u;                 // tile index of (k = 4 kq, row)
+    let a_along_m = (p.u.y & 1u) != 0u;
+    let b_along_n = (p.u.y & 2u) != 0u;
     // compute: 4 consecutive m at tx * 4, 4 consecutive n at ty * 4
     let tx = lid % 16u;
     let ty = lid / 16u;
     var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
-    for (var k0 = 0u; k0 < K4; k0 += TILE_K4) {
-        let inside = k0 + kq < K4;
-        let av = select(vec4f(), vec4f(src0_v4[a_row + min(k0 + kq, K4 - 1u)]), inside);
-        let bv = select(vec4f(), vec4f(src1_v4[b_row + min(k0 + kq, K4 - 1u)]), inside);
-        for (var i = 0u; i < 4u; i++) {
-            tile_a[at + i * 16u][row % 4u] = av[i];
-            tile_b[at + i * 16u][row % 4u] = bv[i];
+    for (var k0 = 0u; k0 < K; k0 += TILE_K) {
+        if (a_along_m) {
+            stage_along_rows(lid, k0, K, M, m0, base.y, p.nb_0.x, false);
+        } else {
+            stage_along_k(lid, k0, K, M, m0, base.y, p.nb_0.y, false);
+        }
+        if (b_along_n) {
+            stage_along_rows(lid, k0, K, N, n0, base.z, p.nb_1.x, true);
+        } else {
+            stage_along_k(lid, k0, K, N, n0, base.z, p.nb_1.y, true);
         }
         workgroupBarrier();
-        for (var k = 0u; k < 16u; k++) {
+        for (var k = 0u; k < TILE_K; k++) {
             let a = tile_a[k * 16u + tx];
             let b = tile_b[k * 16u + ty];
             acc[0] += a * b.x;

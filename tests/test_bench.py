@@ -4,12 +4,15 @@ import dataclasses
 import json
 import math
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
 
+from ggwgpu import kernels
 from ggwgpu.backends import ENV_VAR, NumpyBackend
 from ggwgpu.models import parameter_shapes
+from ggwgpu.ops.registry import OPS
 from ggwgpu_cli import bench as cli_bench
 from ggwgpu_cli import main as cli_main
 
@@ -160,3 +163,20 @@ def test_bench_train_of_another_family_says_why_torch_has_no_peer(tmp_path, monk
            "would time another model)" in torch_row
     report = json.loads(out.read_text())
     assert "torch" not in report["tokens_per_s"] and report["tokens_per_s"]["numpy"] > 0
+
+
+def test_on_a_gpus_kernels_no_product_of_the_lora_f32_step_copies_an_operand():
+    """The tiled kernel reads the backward products' transposed views as they lie: none of
+    the step's products is preceded by a copy dispatch (lavapipe's subgroup kernel still
+    copies the mixed layouts of W^T d y)."""
+    gpu = SimpleNamespace(info={"adapter_type": "DiscreteGPU", "vendor": "nvidia"})
+    variants = kernels.choose_variants(gpu, SimpleNamespace(features=set()))
+    plan = trainer("smollm-135m-lora-f32", cli_bench.DispatchCounter(), n_layer=2,
+                   n_vocab=2048).plan
+    products = [n for n in plan.nodes if n.op in ("mul_mat", "mul_mat_acc", "out_prod")]
+    def copies(variants):
+        return sum(d.entry == "cpy" for n in products
+                   for d in OPS[n.op].dispatches_on(n, variants))
+    assert len(products) > 100 and variants["matmul"] == "tiled"
+    assert copies(variants) == 0
+    assert copies({**variants, "matmul": "subgroup"}) > 0

@@ -274,17 +274,30 @@ def test_mul_mat_reads_vec4s_when_k_allows():
 def test_out_prod_reads_its_operands_as_they_lie_where_the_variant_can():
     a, b = gg.input_tensor((9, 8)), gg.input_tensor((9, 12))   # [K, M], [K, N]
     node = gg.out_prod(a, b)
-    def entries(variant):
-        return [d.entry for d in OPS["out_prod"].dispatches_on(node, {"matmul": variant})]
-    assert entries("subgroup") == ["mul_mat_subgroup_t"]
-    assert entries("tiled") == ["mul_mat"]                        # K = 9: any strides
-    even = gg.out_prod(gg.input_tensor((8, 8)), gg.input_tensor((8, 12)))
-    assert [d.entry for d in OPS["out_prod"].dispatches_on(even, {"matmul": "tiled"})] \
-        == ["cpy", "cpy", "mul_mat_tiled"]
+    def dispatches(node, variant, op="out_prod"):
+        return [(d.entry, d.u[1:]) for d in OPS[op].dispatches_on(node, {"matmul": variant})]
+    assert dispatches(node, "subgroup") == [("mul_mat_subgroup_t", ())]
+    # the tiled kernel too, K = 9 included: both operands along their rows (flags 0b11)
+    assert dispatches(node, "tiled") == [("mul_mat_tiled", (3,))]
     # rows of 7 cannot be read as vec4s: copied as before
     odd = gg.out_prod(gg.input_tensor((8, 7)), gg.input_tensor((8, 12)))
-    assert [d.entry for d in OPS["out_prod"].dispatches_on(odd, {"matmul": "subgroup"})] \
-        == ["cpy", "cpy", "mul_mat_subgroup"]
+    assert [e for e, _ in dispatches(odd, "subgroup")] == ["cpy", "cpy", "mul_mat_subgroup"]
+    assert [e for e, _ in dispatches(odd, "tiled")] == ["cpy", "cpy", "mul_mat_tiled"]
+
+
+def test_the_tiled_kernel_reads_a_backward_products_mixed_layouts_as_they_lie():
+    """d x = W^T d y (a weight's transposed view, a gradient along K) and its mirror: one
+    dispatch, no copy; the flags say which operand is read K-outermost."""
+    w, dy = gg.input_tensor((12, 8)), gg.input_tensor((5, 12))    # W [out, in], d y [n, out]
+    for a, b, flags in ((gg.transpose(w), dy, 1), (dy, gg.transpose(w), 2)):
+        node = gg.mul_mat(a, b)
+        (d,) = OPS["mul_mat"].dispatches_on(node, {"matmul": "tiled"})
+        assert (d.entry, d.u) == ("mul_mat_tiled", (0, flags))
+    # read along K needs K % 4 == 0: rows of 6 (d y's) are laid out for neither layout
+    w6, dy6 = gg.input_tensor((6, 8)), gg.input_tensor((5, 6))
+    node = gg.mul_mat(gg.transpose(w6), dy6)
+    assert [d.entry for d in OPS["mul_mat"].dispatches_on(node, {"matmul": "tiled"})] \
+        == ["mul_mat"]
 
 
 def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):

@@ -217,24 +217,42 @@ def kernel_dispatch(node, a, b, variant="tiled"):
     return out
 
 
+def tiled_layouts(a, b) -> int | None:
+    """How an either_layout kernel reads a and b as they lie (p.u.y): bit 0 set where a is
+    read K-outermost (contiguous along M), bit 1 where b is (along N); clear where it is read
+    along K, which needs K % 4 == 0. None where an operand is laid out for neither."""
+    flags = 0
+    for bit, t in enumerate((a, b)):
+        if a.shape[-1] % 4 == 0 and vec4_ready(t):
+            continue
+        if not vec4_ready(transposed(t)):
+            return None
+        flags |= 1 << bit
+    return flags
+
+
 def kernel_dispatch_whole(node, a, b, c, variant):
     """The mul_mat kernel over a [.., M, K] and b [.., N, K], then its epilogue: times the
-    node's alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. Where `variant` has one, the
-    kernel for an `a` laid out along M (a transposed view: out_prod, and the weight in
-    mul_mat's backward) reads a and b as they lie. Else when K % 4 == 0 the vec4 kernel of
-    `variant` runs, after copying an operand that is not laid out for it (a transposed view,
-    as in every backward) into dispatch-private contiguous storage: the copy moves M*K
-    elements, the product does 2*M*N*K flops. Otherwise the kernel that reads any strides."""
+    node's alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. The vec4 kernel of
+    `variant` reads the operands as they lie where it can: any mix of layouts (either_layout:
+    the transposed views of every backward), or both stored K-outermost (entry_t: out_prod).
+    Else when K % 4 == 0 it runs after copying an operand that is not laid out for it into
+    dispatch-private contiguous storage: the copy moves M*K elements, the product does
+    2*M*N*K flops. Otherwise the kernel that reads any strides."""
     m, n = node.shape[-1], node.shape[-2]
     batches = node.nelements // (m * n)
-    entry, shader, (tile_m, tile_n), entry_t = MATMUL_KERNELS[variant]
-    tiles = -(-m // tile_m) * -(-n // tile_n) * batches
+    kernel = MATMUL_KERNELS[variant]
+    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1]) * batches
     # c: mul_mat_acc's, or the sums of the columns before (kernel_dispatch)
     epilogue = dict(f=(node.params["alpha"],), u=(len(c),))
-    if (entry_t and not (vec4_ready(a) and vec4_ready(b))
+    layouts = tiled_layouts(a, b) if kernel.either_layout else None
+    if layouts is not None:
+        return [Dispatch(kernel.entry, node, (a, b, *c), n=tiles, workgroups=tiles,
+                         shader=kernel.shader, f=epilogue["f"], u=(len(c), layouts))]
+    if (kernel.entry_t and not (vec4_ready(a) and vec4_ready(b))
             and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
-        return [Dispatch(entry_t, node, (a, b, *c), n=tiles, workgroups=tiles, shader=shader,
-                         **epilogue)]
+        return [Dispatch(kernel.entry_t, node, (a, b, *c), n=tiles, workgroups=tiles,
+                         shader=kernel.shader, **epilogue)]
     if a.shape[-1] % 4:
         return [Dispatch("mul_mat", node, (a, b, *c),
                          n=-(-m // BLOCK) * -(-n // BLOCK) * batches, **epilogue)]
@@ -245,8 +263,8 @@ def kernel_dispatch_whole(node, a, b, c, variant):
             copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
             t = dense
         operands.append(t)
-    return copies + [Dispatch(entry, node, (*operands, *c), n=tiles, workgroups=tiles,
-                              shader=shader, **epilogue)]
+    return copies + [Dispatch(kernel.entry, node, (*operands, *c), n=tiles, workgroups=tiles,
+                              shader=kernel.shader, **epilogue)]
 
 
 def transposed(t):
@@ -271,6 +289,11 @@ def mm_cases():
             Case((Input((130, 20)), Input((66, 20))), grad=False),  # K not a multiple of 16
             Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
             Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False),
+            # stored K-outermost, M and N not multiples of 4, beside an operand along K:
+            # the backward's W^T d y (tiled: read as they lie)
+            Case((Input((10, 12), layout="padded_t"), Input((7, 12)))),
+            Case((Input((2, 9, 20)), Input((2, 70, 20), layout="padded_t")), {"alpha": 0.5}),
+            Case((Input((66, 5), layout="padded_t"), Input((3, 5), layout="padded_t"))),
             # K cut into dispatches that add up (kernel_dispatch): vec4 and any-strides kernels
             Case((Input((3, SUM_ROWS_MAX + 8)), Input((5, SUM_ROWS_MAX + 8))), {"alpha": 0.5},
                  grad=False),

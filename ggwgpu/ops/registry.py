@@ -63,8 +63,9 @@ class Dispatch:
 @dataclass(frozen=True)
 class Input:
     """An input of a test case: values uniform in [lo, hi) (integers in [lo, hi) for i32).
-    layout: 'contiguous', 'permuted' (a permuted view of a leaf) or 'strided' (a view with
-    padded rows and an offset into a bigger leaf)."""
+    layout: 'contiguous', 'permuted' (a permuted view of a leaf), 'strided' (a view with
+    padded rows and an offset into a bigger leaf) or 'padded_t' (the last two axes swapped
+    of a view with rows padded to a multiple of 4, no offset: stored K-outermost)."""
     shape: tuple[int, ...]
     lo: float = -1.0
     hi: float = 1.0
