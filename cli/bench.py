@@ -70,7 +70,8 @@ def echo_step_stats(s: dict):
               else f"{s['device_ms']:.2f} ms/step (timestamp queries)")
     click.echo(f"wgpu step: {s['dispatches']} dispatches, host {s['host_us_per_dispatch']:.2f} "
                f"µs/dispatch ({s['host_ms']:.2f} ms to record and submit), device {device}, "
-               f"{s['wall_ms']:.1f} ms submit to done")
+               f"{s['wall_ms']:.1f} ms submit to done; the whole step {s['step_ms']:.1f} ms in "
+               f"one submit, {s['in_parts_ms']:.1f} ms submitted in parts")
     m = s["memory"]
     click.echo(f"wgpu memory (planned): peak {human_bytes(m['peak'])}, buffers "
                f"{human_bytes(m['planned'])} ({m['planned'] / max(m['peak'], 1):.3f} x peak)")

@@ -111,22 +111,29 @@ def timed_steps(step, n: int) -> tuple[float, float]:
 
 def step_stats(plan, repeat: int) -> dict:
     """What one planned wgpu step costs, inputs already written (medians of `repeat` runs):
-    host µs per dispatch (recording, finishing and submitting the step while the device is
-    idle, over its dispatches), device ms from timestamp queries (None without them), wall
-    ms from submit to done, and the planned memory by role."""
-    host, wall, device = [], [], []
+    host µs per dispatch (recording, finishing and submitting the step in one submit while
+    the device is idle, over its dispatches), device ms from timestamp queries (None without
+    them), wall ms from submit to done, the whole step's ms (run to done) in one submit and
+    submitted in parts (WgpuPlan.run), and the planned memory by role."""
+    host, wall, whole, parts, device = [], [], [], [], []
     for _ in range(repeat):
         plan.sync()
         t0 = time.perf_counter()
-        plan.run()
+        plan.run(parts=False)
         t1 = time.perf_counter()
         plan.sync()
         host.append(t1 - t0)
         wall.append(time.perf_counter() - t1)
+        whole.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        plan.run(parts=True)
+        plan.sync()
+        parts.append(time.perf_counter() - t0)
         device.append(plan.device_seconds())
     n = len(plan.recorded)
-    return {"dispatches": n, "host_us_per_dispatch": 1e6 * float(np.median(host)) / max(n, 1),
-            "host_ms": 1e3 * float(np.median(host)), "wall_ms": 1e3 * float(np.median(wall)),
+    ms = {key: 1e3 * float(np.median(v)) for key, v in
+          (("host_ms", host), ("wall_ms", wall), ("step_ms", whole), ("in_parts_ms", parts))}
+    return {"dispatches": n, "host_us_per_dispatch": 1e3 * ms["host_ms"] / max(n, 1), **ms,
             "device_ms": None if device[0] is None else 1e3 * float(np.median(device)),
             "memory": plan.memory()}
 

@@ -45,7 +45,8 @@ def test_the_direct_calls_are_the_path_in_use_here(wgpu, monkeypatch):
     assert wgpu_direct.CALLS is not None, wgpu_direct.WHY_NOT
     x, w, y, z = small_graph()
     plan = wgpu.plan([y, z])
-    assert plan.direct_calls and len(plan._handles) == len(plan.dispatches)
+    (commands, handles), = plan._parts_of(None, whole=True)
+    assert plan.direct_calls and len(handles) == len(plan.dispatches)
     set_pipeline, set_group, dispatch, null = wgpu_direct.CALLS
     counted = []
 
@@ -56,7 +57,33 @@ def test_the_direct_calls_are_the_path_in_use_here(wgpu, monkeypatch):
     cls = type(wgpu.device.create_command_encoder().begin_compute_pass())
     monkeypatch.setattr(cls, "dispatch_workgroups", lambda *a: pytest.fail("public call"))
     plan.run()
-    assert counted == [(gx, gy, 1) for _, _, gx, gy in plan._commands]
+    assert counted == [(gx, gy, 1) for _, _, gx, gy in commands]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_run_submitted_in_parts_computes_what_one_pass_does(wgpu, monkeypatch, direct):
+    """run() submits the dispatches in parts on hardware adapters (the device starts while
+    the host records); each part sets its pipelines anew: cut after every dispatch or two,
+    the results are those of the one pass that device_seconds records."""
+    from ggwgpu.backends import wgpu_backend
+    assert [list(r) for r in wgpu_backend.submit_parts(600)] == [
+        list(range(0, 64)), list(range(64, 320)), list(range(320, 576)),
+        list(range(576, 600))]
+    assert wgpu_backend.submit_parts(10) == [range(0, 10)] and wgpu_backend.submit_parts(0) == []
+    x, w, y, z = small_graph()
+    rng = np.random.default_rng(1)
+    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+             for t in gg.graph.topo_order([z]) if t.op is None}
+    whole = wgpu.plan([y, z])
+    whole.device_seconds(feeds)
+    monkeypatch.setattr(wgpu_backend, "SUBMIT_FIRST", 1)
+    monkeypatch.setattr(wgpu_backend, "SUBMIT_EVERY", 2)
+    parts = wgpu.plan([y, z])
+    parts.direct_calls = direct and parts.direct_calls
+    parts.run(feeds, parts=True)
+    assert len(parts._parts_of(None, whole=False)) == 1 + len(parts.dispatches) // 2
+    for a, b in zip(whole.read_many([y, z]), parts.read_many([y, z])):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_without_the_private_api_the_public_calls_take_over_and_say_so_once(monkeypatch):
@@ -103,8 +130,8 @@ def test_an_invalid_dispatch_raises_on_either_path(wgpu, direct):
     plan = wgpu.plan([gg.exp(x)])
     plan.direct_calls = direct and plan.direct_calls
     assert plan.direct_calls == direct
-    plan._commands = [(p, g, 70000, 1) for p, g, _, _ in plan._commands]
-    plan._handles = [(p, g, 70000, 1) for p, g, _, _ in plan._handles]
+    plan.recorded = [(p, g, (70000, 1)) for p, g, _ in plan.recorded]
+    plan._prepare_commands()
     with pytest.raises(wgpu_py.GPUValidationError, match="65535"):
         plan.run({x: np.ones(100, np.float32)})
 

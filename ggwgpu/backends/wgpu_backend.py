@@ -94,6 +94,17 @@ def whole_words(block: np.ndarray) -> np.ndarray:
 
 # dispatches timed per submit by WgpuPlan.profile: WebGPU allows 4096 queries in a set
 PROFILE_PASSES = 2048
+# WgpuPlan.run submits a graph in parts on a hardware adapter: the device starts on the
+# first SUBMIT_FIRST dispatches while the host records the rest, SUBMIT_EVERY at a time
+# (recording and finishing take about 2.5 µs a dispatch on this project's CI machines, 8 ms
+# for the 135M LoRA step's 3 340, which one submit at the end would add to the step)
+SUBMIT_FIRST, SUBMIT_EVERY = 64, 256
+
+
+def submit_parts(n: int) -> list[range]:
+    """The ranges of n dispatches that WgpuPlan.run submits one after the other."""
+    cuts = [0, *range(min(n, SUBMIT_FIRST), n, SUBMIT_EVERY), n]
+    return [range(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
 
 
 def grid_2d(groups: int) -> tuple[int, int]:
@@ -122,6 +133,9 @@ class WgpuBackend(Backend):
         self.has_f16 = "shader-f16" in self.device.features
         self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
+        # WgpuPlan.run submits in parts where the device works beside the host; lavapipe's
+        # device is the host's cores, and each of its submits waits for the one before
+        self.submits_in_parts = self.adapter.info.get("adapter_type") != "CPU"
         self.storage_limits = {k: self.device.limits[k] for k in wanted}
         storage = {"type": wgpu.BufferBindingType.storage}
         entries = [{"binding": 0, "visibility": wgpu.ShaderStage.COMPUTE,
@@ -236,10 +250,8 @@ class WgpuPlan(Plan):
             arena[i, :UNIFORM_SIZE // 4] = self._uniforms(d)
         self.arena = device.create_buffer_with_data(data=arena, usage=wgpu.BufferUsage.UNIFORM)
         self.recorded = [self._record(i) for i in range(len(self.dispatches))]
-        # The encode loop's work, prepared once: the whole graph's, and a stage's when asked
-        self._commands, self._handles = self._commands_of(range(len(self.recorded)))
-        self.direct_calls = self._handles is not None
-        self._stage_commands = {}     # stage -> _commands_of its dispatches
+        self._prepare_commands()
+        self.direct_calls = self._parts_of(None, whole=True)[0][1] is not None
         self._timer = None          # (timestamp query set, resolve buffer), made when asked
         self.profile_clock = None   # how the last profile() timed: "device" or "host"
         # host time of the last run(): (all of it, recording and submitting the dispatches)
@@ -292,8 +304,26 @@ class WgpuPlan(Plan):
         for i, (_, d) in enumerate(self.dispatches):
             if any(id(t.storage) == key for t in (d.dst, *d.srcs)):
                 self.recorded[i] = self._record(i)
-        self._commands, self._handles = self._commands_of(range(len(self.recorded)))
-        self._stage_commands = {}
+        self._prepare_commands()
+
+    def _prepare_commands(self):
+        """Forget the encode loop's work (_parts_of), to prepare it anew from
+        self.recorded."""
+        self._parts = {}    # (stage or None, whole) -> [_commands_of each part]
+
+    def _parts_of(self, stage, whole: bool) -> list:
+        """The encode loop's work, prepared once: the _commands_of the graph's (or a
+        stage's) dispatches, in one part where `whole`, else in run's submit parts."""
+        key = (stage, whole)
+        if key not in self._parts:
+            if stage is None:
+                indices = range(len(self.recorded))
+            else:
+                indices = [i for node in stage for i in self.node_dispatches[node]]
+            parts = [range(len(indices))] if whole else submit_parts(len(indices))
+            self._parts[key] = [self._commands_of([indices[i] for i in part])
+                                for part in parts]
+        return self._parts[key]
 
     def _commands_of(self, dispatches):
         """(commands, native handles or None) of these dispatches for the encode loop: the
@@ -326,28 +356,33 @@ class WgpuPlan(Plan):
         u[PARAMS["u"]:][:len(d.u)] = d.u
         return u
 
-    def run(self, feeds=None, stage=None):
+    def run(self, feeds=None, stage=None, parts=None):
+        """Plan.run: the dispatches submitted in parts (submit_parts) or in one submit, as
+        `parts` says (bench ops compares the two); by default as the backend's
+        submits_in_parts says."""
+        if parts is None:
+            parts = self.backend.submits_in_parts
         start = time.perf_counter()
         for t, value in (feeds or {}).items():
             self.write(t, value)
         written = time.perf_counter()
         device = self.backend.device
-        encoder = device.create_command_encoder()
-        self.encode(encoder, stage=stage)
-        device.queue.submit([encoder.finish()])
+        for part in self._parts_of(stage, whole=not parts):   # the device starts on each
+            encoder = device.create_command_encoder()
+            self._record_pass(encoder, part)
+            device.queue.submit([encoder.finish()])
         done = time.perf_counter()
         self.host_seconds = (done - start, done - written)
 
     def encode(self, encoder, timestamp_writes=None, stage=None):
         """Record every dispatch of the graph (or of `stage`'s nodes) into one compute pass
         of `encoder`."""
-        if stage is None:
-            commands, handles = self._commands, self._handles
-        else:
-            if stage not in self._stage_commands:
-                self._stage_commands[stage] = self._commands_of(
-                    [i for node in stage for i in self.node_dispatches[node]])
-            commands, handles = self._stage_commands[stage]
+        (part,) = self._parts_of(stage, whole=True)
+        self._record_pass(encoder, part, timestamp_writes)
+
+    def _record_pass(self, encoder, part, timestamp_writes=None):
+        """One compute pass of `encoder` with the dispatches of `part` (_commands_of)."""
+        commands, handles = part
         cpass = encoder.begin_compute_pass(timestamp_writes=timestamp_writes)
         wgpu_direct.record(cpass, commands, handles if self.direct_calls else None)
         cpass.end()

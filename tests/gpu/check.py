@@ -206,8 +206,11 @@ def kernel_rows(lavapipe: bool, failed: list) -> list[tuple]:
     total = r["total_ms"]["wgpu"]
     ranked = sorted(r["kernels"].items(), key=lambda kv: -kv[1]["wgpu_ms"])[:TOP_KERNELS]
     clock = "device" if r["wgpu_clock"] == "device" else "host: submit and wait"
+    step = r["wgpu"]
     return [(f"ops {config}", f"{total:.1f} ms a step, dispatch by dispatch ({clock}); "
-             + ", ".join(f"{k} {v['wgpu_ms'] / total:.0%}" for k, v in ranked), seconds)]
+             + ", ".join(f"{k} {v['wgpu_ms'] / total:.0%}" for k, v in ranked)
+             + f"; run whole: {step['step_ms']:.1f} ms in one submit, "
+             f"{step['in_parts_ms']:.1f} ms submitted in parts", seconds)]
 
 
 if __name__ == "__main__":
