@@ -46,6 +46,14 @@ MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
                   "subgroup": MatmulKernels("mul_mat_subgroup", "matmul_subgroup", (32, 16),
                                             "mul_mat_subgroup_t")}
 
+# A product that the either_layout kernel would run in fewer than SPLIT_TARGET workgroups (a
+# card has a hundred or more multiprocessors, each with room for several) is cut along K
+# into up to SPLIT_TARGET / tiles chunks of at least SPLIT_MIN_K, computed side by side and
+# summed by one more dispatch (ops/matmul.py's split_k): the output head's gradient d x
+# (576 x 512 over a 49 152 vocabulary: 72 workgroups of 3 072 steps each) runs in 576.
+SPLIT_TARGET = 512
+SPLIT_MIN_K = 512
+
 # mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
 # (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere.
 QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),

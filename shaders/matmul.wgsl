@@ -5,7 +5,8 @@
 // Three kernels: k_mul_mat reads any strides; k_mul_mat_tiled (here) and
 // k_mul_mat_subgroup (matmul_subgroup.wgsl) read vec4s along K, which ops/matmul.py
 // arranges, and are chosen per adapter. Each applies product_epilogue (product.wgsl) to
-// what it stores: alpha, and mul_mat_acc's c.
+// what it stores: alpha, and mul_mat_acc's c; or k_mul_mat_splits does, after adding up
+// the sums of K's chunks that the tiled kernel computed side by side (ops/matmul.py).
 // #include product
 
 // k_mul_mat: any strides (out_prod's transposed views, K % 4 != 0). Each invocation
@@ -135,4 +136,23 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
             store_product4(base.x, n, m, product_epilogue(tile.z, n, m, acc[j]));
         }
     }
+}
+
+// k_mul_mat_splits: dst[n, m] = the epilogue of the sum over s of src0[s, n, m], the sums of
+// p.u.y chunks of K (src0 contiguous [chunks, N, M], unscaled); one invocation per 4
+// consecutive m of a row, in chunk order. src2: mul_mat_acc's c where p.u.x = 1.
+@compute @workgroup_size(WG)
+fn k_mul_mat_splits(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let t = flat_id(gid, nwg); if (t >= p.n) { return; }
+    let M = p.ne_d.x;
+    let m4 = (M + 3u) / 4u;
+    let n = t / m4;
+    let m = (t % m4) * 4u;
+    let plane = M * p.ne_d.y;
+    var v = vec4f();
+    for (var s = 0u; s < p.u.y; s++) {
+        let row = p.off.y + s * plane + n * M;
+        for (var r = 0u; r < 4u; r++) { v[r] += f32(src0[row + min(m + r, M - 1u)]); }
+    }
+    store_product4(p.off.x, n, m, product_epilogue(0u, n, m, v));
 }

@@ -300,6 +300,27 @@ def test_the_tiled_kernel_reads_a_backward_products_mixed_layouts_as_they_lie():
         == ["mul_mat"]
 
 
+def test_the_tiled_kernel_cuts_a_long_k_of_few_tiles_into_chunks_side_by_side():
+    """The output head's d x (576 x 512 over a 49 152 vocabulary): 72 tiles, cut into 4
+    chunks (288 workgroups, at most SPLIT_TARGET) that k_mul_mat_splits adds up with the
+    epilogue; not where K is short, the product batched, or on lavapipe's kernel."""
+    from ggwgpu.kernels import SPLIT_TARGET
+    from ggwgpu.ops.matmul import k_chunks
+    w, dy = gg.input_tensor((49152, 576)), gg.input_tensor((512, 49152))
+    node = gg.mul_mat_acc(gg.transpose(w), dy, gg.input_tensor((512, 576)), 0.5)
+    product, total = OPS["mul_mat_acc"].dispatches_on(node, {"matmul": "tiled"})
+    assert (product.entry, product.n, product.u) == ("mul_mat_tiled", 288, (0, 1))
+    assert product.dst.shape == (4, 512, 576) and product.srcs[0].shape == (4, 576, 12288)
+    assert (total.entry, total.f, total.u, total.srcs[2]) == (
+        "mul_mat_splits", (0.5,), (1, 4), node.srcs[2])
+    assert 288 <= SPLIT_TARGET < 2 * 288
+    short = gg.mul_mat(gg.input_tensor((576, 576)), gg.input_tensor((512, 576)))
+    batched = gg.mul_mat(gg.input_tensor((64, 4096)), gg.input_tensor((3, 8, 4096)))
+    for n in (short, batched):
+        assert k_chunks(n, *n.srcs, "tiled") == 1
+    assert k_chunks(node, gg.transpose(w), dy, "subgroup") == 1
+
+
 def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):
     x = gg.input_tensor((testing.O.elementwise.LARGE,))
     plan = wgpu.plan([gg.exp(x)])

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..kernels import MATMUL_KERNELS, SUM_ROWS_MAX
+from ..kernels import MATMUL_KERNELS, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX
 from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_float, pad4, register
 
@@ -200,11 +200,16 @@ def vec4_ready(t) -> bool:
 
 
 def kernel_dispatch(node, a, b, variant="tiled"):
-    """The product's dispatches (kernel_dispatch_whole), one per SUM_ROWS_MAX of K where K is
-    longer: each later one reads column views of a and b and adds to the sums before it (dst
-    as its epilogue's c). One invocation's loop over a K of 262 144 (Gemma 3's vocabulary in
-    the output product's backward) would pass what lavapipe runs of one (kernels.py)."""
+    """The product's dispatches: cut along K into chunks computed side by side where the
+    variant's kernel would leave a card idle (split_k); else kernel_dispatch_whole, one
+    per SUM_ROWS_MAX of K where K is longer: each later one reads column views of a and b
+    and adds to the sums before it (dst as its epilogue's c). One invocation's loop over a K
+    of 262 144 (Gemma 3's vocabulary in the output product's backward) would pass what
+    lavapipe runs of one (kernels.py)."""
     k = a.shape[-1]
+    chunks = k_chunks(node, a, b, variant)
+    if chunks > 1:
+        return split_k(node, a, b, chunks, variant)
     if k <= SUM_ROWS_MAX:
         return kernel_dispatch_whole(node, a, b, node.srcs[2:], variant)
     out = []
@@ -215,6 +220,53 @@ def kernel_dispatch(node, a, b, variant="tiled"):
         c = node.srcs[2:] if lo == 0 else (node,)
         out += kernel_dispatch_whole(node, a_part, b_part, c, variant)
     return out
+
+
+def k_chunks(node, a, b, variant) -> int:
+    """How many chunks of K split_k cuts the product into (1: none): for an either_layout
+    kernel, an unbatched product of fewer than SPLIT_TARGET workgroups, the most chunks (a
+    power of 2) that keeps them at least SPLIT_MIN_K deep, K / chunks a multiple of 4, the
+    workgroups at most SPLIT_TARGET, and the chunks read as they lie."""
+    kernel = MATMUL_KERNELS[variant]
+    m, n, k = node.shape[-1], node.shape[-2], a.shape[-1]
+    if not kernel.either_layout or node.nelements != m * n:
+        return 1
+    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1])
+    chunks = 1
+    while (2 * chunks * tiles <= SPLIT_TARGET and k // (2 * chunks) >= SPLIT_MIN_K
+           and k % (8 * chunks) == 0):
+        chunks *= 2
+    if chunks > 1 and (k // chunks > SUM_ROWS_MAX
+                       or tiled_layouts(*chunked(a, b, chunks)) is None):
+        return 1
+    return chunks
+
+
+def chunked(a, b, chunks):
+    """a [M, K] and b [N, K] as [chunks, M, K / chunks] and [chunks, N, K / chunks]: the
+    chunks of K as a batch, views of the same storage."""
+    def view(t):
+        width = t.shape[-1] // chunks
+        return t.layout((chunks, t.shape[-2], width),
+                        (width * t.strides[-1], t.strides[-2], t.strides[-1]), t.offset)
+    return view(a), view(b)
+
+
+def split_k(node, a, b, chunks, variant):
+    """The product cut into `chunks` along K: the kernel computes each chunk's product side
+    by side (the chunks a batch: `chunked`) into dispatch-private sums [chunks, N, M], then
+    k_mul_mat_splits adds them up and applies the epilogue (alpha, mul_mat_acc's c) as the
+    whole product's kernel would."""
+    m, n = node.shape[-1], node.shape[-2]
+    kernel = MATMUL_KERNELS[variant]
+    a3, b3 = chunked(a, b, chunks)
+    sums = Tensor((chunks, n, m), name=f"{node} sums of K's chunks")   # dispatch-private
+    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1]) * chunks
+    c = node.srcs[2:]
+    return [Dispatch(kernel.entry, sums, (a3, b3), n=tiles, workgroups=tiles,
+                     shader=kernel.shader, f=(1.0,), u=(0, tiled_layouts(a3, b3))),
+            Dispatch("mul_mat_splits", node, (sums, sums, *c), n=n * -(-m // 4),
+                     f=(node.params["alpha"],), u=(len(c), chunks), shader="matmul")]
 
 
 def tiled_layouts(a, b) -> int | None:
@@ -294,6 +346,9 @@ def mm_cases():
             Case((Input((10, 12), layout="padded_t"), Input((7, 12)))),
             Case((Input((2, 9, 20)), Input((2, 70, 20), layout="padded_t")), {"alpha": 0.5}),
             Case((Input((66, 5), layout="padded_t"), Input((3, 5), layout="padded_t"))),
+            # few tiles, a long K: tiled cuts K into 8 chunks side by side (split_k)
+            Case((Input((67, 4096)), Input((65, 4096))), {"alpha": 0.5}, grad=False),
+            Case((Input((10, 2048), layout="padded_t"), Input((7, 2048))), grad=False),
             # K cut into dispatches that add up (kernel_dispatch): vec4 and any-strides kernels
             Case((Input((3, SUM_ROWS_MAX + 8)), Input((5, SUM_ROWS_MAX + 8))), {"alpha": 0.5},
                  grad=False),
@@ -350,7 +405,9 @@ out_prod = register(
                    for c in mm_cases()] + [
         # rows of a multiple of 4: read as they lie where the variant can (odd K, tiles cut)
         Case((Input((37, 68)), Input((37, 20))), {"alpha": 3.0}, grad=False),
-        Case((Input((2, 1, 9, 8)), Input((2, 3, 9, 12))), {"alpha": -0.5})],
+        Case((Input((2, 1, 9, 8)), Input((2, 3, 9, 12))), {"alpha": -0.5}),
+        # a weight's gradient over many tokens: K (2048) cut into 4 chunks (split_k)
+        Case((Input((2048, 12)), Input((2048, 8))), {"alpha": 2.0}, grad=False)],
     doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = alpha * b.T @ a, a "
         "broadcast over b's batch dims (alpha applied as the kernel stores).")
 

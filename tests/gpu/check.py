@@ -40,9 +40,11 @@ ROOT = Path(__file__).resolve().parents[2]
 GPU_BENCHES = [("tiny", []), ("small", []), ("smollm-135m-lora-f32", ["--steps", "3"])]
 GPU_MORE_BENCHES = [("smollm-135m-full", ["--steps", "3"]), ("smollm-135m", ["--steps", "3"])]
 LAVAPIPE_BENCHES = [("tiny", ["--layers", "2", "--steps", "1"])]
-# bench matmul: the 135M step's largest product (the output head: vocab x tokens x embd), and
-# a cube whose cuBLAS f32 rate is the card's measured f32 rate
-GPU_MATMUL, CARD_RATE_SHAPE = "49152x512x576,4096x4096x4096", "4096x4096x4096"
+# bench matmul: the 135M step's largest product (the output head: vocab x tokens x embd, the
+# first), its gradient's product (embd x tokens over the vocabulary: K cut into chunks side by
+# side), and a cube whose cuBLAS f32 rate is the card's measured f32 rate
+GPU_MATMUL = "49152x512x576,576x512x49152,4096x4096x4096"
+CARD_RATE_SHAPE = "4096x4096x4096"
 LAVAPIPE_MATMUL = "256x512x256"
 OPS_CONFIG = {False: "smollm-135m-lora-f32", True: "tiny"}    # bench ops, by --lavapipe
 TOP_KERNELS = 6
