@@ -574,7 +574,7 @@ class DispatchCounter(Backend):
 
     def plan(self, outputs, sentinel=0, shared=()):
         class CountedPlan(Plan):
-            def write(self, t, value):      # no storage: nothing to write
+            def write(self, t, value, everywhere=False):    # no storage: nothing to write
                 pass
 
         plan = CountedPlan(outputs)

@@ -169,6 +169,9 @@ class Decoder:
     `tokens` are the ids the cache holds (positions 0 .. past - 1); they change only when a
     prefill or step is complete, so an interrupted one leaves a usable cache (a recurrent
     model's states cannot tell: it then starts over).
+    A recurrent model's states cannot go back either: `sync` to tokens that share less than
+    the cache holds starts over, or from the snapshot of the states that `keep_states_at`
+    asked for where the tokens begin with the snapshot's (a chat turn's: ChatSession).
     `adapters` (ggwgpu.lora.Adapter) add their LoRA pairs, as llama.cpp's --lora does.
     `precision` (backends.precision_for: auto, f32, f16): f16 keeps float weights,
     activations and the cache in halves."""
@@ -207,6 +210,8 @@ class Decoder:
                         size //= 2
         self._holder = self.steps[self.spans[0]]    # the graph and plan that ran last
         self.tokens: list[int] = []     # in the cache
+        self._snapshot_at = None    # the position after which the next run keeps a snapshot
+        self._snapshot = None       # (tokens, the recurrent states' values after them)
 
     @property
     def plans(self) -> list:
@@ -234,6 +239,7 @@ class Decoder:
         with self._states_kept():
             self._run(graph, plan, [token], self.past)
         self.tokens = self.tokens + [int(token)]
+        self._keep_snapshot(self.tokens)
         return plan.read(graph.logits)[0]
 
     def append(self, tokens) -> np.ndarray:
@@ -251,10 +257,52 @@ class Decoder:
         window costs is thus only what changed."""
         tokens = [int(t) for t in tokens]
         keep = len(os.path.commonprefix([self.tokens, tokens[:-1]]))
-        if keep < self.past and self._holder[0].states:
-            keep = 0    # a recurrent state cannot go back: start over
+        if self.has_states:     # a recurrent state cannot go back, but to a snapshot
+            start = self._snapshot_start(tokens)
+            if keep < self.past or start > keep:
+                self.tokens = []
+                if start:
+                    self._restore_snapshot()
+                keep = start
         self.tokens = self.tokens[:keep]    # rows past `keep` are masked and overwritten
         return self.append(tokens[keep:])
+
+    def keep_states_at(self, position: int):
+        """Have the run that brings the cache to `position` tokens keep a snapshot of the
+        recurrent states there (nothing for a model without them): a later `sync` to
+        tokens that begin with the same `position` ones goes back to it rather than
+        starting over. A chat turn's prompt up to its generation prompt, which the next
+        turn's shares where a thinking model's answer does not (its reasoning is dropped).
+        One snapshot at a time; a run that rewrites positions before it drops it."""
+        if self.has_states:
+            self._snapshot_at = int(position)
+
+    @property
+    def has_states(self) -> bool:
+        """Whether the model has recurrent states (which cannot go back but to a snapshot)."""
+        return bool(self._holder[0].states)
+
+    def _keep_snapshot(self, tokens):
+        """After a run that brought the cache to `tokens`: the snapshot asked for there."""
+        if self._snapshot_at == len(tokens):
+            graph, plan = self._holder
+            self._snapshot = (list(tokens), plan.read_many(graph.states))
+            self._snapshot_at = None
+
+    def _snapshot_start(self, tokens) -> int:
+        """The snapshot's length where `tokens` begin with its tokens and go on past them,
+        else 0."""
+        if self._snapshot is None:
+            return 0
+        kept = self._snapshot[0]
+        return len(kept) if len(kept) < len(tokens) and tokens[:len(kept)] == kept else 0
+
+    def _restore_snapshot(self):
+        """The recurrent states of the snapshot, in the storage every plan shares."""
+        graph, plan = self._holder
+        for leaf, value in zip(graph.states, self._snapshot[1]):
+            plan.write(leaf, value, everywhere=True)
+        self.tokens = list(self._snapshot[0])
 
     def _run_prefill(self, tokens) -> np.ndarray:
         """Append `tokens` (1 or more) in runs of the smallest prefill size that holds them
@@ -268,12 +316,16 @@ class Decoder:
             at = 0
             while at < len(tokens):
                 left = len(tokens) - at
+                if 0 < (self._snapshot_at or 0) - self.past - at < left:
+                    left = self._snapshot_at - self.past - at   # a run ends at the snapshot
                 size = next((n for n in self.sizes if n >= left), self.sizes[-1])
                 span = self._span(max(self.past + at + min(left, size), size))
                 size = max(n for n, s in self.prefills if s == span and n <= size)
                 graph, plan = self.prefills[size, span]
-                self._run(graph, plan, tokens[at:at + size], self.past + at)
-                at += size
+                count = min(size, left)
+                self._run(graph, plan, tokens[at:at + count], self.past + at)
+                at += count
+                self._keep_snapshot(self.tokens + tokens[:at])
         self.tokens = self.tokens + tokens
         return plan.read(graph.logits)[0]
 
@@ -288,6 +340,8 @@ class Decoder:
         if held_plan is not plan:
             move_kept(held_plan, held_graph, plan, graph)
             self._holder = graph, plan
+        if self._snapshot is not None and past < len(self._snapshot[0]):
+            self._snapshot = None   # the cache rows it relies on are rewritten
         plan.run(graph.feeds(tokens, past))
 
     @contextlib.contextmanager
@@ -297,7 +351,7 @@ class Decoder:
         try:
             yield
         except BaseException:
-            if self._holder[0].states:
+            if self.has_states:
                 self.tokens = []
             raise
 
@@ -426,11 +480,17 @@ class ChatSession:
         self.messages = [{"role": "system", "content": system}] if system else []
         self.start = 0      # the first turn the window kept: no earlier one fits again
 
-    def ids(self, messages) -> list[int]:
-        """The tokens of `messages` rendered with the generation prompt."""
+    def ids(self, messages, add_generation_prompt: bool = True) -> list[int]:
+        """The tokens of `messages` rendered with the generation prompt (or without)."""
         from .chat import rendered_ids
-        return rendered_ids(self.tokenizer,
-                            self.template.render(messages, add_generation_prompt=True))
+        return rendered_ids(self.tokenizer, self.template.render(messages,
+                                                                 add_generation_prompt))
+
+    def generation_prompt_length(self) -> int:
+        """How many tokens the generation prompt adds at the end of the conversation's
+        rendering (0 where the rendering without it is no beginning of the one with it)."""
+        without, with_it = self.ids(self.messages, False), self.ids(self.messages)
+        return len(with_it) - len(without) if with_it[:len(without)] == without else 0
 
     def window(self, answer=()) -> list[int]:
         """What the model sees of the conversation, then `answer` (the reply so far): all of
@@ -467,6 +527,10 @@ class ChatSession:
         except VocabError:
             self.messages.pop()
             raise
+        # a recurrent model's states before the generation prompt: the next turn begins
+        # with them where it drops this answer's reasoning (Qwen3.5)
+        if self.decoder.has_states:
+            self.decoder.keep_states_at(len(prompt) - self.generation_prompt_length())
         answer = []
         try:
             tokens = generate_tokens(self.decoder, prompt, n, self.sampling, self.rng,

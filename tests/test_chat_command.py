@@ -233,8 +233,9 @@ def test_a_long_chat_renders_a_bounded_number_of_windows_a_turn():
 def test_a_recurrent_model_chats_where_the_template_rewrites_earlier_answers():
     """qwen35 (delta-net states that cannot go back) under a template that drops the
     reasoning tags of answers before the last user turn, as Qwen3.5's does: the next turn's
-    rendering departs from the cache inside it, so the decoder runs it again from its start,
-    with the logits of a fresh prefill of the whole conversation."""
+    rendering departs from the cache inside the generation prompt, so the decoder goes on
+    from the snapshot of its states kept where that began (not from the start), with the
+    logits of a fresh prefill of the whole conversation."""
     template = ChatTemplate(
         "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
         "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
@@ -253,8 +254,12 @@ def test_a_recurrent_model_chats_where_the_template_rewrites_earlier_answers():
     runs, append = [], s.decoder.append
     s.decoder.append = lambda tokens: runs.append(s.decoder.past) or append(tokens)
     list(s.reply("Hi?", 4))
+    stable = len(s.ids(s.messages[:2], add_generation_prompt=False))    # "s:..\nu:Hi?\n"
+    first = recorder.calls[0][0]
+    assert ByteTokenizer().decode(first[stable:]) == "a:<t>"
+    assert s.decoder._snapshot[0] == first[:stable]
     list(s.reply("And?", 4))
     tokens, logits = recorder.calls[-1]
-    assert ByteTokenizer().decode(tokens).endswith("\nu:And?\na:<t>") and runs == [0, 0]
+    assert ByteTokenizer().decode(tokens).endswith("\nu:And?\na:<t>") and runs == [0, stable]
     np.testing.assert_allclose(logits, Decoder(backend, cfg, values).prefill(tokens),
                                rtol=0, atol=1e-12)

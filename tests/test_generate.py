@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from ggwgpu import gguf_llama
 from ggwgpu.backends import ENV_VAR
+from ggwgpu.backends.base import same_storage
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import (Decoder, Sampling, apply_repeat_penalty, generate, generate_tokens,
                              min_p_filter, prompt_tokens, sample_token, top_k_filter,
@@ -239,6 +240,62 @@ def test_prefills_take_fewer_tokens_where_a_graph_would_pass_the_device_s_limits
     np.testing.assert_allclose(d.prefill(tokens), TrainingForward(
         NumpyBackend(np.float64), cfg, values)(tokens)[-1], rtol=0, atol=1e-12)
     assert runs == [(8, 8), (4, 24), (4, 24), (4, 24)]
+
+
+@pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
+def test_a_recurrent_model_goes_back_to_the_snapshot_of_its_states_not_to_the_start(
+        backend_name, monkeypatch, request):
+    """qwen35's states after the first 6 tokens, kept as asked (the run ends there): a sync
+    that shares only those goes on from 6, also after an interrupted append; one that shares
+    fewer starts over and drops it. The logits are the training forward's throughout (the
+    states restored where every plan reads them); a model without states keeps no
+    snapshot."""
+    generation = sys.modules[Decoder.__module__]
+    monkeypatch.setattr(generation, "PREFILL_SIZES", (8, 4))
+    monkeypatch.setattr(generation, "FIRST_SPAN", 8)
+    backend = (NumpyBackend(np.float64) if backend_name == "numpy"
+               else request.getfixturevalue("wgpu"))
+    cfg = dataclasses.replace(QWEN35, n_ctx=24)
+    values = tiny_values(cfg)
+    forward = TrainingForward(NumpyBackend(np.float64), cfg, values)
+    d = Decoder(backend, cfg, values)
+    atol = 1e-12 if backend_name == "numpy" else 2e-5
+    runs, run, interrupt = [], d._run, []
+
+    def counted(graph, plan, tokens, past):
+        runs.append((past, len(tokens)))
+        run(graph, plan, tokens, past)
+        if interrupt and len(runs) == interrupt[0]:
+            raise KeyboardInterrupt     # after the run: its states have moved on
+    monkeypatch.setattr(d, "_run", counted)
+    rng = np.random.default_rng(8)
+    a, b, c = (list(rng.integers(0, cfg.n_vocab, 12)) for _ in range(3))
+
+    def check(tokens):
+        np.testing.assert_allclose(d.sync(tokens), forward(tokens)[-1], rtol=0, atol=atol)
+    d.keep_states_at(6)
+    check(a[:10])
+    assert runs == [(0, 6), (6, 4)] and d._snapshot[0] == a[:6]
+    check(a[:6] + b[:5])                        # shares 6: from the snapshot
+    assert runs[2:] == [(6, 5)]
+    # restored in place: every plan still holds the states in common, none has a copy
+    step_graph, step_plan = d.steps[24]
+    for graph, plan in d.prefills.values():
+        assert all(same_storage(plan, leaf, step_plan, other)
+                   for leaf, other in zip(graph.states, step_graph.states, strict=True))
+    interrupt.append(4)                         # Ctrl-C in the append's first run
+    with pytest.raises(KeyboardInterrupt):
+        d.sync(a[:6] + c[:3])
+    assert runs[3:] == [(6, 3)] and d.tokens == []
+    interrupt.clear()
+    check(a[:6] + c[:7])
+    assert runs[4:] == [(6, 7)]
+    check(a[:4] + b[:3])                        # shares 4: starts over, the snapshot dropped
+    assert runs[5:] == [(0, 7)] and d._snapshot is None
+    plain = Decoder(backend, dataclasses.replace(TINY, n_ctx=24), tiny_values())
+    plain.keep_states_at(3)
+    plain.sync(a[:6])
+    assert not plain.has_states and plain._snapshot is None
 
 
 @pytest.mark.parametrize("name", ["mha", "lfm2", "qwen35"])

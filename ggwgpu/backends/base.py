@@ -255,8 +255,10 @@ class Plan:
         """The current values of several tensors; a backend may fetch them in one transfer."""
         return [self.read(t) for t in tensors]
 
-    def write(self, t: Tensor, value):
-        """Overwrite the value of a tensor that owns or views storage (inputs, params)."""
+    def write(self, t: Tensor, value, everywhere: bool = False):
+        """Overwrite the value of a tensor that owns or views storage (inputs, params). A
+        constant this plan shares with others gets a copy of its own first; `everywhere`
+        writes the shared storage instead, for every plan (a Decoder's recurrent states)."""
         raise NotImplementedError
 
     def read_raw(self, root: Tensor) -> np.ndarray:

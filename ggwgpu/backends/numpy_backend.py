@@ -256,10 +256,10 @@ class NumpyPlan(Plan):
             return self.quantized_value(t, self.storage[id(t.storage)].copy())
         return self.array(t).copy()
 
-    def write(self, t, value):
+    def write(self, t, value, everywhere=False):
         value = self._check_value(t, value)
         key = id(t.storage)
-        if key in self.constants:   # other plans keep the shared value: copy it first
+        if key in self.constants and not everywhere:    # other plans keep the shared value
             del self.constants[key]
             self.storage[key] = self.storage[key].copy()
             if key in self.dense:

@@ -465,10 +465,10 @@ class WgpuPlan(Plan):
         cpass.dispatch_workgroups(x, y, 1)
         cpass.end()
 
-    def write(self, t, value):
+    def write(self, t, value, everywhere=False):
         value = self._check_value(t, value)
         root = t.storage
-        if id(root) in self.constants:  # other plans keep the shared value
+        if id(root) in self.constants and not everywhere:   # other plans keep the shared value
             self._unshare(id(root))
         buf, at, _ = self.places[id(root)]
         if t.is_quantized:  # raw blocks, padded to whole u32 words
