@@ -20,11 +20,16 @@ def small_graph():
     return x, w, y, z
 
 
+def random_feeds(outputs, seed):
+    """Values in [-1, 1) for every leaf below `outputs`."""
+    rng = np.random.default_rng(seed)
+    return {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
+            for t in gg.graph.topo_order(outputs) if t.op is None}
+
+
 def test_direct_calls_and_the_wgpu_py_api_record_the_same_step(wgpu):
     x, w, y, z = small_graph()
-    rng = np.random.default_rng(0)
-    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
-             for t in gg.graph.topo_order([z]) if t.op is None}
+    feeds = random_feeds([z], 0)
     results = []
     for direct in (True, False):
         plan = wgpu.plan([y, z])
@@ -71,9 +76,7 @@ def test_a_run_submitted_in_parts_computes_what_one_pass_does(wgpu, monkeypatch,
         list(range(576, 600))]
     assert wgpu_backend.submit_parts(10) == [range(0, 10)] and wgpu_backend.submit_parts(0) == []
     x, w, y, z = small_graph()
-    rng = np.random.default_rng(1)
-    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
-             for t in gg.graph.topo_order([z]) if t.op is None}
+    feeds = random_feeds([z], 1)
     whole = wgpu.plan([y, z])
     whole.device_seconds(feeds)
     monkeypatch.setattr(wgpu_backend, "SUBMIT_FIRST", 1)
@@ -108,9 +111,7 @@ def test_without_the_private_api_the_public_calls_take_over_and_say_so_once(monk
 def test_the_fallback_path_gives_the_same_results(wgpu, monkeypatch):
     from ggwgpu.backends import wgpu_direct
     x, w, y, z = small_graph()
-    rng = np.random.default_rng(4)
-    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
-             for t in gg.graph.topo_order([z]) if t.op is None}
+    feeds = random_feeds([z], 4)
     direct = wgpu.plan([y, z])
     direct.run(feeds)
     monkeypatch.setattr(wgpu_direct, "CALLS", None)
@@ -412,9 +413,7 @@ def test_stages_run_apart_and_give_what_one_run_gives(backend_name, request):
     x, w, y, z = small_graph()
     later = gg.input_tensor((6, 8), name="later")
     u = gg.mul(gg.exp(gg.neg(later)), y)            # reads y, the first stage's output
-    rng = np.random.default_rng(1)
-    feeds = {t: rng.uniform(-1, 1, t.shape).astype(np.float32)
-             for t in gg.graph.topo_order([z, u]) if t.op is None}
+    feeds = random_feeds([z, u], 1)
     whole = backend.plan([y, z, u])
     whole.run(feeds)
     plan = backend.plan([y, z, u])
