@@ -160,9 +160,10 @@ def sample_token(logits: np.ndarray, recent, s: Sampling, rng: np.random.Generat
 
 class Decoder:
     """A llama as a next-token function: a KV cache of max_ctx positions (default n_ctx) and
-    plans on `backend`, built once: for each span of attention_spans (the cache rows a graph
-    reads), a one-token graph for steps (`steps`) and a graph of each of PREFILL_SIZES
-    (capped at max_ctx) for runs of several tokens (`prefills`). The graphs' weights are
+    plans on `backend`, each made on its first run: for each span of attention_spans (the
+    cache rows a graph reads), a one-token graph for steps (`steps`) and a graph of each of
+    PREFILL_SIZES (capped at max_ctx) for runs of several tokens (`prefills`); a short
+    conversation in a large window plans only the first span's. The graphs' weights are
     constants made from the same `values` arrays, and their caches and recurrent states are
     built on one `state` dict, so the backend holds each once for all plans
     (base.SharedConstants): a run of any plan writes the cache the others read.
@@ -188,33 +189,49 @@ class Decoder:
             values = half_values(values)
         self.sizes = sorted({min(size, self.max_ctx) for size in PREFILL_SIZES})
         self.spans = attention_spans(self.max_ctx)
-        build = functools.partial(build_decode_graph, cfg, values, max_ctx=self.max_ctx,
-                                  adapters=adapters, precision=self.precision,
-                                  scratch=self.sizes[-1], state={})
-
-        def planned(n_tokens, span):
-            graph = build(n_tokens, span=span)
-            return graph, backend.plan(graph.outputs, shared=graph.kept)
-        self.steps = {span: planned(1, span) for span in self.spans}
-        self.prefills = {}      # (tokens a run takes, span) -> (graph, plan)
-        for span in self.spans:
-            for size in (size for size in self.sizes if size <= span):
-                # fewer tokens where a run's tensors (its attention scores: heads x tokens x
-                # span) would pass the device's limits (a storage binding of 128 MiB)
-                while (size, span) not in self.prefills:
-                    try:
-                        self.prefills[size, span] = planned(size, span)
-                    except DeviceLimitError:
-                        if size == 1:
-                            raise
-                        size //= 2
-        self._holder = self.steps[self.spans[0]]    # the graph and plan that ran last
+        self._build = functools.partial(build_decode_graph, cfg, values,
+                                        max_ctx=self.max_ctx, adapters=adapters,
+                                        precision=self.precision, scratch=self.sizes[-1],
+                                        state={})
+        self._backend = backend
+        self.steps = {}         # span -> (graph, plan), planned when first run
+        self.prefills = {}      # (tokens a run takes, span) -> (graph, plan), as steps
+        self._too_big = set()   # (tokens, span) that the device's limits refused
+        self._holder = self._step(self.spans[0])    # the graph and plan that ran last
         self.tokens: list[int] = []     # in the cache
         self._snapshot_at = None    # the position after which the next run keeps a snapshot
         self._snapshot = None       # (tokens, the recurrent states' values after them)
 
+    def _planned(self, n_tokens: int, span: int):
+        graph = self._build(n_tokens, span=span)
+        return graph, self._backend.plan(graph.outputs, shared=graph.kept)
+
+    def _step(self, span: int):
+        """(graph, plan) of a step reading `span` rows, planned the first time."""
+        if span not in self.steps:
+            self.steps[span] = self._planned(1, span)
+        return self.steps[span]
+
+    def _prefill(self, size: int, span: int):
+        """(tokens, graph, plan) of a prefill of `size` tokens reading `span` rows, planned
+        the first time; fewer tokens (halved) where a run's tensors (its attention scores:
+        heads x tokens x span) would pass the device's limits (a storage binding of 128
+        MiB)."""
+        while (size, span) not in self.prefills:
+            if (size, span) in self._too_big:
+                size //= 2
+                continue
+            try:
+                self.prefills[size, span] = self._planned(size, span)
+            except DeviceLimitError:
+                if size == 1:
+                    raise
+                self._too_big.add((size, span))
+        return (size, *self.prefills[size, span])
+
     @property
     def plans(self) -> list:
+        """The plans made so far (each on its first run)."""
         return [plan for _, plan in (*self.steps.values(), *self.prefills.values())]
 
     def memory(self) -> int:
@@ -235,7 +252,7 @@ class Decoder:
         """Append one token at position `past`; its logits, (n_vocab,)."""
         if self.past >= self.max_ctx:
             raise ValueError(f"the cache is full ({self.max_ctx} positions): prefill a window")
-        graph, plan = self.steps[self._span(self.past + 1)]
+        graph, plan = self._step(self._span(self.past + 1))
         with self._states_kept():
             self._run(graph, plan, [token], self.past)
         self.tokens = self.tokens + [int(token)]
@@ -320,8 +337,7 @@ class Decoder:
                     left = self._snapshot_at - self.past - at   # a run ends at the snapshot
                 size = next((n for n in self.sizes if n >= left), self.sizes[-1])
                 span = self._span(max(self.past + at + min(left, size), size))
-                size = max(n for n, s in self.prefills if s == span and n <= size)
-                graph, plan = self.prefills[size, span]
+                size, graph, plan = self._prefill(size, span)
                 count = min(size, left)
                 self._run(graph, plan, tokens[at:at + count], self.past + at)
                 at += count

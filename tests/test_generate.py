@@ -176,14 +176,8 @@ def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, mon
     values = tiny_values(cfg)
     forward = TrainingForward(backend, cfg, values)
     d = Decoder(backend, cfg, values)
-    assert d.spans == [8, 24] and list(d.steps) == [8, 24]
-    assert sorted(d.prefills) == [(4, 8), (4, 24), (8, 8), (8, 24)]
-    runs = []
-    for (size, span), (graph, plan) in [*d.prefills.items(),
-                                        *(((1, s), gp) for s, gp in d.steps.items())]:
-        run = plan.run
-        plan.run = lambda feeds, key=(size, span), run=run, **kw: runs.append(key) or run(
-            feeds, **kw)
+    assert d.spans == [8, 24] and list(d.steps) == [8] and not d.prefills
+    runs = record_runs(d, monkeypatch)
     tokens = list(np.random.default_rng(5).integers(0, cfg.n_vocab, 24))
     np.testing.assert_allclose(d.prefill(tokens[:19]), forward(tokens[:19])[-1],
                                rtol=0, atol=1e-12)
@@ -206,6 +200,20 @@ def test_runs_take_the_smallest_graph_that_holds_them_or_run_in_chunks(name, mon
         np.testing.assert_allclose(d.step(tokens[t]), forward(tokens[:t + 1])[-1],
                                    rtol=0, atol=1e-12)
     assert runs[-7:] == [(4, 8)] + [(1, 8)] * 5 + [(1, 24)]
+    # each plan made on its first run
+    assert sorted(d.prefills) == [(4, 8), (4, 24), (8, 8), (8, 24)] and list(d.steps) == [8, 24]
+
+
+def record_runs(d, monkeypatch) -> list:
+    """The (tokens, span) of every plan the Decoder `d` runs from now on, in order (1 for a
+    step's)."""
+    runs, run = [], d._run
+
+    def recorded(graph, plan, tokens, past):
+        runs.append((graph.n_tokens, graph.span))
+        return run(graph, plan, tokens, past)
+    monkeypatch.setattr(d, "_run", recorded)
+    return runs
 
 
 def test_prefills_take_fewer_tokens_where_a_graph_would_pass_the_device_s_limits(monkeypatch):
@@ -231,15 +239,12 @@ def test_prefills_take_fewer_tokens_where_a_graph_would_pass_the_device_s_limits
                 raise DeviceLimitError(f"a tensor of {biggest(plan)} values")
             return plan
     d = Decoder(Limited(np.float64), cfg, values)
-    assert sorted(d.prefills) == [(4, 8), (4, 24), (8, 8)]
-    runs = []
-    for key, (graph, plan) in d.prefills.items():
-        run = plan.run
-        plan.run = lambda feeds, key=key, run=run, **kw: runs.append(key) or run(feeds, **kw)
+    runs = record_runs(d, monkeypatch)
     tokens = list(np.random.default_rng(7).integers(0, cfg.n_vocab, 19))
     np.testing.assert_allclose(d.prefill(tokens), TrainingForward(
         NumpyBackend(np.float64), cfg, values)(tokens)[-1], rtol=0, atol=1e-12)
     assert runs == [(8, 8), (4, 24), (4, 24), (4, 24)]
+    assert sorted(d.prefills) == [(4, 24), (8, 8)] and d._too_big == {(8, 24)}
 
 
 @pytest.mark.parametrize("backend_name", ["numpy", "wgpu"])
@@ -279,7 +284,7 @@ def test_a_recurrent_model_goes_back_to_the_snapshot_of_its_states_not_to_the_st
     check(a[:6] + b[:5])                        # shares 6: from the snapshot
     assert runs[2:] == [(6, 5)]
     # restored in place: every plan still holds the states in common, none has a copy
-    step_graph, step_plan = d.steps[24]
+    step_graph, step_plan = d.steps[8]
     for graph, plan in d.prefills.values():
         assert all(same_storage(plan, leaf, step_plan, other)
                    for leaf, other in zip(graph.states, step_graph.states, strict=True))
@@ -391,6 +396,8 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     values = {k: quantize(v, "q8_0") if k.endswith("attn_q.weight") else v
               for k, v in tiny_values(cfg).items()}
     d = Decoder(backend, cfg, values)
+    tokens = [1, 4, 7, 2, 5]
+    got = [d.prefill(tokens[:3])]
     [(prefill_graph, prefill_plan)] = d.prefills.values()      # one size and span: 8
     [(step_graph, step_plan)] = d.steps.values()
     plans, graphs = (prefill_plan, step_plan), (prefill_graph, step_graph)
@@ -415,10 +422,9 @@ def test_the_decoder_s_plans_hold_each_weight_once(backend_name, request):
     m = [plan.memory() for plan in plans]
     assert m[0]["shared"] == m[1]["shared"] == shared_bytes
     assert d.memory() == m[0]["planned"] + m[1]["planned"] - shared_bytes
-    tokens = [1, 4, 7, 2, 5]
     dense = {k: dequantize(v) if isinstance(v, Quantized) else v for k, v in values.items()}
     ref = TrainingForward(NumpyBackend(np.float64), cfg, dense)(tokens)
-    got = [d.prefill(tokens[:3])] + [d.step(t) for t in tokens[3:]]
+    got += [d.step(t) for t in tokens[3:]]
     scale = np.abs(ref).max()
     assert np.abs(np.array(got) - ref[2:]).max() <= 1e-5 * scale
     d.prefills.clear()
