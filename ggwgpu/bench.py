@@ -398,6 +398,13 @@ def torch_peer_refusal(cfg: ModelConfig, base: str | None = None) -> str | None:
     return None
 
 
+def f32_products(torch):
+    """f32 against f32: no TF32 in PyTorch's products on a CUDA card (its default for
+    matmul, made sure of)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
 def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: str = "cpu",
                      adapter=None):
     """One AdamW training step of the same llama in PyTorch on `device` ("cpu", "cuda"), as a
@@ -411,6 +418,7 @@ def torch_llama_step(cfg: ModelConfig, options, values: dict, batches, device: s
         import torch.nn.functional as F
     except ImportError:
         return None
+    f32_products(torch)
     params = {name: torch.tensor(v, device=device, requires_grad=adapter is None)
               for name, v in values.items()}
     pairs = {} if adapter is None else {
@@ -506,8 +514,7 @@ def torch_matmul(sizes, repeat: int, device: str = "cpu") -> dict | None:
         import torch
     except ImportError:
         return None
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.set_float32_matmul_precision("highest")
+    f32_products(torch)
     done = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     rates = {}
     for m, n, k in sizes:
