@@ -96,8 +96,8 @@ def whole_words(block: np.ndarray) -> np.ndarray:
 PROFILE_PASSES = 2048
 # WgpuPlan.run submits a graph in parts on a hardware adapter: the device starts on the
 # first SUBMIT_FIRST dispatches while the host records the rest, SUBMIT_EVERY at a time
-# (recording and finishing take about 2.5 µs a dispatch on this project's CI machines, 8 ms
-# for the 135M LoRA step's 3 340, which one submit at the end would add to the step)
+# (recording and finishing take about 2.5 µs a dispatch on a 2-core x86 host: 8 ms for the
+# 135M LoRA step's 3 340, which one submit at the end would add to the step)
 SUBMIT_FIRST, SUBMIT_EVERY = 64, 256
 
 
