@@ -8,7 +8,8 @@ ops' dispatch functions look the variant's kernels up here; lavapipe's tests for
 variant in turn, so every one stays tested.
 
     matmul        'tiled' (workgroup-memory tiles, GPUs) | 'subgroup' (subgroup broadcasts,
-                  lavapipe); $GGWGPU_MATMUL overrides
+                  lavapipe) | 'wide' (larger tiles, chosen only by $GGWGPU_MATMUL, which
+                  overrides)
     quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
                   same adapters)
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
@@ -40,11 +41,15 @@ class MatmulKernels(NamedTuple):
 
 
 # 'subgroup' reads a K-outermost `a` and `b` (out_prod) as they lie; 'tiled' reads any
-# mix of layouts (the backward products' transposed views) as it lies.
+# mix of layouts (the backward products' transposed views) as it lies, and so does 'wide',
+# its 128 x 128 tiles of 8 x 8 per invocation (no adapter's default yet: the GPU check
+# times it beside 'tiled', docs/gpu-notes.md).
 MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
                                          either_layout=True),
                   "subgroup": MatmulKernels("mul_mat_subgroup", "matmul_subgroup", (32, 16),
-                                            "mul_mat_subgroup_t")}
+                                            "mul_mat_subgroup_t"),
+                  "wide": MatmulKernels("mul_mat_wide", "matmul", (128, 128),
+                                        either_layout=True)}
 
 # A product that the either_layout kernel would run in fewer than SPLIT_TARGET workgroups (a
 # card has a hundred or more multiprocessors, each with room for several) is cut along K

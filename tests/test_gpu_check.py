@@ -1,7 +1,9 @@
 """tests/gpu/check.py, the GPU check of a machine with a hardware adapter, proven in its
 lavapipe mode: it finds the adapter, runs a slice of the op matrix, a bench train, a bench
-matmul and a bench ops on it, and ends with its table and "result: ok"."""
+matmul (the adapter's kernel and the 'wide' one) and a bench ops on it, and ends with its
+table and "result: ok"."""
 import importlib.util
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,8 +19,9 @@ def test_the_gpu_check_runs_in_its_lavapipe_mode_and_ends_with_its_table(wgpu):
     table = out[out.index("GPU check (lavapipe mode):"):]
     matrix = next(line for line in table.splitlines() if "op matrix" in line)
     assert " passed" in matrix and "failed" not in matrix
-    assert "bench tiny          wgpu " in table and "tok/s" in table
-    assert "matmul 256x512x256  wgpu " in table and "GFLOP/s" in table
+    assert re.search(r"\n  bench tiny +wgpu \d+ tok/s", table)
+    assert re.search(r"\n  matmul 256x512x256 +wgpu \d+ GFLOP/s", table)
+    assert re.search(r"\n  matmul 256x512x256 wide +wgpu \d+ GFLOP/s, [\d.]+ x the default", table)
     ops = next(line for line in table.splitlines() if line.lstrip().startswith("ops tiny"))
     assert "ms a step, dispatch by dispatch (" in ops and ":mul_mat" in ops
     assert table.rstrip().endswith("result: ok")
@@ -42,6 +45,9 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
              "torch_gflops": 30000.0, "ratio_wgpu_torch": 0.2},
             {"m": 4096, "n": 4096, "k": 4096, "gflops": {"wgpu": 8000.0},
              "torch_gflops": 48000.0, "ratio_wgpu_torch": 1 / 6}]},
+        "wide": {"shapes": [
+            {"m": 49152, "n": 512, "k": 576, "gflops": {"wgpu": 9000.0}},
+            {"m": 4096, "n": 4096, "k": 4096, "gflops": {"wgpu": 6000.0}}]},
         "ops": {"total_ms": {"wgpu": 40.0}, "wgpu_clock": "device", "kernels": {
             "matmul:mul_mat_tiled": {"dispatches": 900, "wgpu_ms": 30.0},
             "optim:opt_step_adamw": {"dispatches": 420, "wgpu_ms": 4.0},
@@ -49,13 +55,14 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
                 "wgpu": {"step_ms": 52.0, "in_parts_ms": 45.5}}}
     asked = []
 
-    def bench_json(failed, name, *args):
-        asked.append(args)
-        return reports[args[0]], "7 s"
+    def bench_json(failed, name, *args, env=None):
+        asked.append(args + ((env,) if env else ()))
+        return reports["wide" if env else args[0]], "7 s"
     monkeypatch.setattr(check, "bench_json", bench_json)
     rows = check.matmul_rows(False, []) + check.kernel_rows(False, [])
     assert asked[0] == ("matmul", "--sizes", check.GPU_MATMUL, "--torch-device", "cuda")
-    assert asked[1] == ("ops", "--config", "smollm-135m-lora-f32", "--repeat", "1")
+    assert asked[1] == ("matmul", "--sizes", check.GPU_MATMUL, {"GGWGPU_MATMUL": "wide"})
+    assert asked[2] == ("ops", "--config", "smollm-135m-lora-f32", "--repeat", "1")
     assert rows == [
         ("matmul 49152x512x576", "wgpu 6000 GFLOP/s; torch 30000 GFLOP/s, wgpu/torch 0.200",
          "7 s"),
@@ -63,6 +70,9 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
          "7 s"),
         ("largest product", "0.125 of the card's measured f32 rate (48000 GFLOP/s, cuBLAS "
          "4096x4096x4096)", "7 s"),
+        ("matmul 49152x512x576 wide", "wgpu 9000 GFLOP/s, 1.50 x the default kernel's", "7 s"),
+        ("matmul 4096x4096x4096 wide", "wgpu 6000 GFLOP/s, 0.75 x the default kernel's",
+         "7 s"),
         ("ops smollm-135m-lora-f32", "40.0 ms a step, dispatch by dispatch (device); "
          "matmul:mul_mat_tiled 75%, norm_workgroup:rms_norm_mul 15%, optim:opt_step_adamw "
          "10%; run whole: 52.0 ms in one submit, 45.5 ms submitted in parts", "7 s")]

@@ -339,6 +339,7 @@ def mm_cases():
             Case((Input((2, 1, 7, 12)), Input((2, 3, 10, 12)))),   # vec4 kernels, broadcast
             Case((Input((67, 128)), Input((70, 128))), {"alpha": 0.125}, grad=False),
             Case((Input((130, 20)), Input((66, 20))), grad=False),  # K not a multiple of 16
+            Case((Input((131, 36)), Input((133, 36))), grad=False),  # past a 128 x 128 tile
             Case((Input((4, 12), layout="strided"), Input((5, 12)))),  # offset 1: generic
             Case((Input((3, 130, 70)), Input((3, 66, 70))), grad=False),
             # stored K-outermost, M and N not multiples of 4, beside an operand along K:

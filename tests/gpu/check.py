@@ -76,8 +76,9 @@ def run(args: list[str], timeout: float, env: dict | None = None) -> tuple[int, 
     return code, out, time.perf_counter() - start
 
 
-def ggwgpu(*args: str, timeout: float = 600) -> tuple[int, str, float]:
-    return run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "wgpu", *args], timeout)
+def ggwgpu(*args: str, timeout: float = 600, env: dict | None = None) -> tuple[int, str, float]:
+    return run([sys.executable, "-m", "ggwgpu_cli.main", "--backend", "wgpu", *args], timeout,
+               env)
 
 
 def adapters() -> list[str]:
@@ -161,12 +162,13 @@ def train_rows(benches, lavapipe: bool, failed: list) -> list[tuple]:
     return rows
 
 
-def bench_json(failed: list, name: str, *args: str) -> tuple[dict | None, str]:
-    """`ggwgpu bench ARGS --json`: (its report, seconds as a cell), or (None, ...) with
-    `name` added to `failed`."""
+def bench_json(failed: list, name: str, *args: str, env: dict | None = None
+               ) -> tuple[dict | None, str]:
+    """`ggwgpu bench ARGS --json` (with `env` added to the environment): (its report,
+    seconds as a cell), or (None, ...) with `name` added to `failed`."""
     with tempfile.TemporaryDirectory() as d:
         report = Path(d) / "bench.json"
-        code, _, seconds = ggwgpu("bench", *args, "--json", str(report))
+        code, _, seconds = ggwgpu("bench", *args, "--json", str(report), env=env)
         if code or not report.exists():
             failed.append(name + (" (out of time)" if code == OUT_OF_TIME else ""))
             return None, f"{seconds:.0f} s"
@@ -195,6 +197,18 @@ def matmul_rows(lavapipe: bool, failed: list) -> list[tuple]:
         largest = r["shapes"][0]
         rows.append(("largest product", f"{largest['gflops']['wgpu'] / card:.3f} of the card's "
                      f"measured f32 rate ({card:.0f} GFLOP/s, cuBLAS {CARD_RATE_SHAPE})",
+                     seconds))
+    # the same products on the 'wide' kernel (128 x 128 tiles), against the adapter's own
+    from ggwgpu.kernels import MATMUL_ENV
+    wide, seconds = bench_json(failed, "bench matmul wide", "matmul", "--sizes",
+                               LAVAPIPE_MATMUL if lavapipe else GPU_MATMUL,
+                               env={MATMUL_ENV: "wide"})
+    if wide is None:
+        return rows + [("matmul wide", why_not(failed), seconds)]
+    for own, s in zip(r["shapes"], wide["shapes"]):
+        rows.append((f"matmul {s['m']}x{s['n']}x{s['k']} wide",
+                     f"wgpu {s['gflops']['wgpu']:.0f} GFLOP/s, "
+                     f"{s['gflops']['wgpu'] / own['gflops']['wgpu']:.2f} x the default kernel's",
                      seconds))
     return rows
 
