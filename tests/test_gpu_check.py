@@ -3,6 +3,7 @@ lavapipe mode: it finds the adapter, runs a slice of the op matrix, a bench trai
 matmul (the adapter's kernel and the 'wide' one) and a bench ops on it, and ends with its
 table and "result: ok"."""
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -11,9 +12,10 @@ from pathlib import Path
 SCRIPT = Path(__file__).parent / "gpu" / "check.py"
 
 
-def test_the_gpu_check_runs_in_its_lavapipe_mode_and_ends_with_its_table(wgpu):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--lavapipe"], capture_output=True,
-                          text=True, timeout=600)
+def test_the_gpu_check_runs_in_its_lavapipe_mode_and_ends_with_its_table(wgpu, tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--lavapipe", "--reports",
+                           str(tmp_path / "reports")], capture_output=True, text=True,
+                          timeout=600)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     table = out[out.index("GPU check (lavapipe mode):"):]
@@ -25,6 +27,11 @@ def test_the_gpu_check_runs_in_its_lavapipe_mode_and_ends_with_its_table(wgpu):
     ops = next(line for line in table.splitlines() if line.lstrip().startswith("ops tiny"))
     assert "ms a step, dispatch by dispatch (" in ops and ":mul_mat" in ops
     assert table.rstrip().endswith("result: ok")
+    # every bench's whole report kept: each kernel's time, not only the table's top ones
+    kept = {p.name: json.loads(p.read_text()) for p in (tmp_path / "reports").iterdir()}
+    assert set(kept) == {"bench-train-tiny.json", "bench-matmul.json",
+                         "bench-matmul-wide.json", "bench-ops-tiny.json"}
+    assert len(kept["bench-ops-tiny.json"]["kernels"]) > check_module().TOP_KERNELS
 
 
 def check_module():

@@ -20,14 +20,16 @@ of this:
 
 If Vulkan finds no driver: VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json.
 `--budget SECONDS` fits the check into a time limit: the issue's targets run first, a step
-gets what is left, and the table prints anyway. Exit code 0 when every step passed; the
-table says which did not.
+gets what is left, and the table prints anyway. `--reports DIR` keeps every bench's JSON
+report there (bench-ops-smollm-135m-lora-f32.json: each kernel's time, not just the table's
+top ones). Exit code 0 when every step passed; the table says which did not.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -52,6 +54,7 @@ TOP_KERNELS = 6
 # the seconds kept to print the table, and none is started with less than MIN_STEP left
 deadline = None
 KEEP, MIN_STEP = 10, 20
+reports = None          # --reports: the folder that keeps each bench's JSON report
 OUT_OF_TIME = 125       # the exit code of a step not started: the budget ran out
 
 
@@ -100,9 +103,14 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=float, default=0,
                         help="seconds the whole check may take: steps that do not fit are "
                              "cut or left out, and the table still prints (0: no limit)")
+    parser.add_argument("--reports", type=Path,
+                        help="a folder to keep each bench's JSON report in")
     o = parser.parse_args(argv)
-    global deadline
+    global deadline, reports
     deadline = time.monotonic() + o.budget if o.budget > 0 else None
+    reports = o.reports
+    if reports:
+        reports.mkdir(parents=True, exist_ok=True)
     rows, failed = [], []
     seen = adapters()
     print("adapters:\n  " + "\n  ".join(seen or ["none"]), flush=True)
@@ -172,6 +180,8 @@ def bench_json(failed: list, name: str, *args: str, env: dict | None = None
         if code or not report.exists():
             failed.append(name + (" (out of time)" if code == OUT_OF_TIME else ""))
             return None, f"{seconds:.0f} s"
+        if reports:
+            shutil.copyfile(report, reports / (name.replace(" ", "-") + ".json"))
         return json.loads(report.read_text()), f"{seconds:.0f} s"
 
 
@@ -216,7 +226,8 @@ def matmul_rows(lavapipe: bool, failed: list) -> list[tuple]:
 def kernel_rows(lavapipe: bool, failed: list) -> list[tuple]:
     """bench ops: where a training step's time goes, by kernel, as shares of the step."""
     config = OPS_CONFIG[lavapipe]
-    r, seconds = bench_json(failed, "bench ops", "ops", "--config", config, "--repeat", "1")
+    r, seconds = bench_json(failed, f"bench ops {config}", "ops", "--config", config,
+                            "--repeat", "1")
     if r is None:
         return [(f"ops {config}", why_not(failed), seconds)]
     total = r["total_ms"]["wgpu"]

@@ -4,7 +4,8 @@
 # unpack the Vulkan loader, install the carried wheels and ggwgpu, name the NVIDIA driver if
 # Vulkan finds no hardware adapter, and run tests/gpu/check.py, its output also written to
 # the log file given (default gpu-check.log) as it comes, within the seconds given (default
-# 480: the table prints before a 10-minute call ends). Exit code: the check's.
+# 480: the table prints before a 10-minute call ends), each bench's JSON report kept in
+# gpu-reports/ beside the log. Exit code: the check's.
 #
 #     bash tests/gpu/run.sh "$OUT/gpu-check.log" 480
 set -uo pipefail
@@ -27,5 +28,5 @@ if ! hardware; then
     echo "no hardware adapter found: VK_DRIVER_FILES=$VK_DRIVER_FILES"
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$log"
-PYTHONUNBUFFERED=1 python3 tests/gpu/check.py --budget $((budget - SECONDS + start)) 2>&1 |
-    tee -a "$log"
+PYTHONUNBUFFERED=1 python3 tests/gpu/check.py --budget $((budget - SECONDS + start)) \
+    --reports "$(dirname "$log")/gpu-reports" 2>&1 | tee -a "$log"
