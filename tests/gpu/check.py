@@ -20,16 +20,16 @@ of this:
 
 If Vulkan finds no driver: VK_DRIVER_FILES=/usr/local/nvidia/share/vulkan/icd.d/nvidia_icd.json.
 `--budget SECONDS` fits the check into a time limit: the issue's targets run first, a step
-gets what is left, and the table prints anyway. `--reports DIR` keeps every bench's JSON
-report there (bench-ops-smollm-135m-lora-f32.json: each kernel's time, not just the table's
-top ones). Exit code 0 when every step passed; the table says which did not.
+gets what is left, and the table prints anyway. `--reports FILE` keeps every bench's JSON
+report in one JSON file, by step ("bench ops smollm-135m-lora-f32": each kernel's time, not
+just the table's top ones), written anew after each. Exit code 0 when every step passed;
+the table says which did not.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -54,7 +54,7 @@ TOP_KERNELS = 6
 # the seconds kept to print the table, and none is started with less than MIN_STEP left
 deadline = None
 KEEP, MIN_STEP = 10, 20
-reports = None          # --reports: the folder that keeps each bench's JSON report
+reports = None          # --reports: the file that keeps each bench's JSON report, by step
 OUT_OF_TIME = 125       # the exit code of a step not started: the budget ran out
 
 
@@ -104,13 +104,11 @@ def main(argv=None) -> int:
                         help="seconds the whole check may take: steps that do not fit are "
                              "cut or left out, and the table still prints (0: no limit)")
     parser.add_argument("--reports", type=Path,
-                        help="a folder to keep each bench's JSON report in")
+                        help="a JSON file to keep each bench's report in, by step")
     o = parser.parse_args(argv)
     global deadline, reports
     deadline = time.monotonic() + o.budget if o.budget > 0 else None
     reports = o.reports
-    if reports:
-        reports.mkdir(parents=True, exist_ok=True)
     rows, failed = [], []
     seen = adapters()
     print("adapters:\n  " + "\n  ".join(seen or ["none"]), flush=True)
@@ -180,9 +178,11 @@ def bench_json(failed: list, name: str, *args: str, env: dict | None = None
         if code or not report.exists():
             failed.append(name + (" (out of time)" if code == OUT_OF_TIME else ""))
             return None, f"{seconds:.0f} s"
-        if reports:
-            shutil.copyfile(report, reports / (name.replace(" ", "-") + ".json"))
-        return json.loads(report.read_text()), f"{seconds:.0f} s"
+        result = json.loads(report.read_text())
+        if reports:     # all of them so far, in case a later step is cut
+            kept = json.loads(reports.read_text()) if reports.exists() else {}
+            reports.write_text(json.dumps({**kept, name: result}, indent=1) + "\n")
+        return result, f"{seconds:.0f} s"
 
 
 def matmul_rows(lavapipe: bool, failed: list) -> list[tuple]:

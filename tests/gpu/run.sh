@@ -5,7 +5,7 @@
 # Vulkan finds no hardware adapter, and run tests/gpu/check.py, its output also written to
 # the log file given (default gpu-check.log) as it comes, within the seconds given (default
 # 480: the table prints before a 10-minute call ends), each bench's JSON report kept in
-# gpu-reports/ beside the log. Exit code: the check's.
+# gpu-reports.json beside the log. Exit code: the check's.
 #
 #     bash tests/gpu/run.sh "$OUT/gpu-check.log" 480
 set -uo pipefail
@@ -29,4 +29,4 @@ if ! hardware; then
 fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv 2>&1 | tee "$log"
 PYTHONUNBUFFERED=1 python3 tests/gpu/check.py --budget $((budget - SECONDS + start)) \
-    --reports "$(dirname "$log")/gpu-reports" 2>&1 | tee -a "$log"
+    --reports "$(dirname "$log")/gpu-reports.json" 2>&1 | tee -a "$log"
