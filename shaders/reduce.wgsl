@@ -26,6 +26,35 @@ fn k_sum(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: v
     }
 }
 
+// sum_sqr3 (add_sum_sqr3): dst[0] = src3's one element + the sums of the squares of every
+// element of src0, src1 and src2 (each at most SUM_SPAN elements): one workgroup, as k_sum
+// adds one span, so that a chain of small tensors' squares (the clip's sum over a LoRA's
+// pairs) takes a dispatch per three of them.
+fn sum_sqr_of(lid: u32, n: u32, which: u32) -> f32 {
+    var acc = 0.0;
+    for (var i = lid; i < n; i += WG) {
+        var v: f32;
+        switch which {
+            case 0u: { v = f32(src0[at_0(unravel(i, p.ne_0))]); }
+            case 1u: { v = f32(src1[at_1(unravel(i, p.ne_1))]); }
+            default: { v = f32(src2[at_2(unravel(i, p.ne_2))]); }
+        }
+        acc += v * v;
+    }
+    return acc;
+}
+
+@compute @workgroup_size(WG)
+fn k_sum_sqr3(@builtin(local_invocation_id) lid: vec3u) {
+    let count = vec3u(p.ne_0.x * p.ne_0.y * p.ne_0.z * p.ne_0.w,
+                      p.ne_1.x * p.ne_1.y * p.ne_1.z * p.ne_1.w,
+                      p.ne_2.x * p.ne_2.y * p.ne_2.z * p.ne_2.w);
+    let mine = sum_sqr_of(lid.x, count.x, 0u) + sum_sqr_of(lid.x, count.y, 1u)
+               + sum_sqr_of(lid.x, count.z, 2u);
+    let total = workgroup_sum(lid.x, mine);
+    if (lid.x == 0u) { dst[p.off.x] = to_TD(f32(src3[p.off3.x]) + total); }
+}
+
 // sum_rows (mean with p.f.x = 1/ne0): one workgroup per row of src0; p.n rows.
 @compute @workgroup_size(WG)
 fn k_sum_rows(@builtin(local_invocation_id) lid: vec3u, @builtin(workgroup_id) wid: vec3u,

@@ -180,3 +180,14 @@ def test_on_a_gpus_kernels_no_product_of_the_lora_f32_step_copies_an_operand():
     assert len(products) > 100 and variants["matmul"] == "tiled"
     assert copies(variants) == 0
     assert copies({**variants, "matmul": "subgroup"}) > 0
+
+
+def test_a_lora_step_adds_its_pairs_squares_three_at_a_time_block_by_block():
+    """The clip's sum of squares over a block's 14 pair gradients: 4 add_sum_sqr3 and 2
+    add_sum_sqr a block (14 before), the same with every block, so that rest + n * per layer
+    still counts the step."""
+    counts = {n: trainer("smollm-135m-lora-f32", cli_bench.DispatchCounter(), n_layer=n,
+                         n_vocab=2048).plan.counts for n in (2, 3)}
+    per_layer = {op: counts[3][op] - counts[2][op] for op in ("add_sum_sqr3", "add_sum_sqr")}
+    assert per_layer == {"add_sum_sqr3": 4, "add_sum_sqr": 2}
+    assert counts[2]["add_sum_sqr3"] == 2 * 4 and counts[2]["sum_sqr"] == 1

@@ -99,7 +99,7 @@ def old_formulation(t: Trainer):
     seed, inv = ((gg.input_tensor(g.loss.shape), gg.input_tensor((1,))) if t.scaler
                  else (None, None))
     grads = gg.build_backward(g.loss, list(g.params.values()), seed=seed)
-    sumsq, factor = clip_scale(grads.values(), t.options.grad_clip, inv)
+    sumsq, factor = clip_scale(grads, t.options.grad_clip, inv)
     hp = gg.input_tensor(t.regime.hparams.shape)
     flagged = O.append_finite_flag(hp, sumsq, g.loss, gg.constant(np.ones(1, np.float32)))
     updates, moments = [], {}

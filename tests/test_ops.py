@@ -91,9 +91,13 @@ def test_float_results_are_f16_only_when_every_float_source_is():
 def test_a_sum_of_squares_is_not_finite_when_an_element_or_its_square_is_not(wgpu, n):
     """The trainer's finite flag reads the clip's sum of squares: an element of 1e20 (finite,
     its square beyond f32), an infinity or a NaN, or a non-finite accumulator, must make it
-    inf or NaN on the device and on both NumPy kernels, in one dispatch and in two."""
+    inf or NaN on the device and on both NumPy kernels, in one dispatch and in two (and in
+    add_sum_sqr3's, the bad element in its second tensor)."""
     a, acc = gg.input_tensor((n,)), gg.input_tensor((1,))
     nodes = [gg.sum_sqr(a), gg.add_sum_sqr(acc, a)]
+    if n <= SUM_SPAN:
+        zeros = gg.constant(np.zeros(3, np.float32))
+        nodes.append(gg.add_sum_sqr3(acc, zeros, a, zeros))
     backends = (wgpu, NumpyBackend(), NumpyBackend(fast=False))
     plans = [backend.plan(nodes) for backend in backends]
     for bad, start, want in ((1e20, 1.0, np.inf), (-1e20, 1.0, np.inf), (-np.inf, 1.0, np.inf),
@@ -103,8 +107,8 @@ def test_a_sum_of_squares_is_not_finite_when_an_element_or_its_square_is_not(wgp
         for backend, plan in zip(backends, plans):
             plan.run({a: values, acc: np.array([start], np.float32)})
             got = [plan.read(node)[0] for node in nodes]
-            expected = [want if want is not None else n * 0.25, want if want is not None
-                        else start]
+            expected = [want if want is not None else n * 0.25] + [
+                want if want is not None else start] * (len(nodes) - 1)
             for node, g, e in zip(nodes, got, expected):
                 label = f"{backend.name} {node.op} of {bad} with acc {start}"
                 if np.isnan(e):

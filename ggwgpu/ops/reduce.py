@@ -1,4 +1,4 @@
-"""Reductions and tiling: sum, sum_sqr, add_sum_sqr, sum_rows, mean, repeat, repeat_back.
+"""Reductions and tiling: sum, sum_sqr, add_sum_sqr(3), sum_rows, mean, repeat, repeat_back.
 
 Shader: shaders/reduce.wgsl. Row reductions use one workgroup per row.
 """
@@ -122,15 +122,64 @@ add_sum_sqr = register(
         "A chain of them sums the squares of many tensors, one dispatch each.")
 
 
+def add_sum_sqr3_shape(srcs, **_):
+    acc = srcs[0]
+    need_float(*srcs)
+    if acc.nelements != 1:
+        raise ShapeError(f"the accumulator must have one element, has shape {acc.shape}")
+    for t in srcs[1:]:
+        if t.nelements > SUM_SPAN:
+            raise ShapeError(f"add_sum_sqr3 adds tensors of at most {SUM_SPAN} elements, "
+                             f"got {t.shape}")
+    return (1,), "f32", {}
+
+
+def add_sum_sqr3_into(out, acc, a, b, c):
+    out[0] = acc.reshape(-1)[0] + sumsq_of(a) + sumsq_of(b) + sumsq_of(c)
+
+
+add_sum_sqr3 = register(
+    "add_sum_sqr3", n_srcs=4, shape=add_sum_sqr3_shape, shader="reduce", entry="sum_sqr3",
+    result="f32",
+    reference=lambda acc, a, b, c: (acc.reshape(1) + sum_sqr_ref(a) + sum_sqr_ref(b)
+                                    + sum_sqr_ref(c)),
+    fast=add_sum_sqr3_into,
+    # the tensors are sources 0 .. 2, the accumulator source 3
+    dispatches=lambda n: [Dispatch("sum_sqr3", n, (*n.srcs[1:], n.srcs[0]), n=1,
+                                   workgroups=1)],
+    backward=lambda n, g: (g if n.srcs[0].shape == g.shape else O.reshape(g, n.srcs[0].shape),
+                           *(O.mul(t, O.scale(g, 2.0)) for t in n.srcs[1:])),
+    cases=lambda: [Case((Input((1,)), Input((5, 7)), Input((3,)), Input((2, 3, 4)))),
+                   Case((Input((1, 1)), Input((2, 3, 5), layout="permuted"),
+                         Input((4, 9), layout="strided"), Input((1,)))),
+                   Case((Input((1,)), Input((SUM_SPAN,)), Input((7, 3)), Input((SUM_SPAN,))),
+                        grad=False),
+                   Case((Input((1,)), Input((6, 11)), Input((4,), dist="nonfinite"),
+                         Input((2,))), grad=False)],
+    doc="acc + the sums of a * a, b * b and c * c over all their elements, shape (1,), in "
+        "f32, in one dispatch: acc has one element, a, b and c at most SUM_SPAN each (a chain "
+        "of small tensors' squares, three at a time).")
+
+
 def sum_of_squares(tensors) -> Tensor:
-    """The sum of the squares of every element of `tensors` (at least one), shape (1,), f32:
-    sum_sqr of the first, add_sum_sqr of each other."""
-    tensors = list(tensors)
-    if not tensors:
+    """The sum of the squares of every element of `tensors` (at least one), shape (1,), f32.
+    Each item is a tensor, or a list of tensors (one block's gradients) whose small ones (at
+    most SUM_SPAN elements: a LoRA's pairs) are added three at a time (add_sum_sqr3); every
+    other tensor is added alone (add_sum_sqr), after sum_sqr of the very first. Grouped by
+    block, a step's dispatches grow by the same count with every block."""
+    groups = [[t] if isinstance(t, Tensor) else list(t) for t in tensors]
+    flat = [t for group in groups for t in group]
+    if not flat:
         raise ValueError("sum_of_squares needs at least one tensor")
-    total = sum_sqr(tensors[0])
-    for t in tensors[1:]:
-        total = add_sum_sqr(total, t)
+    total = sum_sqr(flat[0])
+    groups[next(i for i, g in enumerate(groups) if g)].pop(0)
+    for group in groups:
+        small = [t for t in group if t.nelements <= SUM_SPAN]
+        threes = len(small) // 3 * 3
+        for at in range(0, threes, 3):
+            total = add_sum_sqr3(total, *small[at:at + 3])
+        for t in small[threes:] + [t for t in group if t.nelements > SUM_SPAN]:
+            total = add_sum_sqr(total, t)
     return total
 
 
@@ -190,5 +239,5 @@ repeat_back = register(
                    Case((Input((300, 7)),), {"shape": (1, 7)}, grad=False)],
     doc="Sum the tiles of a into `shape`: the backward of repeat.")
 
-__all__ = ["sum", "sum_sqr", "add_sum_sqr", "sum_of_squares", "sum_rows", "mean", "repeat",
-           "repeat_back"]
+__all__ = ["sum", "sum_sqr", "add_sum_sqr", "add_sum_sqr3", "sum_of_squares", "sum_rows",
+           "mean", "repeat", "repeat_back"]

@@ -17,11 +17,17 @@ from .options import MIN_SCALE, TrainOptions, schedule
 
 def clip_scale(grads, max_norm: float, inv_scale=None):
     """Graph tensors (sum of squared gradients, factor min(1, max_norm / norm)) — all on the
-    device, no readback: min(1, r) = (1 + r - |1 - r|) / 2. With `inv_scale` (a 1-element
-    tensor, 1/S for gradients scaled by the loss scale S) both are of the true gradients:
-    the sum of squares times 1/S twice, the factor (then never None) times 1/S; exact, as S
-    is a power of two, and an inf or NaN stays one."""
-    sumsq = O.sum_of_squares(grads)
+    device, no readback: min(1, r) = (1 + r - |1 - r|) / 2. `grads`: {parameter: gradient},
+    summed block by block (sum_of_squares: a LoRA's small pairs three at a time). With
+    `inv_scale` (a 1-element tensor, 1/S for gradients scaled by the loss scale S) both are
+    of the true gradients: the sum of squares times 1/S twice, the factor (then never None)
+    times 1/S; exact, as S is a power of two, and an inf or NaN stays one."""
+    blocks = {}
+    for param, grad in grads.items():     # blk.N.* together, the rest after
+        name = param.name or ""
+        blocks.setdefault(name.split(".", 2)[1] if name.startswith("blk.") else "",
+                          []).append(grad)
+    sumsq = O.sum_of_squares(blocks.values())
     if inv_scale is not None:
         sumsq = O.mul(O.mul(sumsq, inv_scale), inv_scale)
     if not max_norm:
@@ -119,7 +125,7 @@ class PlannedUpdate:
             self.exchange = GradientExchange(grads)
             grads, loss, sent = self.exchange.grads, self.exchange.loss, self.exchange.copies
         self.gradients = grads          # param -> the gradient the update is made from
-        self.sumsq, factor = clip_scale(grads.values(), options.grad_clip, t.inv_scale)
+        self.sumsq, factor = clip_scale(grads, options.grad_clip, t.inv_scale)
         # the host writes the hyper-parameters but the finite flag and the gradient factor,
         # which the device appends; the updates multiply each gradient by that factor
         n_hparams = len(self.rule.HPARAMS) - len(O.DEVICE_HPARAMS)
