@@ -504,8 +504,14 @@ class ChatSession:
 
     def generation_prompt_length(self) -> int:
         """How many tokens the generation prompt adds at the end of the conversation's
-        rendering (0 where the rendering without it is no beginning of the one with it)."""
-        without, with_it = self.ids(self.messages, False), self.ids(self.messages)
+        rendering (0 where the rendering without it is no beginning of the one with it, or
+        the template refuses to render without it)."""
+        from .data import DataError
+        try:
+            without = self.ids(self.messages, False)
+        except (DataError, VocabError):
+            return 0
+        with_it = self.ids(self.messages)
         return len(with_it) - len(without) if with_it[:len(without)] == without else 0
 
     def window(self, answer=()) -> list[int]:

@@ -21,6 +21,11 @@ TEMPLATE = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}\n{% en
 CFG = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_layer=2, n_ff=24,
                   n_ctx=48)
 GREEDY = Sampling(temperature=0.0)
+# qwen35: a delta-net layer (a recurrent state that cannot go back) before an attention one
+RECURRENT = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_head_kv=1,
+                        n_embd_head=8, n_rot=4, n_layer=2, n_ff=24, n_ctx=64,
+                        recurrent_layers=(0,), conv_kernel=3, ssm_state=4, ssm_heads=2,
+                        ssm_groups=2, rope_sections=(1, 1, 0, 0), arch="qwen35")
 
 
 def session(backend, max_ctx=None, system="Be brief.", sampling=GREEDY, seed=0):
@@ -68,6 +73,19 @@ def test_turns_reuse_the_cache_and_give_the_logits_of_the_whole_conversation():
     # ... and its logits are those of the whole conversation computed from scratch
     fresh = Decoder(backend, CFG, init_parameters(CFG, seed=3)).prefill(prompt)
     np.testing.assert_allclose(logits, fresh, rtol=0, atol=1e-12)
+
+
+def test_a_template_that_renders_only_with_a_generation_prompt_still_chats():
+    """The snapshot's place needs the conversation rendered without the generation prompt;
+    a template that refuses that keeps the snapshot at the prompt's end, and the turn runs."""
+    template = ChatTemplate("{% if not add_generation_prompt %}{{ raise_exception('no') }}"
+                            "{% endif %}" + TEMPLATE)
+    cfg = RECURRENT
+    s = ChatSession(Decoder(NumpyBackend(), cfg, init_parameters(cfg, seed=3)),
+                    ByteTokenizer(), template, "Be brief.", GREEDY, 0)
+    assert s.generation_prompt_length() == 0
+    assert len(list(s.reply("Hi?", 3))) == 3
+    assert s.decoder._snapshot[0] == s.ids(s.messages[:2])     # the whole first prompt
 
 
 def test_a_stopped_answer_joins_the_conversation_as_far_as_it_went():
@@ -242,10 +260,7 @@ def test_a_recurrent_model_chats_where_the_template_rewrites_earlier_answers():
         "{{ m['role'][0] }}:{% if m['role'] == 'assistant' and loop.index0 > ns.last %}<t></t>"
         "{% endif %}{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}a:<t>"
         "{% endif %}")
-    cfg = ModelConfig(n_vocab=ByteTokenizer.n_vocab, n_embd=16, n_head=2, n_head_kv=1,
-                      n_embd_head=8, n_rot=4, n_layer=2, n_ff=24, n_ctx=64,
-                      recurrent_layers=(0,), conv_kernel=3, ssm_state=4, ssm_heads=2,
-                      ssm_groups=2, rope_sections=(1, 1, 0, 0), arch="qwen35")
+    cfg = RECURRENT
     values = init_parameters(cfg, seed=3)
     backend = NumpyBackend(np.float64)
     s = ChatSession(Decoder(backend, cfg, values), ByteTokenizer(), template, "Be brief.",
