@@ -1,6 +1,6 @@
 """Text generation: a llama with a KV cache on any backend, sampled on the host.
 
-    decoder = Decoder(backend, cfg, values)          # its planned graphs, built once
+    decoder = Decoder(backend, cfg, values)          # plans its graphs as runs need them
     text = generate(backend, cfg, values, tokenizer, "ROMEO:", 100, seed=1)
 
 `Decoder` runs the model: `prefill(tokens)` puts a window of tokens into the cache in runs

@@ -168,11 +168,10 @@ def sum_of_squares(tensors) -> Tensor:
     other tensor is added alone (add_sum_sqr), after sum_sqr of the very first. Grouped by
     block, a step's dispatches grow by the same count with every block."""
     groups = [[t] if isinstance(t, Tensor) else list(t) for t in tensors]
-    flat = [t for group in groups for t in group]
-    if not flat:
+    first = next((group for group in groups if group), None)
+    if first is None:
         raise ValueError("sum_of_squares needs at least one tensor")
-    total = sum_sqr(flat[0])
-    groups[next(i for i, g in enumerate(groups) if g)].pop(0)
+    total = sum_sqr(first.pop(0))
     for group in groups:
         small = [t for t in group if t.nelements <= SUM_SPAN]
         threes = len(small) // 3 * 3
