@@ -24,6 +24,7 @@ from ggwgpu.bench import (BENCH_MAX_REL_ERR, BENCH_SIZES, BENCH_TRAIN_CONFIGS,
                           memory_against_minimum, op_times, planned_memory, rate_ratios,
                           step_stats, timed_steps, timed_wgpu_steps, torch_matmul, torch_peer,
                           torch_peer_refusal, train_step_stats)
+from ggwgpu.backends.tuning import summary as tuning_summary, tuning_report
 
 from .common import (backend_choice, describe_backend, human_bytes, positive_ints,
                      wgpu_or_reason)
@@ -152,6 +153,10 @@ def bench_matmul(ctx, sizes, repeat, torch_device, json_path):
                    f"{row['max_rel_err']:>11.1e}  {row['dispatches']:>10}  "
                    f"{row['host_us_per_dispatch']:>12.2f}  {device:>9}  "
                    f"{row['memory']['planned']:>13}")
+        if row["tuned"]:
+            click.echo("  timed on the device: " + ", ".join(
+                f"{name} {ms:.3f} ms" for name, ms in row["tuned"]["ms"].items())
+                + f"; runs {row['tuned']['chosen']}")
         rows.append(row)
     if torch_device:
         rates, failed = in_own_process(torch_matmul, sizes, repeat, torch_device)
@@ -266,6 +271,9 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_
         report["dispatches"] = counts = checked(dispatches_per_layer, config_name,
                                                 wgpu_backend, cfg, plan)
         echo_dispatches(counts)
+        report["tuned_products"] = tuned = tuning_report(wgpu_backend)
+        if tuned:
+            click.echo(f"wgpu: {tuning_summary(tuned)} (--json has each one's times)")
     report["memory"] = memory = memory_against_minimum(shown, config)
     echo_memory_minimum(memory, "wgpu" if wgpu_backend is not None else "numpy")
     if half is not None:

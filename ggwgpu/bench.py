@@ -18,8 +18,10 @@ import numpy as np
 
 from .backends import Backend, NumpyBackend
 from .backends.base import Plan
+from .backends.tuning import timings
 from .models import LORA_A, LORA_B, ModelConfig
 from .ops import OPS
+from .ops.matmul import product_key, product_of
 
 
 class BenchError(RuntimeError):
@@ -175,7 +177,8 @@ def matmul_row(backend: Backend, m: int, n: int, k: int, repeat: int,
     flop = 2.0 * m * n * k
     g_wgpu, g_numpy = flop / t_wgpu / 1e9, flop / t_numpy / 1e9
     return {"m": m, "n": n, "k": k, "gflops": {"wgpu": g_wgpu, "numpy": g_numpy},
-            "ratio_wgpu_numpy": g_wgpu / g_numpy, "max_rel_err": rel, **stats}
+            "ratio_wgpu_numpy": g_wgpu / g_numpy, "max_rel_err": rel, **stats,
+            "tuned": timings(backend, product_key(product_of(out)))}
 
 
 # -- training steps ---------------------------------------------------------------------------

@@ -8,8 +8,9 @@ ops' dispatch functions look the variant's kernels up here; lavapipe's tests for
 variant in turn, so every one stays tested.
 
     matmul        'tiled' (workgroup-memory tiles, GPUs) | 'subgroup' (subgroup broadcasts,
-                  lavapipe) | 'wide' (larger tiles, chosen only by $GGWGPU_MATMUL, which
-                  overrides)
+                  lavapipe) | 'wide' (larger tiles), $GGWGPU_MATMUL overriding; on a
+                  hardware adapter each product's kernel and split of K are chosen by
+                  timing them on the device as plans meet it (TunedMatmul; $GGWGPU_TUNE)
     quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
                   same adapters)
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
@@ -27,6 +28,7 @@ from typing import NamedTuple
 from .quant import TYPES
 
 MATMUL_ENV = "GGWGPU_MATMUL"
+TUNE_ENV = "GGWGPU_TUNE"
 
 class MatmulKernels(NamedTuple):
     """mul_mat's kernels that read vec4s, of one variant: the entry, its shader file, the tile
@@ -42,8 +44,8 @@ class MatmulKernels(NamedTuple):
 
 # 'subgroup' reads a K-outermost `a` and `b` (out_prod) as they lie; 'tiled' reads any
 # mix of layouts (the backward products' transposed views) as it lies, and so does 'wide',
-# its 128 x 128 tiles of 8 x 8 per invocation (no adapter's default yet: the GPU check
-# times it beside 'tiled', docs/gpu-notes.md).
+# its 128 x 128 tiles of 8 x 8 per invocation (no adapter's default: a TunedMatmul times it
+# beside 'tiled' for each product, docs/gpu-notes.md).
 MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
                                          either_layout=True),
                   "subgroup": MatmulKernels("mul_mat_subgroup", "matmul_subgroup", (32, 16),
@@ -58,6 +60,9 @@ MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
 # (576 x 512 over a 49 152 vocabulary: 72 workgroups of 3 072 steps each) runs in 288.
 SPLIT_TARGET = 512
 SPLIT_MIN_K = 512
+# The shallowest chunk of K a tuned product is timed with (ops/matmul.py product_choices):
+# the 576-deep products of a 135M model over 512 tokens fill 72 tiles unsplit.
+TUNE_MIN_K = 128
 
 # mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
 # (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere.
@@ -123,9 +128,34 @@ def row_variant(adapter) -> str:
     return "rowwise" if adapter.info.get("adapter_type") == "CPU" else "workgroup"
 
 
+class TunedMatmul(str):
+    """The matmul family's variant where products are timed on the device: the variant's
+    name, which runs every product not timed, and `chosen` {product key: (variant, chunks of
+    K)}, filled as plans meet products with more than one choice (ops/matmul.py
+    product_choices; backends/tuning.py), with `seconds` {product key: {choice: device
+    seconds}} beside it. A plain name (tests force one) times nothing."""
+    def __new__(cls, name: str):
+        tuned = super().__new__(cls, name)
+        tuned.chosen, tuned.seconds = {}, {}
+        return tuned
+
+
+def tunes_products(adapter) -> bool:
+    """Whether products are timed on this adapter: $GGWGPU_TUNE (1 or 0) if set, else on a
+    hardware adapter unless $GGWGPU_MATMUL forces a kernel (lavapipe's choice was measured
+    once, on its cores: kernels.py's 'subgroup')."""
+    forced = os.environ.get(TUNE_ENV)
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(f"${TUNE_ENV}={forced!r}: choose 1 (time products) or 0")
+        return forced == "1"
+    return adapter.info.get("adapter_type") != "CPU" and not os.environ.get(MATMUL_ENV)
+
+
 def choose_variants(adapter, device) -> dict[str, str]:
     """{shader family: variant} for this adapter and device."""
     matmul = matmul_variant(adapter, device)
     rows = row_variant(adapter)
-    return {"matmul": matmul, "quant": "subgroup" if matmul == "subgroup" else "portable",
+    return {"matmul": TunedMatmul(matmul) if tunes_products(adapter) else matmul,
+            "quant": "subgroup" if matmul == "subgroup" else "portable",
             "norm": rows, "softmax": rows}

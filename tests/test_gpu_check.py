@@ -49,7 +49,8 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
     reports = {
         "matmul": {"shapes": [
             {"m": 49152, "n": 512, "k": 576, "gflops": {"wgpu": 6000.0},
-             "torch_gflops": 30000.0, "ratio_wgpu_torch": 0.2},
+             "torch_gflops": 30000.0, "ratio_wgpu_torch": 0.2,
+             "tuned": {"chosen": "wide", "ms": {"tiled": 6.0, "wide": 4.8}}},
             {"m": 4096, "n": 4096, "k": 4096, "gflops": {"wgpu": 8000.0},
              "torch_gflops": 48000.0, "ratio_wgpu_torch": 1 / 6}]},
         "wide": {"shapes": [
@@ -71,15 +72,14 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
     assert asked[1] == ("matmul", "--sizes", check.GPU_MATMUL, {"GGWGPU_MATMUL": "wide"})
     assert asked[2] == ("ops", "--config", "smollm-135m-lora-f32", "--repeat", "1")
     assert rows == [
-        ("matmul 49152x512x576", "wgpu 6000 GFLOP/s; torch 30000 GFLOP/s, wgpu/torch 0.200",
-         "7 s"),
+        ("matmul 49152x512x576", "wgpu 6000 GFLOP/s (wide, timed fastest); torch 30000 "
+         "GFLOP/s, wgpu/torch 0.200", "7 s"),
         ("matmul 4096x4096x4096", "wgpu 8000 GFLOP/s; torch 48000 GFLOP/s, wgpu/torch 0.167",
          "7 s"),
         ("largest product", "0.125 of the card's measured f32 rate (48000 GFLOP/s, cuBLAS "
          "4096x4096x4096)", "7 s"),
-        ("matmul 49152x512x576 wide", "wgpu 9000 GFLOP/s, 1.50 x the default kernel's", "7 s"),
-        ("matmul 4096x4096x4096 wide", "wgpu 6000 GFLOP/s, 0.75 x the default kernel's",
-         "7 s"),
+        ("matmul 49152x512x576 wide", "wgpu 9000 GFLOP/s, 1.50 x the default run's", "7 s"),
+        ("matmul 4096x4096x4096 wide", "wgpu 6000 GFLOP/s, 0.75 x the default run's", "7 s"),
         ("ops smollm-135m-lora-f32", "40.0 ms a step, dispatch by dispatch (device); "
          "matmul:mul_mat_tiled 75%, norm_workgroup:rms_norm_mul 15%, optim:opt_step_adamw "
          "10%; run whole: 52.0 ms in one submit, 45.5 ms submitted in parts", "7 s")]
@@ -88,6 +88,32 @@ def test_the_gpu_mode_s_rows_from_reports_with_cuda_peers(monkeypatch):
         failed_.append(name), (None, "1 s"))[1])
     assert check.matmul_rows(False, failed) == [("bench matmul", "failed", "1 s")]
     assert failed == ["bench matmul"]
+
+
+def test_the_gpu_mode_s_train_rows_name_the_tuning_and_its_choices(monkeypatch):
+    """A bench train row beside PyTorch CUDA, with the products timed on the device; the
+    135M LoRA step again with tuning off, its row named by the setting."""
+    check = check_module()
+    report = {"tokens_per_s": {"wgpu": 3000.0, "torch": 5000.0},
+              "wgpu": {"device_ms": 40.0},
+              "tuned_products": [{"chosen": "tiled in 2 chunks"}, {"chosen": "wide"},
+                                 {"chosen": "tiled in 2 chunks"}]}
+    asked = []
+
+    def bench_json(failed, name, *args, env=None):
+        asked.append((name, args, env))
+        return {**report, "tuned_products": []} if env else report, "9 s"
+    monkeypatch.setattr(check, "bench_json", bench_json)
+    rows = check.train_rows(check.GPU_BENCHES[2:] + check.GPU_MORE_BENCHES[:1], False, [])
+    assert [a[0] for a in asked] == ["bench train smollm-135m-lora-f32",
+                                     "bench train smollm-135m-lora-f32 GGWGPU_TUNE=0"]
+    assert asked[1][1][-2:] == ("--torch-device", "cuda") and asked[1][2] == {"GGWGPU_TUNE": "0"}
+    assert rows == [
+        ("bench smollm-135m-lora-f32", "wgpu 3000 tok/s; torch 5000 tok/s; wgpu/torch 0.600; "
+         "device 40.0 ms/step; 3 products timed on the device, kept: tiled in 2 chunks 2, "
+         "wide 1", "9 s"),
+        ("bench smollm-135m-lora-f32 GGWGPU_TUNE=0", "wgpu 3000 tok/s; torch 5000 tok/s; "
+         "wgpu/torch 0.600; device 40.0 ms/step", "9 s")]
 
 
 def test_a_check_out_of_budget_still_prints_its_table():

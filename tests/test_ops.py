@@ -309,7 +309,7 @@ def test_the_tiled_kernel_cuts_a_long_k_of_few_tiles_into_chunks_side_by_side():
     chunks (288 workgroups, at most SPLIT_TARGET) that k_mul_mat_splits adds up with the
     epilogue; not where K is short, the product batched, or on lavapipe's kernel."""
     from ggwgpu.kernels import SPLIT_TARGET
-    from ggwgpu.ops.matmul import k_chunks
+    from ggwgpu.ops.matmul import k_chunks, product_of
     w, dy = gg.input_tensor((49152, 576)), gg.input_tensor((512, 49152))
     node = gg.mul_mat_acc(gg.transpose(w), dy, gg.input_tensor((512, 576)), 0.5)
     product, total = OPS["mul_mat_acc"].dispatches_on(node, {"matmul": "tiled"})
@@ -319,10 +319,30 @@ def test_the_tiled_kernel_cuts_a_long_k_of_few_tiles_into_chunks_side_by_side():
         "mul_mat_splits", (0.5,), (1, 4), node.srcs[2])
     assert 288 <= SPLIT_TARGET < 2 * 288
     short = gg.mul_mat(gg.input_tensor((576, 576)), gg.input_tensor((512, 576)))
-    batched = gg.mul_mat(gg.input_tensor((64, 4096)), gg.input_tensor((3, 8, 4096)))
+    batched = gg.mul_mat(gg.input_tensor((2, 64, 4096)), gg.input_tensor((2, 8, 4096)))
     for n in (short, batched):
-        assert k_chunks(n, *n.srcs, "tiled") == 1
-    assert k_chunks(node, gg.transpose(w), dy, "subgroup") == 1
+        assert k_chunks(product_of(n), "tiled") == 1
+    assert k_chunks(product_of(node), "subgroup") == 1
+
+
+def test_a_weight_times_a_batch_of_rows_is_one_product_over_all_rows():
+    """A weight times [4, 128] tokens (a contiguous batch) runs as one [512, K] product: its
+    tiles cross the batch entries and split_k may cut it (the 135M model's down projection,
+    576 x 512 over 1 536: 72 tiles, 2 chunks); a c or a b whose rows do not lie one stride
+    apart keeps the batch."""
+    from ggwgpu.ops.matmul import product_of
+    w, x = gg.input_tensor((576, 1536)), gg.input_tensor((4, 128, 1536))
+    node = gg.mul_mat(w, x)
+    p = product_of(node)
+    assert (p.a.shape, p.b.shape, p.dst.shape, p.batches) == (
+        (576, 1536), (512, 1536), (512, 576), 1)
+    product, total = OPS["mul_mat"].dispatches_on(node, {"matmul": "tiled"})
+    assert (product.n, product.srcs[1].shape, total.entry, total.dst.shape) == (
+        144, (2, 512, 768), "mul_mat_splits", (512, 576))
+    permuted = gg.permute(gg.input_tensor((128, 4, 1536)), (1, 0, 2))
+    c = gg.permute(gg.input_tensor((128, 4, 576)), (1, 0, 2))
+    for n in (gg.mul_mat(w, permuted), gg.mul_mat_acc(w, x, c)):
+        assert product_of(n).batches == 4 and product_of(n).dst is n
 
 
 def test_large_inputs_fold_the_grid_past_65535_workgroups(wgpu):

@@ -23,13 +23,14 @@ from pathlib import Path
 import numpy as np
 import wgpu
 
-from ..kernels import choose_variants
+from ..kernels import TunedMatmul, choose_variants
 from ..ops import OPS
 from ..tensor import ShapeError, Tensor
 from ..wgsl import (F32_BINDINGS, MAX_SRCS, PART_WORDS, TENSOR_TAGS, binding_dtypes,
                     kernel_name, module_source, reads_src0_in_parts, uniform_layout)
 from . import wgpu_direct
 from .base import Backend, DeviceLimitError, Plan, SharedConstants, guarded_block
+from .tuning import tune_products
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 # A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
@@ -189,15 +190,21 @@ class WgpuBackend(Backend):
 
 
 class WgpuPlan(Plan):
-    def __init__(self, backend: WgpuBackend, outputs, sentinel=0, shared=()):
+    def __init__(self, backend: WgpuBackend, outputs, sentinel=0, shared=(), variants=None):
+        """`variants`: the kernel variants of this plan's dispatches, if not the backend's
+        (whose TunedMatmul first times the products it has not chosen for: tuning.py)."""
         super().__init__(outputs, sentinel, shared)
         self.backend = backend
         device = backend.device
+        if variants is None:
+            variants = backend.kernel_variants
+            if isinstance(variants.get("matmul"), TunedMatmul):
+                tune_products(backend, self.nodes, WgpuPlan)
         self.dispatches, self.dispatch_ops, private = [], [], {}
         self.node_dispatches = []    # per node: the range of its dispatches
         for step, node in enumerate(self.nodes):
             first = len(self.dispatches)
-            for d in OPS[node.op].dispatches_on(node, backend.kernel_variants):
+            for d in OPS[node.op].dispatches_on(node, variants):
                 if not backend.has_f16 and "f16" in binding_dtypes((d.dst, *d.srcs)):
                     raise ShapeError(f"{node.op} ({node.name or node.op}) has f16 tensors, and "
                                      f"this adapter lacks the WebGPU feature 'shader-f16': "

@@ -14,10 +14,12 @@ alpha into their products (d a, d b are products with the same alpha; d c = g).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import ops as O
-from ..kernels import MATMUL_KERNELS, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX
+from ..kernels import MATMUL_KERNELS, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX, TUNE_MIN_K
 from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_float, pad4, register
 
@@ -199,47 +201,126 @@ def vec4_ready(t) -> bool:
             and all(s % 4 == 0 for s, n in zip(t.strides[:-1], t.shape[:-1]) if n > 1))
 
 
-def kernel_dispatch(node, a, b, variant="tiled"):
-    """The product's dispatches: cut along K into chunks computed side by side where the
-    variant's kernel would leave a card idle (split_k); else kernel_dispatch_whole, one
-    per SUM_ROWS_MAX of K where K is longer: each later one reads column views of a and b
-    and adds to the sums before it (dst as its epilogue's c). One invocation's loop over a K
-    of 262 144 (Gemma 3's vocabulary in the output product's backward) would pass what
-    lavapipe runs of one (kernels.py)."""
-    k = a.shape[-1]
-    chunks = k_chunks(node, a, b, variant)
+class Product(NamedTuple):
+    """A product as its kernels compute it: dst [.., N, M] = alpha * b @ a.T (+ c), from
+    a [.., M, K] and b [.., N, K] (views)."""
+    dst: Tensor
+    a: Tensor
+    b: Tensor
+    c: tuple
+    alpha: float
+
+    @property
+    def batches(self) -> int:
+        return self.dst.nelements // (self.dst.shape[-1] * self.dst.shape[-2])
+
+    def workgroups(self, variant: str) -> int:
+        """Workgroups of the variant's vec4 kernel over the product unsplit."""
+        tile = MATMUL_KERNELS[variant].tile
+        m, n = self.dst.shape[-1], self.dst.shape[-2]
+        return -(-m // tile[0]) * -(-n // tile[1]) * self.batches
+
+
+def merged_rows(t):
+    """t [.., N, X] as one matrix [rows, X] (a view) where each row lies one row stride
+    after the one before across its batch entries too; else None."""
+    step = t.strides[-2] if t.ndim > 1 else 0
+    expect = step * t.shape[-2] if t.ndim > 1 else 0
+    for size, stride in zip(reversed(t.shape[:-2]), reversed(t.strides[:-2])):
+        if size > 1 and stride != expect:
+            return None
+        expect *= size
+    return t.layout((t.nelements // t.shape[-1], t.shape[-1]), (step, t.strides[-1]), t.offset)
+
+
+def product_of(node) -> Product:
+    """A product node as its kernels compute it: out_prod's operands transposed; a weight
+    (an unbatched a) times the batch entries of b as one product over all of b's rows where
+    their rows, the result's and c's lie one stride apart (a [4, 128] batch of tokens is 512
+    rows: its tiles run across the entries, and split_k may cut it)."""
+    a, b = node.srcs[:2]
+    if node.op == "out_prod":
+        a, b = transposed(a), transposed(b)
+    product = Product(node, a, b, tuple(node.srcs[2:]), node.params["alpha"])
+    if b.ndim > 2 and all(n == 1 for n in a.shape[:-2]):
+        rows = [merged_rows(t) for t in (node, b, *product.c)]
+        if None not in rows:
+            a = a.layout(a.shape[-2:], a.strides[-2:], a.offset)
+            product = Product(rows[0], a, rows[1], tuple(rows[2:]), product.alpha)
+    return product
+
+
+def kernel_dispatch(node, variant="tiled"):
+    """A product node's dispatches (product_of): as timed fastest on the device where
+    `variant` is a TunedMatmul that chose for this product; else cut along K into chunks
+    computed side by side where the variant's kernel would leave a card idle (split_k); else
+    kernel_dispatch_whole, one per SUM_ROWS_MAX of K where K is longer: each later one
+    reads column views of a and b and adds to the sums before it (dst as its epilogue's c).
+    One invocation's loop over a K of 262 144 (Gemma 3's vocabulary in the output product's
+    backward) would pass what lavapipe runs of one (kernels.py)."""
+    p = product_of(node)
+    k = p.a.shape[-1]
+    variant, chunks = getattr(variant, "chosen", {}).get(
+        product_key(p), (variant, k_chunks(p, variant)))
     if chunks > 1:
-        return split_k(node, a, b, chunks, variant)
+        return split_k(p, chunks, variant)
     if k <= SUM_ROWS_MAX:
-        return kernel_dispatch_whole(node, a, b, node.srcs[2:], variant)
+        return kernel_dispatch_whole(p, variant)
     out = []
     for lo in range(0, k, SUM_ROWS_MAX):
         width = min(k, lo + SUM_ROWS_MAX) - lo
         a_part, b_part = (t.layout(t.shape[:-1] + (width,), t.strides,
-                                   t.offset + lo * t.strides[-1]) for t in (a, b))
-        c = node.srcs[2:] if lo == 0 else (node,)
-        out += kernel_dispatch_whole(node, a_part, b_part, c, variant)
+                                   t.offset + lo * t.strides[-1]) for t in (p.a, p.b))
+        c = p.c if lo == 0 else (p.dst,)
+        out += kernel_dispatch_whole(p._replace(a=a_part, b=b_part, c=c), variant)
     return out
 
 
-def k_chunks(node, a, b, variant) -> int:
+def product_key(p: Product):
+    """What a product's speed depends on: its operands' shapes, element types and layouts
+    (tiled_layouts); products of one key get one choice of kernel."""
+    return (p.a.shape, p.b.shape, p.a.dtype, p.b.dtype, tiled_layouts(p.a, p.b))
+
+
+def can_split(p: Product, chunks: int, min_k: int) -> bool:
+    """Whether split_k can cut the product into `chunks` of K at least min_k deep: an
+    unbatched product, K / chunks a multiple of 4 and at most SUM_ROWS_MAX, the chunks read
+    as they lie."""
+    k = p.a.shape[-1]
+    return (p.batches == 1 and k % (4 * chunks) == 0 and min_k <= k // chunks
+            <= SUM_ROWS_MAX and tiled_layouts(*chunked(p.a, p.b, chunks)) is not None)
+
+
+def k_chunks(p: Product, variant) -> int:
     """How many chunks of K split_k cuts the product into (1: none): for an either_layout
     kernel, an unbatched product of fewer than SPLIT_TARGET workgroups, the most chunks (a
-    power of 2) that keeps them at least SPLIT_MIN_K deep, K / chunks a multiple of 4, the
-    workgroups at most SPLIT_TARGET, and the chunks read as they lie."""
-    kernel = MATMUL_KERNELS[variant]
-    m, n, k = node.shape[-1], node.shape[-2], a.shape[-1]
-    if not kernel.either_layout or node.nelements != m * n:
+    power of 2) that keeps them at least SPLIT_MIN_K deep, K / chunks a multiple of 4 and
+    the workgroups at most SPLIT_TARGET, where split_k can cut it so (can_split)."""
+    if not MATMUL_KERNELS[variant].either_layout:
         return 1
-    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1])
-    chunks = 1
+    tiles, k, chunks = p.workgroups(variant), p.a.shape[-1], 1
     while (2 * chunks * tiles <= SPLIT_TARGET and k // (2 * chunks) >= SPLIT_MIN_K
            and k % (8 * chunks) == 0):
         chunks *= 2
-    if chunks > 1 and (k // chunks > SUM_ROWS_MAX
-                       or tiled_layouts(*chunked(a, b, chunks)) is None):
-        return 1
-    return chunks
+    return chunks if chunks == 1 or can_split(p, chunks, SPLIT_MIN_K) else 1
+
+
+def product_choices(p: Product, default: str) -> list[tuple[str, int]]:
+    """The (variant, chunks of K) a TunedMatmul times for a product: the `default` variant's
+    kernel whole, each either_layout kernel whole and cut into 2, 4 or 8 chunks at least
+    TUNE_MIN_K deep (split_k) where that keeps its workgroups at most SPLIT_TARGET. None
+    where the operands are laid out for no either_layout kernel or K is longer than one
+    dispatch sums."""
+    if tiled_layouts(p.a, p.b) is None or p.a.shape[-1] > SUM_ROWS_MAX:
+        return []
+    choices = [(str(default), 1)]
+    for variant, kernel in MATMUL_KERNELS.items():
+        if kernel.either_layout:
+            choices += [(variant, chunks) for chunks in (1, 2, 4, 8)
+                        if (variant, chunks) not in choices and (chunks == 1 or (
+                            chunks * p.workgroups(variant) <= SPLIT_TARGET
+                            and can_split(p, chunks, TUNE_MIN_K)))]
+    return choices
 
 
 def chunked(a, b, chunks):
@@ -252,21 +333,20 @@ def chunked(a, b, chunks):
     return view(a), view(b)
 
 
-def split_k(node, a, b, chunks, variant):
+def split_k(p: Product, chunks, variant):
     """The product cut into `chunks` along K: the kernel computes each chunk's product side
     by side (the chunks a batch: `chunked`) into dispatch-private sums [chunks, N, M], then
     k_mul_mat_splits adds them up and applies the epilogue (alpha, mul_mat_acc's c) as the
     whole product's kernel would."""
-    m, n = node.shape[-1], node.shape[-2]
+    m, n = p.dst.shape[-1], p.dst.shape[-2]
     kernel = MATMUL_KERNELS[variant]
-    a3, b3 = chunked(a, b, chunks)
-    sums = Tensor((chunks, n, m), name=f"{node} sums of K's chunks")   # dispatch-private
-    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1]) * chunks
-    c = node.srcs[2:]
+    a3, b3 = chunked(p.a, p.b, chunks)
+    sums = Tensor((chunks, n, m), name=f"{p.dst} sums of K's chunks")   # dispatch-private
+    tiles = p.workgroups(variant) * chunks
     return [Dispatch(kernel.entry, sums, (a3, b3), n=tiles, workgroups=tiles,
                      shader=kernel.shader, f=(1.0,), u=(0, tiled_layouts(a3, b3))),
-            Dispatch("mul_mat_splits", node, (sums, sums, *c), n=n * -(-m // 4),
-                     f=(node.params["alpha"],), u=(len(c), chunks), shader="matmul")]
+            Dispatch("mul_mat_splits", p.dst, (sums, sums, *p.c), n=n * -(-m // 4),
+                     f=(p.alpha,), u=(len(p.c), chunks), shader="matmul")]
 
 
 def tiled_layouts(a, b) -> int | None:
@@ -283,39 +363,39 @@ def tiled_layouts(a, b) -> int | None:
     return flags
 
 
-def kernel_dispatch_whole(node, a, b, c, variant):
-    """The mul_mat kernel over a [.., M, K] and b [.., N, K], then its epilogue: times the
-    node's alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. The vec4 kernel of
-    `variant` reads the operands as they lie where it can: any mix of layouts (either_layout:
-    the transposed views of every backward), or both stored K-outermost (entry_t: out_prod).
+def kernel_dispatch_whole(p: Product, variant):
+    """The mul_mat kernel over a [.., M, K] and b [.., N, K], then its epilogue: times
+    alpha (p.f.x), plus c (src2, p.u.x = 1) for mul_mat_acc. The vec4 kernel of `variant`
+    reads the operands as they lie where it can: any mix of layouts (either_layout: the
+    transposed views of every backward), or both stored K-outermost (entry_t: out_prod).
     Else when K % 4 == 0 it runs after copying an operand that is not laid out for it into
     dispatch-private contiguous storage: the copy moves M*K elements, the product does
     2*M*N*K flops. Otherwise the kernel that reads any strides."""
-    m, n = node.shape[-1], node.shape[-2]
-    batches = node.nelements // (m * n)
+    dst, a, b, c = p.dst, p.a, p.b, p.c
+    m, n = dst.shape[-1], dst.shape[-2]
     kernel = MATMUL_KERNELS[variant]
-    tiles = -(-m // kernel.tile[0]) * -(-n // kernel.tile[1]) * batches
+    tiles = p.workgroups(variant)
     # c: mul_mat_acc's, or the sums of the columns before (kernel_dispatch)
-    epilogue = dict(f=(node.params["alpha"],), u=(len(c),))
+    epilogue = dict(f=(p.alpha,), u=(len(c),))
     layouts = tiled_layouts(a, b) if kernel.either_layout else None
     if layouts is not None:
-        return [Dispatch(kernel.entry, node, (a, b, *c), n=tiles, workgroups=tiles,
+        return [Dispatch(kernel.entry, dst, (a, b, *c), n=tiles, workgroups=tiles,
                          shader=kernel.shader, f=epilogue["f"], u=(len(c), layouts))]
     if (kernel.entry_t and not (vec4_ready(a) and vec4_ready(b))
             and vec4_ready(transposed(a)) and vec4_ready(transposed(b))):
-        return [Dispatch(kernel.entry_t, node, (a, b, *c), n=tiles, workgroups=tiles,
+        return [Dispatch(kernel.entry_t, dst, (a, b, *c), n=tiles, workgroups=tiles,
                          shader=kernel.shader, **epilogue)]
     if a.shape[-1] % 4:
-        return [Dispatch("mul_mat", node, (a, b, *c),
-                         n=-(-m // BLOCK) * -(-n // BLOCK) * batches, **epilogue)]
+        return [Dispatch("mul_mat", dst, (a, b, *c),
+                         n=-(-m // BLOCK) * -(-n // BLOCK) * p.batches, **epilogue)]
     copies, operands = [], []
     for t in (a, b):
         if not vec4_ready(t):
-            dense = Tensor(t.shape, name=f"{node} contiguous operand")  # dispatch-private
+            dense = Tensor(t.shape, name=f"{dst} contiguous operand")  # dispatch-private
             copies.append(Dispatch("cpy", dense, (t,), n=t.nelements, shader="layout"))
             t = dense
         operands.append(t)
-    return copies + [Dispatch(kernel.entry, node, (*operands, *c), n=tiles, workgroups=tiles,
+    return copies + [Dispatch(kernel.entry, dst, (*operands, *c), n=tiles, workgroups=tiles,
                               shader=kernel.shader, **epilogue)]
 
 
@@ -350,6 +430,10 @@ def mm_cases():
             # few tiles, a long K: tiled cuts K into 8 chunks side by side (split_k)
             Case((Input((67, 4096)), Input((65, 4096))), {"alpha": 0.5}, grad=False),
             Case((Input((10, 2048), layout="padded_t"), Input((7, 2048))), grad=False),
+            # a weight times a batch: one product over all of b's rows (product_of), split
+            Case((Input((9, 8)), Input((2, 3, 10, 8))), {"alpha": 1.5}),
+            Case((Input((10, 12), layout="padded_t"), Input((2, 5, 12)))),
+            Case((Input((67, 2048)), Input((2, 33, 2048))), grad=False),
             # K cut into dispatches that add up (kernel_dispatch): vec4 and any-strides kernels
             Case((Input((3, SUM_ROWS_MAX + 8)), Input((5, SUM_ROWS_MAX + 8))), {"alpha": 0.5},
                  grad=False),
@@ -374,7 +458,7 @@ def acc_cases():
 mul_mat = register(
     "mul_mat", n_srcs=2, params=("alpha",), defaults={"alpha": 1.0}, shape=mul_mat_shape,
     shader="matmul", reference=mul_mat_ref,
-    dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs, variant),
+    dispatches=lambda n, variant="tiled": kernel_dispatch(n, variant),
     variants=tuple(MATMUL_KERNELS), backward=mul_mat_backward,
     cases=mm_cases, frozen_variant="mul_mat_q", fast=mul_mat_into,
     doc="ggml_mul_mat: a [.., M, K], b [.., N, K] -> [.., N, M] = alpha * b @ a.T, a "
@@ -383,7 +467,7 @@ mul_mat = register(
 mul_mat_acc = register(
     "mul_mat_acc", n_srcs=3, params=("alpha",), defaults={"alpha": 1.0},
     shape=mul_mat_acc_shape, shader="matmul", entry="mul_mat", reference=mul_mat_acc_ref,
-    dispatches=lambda n, variant="tiled": kernel_dispatch(n, *n.srcs[:2], variant),
+    dispatches=lambda n, variant="tiled": kernel_dispatch(n, variant),
     variants=tuple(MATMUL_KERNELS), backward=mul_mat_backward,
     cases=acc_cases, fast=mul_mat_acc_into,
     doc="mul_mat with an accumulating epilogue: a [.., M, K], b [.., N, K], c [.., N, M] -> "
@@ -393,8 +477,7 @@ mul_mat_acc = register(
 out_prod = register(
     "out_prod", n_srcs=2, params=("alpha",), defaults={"alpha": 1.0}, shape=out_prod_shape,
     shader="matmul", entry="mul_mat", reference=out_prod_ref, fast=out_prod_into,
-    dispatches=lambda n, variant="tiled": kernel_dispatch(
-        n, transposed(n.srcs[0]), transposed(n.srcs[1]), variant),
+    dispatches=lambda n, variant="tiled": kernel_dispatch(n, variant),
     variants=tuple(MATMUL_KERNELS),
     backward=lambda n, g: (
         sum_batch_to(O.mul_mat(O.transpose(g), n.srcs[1], n.params["alpha"]), n.srcs[0].shape),

@@ -1,0 +1,125 @@
+"""Products timed on the device (backends/tuning.py): the choices each product gets, the
+fastest kept per product key and used by every plan after, timed products of the same key
+as the step's products, and when tuning is on (kernels.tunes_products)."""
+import numpy as np
+import pytest
+
+import ggwgpu as gg
+from ggwgpu.backends import tuning
+from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.kernels import TunedMatmul, tunes_products
+from ggwgpu.ops.matmul import product_choices, product_key, product_of
+
+from test_backends import random_feeds
+
+
+def products():
+    """A weight stored K-outermost (a backward's W^T) times a batch of rows, and a short wide
+    product: both with choices of kernel and of chunks of K."""
+    w = gg.input_tensor((1024, 36), name="w")
+    x = gg.input_tensor((2, 20, 1024), name="x")
+    a, b = gg.input_tensor((72, 512), name="a"), gg.input_tensor((40, 512), name="b")
+    return [gg.mul_mat(gg.transpose(w), x), gg.mul_mat_acc(a, b, gg.input_tensor((40, 72)), 0.5)]
+
+
+def test_a_product_s_choices_are_each_kernel_whole_and_split_where_it_can_be():
+    weight, short = products()
+    assert product_choices(product_of(weight), "tiled") == [
+        ("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 8),
+        ("wide", 1), ("wide", 2), ("wide", 4), ("wide", 8)]
+    # K of 512: chunks at least TUNE_MIN_K (128) deep; lavapipe's kernel whole first
+    assert product_choices(product_of(short), "subgroup") == [
+        ("subgroup", 1), ("tiled", 1), ("tiled", 2), ("tiled", 4), ("wide", 1),
+        ("wide", 2), ("wide", 4)]
+    # batched (attention's heads): whole kernels only; rows of 6 read by no vec4 kernel
+    heads = gg.mul_mat(gg.input_tensor((2, 3, 16, 64)), gg.input_tensor((2, 3, 8, 64)))
+    assert product_choices(product_of(heads), "tiled") == [("tiled", 1), ("wide", 1)]
+    odd = gg.mul_mat(gg.transpose(gg.input_tensor((6, 8))), gg.input_tensor((5, 6)))
+    assert product_choices(product_of(odd), "tiled") == []
+
+
+def test_the_fastest_choice_is_kept_per_key_and_runs_in_every_plan(wgpu, monkeypatch):
+    """Times from a stand-in that favours ('wide', 2) for the weight's product and
+    ('tiled', 4) for the other: those run, the results are right, and a second plan with
+    the same keys times nothing again."""
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    timed = []
+
+    def seconds(backend, node, choice, plan_type):
+        timed.append(choice)
+        return 1.0 if choice == (("wide", 2) if node.op == "mul_mat" else ("tiled", 4)) else 2.0
+    monkeypatch.setattr(tuning, "choice_seconds", seconds)
+    outs = products()
+    plan = wgpu.plan(outs)
+    assert len(timed) == 8 + 6 and sorted(tuned.chosen.values()) == [("tiled", 4), ("wide", 2)]
+    assert [(d.entry, d.n) for _, d in plan.dispatches] == [
+        ("mul_mat_wide", 2), ("mul_mat_splits", 40 * 9),       # 36 x 40 rows: one tile
+        ("mul_mat_tiled", 8), ("mul_mat_splits", 40 * 18)]     # 72 x 40: two tiles
+    feeds = random_feeds(outs, 0)
+    plan.run(feeds)
+    w, x, a, b, c = (feeds[t] for t in (outs[0].srcs[0].srcs[0], outs[0].srcs[1],
+                                        *outs[1].srcs))
+    np.testing.assert_allclose(plan.read(outs[0]), x @ w, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(plan.read(outs[1]), 0.5 * b @ a.T + c, rtol=1e-5, atol=1e-4)
+    wgpu.plan(products())
+    assert len(timed) == 14
+
+
+def test_timing_on_the_device_keeps_the_least_time_of_each_product(wgpu, monkeypatch):
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    node = products()[1]
+    plan = wgpu.plan([node])
+    key = product_key(product_of(node))
+    seconds = tuned.seconds[key]
+    assert list(seconds) == product_choices(product_of(node), "tiled")
+    assert all(0 < s < 10 for s in seconds.values())
+    assert tuned.chosen == {key: min(seconds, key=seconds.get)}
+    feeds = random_feeds([node], 1)
+    a, b, c = (feeds[t] for t in node.srcs)
+    plan.run(feeds)
+    np.testing.assert_allclose(plan.read(node), 0.5 * b @ a.T + c, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["tiny", "smollm-135m-lora-f32"])
+def test_every_product_of_a_training_step_is_timed_as_it_lies(config):
+    """The timed stand-in of each product of a step (the 135M shape: its weights K-outermost
+    in the backward, [4, 128] token batches merged into 512 rows) has the product's key."""
+    from ggwgpu import bench
+    counter = bench.DispatchCounter(NumpyBackend())
+    counter.kernel_variants = {"matmul": "tiled"}
+    cfg, options = bench.bench_model(config)
+    cfg, options = bench.bench_model(config, **{**cfg.__dict__, "n_layer": 1})
+    plan = bench.bench_trainer(config, counter, cfg, options,
+                               bench.bench_weights(config, cfg)).plan
+    nodes = [n for n in plan.nodes if n.op in tuning.PRODUCT_OPS]
+    assert len(nodes) > 20
+    for node in nodes:
+        assert product_key(product_of(tuning.timed_product(node))) == \
+            product_key(product_of(node))
+
+
+class Adapter:
+    def __init__(self, adapter_type):
+        self.info = {"adapter_type": adapter_type}
+
+
+@pytest.mark.parametrize("tune, matmul, kind, expected", [
+    (None, None, "DiscreteGPU", True), (None, None, "CPU", False),
+    (None, "wide", "DiscreteGPU", False), ("1", None, "CPU", True),
+    ("0", None, "IntegratedGPU", False), ("1", "wide", "DiscreteGPU", True)])
+def test_products_are_timed_on_hardware_adapters_unless_a_kernel_is_forced(
+        monkeypatch, tune, matmul, kind, expected):
+    for var, value in (("GGWGPU_TUNE", tune), ("GGWGPU_MATMUL", matmul)):
+        if value is None:
+            monkeypatch.delenv(var, raising=False)
+        else:
+            monkeypatch.setenv(var, value)
+    assert tunes_products(Adapter(kind)) is expected
+
+
+def test_an_unknown_tuning_setting_is_refused(monkeypatch):
+    monkeypatch.setenv("GGWGPU_TUNE", "yes")
+    with pytest.raises(ValueError, match=r"GGWGPU_TUNE='yes': choose 1"):
+        tunes_products(Adapter("DiscreteGPU"))
