@@ -8,9 +8,10 @@ ops' dispatch functions look the variant's kernels up here; lavapipe's tests for
 variant in turn, so every one stays tested.
 
     matmul        'tiled' (workgroup-memory tiles, GPUs) | 'subgroup' (subgroup broadcasts,
-                  lavapipe) | 'wide' (larger tiles), $GGWGPU_MATMUL overriding; on a
-                  hardware adapter each product's kernel and split of K are chosen by
-                  timing them on the device as plans meet it (TunedMatmul; $GGWGPU_TUNE)
+                  lavapipe) | 'wide' | 'small' (larger, smaller tiles), $GGWGPU_MATMUL
+                  overriding; on a hardware adapter each product's kernel and split of K
+                  are chosen by timing them on the device as plans meet it (TunedMatmul;
+                  $GGWGPU_TUNE)
     quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
                   same adapters)
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
@@ -43,15 +44,18 @@ class MatmulKernels(NamedTuple):
 
 
 # 'subgroup' reads a K-outermost `a` and `b` (out_prod) as they lie; 'tiled' reads any
-# mix of layouts (the backward products' transposed views) as it lies, and so does 'wide',
-# its 128 x 128 tiles of 8 x 8 per invocation (no adapter's default: a TunedMatmul times it
-# beside 'tiled' for each product, docs/gpu-notes.md).
+# mix of layouts (the backward products' transposed views) as it lies, and so do 'wide', its
+# 128 x 128 tiles of 8 x 8 per invocation, and 'small', 32 x 32 tiles of 64 invocations
+# (no adapter's default: a TunedMatmul times them beside 'tiled' for each product,
+# docs/gpu-notes.md).
 MATMUL_KERNELS = {"tiled": MatmulKernels("mul_mat_tiled", "matmul", (64, 64),
                                          either_layout=True),
                   "subgroup": MatmulKernels("mul_mat_subgroup", "matmul_subgroup", (32, 16),
                                             "mul_mat_subgroup_t"),
                   "wide": MatmulKernels("mul_mat_wide", "matmul", (128, 128),
-                                        either_layout=True)}
+                                        either_layout=True),
+                  "small": MatmulKernels("mul_mat_small", "matmul", (32, 32),
+                                         either_layout=True)}
 
 # A product that the either_layout kernel would run in fewer than SPLIT_TARGET workgroups (a
 # card has a hundred or more multiprocessors, each with room for several) is cut along K

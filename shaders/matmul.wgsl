@@ -54,8 +54,10 @@ fn k_mul_mat(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
 // transposed views of every backward product), each vec4 a tile entry as it is. Offsets and
 // the other strides are multiples of 4. Rows past M or N are clamped on load, never stored.
 // k_mul_mat_wide is the same with tiles of 128 x 128, 8 along K a step, each invocation an
-// 8 x 8 block (twice the multiply-adds per workgroup-memory load), for large products.
-// Both stage 1 024 values of a and of b per step: `rows` of the tile x 1024 / rows along K.
+// 8 x 8 block (twice the multiply-adds per workgroup-memory load), for large products;
+// k_mul_mat_small with tiles of 32 x 32, 64 invocations, 8 along K, for products of few tiles.
+// Each stages 4 values per invocation of a and of b per step: `rows` of the tile x
+// 4 invocations / rows along K.
 var<workgroup> tile_a: array<vec4f, 256>;          // [k][m / 4]: 1024 / rows x rows of a
 var<workgroup> tile_b: array<vec4f, 256>;          // [k][n / 4]: the same of b
 
@@ -65,11 +67,12 @@ fn load_operand4(at: u32, is_b: bool) -> vec4f {
     return vec4f(src0_v4[at]);
 }
 
-// Rows along K: the invocation loads one vec4 along K of one row of a tile of `tile` rows
-// (k from k0 + 4 (lid % (256 / tile))), and writes its 4 values into 4 entries of the tile.
+// Rows along K: the invocation (of `threads`) loads one vec4 along K of one row of a tile of
+// `tile` rows (k from k0 + 4 (lid % (threads / tile))), and writes its 4 values into 4
+// entries of the tile.
 fn stage_along_k(lid: u32, k0: u32, K: u32, rows: u32, first: u32, base: u32, stride: u32,
-                 is_b: bool, tile: u32) {
-    let per_row = 256u / tile;                          // vec4s along K of a row, a step
+                 is_b: bool, tile: u32, threads: u32) {
+    let per_row = threads / tile;                       // vec4s along K of a row, a step
     let row = lid / per_row;
     let k = k0 + (lid % per_row) * 4u;
     let at = (base + min(first + row, rows - 1u) * stride) / 4u + min(k, K - 4u) / 4u;
@@ -94,18 +97,30 @@ fn stage_along_rows(lid: u32, k0: u32, K: u32, rows: u32, first: u32, base: u32,
     if (is_b) { tile_b[lid] = v; } else { tile_a[lid] = v; }
 }
 
-// One step's staging of both operands (a tile of `tile` rows each), as p.u.y's layouts say.
-fn stage_step(lid: u32, k0: u32, tile: u32, m0: u32, n0: u32, base: vec3u) {
+// One step's staging of both operands (a tile of `tile` rows each, 4 threads / tile deep
+// along K), as p.u.y's layouts say.
+fn stage_step(lid: u32, k0: u32, tile: u32, threads: u32, m0: u32, n0: u32, base: vec3u) {
     let K = p.ne_0.x;
     if ((p.u.y & 1u) != 0u) {
         stage_along_rows(lid, k0, K, p.ne_d.x, m0, base.y, p.nb_0.x, false, tile);
     } else {
-        stage_along_k(lid, k0, K, p.ne_d.x, m0, base.y, p.nb_0.y, false, tile);
+        stage_along_k(lid, k0, K, p.ne_d.x, m0, base.y, p.nb_0.y, false, tile, threads);
     }
     if ((p.u.y & 2u) != 0u) {
         stage_along_rows(lid, k0, K, p.ne_d.y, n0, base.z, p.nb_1.x, true, tile);
     } else {
-        stage_along_k(lid, k0, K, p.ne_d.y, n0, base.z, p.nb_1.y, true, tile);
+        stage_along_k(lid, k0, K, p.ne_d.y, n0, base.z, p.nb_1.y, true, tile, threads);
+    }
+}
+
+// dst[n0 + 4 ty + j, m0 + 4 tx ..] = the epilogue of acc[j]: a 4 x 4 block of a tile.
+fn store_block4(tile: vec3u, base: vec3u, tx: u32, ty: u32, acc: array<vec4f, 4>) {
+    for (var j = 0u; j < 4u; j++) {
+        let n = tile.y + ty * 4u + j;
+        if (n < p.ne_d.y) {
+            let m = tile.x + tx * 4u;
+            store_product4(base.x, n, m, product_epilogue(tile.z, n, m, acc[j]));
+        }
     }
 }
 
@@ -120,7 +135,7 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
     let ty = lid / 16u;
     var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
     for (var k0 = 0u; k0 < p.ne_0.x; k0 += 16u) {
-        stage_step(lid, k0, 64u, tile.x, tile.y, base);
+        stage_step(lid, k0, 64u, 256u, tile.x, tile.y, base);
         workgroupBarrier();
         for (var k = 0u; k < 16u; k++) {
             let a = tile_a[k * 16u + tx];
@@ -132,13 +147,35 @@ fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
         }
         workgroupBarrier();
     }
-    for (var j = 0u; j < 4u; j++) {
-        let n = tile.y + ty * 4u + j;
-        if (n < p.ne_d.y) {
-            let m = tile.x + tx * 4u;
-            store_product4(base.x, n, m, product_epilogue(tile.z, n, m, acc[j]));
+    store_block4(tile, base, tx, ty, acc);
+}
+
+// k_mul_mat_small: the tiled kernel on tiles of 32 x 32, 64 invocations of 4 x 4, 8 along K
+// a step: four times the workgroups on products of few 64 x 64 tiles (a small model's
+// 576-wide products over 512 rows: 288 rather than 72).
+@compute @workgroup_size(64)
+fn k_mul_mat_small(@builtin(local_invocation_index) lid: u32,
+                   @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
+    let tile = product_tile(g, 32u, 32u);
+    let base = product_bases(tile.z);
+    let tx = lid % 8u;
+    let ty = lid / 8u;
+    var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
+    for (var k0 = 0u; k0 < p.ne_0.x; k0 += 8u) {
+        stage_step(lid, k0, 32u, 64u, tile.x, tile.y, base);
+        workgroupBarrier();
+        for (var k = 0u; k < 8u; k++) {
+            let a = tile_a[k * 8u + tx];
+            let b = tile_b[k * 8u + ty];
+            acc[0] += a * b.x;
+            acc[1] += a * b.y;
+            acc[2] += a * b.z;
+            acc[3] += a * b.w;
         }
+        workgroupBarrier();
     }
+    store_block4(tile, base, tx, ty, acc);
 }
 
 // k_mul_mat_wide: invocation (tx, ty) computes m in 4 tx .. + 3 and 64 + 4 tx .. + 3, n in
@@ -155,7 +192,7 @@ fn k_mul_mat_wide(@builtin(local_invocation_index) lid: u32,
     var lo: array<vec4f, 8>;   // lo[j]: dst[n_j, m0 + 4 tx ..], n_j the j-th of this one's n
     var hi: array<vec4f, 8>;   // hi[j]: dst[n_j, m0 + 64 + 4 tx ..]
     for (var k0 = 0u; k0 < p.ne_0.x; k0 += 8u) {
-        stage_step(lid, k0, 128u, tile.x, tile.y, base);
+        stage_step(lid, k0, 128u, 256u, tile.x, tile.y, base);
         workgroupBarrier();
         for (var k = 0u; k < 8u; k++) {
             let a0 = tile_a[k * 32u + tx];

@@ -25,15 +25,14 @@ def products():
 def test_a_product_s_choices_are_each_kernel_whole_and_split_where_it_can_be():
     weight, short = products()
     assert product_choices(product_of(weight), "tiled") == [
-        ("tiled", 1), ("tiled", 2), ("tiled", 4), ("tiled", 8),
-        ("wide", 1), ("wide", 2), ("wide", 4), ("wide", 8)]
+        (kernel, chunks) for kernel in ("tiled", "wide", "small") for chunks in (1, 2, 4, 8)]
     # K of 512: chunks at least TUNE_MIN_K (128) deep; lavapipe's kernel whole first
-    assert product_choices(product_of(short), "subgroup") == [
-        ("subgroup", 1), ("tiled", 1), ("tiled", 2), ("tiled", 4), ("wide", 1),
-        ("wide", 2), ("wide", 4)]
+    assert product_choices(product_of(short), "subgroup") == [("subgroup", 1)] + [
+        (kernel, chunks) for kernel in ("tiled", "wide", "small") for chunks in (1, 2, 4)]
     # batched (attention's heads): whole kernels only; rows of 6 read by no vec4 kernel
     heads = gg.mul_mat(gg.input_tensor((2, 3, 16, 64)), gg.input_tensor((2, 3, 8, 64)))
-    assert product_choices(product_of(heads), "tiled") == [("tiled", 1), ("wide", 1)]
+    assert product_choices(product_of(heads), "tiled") == [("tiled", 1), ("wide", 1),
+                                                           ("small", 1)]
     odd = gg.mul_mat(gg.transpose(gg.input_tensor((6, 8))), gg.input_tensor((5, 6)))
     assert product_choices(product_of(odd), "tiled") == []
 
@@ -52,7 +51,7 @@ def test_the_fastest_choice_is_kept_per_key_and_runs_in_every_plan(wgpu, monkeyp
     monkeypatch.setattr(tuning, "choice_seconds", seconds)
     outs = products()
     plan = wgpu.plan(outs)
-    assert len(timed) == 8 + 6 and sorted(tuned.chosen.values()) == [("tiled", 4), ("wide", 2)]
+    assert len(timed) == 12 + 9 and sorted(tuned.chosen.values()) == [("tiled", 4), ("wide", 2)]
     assert [(d.entry, d.n) for _, d in plan.dispatches] == [
         ("mul_mat_wide", 2), ("mul_mat_splits", 40 * 9),       # 36 x 40 rows: one tile
         ("mul_mat_tiled", 8), ("mul_mat_splits", 40 * 18)]     # 72 x 40: two tiles
@@ -63,7 +62,7 @@ def test_the_fastest_choice_is_kept_per_key_and_runs_in_every_plan(wgpu, monkeyp
     np.testing.assert_allclose(plan.read(outs[0]), x @ w, rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(plan.read(outs[1]), 0.5 * b @ a.T + c, rtol=1e-5, atol=1e-4)
     wgpu.plan(products())
-    assert len(timed) == 14
+    assert len(timed) == 21
 
 
 def test_timing_on_the_device_keeps_the_least_time_of_each_product(wgpu, monkeypatch):

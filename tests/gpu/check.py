@@ -46,8 +46,9 @@ GPU_MORE_BENCHES = [("smollm-135m-lora-f32", ["--steps", "3"], {"GGWGPU_TUNE": "
 LAVAPIPE_BENCHES = [("tiny", ["--layers", "2", "--steps", "1"])]
 # bench matmul: the 135M step's largest product (the output head: vocab x tokens x embd, the
 # first), its gradient's product (embd x tokens over the vocabulary: K cut into chunks side by
-# side), and a cube whose cuBLAS f32 rate is the card's measured f32 rate
-GPU_MATMUL = "49152x512x576,576x512x49152,4096x4096x4096"
+# side), its most common one (a 576 x 576 weight over 512 tokens: 72 tiles of 64 x 64), and a
+# cube whose cuBLAS f32 rate is the card's measured f32 rate
+GPU_MATMUL = "49152x512x576,576x512x49152,576x512x576,4096x4096x4096"
 CARD_RATE_SHAPE = "4096x4096x4096"
 LAVAPIPE_MATMUL = "256x512x256"
 OPS_CONFIG = {False: "smollm-135m-lora-f32", True: "tiny"}    # bench ops, by --lavapipe
