@@ -122,3 +122,22 @@ def test_an_unknown_tuning_setting_is_refused(monkeypatch):
     monkeypatch.setenv("GGWGPU_TUNE", "yes")
     with pytest.raises(ValueError, match=r"GGWGPU_TUNE='yes': choose 1"):
         tunes_products(Adapter("DiscreteGPU"))
+
+
+def test_a_training_step_of_products_cut_and_retiled_trains_as_numpy_does(wgpu, monkeypatch):
+    """A stand-in that times the most chunks of K fastest, then 'small', then 'wide': every
+    product of a training step that can be cut is, the rest on another kernel than the
+    default; a tiny model's first two training steps give NumPy's losses."""
+    from ggwgpu import bench
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    order = {"small": 0.0, "wide": 0.1, "tiled": 0.2}
+    monkeypatch.setattr(tuning, "choice_seconds", lambda backend, node, choice, plan_type:
+                        1 / choice[1] + order.get(choice[0], 1.0))
+    cfg, options = bench.bench_model("tiny", n_layer=1)
+    weights = bench.bench_weights("tiny", cfg)
+    losses = [[trainer.train_step()["loss"] for _ in range(2)] for trainer in (
+        bench.bench_trainer("tiny", be, cfg, options, weights) for be in (NumpyBackend(), wgpu))]
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-6)
+    kept = set(tuned.chosen.values())
+    assert {k for k, _ in kept} == {"small"} and max(c for _, c in kept) > 1
