@@ -25,6 +25,15 @@ LIMITS = (
 )
 
 
+def describe_kernels(variants: dict) -> str:
+    """The kernel variant of each shader family, and whether products are timed."""
+    from ggwgpu.kernels import MATMUL_ENV, TUNE_ENV, TunedMatmul
+    timed = (f"; each product's kernel and cut of K timed on the device as plans meet it "
+             f"({TUNE_ENV}=0: off)" if isinstance(variants.get("matmul"), TunedMatmul) else
+             f"; products not timed ({TUNE_ENV}=1: timed, {MATMUL_ENV} forces a kernel)")
+    return ", ".join(f"{family} {variant}" for family, variant in variants.items()) + timed
+
+
 @click.command()
 @click.pass_context
 def info(ctx):
@@ -57,6 +66,7 @@ def info(ctx):
         click.echo(f"features ({len(features)}):")
         click.echo(textwrap.fill(", ".join(features), width=88, initial_indent="  ",
                                  subsequent_indent="  ", break_on_hyphens=False))
+        click.echo("kernels on it: " + describe_kernels(backend.kernel_variants))
     try:
         click.echo(f"shaders: {shader_dir()}")
     except FileNotFoundError as e:

@@ -71,10 +71,22 @@ def test_info_shows_the_adapter_and_what_auto_picks_and_why():
         assert "adapter type" in result.output
         assert "max storage buffer binding size" in result.output
         assert "features (" in result.output
+        assert "kernels on it: matmul " in result.output
         result = invoke("--backend", "wgpu", "info")
         assert "backend: wgpu (" in result.output and "asked for by --backend" in result.output
     else:
         assert "adapter: none" in result.output
+
+
+def test_info_says_whether_products_are_timed_on_the_device():
+    from ggwgpu.kernels import TunedMatmul
+    variants = {"matmul": "tiled", "norm": "workgroup"}
+    assert cli_info.describe_kernels(variants) == (
+        "matmul tiled, norm workgroup; products not timed (GGWGPU_TUNE=1: timed, "
+        "GGWGPU_MATMUL forces a kernel)")
+    assert cli_info.describe_kernels({**variants, "matmul": TunedMatmul("tiled")}) == (
+        "matmul tiled, norm workgroup; each product's kernel and cut of K timed on the "
+        "device as plans meet it (GGWGPU_TUNE=0: off)")
 
 
 def test_info_on_a_software_adapter_says_auto_picks_numpy_and_why(adapter_as):
