@@ -13,7 +13,8 @@ variant in turn, so every one stays tested.
                   are chosen by timing them on the device as plans meet it (TunedMatmul;
                   $GGWGPU_TUNE)
     quant         'portable' | 'subgroup': follows matmul (its subgroup kernels want the
-                  same adapters)
+                  same adapters) | 'tiled' | 'small' | 'wide' (mul_mat's tiled kernels
+                  over a weight dequantized as it is staged), timed as matmul's are
     norm, softmax 'workgroup' (a workgroup and a tree of barriers per row, GPUs) |
                   'rowwise' (one invocation per row, no barriers, CPU adapters); each
                   row op's pass over a row is written once, and its family is compiled
@@ -69,9 +70,16 @@ SPLIT_MIN_K = 512
 TUNE_MIN_K = 128
 
 # mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
-# (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere.
+# (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere. Products
+# whose variant is a TunedMatmul also time QUANT_TILED.
 QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
-                 "subgroup": ("quant_subgroup", (32, 16), (32, 16))}
+                 "subgroup": ("quant_subgroup", (32, 16), (32, 16)),
+                 **{name: ("quant_tiled", MATMUL_KERNELS[name].tile, MATMUL_KERNELS[name].tile)
+                    for name in ("tiled", "small", "wide")}}
+# The quant variants that run mul_mat's tiled kernels (shaders/tiles.wgsl) on a weight whose
+# quads are dequantized as a workgroup stages them (quant_tiled.wgsl): no default, chosen
+# by timing a product on the device (TunedMatmul) or forced.
+QUANT_TILED = ("tiled", "small", "wide")
 
 # The row ops' variants (ops/norm.py, ops/softmax.py): every row op has both; its
 # 'rowwise' entry is k_<entry>_rowwise. Each family's shader (shaders/<family>.wgsl) writes an
@@ -133,11 +141,11 @@ def row_variant(adapter) -> str:
 
 
 class TunedMatmul(str):
-    """The matmul family's variant where products are timed on the device: the variant's
-    name, which runs every product not timed, and `chosen` {product key: (variant, chunks of
-    K)}, filled as plans meet products with more than one choice (ops/matmul.py
-    product_choices; backends/tuning.py), with `seconds` {product key: {choice: device
-    seconds}} beside it. A plain name (tests force one) times nothing."""
+    """The variant of a product family (matmul, quant) where products are timed on the
+    device: the variant's name, which runs every product not timed, and `chosen` {product
+    key: (variant, chunks of K)}, filled as plans meet products with more than one choice
+    (ops/matmul.py product_choices; backends/tuning.py), with `seconds` {product key:
+    {choice: device seconds}} beside it. A plain name (tests force one) times nothing."""
     def __new__(cls, name: str):
         tuned = super().__new__(cls, name)
         tuned.chosen, tuned.seconds = {}, {}
@@ -160,6 +168,8 @@ def choose_variants(adapter, device) -> dict[str, str]:
     """{shader family: variant} for this adapter and device."""
     matmul = matmul_variant(adapter, device)
     rows = row_variant(adapter)
-    return {"matmul": TunedMatmul(matmul) if tunes_products(adapter) else matmul,
-            "quant": "subgroup" if matmul == "subgroup" else "portable",
+    quant = "subgroup" if matmul == "subgroup" else "portable"
+    tuned = tunes_products(adapter)
+    return {"matmul": TunedMatmul(matmul) if tuned else matmul,
+            "quant": TunedMatmul(quant) if tuned else quant,
             "norm": rows, "softmax": rows}

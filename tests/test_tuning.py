@@ -81,19 +81,22 @@ def test_timing_on_the_device_keeps_the_least_time_of_each_product(wgpu, monkeyp
     np.testing.assert_allclose(plan.read(node), 0.5 * b @ a.T + c, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("config", ["tiny", "smollm-135m-lora-f32"])
+@pytest.mark.parametrize("config", ["tiny", "smollm-135m-lora-f32", "smollm-135m"])
 def test_every_product_of_a_training_step_is_timed_as_it_lies(config):
     """The timed stand-in of each product of a step (the 135M shape: its weights K-outermost
-    in the backward, [4, 128] token batches merged into 512 rows) has the product's key."""
+    in the backward, [4, 128] token batches merged into 512 rows; on a q4_0 base, the frozen
+    weights' products forward and back) has the product's key."""
     from ggwgpu import bench
     counter = bench.DispatchCounter(NumpyBackend())
-    counter.kernel_variants = {"matmul": "tiled"}
+    counter.kernel_variants = {"matmul": "tiled", "quant": "portable"}
     cfg, options = bench.bench_model(config)
     cfg, options = bench.bench_model(config, **{**cfg.__dict__, "n_layer": 1})
     plan = bench.bench_trainer(config, counter, cfg, options,
                                bench.bench_weights(config, cfg)).plan
-    nodes = [n for n in plan.nodes if n.op in tuning.PRODUCT_OPS]
+    nodes = [n for n in plan.nodes if n.op in tuning.PRODUCT_FAMILIES]
     assert len(nodes) > 20
+    if config == "smollm-135m":
+        assert {"mul_mat_q", "mul_mat_q_back"} <= {n.op for n in nodes}
     for node in nodes:
         assert product_key(product_of(tuning.timed_product(node))) == \
             product_key(product_of(node))
@@ -141,3 +144,70 @@ def test_a_training_step_of_products_cut_and_retiled_trains_as_numpy_does(wgpu, 
     np.testing.assert_allclose(losses[1], losses[0], rtol=2e-6)
     kept = set(tuned.chosen.values())
     assert {k for k, _ in kept} == {"small"} and max(c for _, c in kept) > 1
+
+
+def test_a_frozen_weight_s_product_is_timed_on_the_tiled_kernels_too(wgpu, monkeypatch):
+    """A q4_0 weight times a batch of rows, and its gradient's product: 'portable' and the
+    three tiled kernels (dequantizing as they stage) timed; the products right on each."""
+    from ggwgpu.quant import dequantize, quantize
+    tuned = TunedMatmul("portable")
+    monkeypatch.setitem(wgpu.kernel_variants, "quant", tuned)
+    rng = np.random.default_rng(2)
+    blocks = quantize(rng.uniform(-1, 1, (40, 64)), "q4_0")
+    w, x = gg.constant(blocks), gg.input_tensor((2, 9, 64))
+    y = gg.mul_mat(w, x)
+    dx = gg.build_backward(gg.sum(y), [x])[x]
+    plan = wgpu.plan([y, dx])
+    assert {n.op for n in plan.nodes} >= {"mul_mat_q", "mul_mat_q_back"}
+    assert [list(s) for s in tuned.seconds.values()] == [
+        [("portable", 1), ("tiled", 1), ("small", 1), ("wide", 1)]] * 2
+    xv = rng.uniform(-1, 1, x.shape).astype(np.float32)
+    plan.run({x: xv})
+    wv = dequantize(blocks)
+    np.testing.assert_allclose(plan.read(y), xv @ wv.T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(plan.read(dx), np.ones((2, 9, 40)) @ wv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["tiled", "small", "wide"])
+def test_a_lora_step_on_a_q4_0_base_on_the_tiled_kernels_trains_as_numpy_does(
+        wgpu, monkeypatch, kernel):
+    """Every frozen weight's product of a LoRA step, forward and back, on one tiled kernel
+    (a stand-in times it fastest): the first two steps' losses are NumPy's."""
+    from ggwgpu import bench
+    from ggwgpu.quant import quantize_model
+    from ggwgpu.training import Trainer
+    tuned = TunedMatmul("portable")
+    monkeypatch.setitem(wgpu.kernel_variants, "quant", tuned)
+    monkeypatch.setattr(tuning, "choice_seconds", lambda backend, node, choice, plan_type:
+                        0.0 if choice == (kernel, 1) else 1.0)
+    cfg, options = bench.bench_model("tiny", n_layer=2)
+    values = quantize_model(bench.bench_weights("tiny", cfg)[0], "q4_0")
+    losses = []
+    for backend in (NumpyBackend(), wgpu):
+        trainer = Trainer(cfg, values, backend, options,
+                          bench.RandomBatches(cfg.n_vocab, cfg.n_ctx, options.batch),
+                          lora=bench.bench_adapter(cfg, 4))
+        losses.append([trainer.train_step()["loss"] for _ in range(2)])
+    np.testing.assert_allclose(losses[1], losses[0], rtol=2e-6)
+    assert set(tuned.chosen.values()) == {(kernel, 1)} and len(tuned.chosen) >= 4
+
+
+def test_a_product_too_big_to_time_or_a_choice_past_the_limits_is_left_out(wgpu, monkeypatch):
+    """A product whose operands and result pass TIMED_BYTES runs as the rules say, untimed;
+    a choice the adapter's limits refuse is left out of the timing."""
+    from ggwgpu.backends.base import DeviceLimitError
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    weight, short = products()
+    monkeypatch.setattr(tuning, "TIMED_BYTES", 4 * (72 * 512 + 40 * 512 + 40 * 72))
+    real = tuning.choice_seconds
+
+    def seconds(backend, node, choice, plan_type):
+        if choice[1] > 1:
+            raise DeviceLimitError("the sums of K's chunks: past the limit")
+        return real(backend, node, choice, plan_type)
+    monkeypatch.setattr(tuning, "choice_seconds", seconds)
+    wgpu.plan([weight, short])
+    assert [list(s) for s in tuned.seconds.values()] == [
+        [("tiled", 1), ("wide", 1), ("small", 1)]]
+    assert list(tuned.chosen) == [product_key(product_of(short))]

@@ -14,30 +14,53 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from .. import ops as O
 from ..kernels import TunedMatmul
-from ..ops.matmul import product_choices, product_key, product_of
-from ..tensor import Tensor, input_tensor
+from ..ops.matmul import product_choices, product_key, product_of, transposed
+from ..quant import Quantized, storage_bytes
+from ..tensor import Tensor, constant, input_tensor
+from .base import DeviceLimitError
 
-PRODUCT_OPS = ("mul_mat", "mul_mat_acc", "out_prod")
+# the products whose kernel may be timed, by the shader family their variant is chosen in
+PRODUCT_FAMILIES = {"mul_mat": "matmul", "mul_mat_acc": "matmul", "out_prod": "matmul",
+                    "mul_mat_q": "quant", "mul_mat_q_back": "quant"}
 TIMED_RUNS = 3      # each choice's time: the least of these runs, after one to warm up
+# A product whose operands and result take more bytes is not timed (it runs as kernels.py's
+# rules say): its timing would hold a second copy of a large weight beside the model's, on
+# a card the model may just fit. The 135M model's output head takes 214 MiB in f32.
+TIMED_BYTES = 256 * 2**20
 
 
 def tune_products(backend, nodes, plan_type):
-    """Time the choices of every product among `nodes` whose key the backend's TunedMatmul
+    """Time the choices of every product among `nodes` whose key its family's TunedMatmul
     has not chosen for yet, and record the fastest (plan_type: the backend's Plan class)."""
-    tuned = backend.kernel_variants["matmul"]
     for node in nodes:
-        if node.op not in PRODUCT_OPS:
+        tuned = backend.kernel_variants.get(PRODUCT_FAMILIES.get(node.op))
+        if not isinstance(tuned, TunedMatmul):
             continue
         product = product_of(node)
         key, choices = product_key(product), product_choices(product, tuned)
-        if key in tuned.chosen or len(choices) < 2:
+        if key in tuned.chosen or len(choices) < 2 or sum(
+                nbytes(t) for t in (product.a, product.b, product.dst)) > TIMED_BYTES:
             continue
-        seconds = {choice: choice_seconds(backend, node, choice, plan_type)
-                   for choice in choices}
-        tuned.seconds[key] = seconds
-        tuned.chosen[key] = min(seconds, key=seconds.get)
+        seconds = {}
+        for choice in choices:
+            try:
+                seconds[choice] = choice_seconds(backend, node, choice, plan_type)
+            except DeviceLimitError:    # a split's sums past the adapter's limits
+                continue
+        if seconds:
+            tuned.seconds[key] = seconds
+            tuned.chosen[key] = min(seconds, key=seconds.get)
+
+
+def nbytes(t: Tensor) -> int:
+    """Bytes of a tensor's elements (a frozen weight's blocks)."""
+    if t.is_quantized:
+        return storage_bytes(t.dtype, t.nelements)
+    return t.nelements * (2 if t.dtype == "f16" else 4)
 
 
 def operand_like(t: Tensor, k_outermost: bool) -> Tensor:
@@ -51,13 +74,24 @@ def operand_like(t: Tensor, k_outermost: bool) -> Tensor:
     return O.transpose(O.view(leaf, stored, leaf.strides, 0))
 
 
+def frozen_like(t: Tensor) -> Tensor:
+    """A frozen weight of t's shape and block type, its blocks zeros."""
+    blocks = np.zeros(storage_bytes(t.dtype, t.nelements), np.uint8)
+    return constant(Quantized(t.dtype, t.shape, blocks), name="timed weight")
+
+
 def timed_product(node) -> Tensor:
-    """A mul_mat of fresh operands whose product has node's key (product_key): what
-    choice_seconds times for it."""
+    """A product of fresh operands (a frozen weight's of zero blocks) with node's key
+    (product_key): what choice_seconds times for it."""
     timed = product_of(node)
     key = product_key(timed)
-    a, b = (operand_like(t, key[-1] & bit) for t, bit in ((timed.a, 1), (timed.b, 2)))
-    product = O.mul_mat(a, b)
+    b = operand_like(timed.b, key[-1] & 2)
+    if node.op == "mul_mat_q_back":     # product_of reads the weight transposed
+        product = O.mul_mat_q_back(frozen_like(transposed(timed.a)), b)
+    elif node.op == "mul_mat_q":
+        product = O.mul_mat_q(frozen_like(timed.a), b)
+    else:
+        product = O.mul_mat(operand_like(timed.a, key[-1] & 1), b)
     if product_key(product_of(product)) != key:
         raise AssertionError(f"timed a product of key {product_key(product_of(product))}, "
                              f"not {key}")
@@ -69,9 +103,10 @@ def choice_seconds(backend, node, choice, plan_type) -> float:
     (timed_product): the least of TIMED_RUNS runs (timestamp queries where the adapter has
     them, else each run waited for)."""
     product = timed_product(node)
-    forced = TunedMatmul(backend.kernel_variants["matmul"])
+    family = PRODUCT_FAMILIES[node.op]
+    forced = TunedMatmul(backend.kernel_variants[family])
     forced.chosen[product_key(product_of(product))] = choice
-    plan = plan_type(backend, [product], variants={**backend.kernel_variants, "matmul": forced})
+    plan = plan_type(backend, [product], variants={**backend.kernel_variants, family: forced})
     plan.run()
     times = []
     for _ in range(TIMED_RUNS):
@@ -92,19 +127,26 @@ def choice_name(choice) -> str:
 def timings(backend, key) -> dict | None:
     """The choice kept for product `key` and every choice's device milliseconds; None where
     the backend timed no product of that key."""
-    tuned = (getattr(backend, "kernel_variants", None) or {}).get("matmul")
-    seconds = getattr(tuned, "seconds", {}).get(key)
-    return seconds and {"chosen": choice_name(tuned.chosen[key]),
-                        "ms": {choice_name(c): s * 1e3 for c, s in seconds.items()}}
+    for tuned in tuned_families(backend):
+        if key in tuned.seconds:
+            return {"chosen": choice_name(tuned.chosen[key]),
+                    "ms": {choice_name(c): s * 1e3 for c, s in tuned.seconds[key].items()}}
+    return None
+
+
+def tuned_families(backend) -> list[TunedMatmul]:
+    """The backend's product families whose kernels are timed."""
+    variants = getattr(backend, "kernel_variants", None) or {}
+    return [v for v in variants.values() if isinstance(v, TunedMatmul)]
 
 
 def tuning_report(backend) -> list[dict]:
     """Each product key the backend timed: operand shapes, element types, layouts (p.u.y)
     and its timings (bench's JSON reports)."""
-    tuned = (getattr(backend, "kernel_variants", None) or {}).get("matmul")
     return [{"a": list(a), "b": list(b), "dtypes": [ta, tb], "layouts": layouts,
              **timings(backend, key)}
-            for key in getattr(tuned, "seconds", {}) for a, b, ta, tb, layouts in [key]]
+            for tuned in tuned_families(backend)
+            for key in tuned.seconds for a, b, ta, tb, layouts in [key]]
 
 
 def summary(report: list[dict]) -> str:
@@ -116,5 +158,5 @@ def summary(report: list[dict]) -> str:
             + ", ".join(f"{name} {n}" for name, n in sorted(kept.items(), key=lambda x: -x[1])))
 
 
-__all__ = ["PRODUCT_OPS", "choice_name", "summary", "timed_product", "timings",
+__all__ = ["PRODUCT_FAMILIES", "choice_name", "summary", "timed_product", "timings",
            "tune_products", "tuning_report"]

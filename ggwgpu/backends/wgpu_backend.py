@@ -198,7 +198,7 @@ class WgpuPlan(Plan):
         device = backend.device
         if variants is None:
             variants = backend.kernel_variants
-            if isinstance(variants.get("matmul"), TunedMatmul):
+            if any(isinstance(v, TunedMatmul) for v in variants.values()):
                 tune_products(backend, self.nodes, WgpuPlan)
         self.dispatches, self.dispatch_ops, private = [], [], {}
         self.node_dispatches = []    # per node: the range of its dispatches

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import numpy as np
 
 from .. import ops as O
-from ..kernels import MATMUL_KERNELS, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX, TUNE_MIN_K
+from ..kernels import (MATMUL_KERNELS, QUANT_TILED, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX,
+                       TUNE_MIN_K)
 from ..tensor import ShapeError, Tensor
 from .registry import Case, Dispatch, Input, need_float, pad4, register
 
@@ -241,7 +242,9 @@ def product_of(node) -> Product:
     a, b = node.srcs[:2]
     if node.op == "out_prod":
         a, b = transposed(a), transposed(b)
-    product = Product(node, a, b, tuple(node.srcs[2:]), node.params["alpha"])
+    elif node.op == "mul_mat_q_back":     # g @ w: w's transpose times g's rows
+        a = transposed(a)
+    product = Product(node, a, b, tuple(node.srcs[2:]), node.params.get("alpha", 1.0))
     if b.ndim > 2 and all(n == 1 for n in a.shape[:-2]):
         rows = [merged_rows(t) for t in (node, b, *product.c)]
         if None not in rows:
@@ -260,8 +263,7 @@ def kernel_dispatch(node, variant="tiled"):
     backward) would pass what lavapipe runs of one (kernels.py)."""
     p = product_of(node)
     k = p.a.shape[-1]
-    variant, chunks = getattr(variant, "chosen", {}).get(
-        product_key(p), (variant, k_chunks(p, variant)))
+    variant, chunks = tuned_choice(p, variant) or (variant, k_chunks(p, variant))
     if chunks > 1:
         return split_k(p, chunks, variant)
     if k <= SUM_ROWS_MAX:
@@ -274,6 +276,12 @@ def kernel_dispatch(node, variant="tiled"):
         c = p.c if lo == 0 else (p.dst,)
         out += kernel_dispatch_whole(p._replace(a=a_part, b=b_part, c=c), variant)
     return out
+
+
+def tuned_choice(p: Product, variant) -> tuple[str, int] | None:
+    """The (variant, chunks of K) timed fastest for the product, where `variant` is a
+    TunedMatmul that timed one of its key (backends/tuning.py)."""
+    return getattr(variant, "chosen", {}).get(product_key(p))
 
 
 def product_key(p: Product):
@@ -308,11 +316,14 @@ def k_chunks(p: Product, variant) -> int:
 def product_choices(p: Product, default: str) -> list[tuple[str, int]]:
     """The (variant, chunks of K) a TunedMatmul times for a product: the `default` variant's
     kernel whole, each either_layout kernel whole and cut into 2, 4 or 8 chunks at least
-    TUNE_MIN_K deep (split_k) where that keeps its workgroups at most SPLIT_TARGET. None
-    where the operands are laid out for no either_layout kernel or K is longer than one
-    dispatch sums."""
+    TUNE_MIN_K deep (split_k) where that keeps its workgroups at most SPLIT_TARGET; of a
+    frozen weight's product, the default and QUANT_TILED's kernels whole. None where the
+    operands are laid out for no tiled kernel or K is longer than one dispatch sums."""
     if tiled_layouts(p.a, p.b) is None or p.a.shape[-1] > SUM_ROWS_MAX:
         return []
+    if p.a.is_quantized:    # mul_mat_q(_back): the default kernel, or the tiled ones whole
+        return [(str(default), 1)] + [(variant, 1) for variant in QUANT_TILED
+                                      if variant != default]
     choices = [(str(default), 1)]
     for variant, kernel in MATMUL_KERNELS.items():
         if kernel.either_layout:

@@ -1,6 +1,8 @@
 """Ops that read frozen weights stored in a block type (f16, bf16, q4_0 .. q8_0, q2_k ..
-q6_k: ggwgpu/quant.py's TYPES), dequantizing inside the kernel. Shaders: shaders/quant.wgsl
-and quant_subgroup.wgsl, both dequantizing through shaders/quant_blocks.wgsl.
+q6_k: ggwgpu/quant.py's TYPES), dequantizing inside the kernel. Shaders: shaders/quant.wgsl,
+quant_subgroup.wgsl and quant_tiled.wgsl (mul_mat's tiled kernels, the weight's quads
+dequantized as a workgroup stages them: on GPUs, timed against the others), all dequantizing
+through shaders/quant_blocks.wgsl.
 
     mul_mat_q(w, x)       w [.., M, K] frozen, x [.., N, K] f32/f16 -> [.., N, M] = x @ w.T
     mul_mat_q_back(w, g)  w [.., M, K] frozen, g [.., N, M] f32/f16 -> [.., N, K] = g @ w
@@ -28,10 +30,11 @@ import numpy as np
 
 from .. import ops as O
 from .. import wgsl
-from ..kernels import QUANT_KERNELS, SUM_ROWS_MAX, TYPE_CODE
+from ..kernels import QUANT_KERNELS, QUANT_TILED, SUM_ROWS_MAX, TYPE_CODE
 from ..quant import QUANT_TYPES, TYPES, dequantize
 from ..tensor import ShapeError, Tensor
-from .matmul import mul_mat_into, mul_mat_ref, product_shape, vec4_ready
+from .matmul import (mul_mat_into, mul_mat_ref, product_of, product_shape, tiled_layouts,
+                     tuned_choice, vec4_ready)
 from .registry import Case, Dispatch, Input, need_float, register
 from .rows import get_rows_ref, rows_shape
 
@@ -68,9 +71,38 @@ def mul_mat_q_shape(srcs):
     return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
 
 
+def tiled_q_dispatch(node, variant) -> list[Dispatch] | None:
+    """The product on quant_tiled.wgsl's kernel of `variant` (QUANT_TILED), over the
+    operands as matmul.product_of gives them (a weight times a batch of rows as one
+    product); None where the f32 operand is laid out for neither of its layouts or the
+    contraction is longer than one dispatch sums (the caller runs 'portable' then)."""
+    p = product_of(node)
+    layouts = tiled_layouts(p.a, p.b)
+    if layouts is None or p.a.shape[-1] > SUM_ROWS_MAX:
+        return None
+    groups = p.workgroups(variant)
+    return [Dispatch(f"mul_mat_q_{variant}", p.dst, (p.a, p.b), n=groups, workgroups=groups,
+                     shader="quant_tiled", f=(1.0,),
+                     u=(0, layouts, TYPE_CODE[node.srcs[0].dtype]))]
+
+
+def chosen_variant(node, variant) -> tuple[str, list | None]:
+    """(the variant a product runs, its dispatches where that is a QUANT_TILED one): the
+    variant timed fastest where `variant` is a TunedMatmul that timed the product's key;
+    'portable' where a QUANT_TILED kernel cannot run it (tiled_q_dispatch)."""
+    variant = (tuned_choice(product_of(node), variant) or (variant,))[0]
+    if variant not in QUANT_TILED:
+        return variant, None
+    tiled = tiled_q_dispatch(node, variant)
+    return ("portable", None) if tiled is None else (variant, tiled)
+
+
 def mul_mat_q_dispatch(node, variant="portable"):
     """The kernel reads x as vec4s (K is a multiple of 4): an x not laid out for that is
     first copied into dispatch-private contiguous storage, as mul_mat does."""
+    variant, tiled = chosen_variant(node, variant)
+    if tiled:
+        return tiled
     w, x = node.srcs
     shader, (tile_m, tile_n), _ = QUANT_KERNELS[variant]
     m, n = node.shape[-1], node.shape[-2]
@@ -143,7 +175,11 @@ def mul_mat_q_back_shape(srcs):
 def mul_mat_q_back_dispatch(node, variant="portable"):
     """One dispatch per SUM_ROWS_MAX rows of the weight, each after the first adding to the
     sums before it (u.y .. u.z: its rows, u.w: 1 to add): an invocation's loop over a
-    vocabulary of 262 144 rows would pass what lavapipe runs of one (kernels.py)."""
+    vocabulary of 262 144 rows would pass what lavapipe runs of one (kernels.py). The
+    QUANT_TILED kernels read w's transpose, as mul_mat's read a backward's operands."""
+    variant, tiled = chosen_variant(node, variant)
+    if tiled:
+        return tiled
     w, g = node.srcs
     k, n, m = node.shape[-1], node.shape[-2], w.shape[-2]
     batches = node.nelements // (k * n)
