@@ -211,3 +211,44 @@ def test_a_product_too_big_to_time_or_a_choice_past_the_limits_is_left_out(wgpu,
     assert [list(s) for s in tuned.seconds.values()] == [
         [("tiled", 1), ("wide", 1), ("small", 1)]]
     assert list(tuned.chosen) == [product_key(product_of(short))]
+
+
+def test_the_choices_are_kept_for_the_next_process_on_the_adapter(wgpu, monkeypatch, tmp_path):
+    """A backend with a choices file writes what it timed there; a fresh TunedMatmul reads
+    them back and a plan with it times nothing; a malformed file gives no choices."""
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    monkeypatch.setattr(wgpu, "tuning_file", tmp_path / "cache" / "products.json")
+    timed = []
+
+    def seconds(backend, node, choice, plan_type):
+        timed.append(choice)
+        return 1.0 / choice[1]
+    monkeypatch.setattr(tuning, "choice_seconds", seconds)
+    wgpu.plan(products())
+    assert len(timed) == 21 and sorted(tuned.chosen.values()) == [("tiled", 4), ("tiled", 8)]
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["products.json"]
+    again = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", again)
+    assert tuning.load_choices(wgpu.kernel_variants, wgpu.tuning_file) == 2
+    assert again.chosen == tuned.chosen and again.seconds == tuned.seconds
+    plan = wgpu.plan(products())
+    assert len(timed) == 21 and {d.entry for _, d in plan.dispatches} == {
+        "mul_mat_tiled", "mul_mat_splits"}
+    for text in ("{", '{"format": 2, "families": {}}',
+                 '{"format": 1, "families": {"matmul": [{"key": [1]}]}}'):
+        wgpu.tuning_file.write_text(text)
+        assert tuning.load_choices({"matmul": TunedMatmul("tiled")}, wgpu.tuning_file) == 0
+
+
+def test_a_choices_file_belongs_to_one_adapter_driver_and_kernel_source(monkeypatch, tmp_path):
+    from ggwgpu import wgsl
+    monkeypatch.setenv("GGWGPU_CACHE_DIR", str(tmp_path))
+    card = {"vendor": "nvidia", "device": "H100", "description": "570.1", "backend_type": "Vulkan"}
+    path = tuning.choices_file(card)
+    assert path.parent == tmp_path and path.name.startswith("products-")
+    assert path == tuning.choices_file(dict(card))
+    assert path != tuning.choices_file({**card, "description": "575.2"})
+    source = wgsl.shader_source
+    monkeypatch.setattr(wgsl, "shader_source", lambda stem: source(stem) + "// changed\n")
+    assert path != tuning.choices_file(card)

@@ -2,17 +2,28 @@
 
 No one tile fits every product on every card: a 64 x 64 tile leaves most of a large GPU idle
 on the 576-wide products of a small model (72 workgroups), where cutting K into chunks
-(ops/matmul.py split_k) or a larger tile for a large product may win, and by how much
-depends on the card. So where the backend's matmul variant is a TunedMatmul (kernels.py:
-hardware adapters, or $GGWGPU_TUNE=1), a plan meeting a product with more than one choice
-(ops/matmul.py product_choices) first times each choice on a product of the same key
-(shapes, element types, layouts) alone in a plan, on zeros, and keeps the fastest; products
-of that key in every later plan of the backend run it. The 135M LoRA step has about twenty
-keys of two to five choices each: well under a second on a GPU, once per process.
+(ops/matmul.py split_k) or a smaller tile may win, and a larger tile on a large product, by
+how much depending on the card. So where a product family's variant is a TunedMatmul
+(kernels.py: hardware adapters, or $GGWGPU_TUNE=1), a plan meeting a product with more than
+one choice (ops/matmul.py product_choices) first times each choice on a product of the same
+key (shapes, element types, layouts) alone in a plan, on zeros, and keeps the fastest;
+products of that key in every later plan run it. The 135M LoRA step has 29 keys, 174
+choices in all: a second or two on a GPU.
+
+The choices are kept in a file per adapter, driver and kernel source (choices_file, under
+$GGWGPU_CACHE_DIR, else $XDG_CACHE_HOME/ggwgpu or ~/.cache/ggwgpu), read when a backend is
+made: later processes on the machine run the same kernels without timing them again, so a
+run resumed from a checkpoint computes as the run before it did (a cut of K changes the
+order of a product's sums, so its rounding). Delete the file to time them anew.
 """
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -54,6 +65,8 @@ def tune_products(backend, nodes, plan_type):
         if seconds:
             tuned.seconds[key] = seconds
             tuned.chosen[key] = min(seconds, key=seconds.get)
+            if getattr(backend, "tuning_file", None):
+                save_choices(backend.kernel_variants, backend.tuning_file)
 
 
 def nbytes(t: Tensor) -> int:
@@ -158,5 +171,73 @@ def summary(report: list[dict]) -> str:
             + ", ".join(f"{name} {n}" for name, n in sorted(kept.items(), key=lambda x: -x[1])))
 
 
-__all__ = ["PRODUCT_FAMILIES", "choice_name", "summary", "timed_product", "timings",
-           "tune_products", "tuning_report"]
+# -- the choices kept between processes -------------------------------------------------------
+
+CACHE_ENV = "GGWGPU_CACHE_DIR"
+FORMAT = 1          # of the choices file; another number is a file to ignore
+# the shader modules whose kernels the choices run: a change to one times them anew
+TIMED_MODULES = ("matmul", "quant_tiled")
+
+
+def choices_file(info: dict) -> Path:
+    """Where the choices of an adapter (its `info`) are kept: one file per adapter, driver,
+    ggwgpu version and source of the product kernels."""
+    from .. import __version__
+    from ..wgsl import shader_source
+    ident = [__version__, FORMAT] + [str(info.get(k)) for k in (
+        "vendor", "vendor_id", "device", "device_id", "description", "backend_type")]
+    digest = hashlib.sha256(json.dumps(ident).encode())
+    for stem in TIMED_MODULES:
+        digest.update(shader_source(stem).encode())
+    base = os.environ.get(CACHE_ENV) or Path(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ggwgpu"
+    return Path(base) / f"products-{digest.hexdigest()[:20]}.json"
+
+
+def save_choices(variants: dict, path: Path) -> None:
+    """Write the TunedMatmul choices and times of `variants` to `path` (a temporary file
+    renamed into place); a file that cannot be written is left as it is (the choices stay
+    this process's)."""
+    families = {family: [{"key": [list(a), list(b), ta, tb, layouts],
+                          "chosen": list(tuned.chosen[key]),
+                          "seconds": [[list(c), s] for c, s in tuned.seconds[key].items()]}
+                         for key in tuned.seconds for a, b, ta, tb, layouts in [key]]
+                for family, tuned in variants.items() if isinstance(tuned, TunedMatmul)}
+    temporary = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp",
+                                         delete=False) as f:
+            temporary = f.name
+            json.dump({"format": FORMAT, "families": families}, f)
+        os.replace(temporary, path)
+    except OSError:
+        if temporary:
+            Path(temporary).unlink(missing_ok=True)
+
+
+def load_choices(variants: dict, path: Path) -> int:
+    """Read the choices kept at `path` into the TunedMatmul families of `variants`; returns
+    how many. A missing, unreadable or malformed file gives none (they are timed again)."""
+    try:
+        kept = json.loads(path.read_text())
+        assert kept["format"] == FORMAT
+        entries = [(family, entry) for family, rows in kept["families"].items()
+                   if isinstance(variants.get(family), TunedMatmul) for entry in rows]
+        loaded = []
+        for family, entry in entries:
+            (a, b, ta, tb, layouts) = entry["key"]
+            key = (tuple(a), tuple(b), ta, tb, layouts)
+            seconds = {(c[0], int(c[1])): float(s) for c, s in entry["seconds"]}
+            chosen = (entry["chosen"][0], int(entry["chosen"][1]))
+            assert chosen in seconds
+            loaded.append((variants[family], key, chosen, seconds))
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        return 0
+    for tuned, key, chosen, seconds in loaded:
+        tuned.chosen[key], tuned.seconds[key] = chosen, seconds
+    return len(loaded)
+
+
+__all__ = ["PRODUCT_FAMILIES", "choice_name", "choices_file", "load_choices", "save_choices",
+           "summary", "timed_product", "timings", "tune_products", "tuning_report"]

@@ -30,7 +30,7 @@ from ..wgsl import (F32_BINDINGS, MAX_SRCS, PART_WORDS, TENSOR_TAGS, binding_dty
                     kernel_name, module_source, reads_src0_in_parts, uniform_layout)
 from . import wgpu_direct
 from .base import Backend, DeviceLimitError, Plan, SharedConstants, guarded_block
-from .tuning import tune_products
+from .tuning import choices_file, load_choices, tune_products
 
 UNIFORM_SLOT = 256          # bytes per dispatch in the uniform arena (WebGPU's max alignment)
 # A storage block larger than one binding is bound as up to SRC0_PARTS ranges, as source 0
@@ -134,6 +134,11 @@ class WgpuBackend(Backend):
         self.has_f16 = "shader-f16" in self.device.features
         self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
+        # products timed on the device: the choices kept by earlier processes (tuning.py)
+        self.tuning_file = None
+        if any(isinstance(v, TunedMatmul) for v in self.kernel_variants.values()):
+            self.tuning_file = choices_file(dict(self.adapter.info))
+            load_choices(self.kernel_variants, self.tuning_file)
         # WgpuPlan.run submits in parts where the device works beside the host; lavapipe's
         # device is the host's cores, and each of its submits waits for the one before
         self.submits_in_parts = self.adapter.info.get("adapter_type") != "CPU"
