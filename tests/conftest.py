@@ -5,6 +5,10 @@ import os
 import pytest
 
 REQUIRE_ADAPTER = os.environ.get("GGWGPU_REQUIRE_ADAPTER") == "1"
+# On a hardware GPU the backend would time the products of every test's shapes (thousands
+# in the op matrix) and keep them in the user's cache: the tests force each kernel where
+# they test one, and tests/test_tuning.py tests the timing itself.
+os.environ.setdefault("GGWGPU_TUNE", "0")
 _wgpu_cases = {"passed": 0, "failed": 0}
 
 

@@ -46,7 +46,9 @@ TIMED_BYTES = 256 * 2**20
 
 def tune_products(backend, nodes, plan_type):
     """Time the choices of every product among `nodes` whose key its family's TunedMatmul
-    has not chosen for yet, and record the fastest (plan_type: the backend's Plan class)."""
+    has not chosen for yet, and record the fastest (plan_type: the backend's Plan class);
+    then keep them all in the backend's choices file, if it has one."""
+    timed = False
     for node in nodes:
         tuned = backend.kernel_variants.get(PRODUCT_FAMILIES.get(node.op))
         if not isinstance(tuned, TunedMatmul):
@@ -65,8 +67,9 @@ def tune_products(backend, nodes, plan_type):
         if seconds:
             tuned.seconds[key] = seconds
             tuned.chosen[key] = min(seconds, key=seconds.get)
-            if getattr(backend, "tuning_file", None):
-                save_choices(backend.kernel_variants, backend.tuning_file)
+            timed = True
+    if timed and getattr(backend, "tuning_file", None):
+        save_choices(backend.kernel_variants, backend.tuning_file)
 
 
 def nbytes(t: Tensor) -> int:
