@@ -79,20 +79,26 @@ fn store_block4(tile: vec3u, base: vec3u, tx: u32, ty: u32, acc: array<vec4f, 4>
     }
 }
 
-fn mul_mat_tiled(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(256)
+// mul_mat_tiled (tiles of 64 x 64, 256 invocations) and mul_mat_small (32 x 32, 64
+// invocations: four times the workgroups on products of few 64 x 64 tiles, as a small
+// model's 576-wide products over 512 rows: 288 rather than 72): each invocation a 4 x 4
+// block, 4 threads / size along K a step. The sizes are constants at each call.
+fn mul_mat_blocks4(lid: u32, wid: vec3u, nwg: vec3u, size: u32, threads: u32) {
     let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
-    let tile = product_tile(g, 64u, 64u);
+    let tile = product_tile(g, size, size);
     let base = operand_bases(tile.z);
     // compute: 4 consecutive m at tx * 4, 4 consecutive n at ty * 4
-    let tx = lid % 16u;
-    let ty = lid / 16u;
+    let side = size / 4u;
+    let depth = 4u * threads / size;
+    let tx = lid % side;
+    let ty = lid / side;
     var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
-    for (var k0 = 0u; k0 < p.ne_0.x; k0 += 16u) {
-        stage_step(lid, k0, 64u, 256u, tile.x, tile.y, base);
+    for (var k0 = 0u; k0 < p.ne_0.x; k0 += depth) {
+        stage_step(lid, k0, size, threads, tile.x, tile.y, base);
         workgroupBarrier();
-        for (var k = 0u; k < 16u; k++) {
-            let a = tile_a[k * 16u + tx];
-            let b = tile_b[k * 16u + ty];
+        for (var k = 0u; k < depth; k++) {
+            let a = tile_a[k * side + tx];
+            let b = tile_b[k * side + ty];
             acc[0] += a * b.x;
             acc[1] += a * b.y;
             acc[2] += a * b.z;
@@ -103,30 +109,12 @@ fn mul_mat_tiled(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(256
     store_block4(tile, base, tx, ty, acc);
 }
 
-// mul_mat_small: the tiled kernel on tiles of 32 x 32, 64 invocations of 4 x 4, 8 along K
-// a step: four times the workgroups on products of few 64 x 64 tiles (a small model's
-// 576-wide products over 512 rows: 288 rather than 72).
+fn mul_mat_tiled(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(256)
+    mul_mat_blocks4(lid, wid, nwg, 64u, 256u);
+}
+
 fn mul_mat_small(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(64)
-    let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
-    let tile = product_tile(g, 32u, 32u);
-    let base = operand_bases(tile.z);
-    let tx = lid % 8u;
-    let ty = lid / 8u;
-    var acc: array<vec4f, 4>;  // acc[j]: dst[n0 + 4 ty + j, m0 + 4 tx ..]
-    for (var k0 = 0u; k0 < p.ne_0.x; k0 += 8u) {
-        stage_step(lid, k0, 32u, 64u, tile.x, tile.y, base);
-        workgroupBarrier();
-        for (var k = 0u; k < 8u; k++) {
-            let a = tile_a[k * 8u + tx];
-            let b = tile_b[k * 8u + ty];
-            acc[0] += a * b.x;
-            acc[1] += a * b.y;
-            acc[2] += a * b.z;
-            acc[3] += a * b.w;
-        }
-        workgroupBarrier();
-    }
-    store_block4(tile, base, tx, ty, acc);
+    mul_mat_blocks4(lid, wid, nwg, 32u, 64u);
 }
 
 // mul_mat_wide: invocation (tx, ty) computes m in 4 tx .. + 3 and 64 + 4 tx .. + 3, n in
