@@ -235,10 +235,17 @@ def test_the_choices_are_kept_for_the_next_process_on_the_adapter(wgpu, monkeypa
     plan = wgpu.plan(products())
     assert len(timed) == 21 and {d.entry for _, d in plan.dispatches} == {
         "mul_mat_tiled", "mul_mat_splits"}
-    for text in ("{", '{"format": 2, "families": {}}',
-                 '{"format": 1, "families": {"matmul": [{"key": [1]}]}}'):
+    entry = '{"key": [[4, 8], [2, 8], "f32", "f32", 0], "seconds": [[["%s", 1], 1.0]], ' \
+            '"chosen": ["%s", 1]}'
+    for text in ("{", "[]", '{"format": 2, "families": {}}',
+                 '{"format": 1, "families": {"matmul": [{"key": [1]}]}}',
+                 '{"format": 1, "families": {"matmul": [%s]}}' % (entry % ("tiled", "wide")),
+                 '{"format": 1, "families": {"matmul": [%s]}}' % (entry % ("huge", "huge"))):
         wgpu.tuning_file.write_text(text)
         assert tuning.load_choices({"matmul": TunedMatmul("tiled")}, wgpu.tuning_file) == 0
+    wgpu.tuning_file.write_text('{"format": 1, "families": {"matmul": [%s]}}'
+                                % (entry % ("wide", "wide")))
+    assert tuning.load_choices({"matmul": TunedMatmul("tiled")}, wgpu.tuning_file) == 1
 
 
 def test_a_choices_file_belongs_to_one_adapter_driver_and_kernel_source(monkeypatch, tmp_path):

@@ -222,20 +222,22 @@ def save_choices(variants: dict, path: Path) -> None:
 def load_choices(variants: dict, path: Path) -> int:
     """Read the choices kept at `path` into the TunedMatmul families of `variants`; returns
     how many. A missing, unreadable or malformed file gives none (they are timed again)."""
+    from ..kernels import MATMUL_KERNELS, QUANT_KERNELS
+    loaded = []
     try:
         kept = json.loads(path.read_text())
-        assert kept["format"] == FORMAT
-        entries = [(family, entry) for family, rows in kept["families"].items()
-                   if isinstance(variants.get(family), TunedMatmul) for entry in rows]
-        loaded = []
-        for family, entry in entries:
-            (a, b, ta, tb, layouts) = entry["key"]
-            key = (tuple(a), tuple(b), ta, tb, layouts)
-            seconds = {(c[0], int(c[1])): float(s) for c, s in entry["seconds"]}
-            chosen = (entry["chosen"][0], int(entry["chosen"][1]))
-            assert chosen in seconds
-            loaded.append((variants[family], key, chosen, seconds))
-    except (OSError, ValueError, KeyError, TypeError, AssertionError):
+        if kept["format"] != FORMAT:
+            return 0
+        for family, rows in kept["families"].items():
+            for entry in rows if isinstance(variants.get(family), TunedMatmul) else ():
+                a, b, ta, tb, layouts = entry["key"]
+                seconds = {(str(c[0]), int(c[1])): float(s) for c, s in entry["seconds"]}
+                chosen = (str(entry["chosen"][0]), int(entry["chosen"][1]))
+                if chosen not in seconds or chosen[0] not in {**MATMUL_KERNELS, **QUANT_KERNELS}:
+                    return 0
+                loaded.append((variants[family], (tuple(a), tuple(b), ta, tb, layouts),
+                               chosen, seconds))
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
         return 0
     for tuned, key, chosen, seconds in loaded:
         tuned.chosen[key], tuned.seconds[key] = chosen, seconds
