@@ -72,14 +72,14 @@ TUNE_MIN_K = 128
 # mul_mat_q's and mul_mat_q_back's kernels by variant: (shader file, tile of the forward
 # (M, N), tile of the backward (K, N)). 'portable' (quant.wgsl) runs anywhere. Products
 # whose variant is a TunedMatmul also time QUANT_TILED.
-QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
-                 "subgroup": ("quant_subgroup", (32, 16), (32, 16)),
-                 **{name: ("quant_tiled", MATMUL_KERNELS[name].tile, MATMUL_KERNELS[name].tile)
-                    for name in ("tiled", "small", "wide")}}
 # The quant variants that run mul_mat's tiled kernels (shaders/tiles.wgsl) on a weight whose
 # quads are dequantized as a workgroup stages them (quant_tiled.wgsl): no default, chosen
 # by timing a product on the device (TunedMatmul) or forced.
 QUANT_TILED = ("tiled", "small", "wide")
+QUANT_KERNELS = {"portable": ("quant", (4, 8), (4, 8)),
+                 "subgroup": ("quant_subgroup", (32, 16), (32, 16)),
+                 **{name: ("quant_tiled", MATMUL_KERNELS[name].tile, MATMUL_KERNELS[name].tile)
+                    for name in QUANT_TILED}}
 
 # The row ops' variants (ops/norm.py, ops/softmax.py): every row op has both; its
 # 'rowwise' entry is k_<entry>_rowwise. Each family's shader (shaders/<family>.wgsl) writes an
