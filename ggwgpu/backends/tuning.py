@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import wgpu
 
 from .. import ops as O
 from ..kernels import TunedMatmul
@@ -62,8 +63,8 @@ def tune_products(backend, nodes, plan_type):
         for choice in choices:
             try:
                 seconds[choice] = choice_seconds(backend, node, choice, plan_type)
-            except DeviceLimitError:    # a split's sums past the adapter's limits
-                continue
+            except (DeviceLimitError, wgpu.GPUError):
+                continue    # past the adapter's limits (a split's sums), or refused by it
         if seconds:
             tuned.seconds[key] = seconds
             tuned.chosen[key] = min(seconds, key=seconds.get)
