@@ -318,8 +318,8 @@ FUSION_HINTS = (
     (("add",), "residual and gradient sums beside a frozen weight's product: an epilogue in "
                "mul_mat_q and mul_mat_q_back; the residual stream's gradient sums"),
     (("scale",), "a factor left outside a product (mul_mat takes alpha)"),
-    (("diag_mask_inf", "soft_max", "soft_max_back"), "the causal mask and softmax: flash "
-                                                     "attention fuses them with both products"),
+    (("soft_max", "soft_max_back"), "the causal softmax: flash attention fuses it with both "
+                                    "products"),
     (("cont",), "attention's output permuted to rows: written in row order by its product"),
 )
 

@@ -14,13 +14,16 @@ fn logit(w: Row, i: u32, j: u32) -> f32 {
 
 // soft_max: y = exp(v - max) / sum(exp(v - max)) per row (-inf logits give 0): the max and
 // the sum in one pass, then the output. The mask's row may be shorter than x's (it tiles
-// x): j is its column (tile_wrap).
+// x): j is its column (tile_wrap). Causal (p.u.y = 1, n_past = p.u.z): only the row's
+// columns up to n_past + its row in the matrix count, the rest are 0 (no infinities).
 fn soft_max_row(w: Row) {
     let m = p.ne_1.x;
     let dj = ROW_STEP % m;
+    var end = p.ne_0.x;
+    if (p.u.y != 0u) { end = min(end, p.u.z + w.r.y + 1u); }
     var ms = MS_EMPTY;
     var j = w.lane % m;
-    for (var i = w.lane; i < p.ne_0.x; i += ROW_STEP) {
+    for (var i = w.lane; i < end; i += ROW_STEP) {
         ms = ms_add(ms, logit(w, i, j));
         j = tile_wrap(j + dj, m);
     }
@@ -28,7 +31,9 @@ fn soft_max_row(w: Row) {
     let inv = 1.0 / ms.y;
     j = w.lane % m;
     for (var i = w.lane; i < p.ne_0.x; i += ROW_STEP) {
-        row_store(w, i, exp(logit(w, i, j) - ms.x) * inv);
+        var y = 0.0;
+        if (i < end) { y = exp(logit(w, i, j) - ms.x) * inv; }
+        row_store(w, i, y);
         j = tile_wrap(j + dj, m);
     }
 }

@@ -326,7 +326,7 @@ def test_numpy_threads_come_from_the_environment_or_the_cores(monkeypatch):
             NumpyBackend()
     monkeypatch.delenv(THREADS_VAR)
     assert default_threads() >= 1
-    big, small = (gg.soft_max(gg.input_tensor((n, n)), 1.0) for n in (300, 30))
+    big, small = (gg.soft_max(gg.input_tensor((2, n, n)), 1.0) for n in (300, 30))
     assert cut_nodes(NumpyBackend(threads=2).plan([big, small])) == 1    # split_min
     assert cut_nodes(NumpyBackend(threads=1).plan([big, small])) == 0
 

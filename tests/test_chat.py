@@ -590,10 +590,10 @@ def test_a_packed_graph_refuses_unpacked_feeds_and_the_unpacked_graph_keeps_its_
     plain = build_train_graph(cfg, values, 2)
     with pytest.raises(ValueError, match="segments need a packed"):
         plain.feeds(tokens, tokens, tokens)
-    # the unpacked graph keeps its causal mask op and one row of positions
+    # the unpacked graph keeps its causal softmax (no mask tensor) and one row of positions
     from ggwgpu.graph import topo_order
-    ops = {t.op for t in topo_order([plain.loss])}
-    assert "diag_mask_inf" in ops and "soft_max_ext" not in ops
+    causal = {t.params["n_past"] for t in topo_order([plain.loss]) if t.op == "soft_max"}
+    assert causal == {0} and "soft_max_ext" not in {t.op for t in topo_order([plain.loss])}
     assert plain.positions.shape == (cfg.n_ctx,) and plain.mask is None
 
 

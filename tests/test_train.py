@@ -359,10 +359,11 @@ def test_numpy_storage_reuse_reads_nothing_a_kernel_did_not_write(monkeypatch, o
     for name, w in weights.items():
         np.testing.assert_array_equal(w, reused_weights[name], err_msg=name)
     assert not apart.layout.reused and plan.layout.reused
-    # (apart sums every block: with the products' epilogues there are fewer temporaries to
-    # sum, the shared bytes the same as with an add or scale node each: 0.540 of the sum,
-    # 0.495 with those nodes)
-    assert plan.layout.total_bytes < 0.55 * apart.layout.total_bytes
+    # (apart sums every block: with the products' epilogues, and the causal mask inside the
+    # softmax, there are fewer temporaries to sum, the shared bytes the same as with an add
+    # or scale node each and a masked copy of the scores: 0.563 of the sum, 0.540 with the
+    # masked copy, 0.495 with those nodes too)
+    assert plan.layout.total_bytes < 0.6 * apart.layout.total_bytes
 
 
 def test_a_large_text_and_a_large_model_say_what_takes_a_while(tmp_path, monkeypatch):

@@ -7,7 +7,9 @@ Shader: shaders/softmax.wgsl; the row ops run one workgroup per row, or one invo
 row (the 'rowwise' variant, for CPU adapters: ggwgpu/kernels.py), and subtract the row max
 before exp (f32 exp overflows past 88).
 
-    soft_max(x, s)             y = softmax(x * s)
+    soft_max(x, s, n_past)     y = softmax(x * s), over each row's causal part where n_past
+                               >= 0: soft_max(diag_mask_inf(x, n_past), s) in one pass
+                               that skips the masked end of each row (attention's scores)
     soft_max_ext(x, m, s)      y = softmax(x * s + m), m tiled over x (ggml broadcasting;
                                the usual mask is [rows, cols], shared by batches and heads)
     soft_max_back(y, dy)       dx = y * (dy - sum(y * dy))  (linear time, no n x n Jacobian)
@@ -60,13 +62,15 @@ def softmax_into(out, v):
     out /= np.sum(out, axis=-1, keepdims=True)
 
 
-def soft_max_into(out, x, scale, mask=None):
-    if scale == 1 and mask is None:   # x * 1 is x: one pass fewer
+def soft_max_into(out, x, scale, mask=None, n_past=-1):
+    if scale == 1 and mask is None and n_past < 0:   # x * 1 is x: one pass fewer
         softmax_into(out, x)
         return
     np.multiply(x, x.dtype.type(scale), out=out)
     if mask is not None:
         out += tiled(mask, x.shape)
+    if n_past >= 0:
+        diag_mask_into(out, out, n_past, -np.inf)
     softmax_into(out, out)
 
 
@@ -87,9 +91,16 @@ OTHER = {"contiguous": "contiguous", "permuted": "strided", "strided": "permuted
 # -- soft_max ----------------------------------------------------------------------------------
 
 
-def soft_max_shape(srcs, scale):
+def soft_max_shape(srcs, scale, n_past=-1):
     need_float(*srcs)
+    if not -1 <= int(n_past) < 2 ** 31:
+        raise ShapeError(f"n_past must be -1 (no mask) or in [0, 2^31), got {n_past}")
     return srcs[0].shape, "f32", {}
+
+
+def soft_max_ref(x, scale, n_past=-1):
+    v = x * x.dtype.type(scale)
+    return softmax_ref(v if n_past < 0 else diag_mask_ref(v, n_past, -np.inf))
 
 
 def soft_max_ext_shape(srcs, scale):
@@ -110,19 +121,32 @@ def soft_max_ext_backward(node, g):
 
 
 soft_max = register(
-    "soft_max", n_srcs=1, params=("scale",), shape=soft_max_shape, shader="softmax",
-    reference=lambda x, scale: softmax_ref(x * x.dtype.type(scale)), fast=soft_max_into,
-    split=split_rows(keep=1),
+    "soft_max", n_srcs=1, params=("scale", "n_past"), defaults={"n_past": -1},
+    shape=soft_max_shape, shader="softmax", reference=soft_max_ref,
+    fast=lambda out, x, scale, n_past: soft_max_into(out, x, scale, n_past=n_past),
+    split=split_rows(keep=2),     # the causal rule needs a matrix's rows in one piece
     dispatches=lambda n, variant="workgroup": softmax_dispatch(
-        n, variant, f=(float(n.params["scale"]),), u=(0,)),
+        n, variant, f=(float(n.params["scale"]),),
+        u=(0, int(n.params["n_past"] >= 0), max(0, n.params["n_past"]))),
     variants=ROW_VARIANTS,
+    # the masked ends of the rows are 0 in y: soft_max_back gives them 0, as
+    # diag_mask_zero would
     backward=lambda n, g: (scaled(O.soft_max_back(n, g), n.params["scale"]),),
     cases=lambda: [Case((Input(shape, -4, 4, layout),), {"scale": 1.0}, grad)
                    for shape, layout, grad in ROW_SHAPES]
     + [Case((Input((3, 17), 60, 100),), {"scale": 1.0}),    # exp(x) alone would overflow
-       Case((Input((4, 6), layout="permuted"),), {"scale": -0.35})],
+       Case((Input((4, 6), layout="permuted"),), {"scale": -0.35}),
+       # causal: square and wider than tall, rows past a workgroup, views, a row of one
+       Case((Input((2, 3, 6, 6), -4, 4),), {"scale": 1.0, "n_past": 0}),
+       Case((Input((3, 5, 9), -4, 4, "permuted"),), {"scale": 0.5, "n_past": 2}),
+       Case((Input((4, 70), -4, 4, "strided"),), {"scale": 1.0, "n_past": 60}),
+       Case((Input((2, 67, 67), -4, 4),), {"scale": 0.125, "n_past": 0}, grad=False),
+       Case((Input((5,), -4, 4),), {"scale": 2.0, "n_past": 1}),
+       Case((Input((3, 4), -4, 4),), {"scale": 1.0, "n_past": 7})],   # nothing masked
     doc="softmax(x * scale) over the innermost dim (ggml_soft_max with scale; scale 1.0 "
-        "for the plain one).")
+        "for the plain one); with n_past >= 0 over each row's causal part only, as "
+        "soft_max(diag_mask_inf(x, n_past), scale) (attention's scores), the masked "
+        "columns 0.")
 
 soft_max_ext = register(
     "soft_max_ext", n_srcs=2, params=("scale",), shape=soft_max_ext_shape, shader="softmax",
