@@ -261,3 +261,25 @@ def test_a_choices_file_belongs_to_one_adapter_driver_and_kernel_source(monkeypa
     source = wgsl.shader_source
     monkeypatch.setattr(wgsl, "shader_source", lambda stem: source(stem) + "// changed\n")
     assert path != tuning.choices_file(card)
+
+
+def test_timing_that_fails_warns_and_leaves_the_products_to_the_rules(wgpu, monkeypatch):
+    """An unexpected error while timing does not stop the plan: one warning, the products on
+    the rules' kernels, and no timing for the rest of the process."""
+    tuned = TunedMatmul("tiled")
+    monkeypatch.setitem(wgpu.kernel_variants, "matmul", tuned)
+    monkeypatch.setattr(wgpu, "tuning_failed", False, raising=False)
+    calls = []
+
+    def seconds(backend, node, choice, plan_type):
+        calls.append(choice)
+        raise RuntimeError("timestamps unreadable")
+    monkeypatch.setattr(tuning, "choice_seconds", seconds)
+    with pytest.warns(UserWarning, match=r"timing products on the device failed "
+                                         r"\(RuntimeError: timestamps unreadable\)"):
+        plan = wgpu.plan(products())
+    assert len(calls) == 1 and tuned.chosen == {} and wgpu.tuning_failed
+    assert [d.entry for _, d in plan.dispatches] == [      # the weight's K: 2 chunks
+        "mul_mat_tiled", "mul_mat_splits", "mul_mat_tiled"]
+    wgpu.plan(products())
+    assert len(calls) == 1
