@@ -271,7 +271,8 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_
         report["dispatches"] = counts = checked(dispatches_per_layer, config_name,
                                                 wgpu_backend, cfg, plan)
         echo_dispatches(counts)
-        report["tuned_products"] = tuned = tuning_report(wgpu_backend)
+        nodes = plan.nodes + (half.plan.nodes if half is not None else [])
+        report["tuned_products"] = tuned = tuning_report(wgpu_backend, nodes)
         if tuned:
             click.echo(f"wgpu: {tuning_summary(tuned)} (--json has each one's times)")
     report["memory"] = memory = memory_against_minimum(shown, config)

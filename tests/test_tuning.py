@@ -237,6 +237,11 @@ def test_the_choices_are_kept_for_the_next_process_on_the_adapter(wgpu, monkeypa
     plan = wgpu.plan(products())
     assert len(timed) == 21 and {d.entry for _, d in plan.dispatches} == {
         "mul_mat_tiled", "mul_mat_splits"}
+    # a report of one plan's products leaves the others out
+    assert len(tuning.tuning_report(wgpu)) == 2
+    (row,) = tuning.tuning_report(wgpu, wgpu.plan(products()[:1]).nodes)
+    assert (row["a"], row["b"], row["layouts"], row["chosen"]) == (
+        [36, 1024], [40, 1024], 1, "tiled in 8 chunks")
     entry = '{"key": [[4, 8], [2, 8], "f32", "f32", 0], "seconds": [[["%s", 1], 1.0]], ' \
             '"chosen": ["%s", 1]}'
     for text in ("{", "[]", '{"format": 2, "families": {}}',

@@ -163,13 +163,17 @@ def tuned_families(backend) -> list[TunedMatmul]:
     return [v for v in variants.values() if isinstance(v, TunedMatmul)]
 
 
-def tuning_report(backend) -> list[dict]:
-    """Each product key the backend timed: operand shapes, element types, layouts (p.u.y)
-    and its timings (bench's JSON reports)."""
+def tuning_report(backend, nodes=None) -> list[dict]:
+    """Each product key the backend timed (or read from its choices file), of the products
+    among `nodes` if given: operand shapes, element types, layouts (p.u.y) and its timings
+    (bench's JSON reports)."""
+    keys = None if nodes is None else {product_key(product_of(n)) for n in nodes
+                                       if n.op in PRODUCT_FAMILIES}
     return [{"a": list(a), "b": list(b), "dtypes": [ta, tb], "layouts": layouts,
              **timings(backend, key)}
             for tuned in tuned_families(backend)
-            for key in tuned.seconds for a, b, ta, tb, layouts in [key]]
+            for key in tuned.seconds if keys is None or key in keys
+            for a, b, ta, tb, layouts in [key]]
 
 
 def summary(report: list[dict]) -> str:
