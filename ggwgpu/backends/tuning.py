@@ -53,12 +53,13 @@ def tune_products(backend, nodes, plan_type):
     timed = False
     for node in nodes:
         tuned = backend.kernel_variants.get(PRODUCT_FAMILIES.get(node.op))
-        if not isinstance(tuned, TunedMatmul) or getattr(backend, "tuning_failed", False):
+        if not isinstance(tuned, TunedMatmul) or backend.tuning_failed:
             continue
         product = product_of(node)
         key, choices = product_key(product), product_choices(product, tuned)
         if key in tuned.chosen or len(choices) < 2 or sum(
-                nbytes(t) for t in (product.a, product.b, product.dst)) > TIMED_BYTES:
+                t.storage_len * t.storage_dtype.itemsize
+                for t in (product.a, product.b, product.dst)) > TIMED_BYTES:
             continue
         seconds = {}
         for choice in choices:
@@ -75,15 +76,8 @@ def tune_products(backend, nodes, plan_type):
             tuned.seconds[key] = seconds
             tuned.chosen[key] = min(seconds, key=seconds.get)
             timed = True
-    if timed and getattr(backend, "tuning_file", None):
+    if timed and backend.tuning_file:
         save_choices(backend.kernel_variants, backend.tuning_file)
-
-
-def nbytes(t: Tensor) -> int:
-    """Bytes of a tensor's elements (a frozen weight's blocks)."""
-    if t.is_quantized:
-        return storage_bytes(t.dtype, t.nelements)
-    return t.nelements * (2 if t.dtype == "f16" else 4)
 
 
 def operand_like(t: Tensor, k_outermost: bool) -> Tensor:

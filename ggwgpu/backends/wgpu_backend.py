@@ -135,7 +135,7 @@ class WgpuBackend(Backend):
         self.emulates_f16 = False
         self.kernel_variants = choose_variants(self.adapter, self.device)
         # products timed on the device: the choices kept by earlier processes (tuning.py)
-        self.tuning_file = None
+        self.tuning_file, self.tuning_failed = None, False
         if any(isinstance(v, TunedMatmul) for v in self.kernel_variants.values()):
             self.tuning_file = choices_file(dict(self.adapter.info))
             load_choices(self.kernel_variants, self.tuning_file)

@@ -71,29 +71,29 @@ def mul_mat_q_shape(srcs):
     return product_shape(w.shape, x.shape, -1, -1, "mul_mat"), "f32", {}
 
 
-def tiled_q_dispatch(node, variant) -> list[Dispatch] | None:
-    """The product on quant_tiled.wgsl's kernel of `variant` (QUANT_TILED), over the
-    operands as matmul.product_of gives them (a weight times a batch of rows as one
-    product); None where the f32 operand is laid out for neither of its layouts or the
-    contraction is longer than one dispatch sums (the caller runs 'portable' then)."""
-    p = product_of(node)
+def tiled_q_dispatch(p, variant) -> list[Dispatch] | None:
+    """Product p (matmul.product_of: a weight times a batch of rows as one product) on
+    quant_tiled.wgsl's kernel of `variant` (QUANT_TILED); None where the f32 operand is laid
+    out for neither of its layouts or the contraction is longer than one dispatch sums (the
+    caller runs 'portable' then)."""
     layouts = tiled_layouts(p.a, p.b)
     if layouts is None or p.a.shape[-1] > SUM_ROWS_MAX:
         return None
     groups = p.workgroups(variant)
     return [Dispatch(f"mul_mat_q_{variant}", p.dst, (p.a, p.b), n=groups, workgroups=groups,
                      shader="quant_tiled", f=(1.0,),
-                     u=(0, layouts, TYPE_CODE[node.srcs[0].dtype]))]
+                     u=(0, layouts, TYPE_CODE[p.a.dtype]))]
 
 
 def chosen_variant(node, variant) -> tuple[str, list | None]:
     """(the variant a product runs, its dispatches where that is a QUANT_TILED one): the
     variant timed fastest where `variant` is a TunedMatmul that timed the product's key;
     'portable' where a QUANT_TILED kernel cannot run it (tiled_q_dispatch)."""
-    variant = (tuned_choice(product_of(node), variant) or (variant,))[0]
+    p = product_of(node)
+    variant = (tuned_choice(p, variant) or (variant,))[0]
     if variant not in QUANT_TILED:
         return variant, None
-    tiled = tiled_q_dispatch(node, variant)
+    tiled = tiled_q_dispatch(p, variant)
     return ("portable", None) if tiled is None else (variant, tiled)
 
 
