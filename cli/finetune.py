@@ -90,8 +90,9 @@ def rank_options(command):
 @click.pass_context
 @across_ranks
 def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ctx, **kw):
-    """Finetune BASE, a llama or qwen2 GGUF (f32, f16, bf16, q4_0 .. q8_0 or q2_k .. q6_k), on
-    text files (default: the bundled Shakespeare corpus), with BASE's vocabulary.
+    """Finetune BASE, a GGUF model of a family ggwgpu builds (docs/families.md; f32, f16,
+    bf16, q4_0 .. q8_0 or q2_k .. q6_k), on text files (default: the bundled Shakespeare
+    corpus), with BASE's vocabulary.
 
     By default this trains a LoRA adapter on the frozen base (kept in its storage type on the
     device) and writes it as a GGUF adapter for `ggwgpu generate BASE --lora OUT`,
@@ -195,8 +196,9 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                f"{cfg.n_embd}, ctx {cfg.n_ctx}" + (f", resuming at step {step}" if step else ""))
     for line in run.lines:
         click.echo(line)
-    what = "every weight" if full else (f"LoRA alpha {adapter.alpha:g} on "
-                                        f"{len(adapter.weights())} weights")
+    what = "every weight" if full else (
+        f"LoRA alpha {adapter.alpha:g} on {len(adapter.weights())} weights"
+        + (f", dropout {options.lora_dropout:g}" if options.lora_dropout else ""))
     per_step = options.batch * options.grad_accum
     rows = f"{per_step} x {cfg.n_ctx} tokens"
     if preference:

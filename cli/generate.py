@@ -35,7 +35,7 @@ from .streaming import chat_answer, stream_sample
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
              **kw):
-    """Continue a prompt with a llama or qwen2 GGUF model (ours or llama.cpp's files).
+    """Continue a prompt with a GGUF model of any family ggwgpu builds (ours or llama.cpp's).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
     does: repeat penalty, top-k, top-p, min-p, temperature. When the model's context (n_ctx) is

@@ -198,8 +198,8 @@ def model_metadata(path, cfg: ModelConfig, tokenizer: Tokenizer,
 # -- reading ----------------------------------------------------------------------------------
 
 def load_model(path, keep_quantized: bool = False) -> tuple[ModelConfig, dict, Tokenizer]:
-    """Read a llama or qwen2 GGUF (ours, a checkpoint, or llama.cpp's files in F32 and the block
-    types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
+    """Read a GGUF of a family ggwgpu builds (ours, a checkpoint, or llama.cpp's files in F32
+    and the block types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
     arrays that own their memory (block types dequantized), tokenizer from
     `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors stored in a block
     type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) come back as `Quantized`

@@ -16,6 +16,7 @@ rows become E[t] + scale * B A[t]. p[name + LORA] lists the pairs (a, b, scale) 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -29,6 +30,9 @@ OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
 LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffix (llama.cpp)
 LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
+# p[LORA_DROPOUT]: (control, rate) of a training graph's dropout on the pairs' inputs (absent:
+# none), the control an i32 input [seed, on] (ops dropout)
+LORA_DROPOUT = ".lora_dropout"
 
 
 def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
@@ -41,15 +45,25 @@ def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
     pairs = p.get(name + LORA, ())
     if w.is_quantized:
         y = O.mul_mat(w, x)
-        for a, b, scale in pairs:
-            y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale)
+        for k, (a, b, scale) in enumerate(pairs):
+            y = O.mul_mat_acc(b, O.mul_mat(a, lora_input(p, name, k, x)), y, scale)
         y = y if alpha == 1.0 else O.scale(y, alpha)
         return y if residual is None else O.add(residual, y)
     fused = residual is not None and residual.shape == x.shape[:-1] + w.shape[:1]
     y = O.mul_mat_acc(w, x, residual, alpha) if fused else O.mul_mat(w, x, alpha)
-    for a, b, scale in pairs:
-        y = O.mul_mat_acc(b, O.mul_mat(a, x), y, scale * alpha)
+    for k, (a, b, scale) in enumerate(pairs):
+        y = O.mul_mat_acc(b, O.mul_mat(a, lora_input(p, name, k, x)), y, scale * alpha)
     return y if residual is None or fused else O.add(residual, y)
+
+
+def lora_input(p: dict, name: str, k: int, x):
+    """What pair k on weight `name` reads: x, or in a training graph with LoRA dropout
+    (p[LORA_DROPOUT]) x dropped as PEFT's lora_dropout drops it, by draws of the pair's own
+    stream (the weight name's CRC-32 plus k), so that no two pairs drop alike."""
+    if LORA_DROPOUT not in p:
+        return x
+    control, rate = p[LORA_DROPOUT]
+    return O.dropout(x, control, rate, (zlib.crc32(name.encode()) + k) & 0xFFFFFFFF)
 
 
 def rms_norm(cfg, x, weight):

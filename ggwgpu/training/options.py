@@ -179,6 +179,12 @@ class TrainOptions:
                                      cli="finetune")
     orpo_lambda: float = _option(0.1, NON_NEGATIVE, "ORPO: the weight of the odds-ratio "
                                  "term beside the chosen answers' loss.", cli="finetune")
+    # LoRA dropout (PEFT's lora_dropout, MLX-LM's dropout): models.blocks.linear
+    lora_dropout: float = _option(
+        0.0, Bound(float, 0, 1, high_open=True),
+        "While training, each LoRA pair reads its input with this share of the elements "
+        "dropped, the rest scaled by 1 / (1 - share); validation and the adapter see no "
+        "dropout (0: off).", cli="finetune")
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
@@ -188,6 +194,9 @@ class TrainOptions:
         if self.optimizer == "lbfgs" and self.objective != "sft":
             raise ValueError(f"option objective {self.objective} does not work with optimizer "
                              f"lbfgs: use adamw or sgd")
+        if self.optimizer == "lbfgs" and self.lora_dropout:
+            raise ValueError("option lora_dropout does not work with optimizer lbfgs: its "
+                             "line search and curvature history assume a loss without noise")
         if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
             raise ValueError("option loss_scale dynamic does not work with optimizer lbfgs: "
                              "its line search compares losses and gradients that a skipped, "

@@ -213,9 +213,9 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
 class PreferenceGraph:
     """A training graph (models.TrainGraph, built with `sequences` = 2 pair slots) whose loss
     is a preference loss: what a Trainer needs of a graph (loss, params, checkpoints,
-    recompute, positions, packed), `feeds(*batch)` of a pairs.PairBatches batch, and the
-    batch's rewards, margins and accuracy (`report`) from its sequences' log-probabilities
-    (`reported`, read back after a step).
+    recompute, positions, packed, dropout), `feeds(*batch)` of a pairs.PairBatches batch, and
+    the batch's rewards, margins and accuracy (`report`) from its sequences'
+    log-probabilities (`reported`, read back after a step).
 
     With `world` (distributed.World) the graph is one rank's: `feeds` takes the whole batch
     and keeps this rank's units of it (2 rows each, the batch cut into world.size parts as
@@ -233,6 +233,7 @@ class PreferenceGraph:
         self.loss, self.params = self.terms.loss, graph.params
         self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
         self.positions, self.packed, self.tokens = graph.positions, graph.packed, graph.tokens
+        self.dropout = graph.dropout
         self.reported = (graph.sequence_nll,)
         self.last = None
 

@@ -101,6 +101,9 @@ class Trainer:
         self.precision = precision_for(backend, options.precision)
         batch = world.local_batch(options.batch) if world else options.batch
         preference = options.objective != "sft"
+        if options.lora_dropout and lora is None and graph is None:
+            raise ValueError("option lora_dropout drops the inputs of LoRA pairs, and this run "
+                             "trains every weight: finetune with LoRA, or leave it 0")
         rows = 2 * batch if preference else batch     # a unit of pairs is two rows
         g = graph or build_train_graph(cfg, values, rows, flash=options.flash_attn,
                                        lora=lora,
@@ -108,6 +111,7 @@ class Trainer:
                                            backend, options.checkpointing, lora is None),
                                        packed=getattr(batch_source, "packed", False),
                                        precision=self.precision,
+                                       lora_dropout=options.lora_dropout,
                                        sequences=2 * batch_source.pair_slots(batch)
                                        if preference else 0)
         if preference:
@@ -175,6 +179,21 @@ class Trainer:
         if segments is not None:    # the same rows of the segments
             segments = self.world.rows(segments, targets)[0]
         return self.graph.feeds(inputs_, targets_, segments, counted)
+
+    def dropout_feed(self, micro: int | None) -> dict:
+        """The LoRA dropout's control (graph.dropout) for micro-batch `micro` of this step:
+        on, its seed drawn from the run's seed, the step, the micro-batch and the rank (a
+        resumed run drops as the run before it would have); `micro` None: off, to evaluate.
+        Empty without dropout."""
+        control = getattr(self.graph, "dropout", None)
+        if control is None:
+            return {}
+        if micro is None:
+            return {control: np.zeros(2, np.int32)}
+        rank = self.world.rank if self.world else 0
+        (seed,) = np.random.SeedSequence([self.options.seed, self.step, micro, rank]
+                                         ).generate_state(1)
+        return {control: np.array([seed, 1], np.uint32).view(np.int32)}
 
     def train_step(self, stop: int = 0) -> dict:
         """One optimizer step on the next batch (grad_accum micro-batches); returns what a
