@@ -6,13 +6,22 @@ and test.jsonl (MLX-LM's layout). Each line is one example, in one of three form
 
     {"text": "..."}                                   plain text, every token trained
     {"prompt": "...", "completion": "..."}            the completion trained
-    {"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}
+    {"messages": [{"role": "system" | "user" | "assistant" | "tool", "content": "..."}, ...]}
 
 Messages (and prompt/completion pairs, as a user turn and an assistant turn) are rendered
 with the chat template: the model's `tokenizer.chat_template`, a file's, or ChatML when the
 model has none. Rendering is jinja2 in a sandbox with what transformers gives a template
-(messages, add_generation_prompt, bos_token, eos_token, raise_exception, strftime_now, a
-tojson that keeps non-ASCII) — llama.cpp renders the same templates the same way.
+(messages, tools, add_generation_prompt, bos_token, eos_token, raise_exception,
+strftime_now, a tojson that keeps non-ASCII) — llama.cpp renders the same templates the
+same way.
+
+Tool calling, as transformers and TRL take it: an example with messages may have "tools", a
+list of function schemas ({"type": "function", "function": {"name", "description",
+"parameters"}}) that the template renders (Qwen's in its system turn); an assistant message
+may call tools, "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]
+(its content then may be left out), and a "tool" message holds a call's result. A template
+that leaves a tool or a call out of its rendering (ChatML does) is an error: the model would
+learn calls it was never shown.
 
 An example becomes token ids and a trained flag per token (`Example`). With `mask_prompt`
 only the assistant turns are trained (their content and the end-of-turn text the template
@@ -129,20 +138,86 @@ def check_example(example) -> None:
         messages = example["messages"]
         if not isinstance(messages, list) or not messages:
             raise DataError("'messages' must be a non-empty list")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES \
-                    or not isinstance(m.get("content"), str):
-                raise DataError(f"message {i} must be {{\"role\": one of {', '.join(ROLES)}, "
-                                f"\"content\": a string}}, got {json.dumps(m)[:80]}")
-            _need_unicode(m["content"], f"message {i}'s content")
+        check_messages(messages)
         if not any(m["role"] == "assistant" for m in messages):
             raise DataError("the messages have no assistant turn to learn from")
+    if "tools" in example:
+        if forms[0] != "messages":
+            raise DataError("'tools' goes with 'messages' (a conversation that calls them)")
+        check_tools(example["tools"])
+
+
+def check_messages(messages, where: str = "") -> None:
+    """Raise DataError unless each of `messages` is {"role": one of ROLES, "content": a
+    string}, an assistant's content optional where it has "tool_calls" (a non-empty list of
+    calls, each {"function": {"name": a string, "arguments": an object or a string}},
+    "type" and "id" optional, or the function's fields themselves). `where` names the list
+    in the messages ("'chosen' ")."""
+    for i, m in enumerate(messages):
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or m.get("role") not in ROLES or not (
+                isinstance(content, str)
+                or (calls is not None and m["role"] == "assistant" and content is None)):
+            raise DataError(f"{where}message {i} must be {{\"role\": one of "
+                            f"{', '.join(ROLES)}, \"content\": a string}} (an assistant's "
+                            f"that has \"tool_calls\" may leave out its content), got "
+                            f"{json.dumps(m)[:80]}")
+        if content is not None:
+            _need_unicode(content, f"{where}message {i}'s content")
+        if calls is None:
+            continue
+        if m["role"] != "assistant" or not isinstance(calls, list) or not calls:
+            raise DataError(f"{where}message {i}: \"tool_calls\" is a non-empty list, and "
+                            f"only an assistant's message has one")
+        for k, call in enumerate(calls):
+            function = call.get("function", call) if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                    or not isinstance(function.get("arguments"), (dict, str)):
+                raise DataError(f"{where}message {i}, tool call {k} must be {{\"function\": "
+                                f"{{\"name\": a string, \"arguments\": an object or a "
+                                f"string}}}}, got {json.dumps(call)[:80]}")
+        _need_unicode_in(calls, f"{where}message {i}'s tool calls")
+
+
+def check_tools(tools) -> None:
+    """Raise DataError unless `tools` is a non-empty list of function schemas, each
+    {"type": "function", "function": {"name": a string, ...}} (or the function itself)."""
+    if not isinstance(tools, list) or not tools:
+        raise DataError("'tools' must be a non-empty list of function schemas")
+    for k, tool in enumerate(tools):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise DataError(f"tool {k} must be {{\"type\": \"function\", \"function\": "
+                            f"{{\"name\": a string, ...}}}}, got {json.dumps(tool)[:80]}")
+    _need_unicode_in(tools, "'tools'")
+
+
+def tool_names(example: dict) -> list[str]:
+    """The names of the tools an example offers and of the tools its messages call."""
+    offered = [t.get("function", t)["name"] for t in example.get("tools", ())]
+    called = [c.get("function", c)["name"] for m in example.get("messages", ())
+              for c in m.get("tool_calls") or ()]
+    return offered + called
 
 
 def _need_string(example, key):
     if not isinstance(example.get(key), str):
         raise DataError(f"{key!r} must be a string")
     _need_unicode(example[key], repr(key))
+
+
+def _need_unicode_in(value, what: str):
+    """_need_unicode of every string (keys too) in a JSON value."""
+    if isinstance(value, str):
+        _need_unicode(value, what)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _need_unicode_in(k, what)
+            _need_unicode_in(v, what)
+    elif isinstance(value, list):
+        for v in value:
+            _need_unicode_in(v, what)
 
 
 def _need_unicode(text: str, what: str):
@@ -210,13 +285,16 @@ class ChatTemplate:
         return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_id),
                    origin or "a given template")
 
-    def render(self, messages, add_generation_prompt: bool = False) -> str:
+    def render(self, messages, add_generation_prompt: bool = False, tools=None) -> str:
+        """The text of `messages` (and the `tools` they may call, None: none), as transformers'
+        apply_chat_template renders it (tools None when there are none)."""
         self.budget.start()
         try:
             with time_limit(RENDER_SECONDS):
                 parts, size = [], 0
                 for part in self.template.generate(
-                        messages=messages, add_generation_prompt=add_generation_prompt,
+                        messages=messages, tools=tools,
+                        add_generation_prompt=add_generation_prompt,
                         bos_token=self.bos_token, eos_token=self.eos_token):
                     size += len(part)
                     self.budget.tick(size)
@@ -226,7 +304,7 @@ class ChatTemplate:
             raise DataError(f"the chat template ({self.origin}) failed: "
                             f"{type(e).__name__}: {e}") from None
 
-    def turns(self, messages, answers_from: int = 0) -> list[tuple[str, bool]]:
+    def turns(self, messages, answers_from: int = 0, tools=None) -> list[tuple[str, bool]]:
         """The rendered conversation cut into (text, is_answer) pieces: each assistant
         turn's generation prompt is a piece of its own (not an answer), then its content and
         end-of-turn text (an answer, if the message's index is at least `answers_from`).
@@ -238,28 +316,30 @@ class ChatTemplate:
         conversation is cut as TRL cuts a prompt from its completion: the last message, if
         an assistant's, is the answer from where the whole and the rendering of the messages
         before it with the generation prompt part; earlier answers stay context (not answers:
-        `last_answer_only` counts the conversations that had some from `answers_from` on)."""
+        `last_answer_only` counts the conversations that had some from `answers_from` on).
+        Every rendering gets `tools` (render)."""
         try:
-            return self._turns_of_prefixes(messages, answers_from)
+            return self._turns_of_prefixes(messages, answers_from, tools)
         except DataError:
-            full = self.render(messages)     # a template that fails on the whole: its error
+            full = self.render(messages, tools=tools)   # one that fails on the whole: its error
         last = len(messages) - 1
         if messages[last]["role"] != "assistant":
             return [(full, False)]
-        prompt = self.render(messages[:last], add_generation_prompt=True)
+        prompt = self.render(messages[:last], add_generation_prompt=True, tools=tools)
         start = len(os.path.commonprefix([prompt, full]))
         self.last_answer_only += any(m["role"] == "assistant"
                                      for m in messages[answers_from:last])
         return [(t, trained) for t, trained in ((full[:start], False),
                                                 (full[start:], last >= answers_from)) if t]
 
-    def _turns_of_prefixes(self, messages, answers_from: int) -> list[tuple[str, bool]]:
+    def _turns_of_prefixes(self, messages, answers_from: int, tools) -> list[tuple[str, bool]]:
         pieces, done = [], ""
         for i, message in enumerate(messages):
             parts = []
             if message["role"] == "assistant":
-                parts.append((self.render(messages[:i], add_generation_prompt=True), False))
-            parts.append((self.render(messages[:i + 1]),
+                parts.append((self.render(messages[:i], add_generation_prompt=True, tools=tools),
+                              False))
+            parts.append((self.render(messages[:i + 1], tools=tools),
                           message["role"] == "assistant" and i >= answers_from))
             for text, trained in parts:
                 if not text.startswith(done):
@@ -413,7 +493,18 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: ChatTemplate |
         messages = example.get("messages") or [
             {"role": "user", "content": example["prompt"]},
             {"role": "assistant", "content": example["completion"]}]
-        pieces, special, eos = template.turns(messages, answers_from), True, False
+        names = tool_names(example)
+        if names and "tool" not in template.source:     # (ChatML would fail on a None content)
+            left_out = names
+        else:
+            pieces, special, eos = template.turns(messages, answers_from,
+                                                  example.get("tools")), True, False
+            rendered = "".join(text for text, _ in pieces)
+            left_out = [name for name in names if name not in rendered]
+        if left_out:
+            raise DataError(f"the chat template ({template.origin}) leaves out tool "
+                            f"{left_out[0]!r}: it renders no tools or tool calls (give one "
+                            f"that does: --chat-template)")
     elif "prompt" in example:
         pieces = [(example["prompt"], False), (example["completion"], True)]
         special, eos = False, True

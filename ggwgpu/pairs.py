@@ -5,6 +5,9 @@ in the forms TRL documents:
     {"prompt": [messages], "chosen": [messages], "rejected": [messages]}    conversational
     {"chosen": [messages], "rejected": [messages]}       implicit prompt: their common start
 
+A conversational pair may have "tools" (chat.py's tool calling: the schemas the messages'
+tool calls call).
+
 A file or a directory of splits, as chat data (chat.load_dataset). Each answer is encoded as
 a chat example of the prompt and that answer (chat.encode_example: through the chat
 template, a string prompt a user turn and a string answer the assistant's), and only the
@@ -14,12 +17,10 @@ row 2i + 1 the rejected one; packed, several pairs in each such pair of rows.
 """
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
-from .chat import (IGNORE, ROLES, STATE_VERSION, Example, RowBatches, _need_unicode,
-                   encode_example, pack_rows, place)
+from .chat import (IGNORE, STATE_VERSION, Example, RowBatches, _need_unicode,
+                   check_messages, check_tools, encode_example, pack_rows, place)
 from .data import DataError, EpochOrder
 
 
@@ -28,11 +29,13 @@ def check_pair(example) -> None:
     if not isinstance(example, dict):
         raise DataError(f"a preference pair must be a JSON object, got "
                         f"{type(example).__name__}")
-    extra = sorted(set(example) - {"prompt", "chosen", "rejected"})
+    extra = sorted(set(example) - {"prompt", "chosen", "rejected", "tools"})
     if extra or "chosen" not in example or "rejected" not in example:
-        raise DataError(f"a preference pair has 'chosen' and 'rejected' (and 'prompt'); this "
-                        f"one has keys {sorted(example)}")
+        raise DataError(f"a preference pair has 'chosen' and 'rejected' (and 'prompt', "
+                        f"'tools'); this one has keys {sorted(example)}")
     if all(isinstance(example.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        if "tools" in example:
+            raise DataError("'tools' goes with a conversational pair (lists of messages)")
         for key in ("prompt", "chosen", "rejected"):
             _need_unicode(example[key], f"'{key}'")
         return
@@ -41,13 +44,9 @@ def check_pair(example) -> None:
         raise DataError("a pair's prompt, chosen and rejected are all strings, or all lists "
                         "of messages ('prompt' may be left out: the answers' common start)")
     for key in ("prompt", "chosen", "rejected"):
-        for i, m in enumerate(example.get(key, [])):
-            if not isinstance(m, dict) or m.get("role") not in ROLES \
-                    or not isinstance(m.get("content"), str):
-                raise DataError(f"'{key}' message {i} must be {{\"role\": one of "
-                                f"{', '.join(ROLES)}, \"content\": a string}}, got "
-                                f"{json.dumps(m)[:80]}")
-            _need_unicode(m["content"], f"'{key}' message {i}'s content")
+        check_messages(example.get(key, []), f"'{key}' ")
+    if "tools" in example:
+        check_tools(example["tools"])
     prompt, chosen, rejected = conversation(example)
     for key, answer in (("chosen", chosen), ("rejected", rejected)):
         if not any(m["role"] == "assistant" for m in answer):
@@ -74,7 +73,8 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
                                     tokenizer, template, mask_prompt=True)
                      for k in ("chosen", "rejected"))
     prompt, chosen, rejected = conversation(example)
-    return tuple(encode_example({"messages": prompt + answer}, tokenizer, template,
+    tools = {"tools": example["tools"]} if "tools" in example else {}
+    return tuple(encode_example({"messages": prompt + answer, **tools}, tokenizer, template,
                                 mask_prompt=True, answers_from=len(prompt))
                  for answer in (chosen, rejected))
 

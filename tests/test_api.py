@@ -1,5 +1,7 @@
 """The Python API (ggwgpu.api) alone: a model trained from scratch, a LoRA finetune of it
 stopped and resumed, evaluated, merged and sampled, with nothing of the CLI."""
+import json
+
 import numpy as np
 import pytest
 
@@ -92,3 +94,17 @@ def test_from_ggwgpu_import_star_takes_the_api_not_every_op():
     exec("from ggwgpu import *", names)
     assert {"load", "train", "finetune", "resume", "evaluate", "generate", "merge"} <= set(names)
     assert "mul_mat" not in names and hasattr(ggwgpu, "mul_mat")
+
+
+def test_a_tool_calling_finetune_renders_the_tools_and_trains_the_calls(base, tmp_path):
+    from test_chat import CALLING, QWEN25, WEATHER
+    lines = [{"messages": CALLING, "tools": [WEATHER]},
+             {"messages": CALLING[:1] + CALLING[3:]}]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines * 2))
+    run = ggwgpu.finetune(str(base / "base.gguf"), data=str(tmp_path), chat_template=QWEN25,
+                          mask_prompt=True, out=str(tmp_path / "a.gguf"), steps=2, batch=2,
+                          n_ctx=1024, backend="numpy", reporter=QUIET)
+    assert run.step == 2 and run.last_loss < run.first_loss
+    with pytest.raises(ValueError, match=r"\(ChatML\) leaves out tool 'get_weather'"):
+        ggwgpu.finetune(str(base / "base.gguf"), data=str(tmp_path), steps=1,
+                        out=str(tmp_path / "b.gguf"), backend="numpy", reporter=QUIET)

@@ -2,6 +2,7 @@
 transformers and llama.cpp render them, which tokens are trained, and padded batches."""
 import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -629,3 +630,92 @@ def test_a_lone_surrogate_in_jsonl_is_refused_with_its_file_and_line(tmp_path, e
     path.write_text('{"text": "fine"}\n' + example + "\n")
     with pytest.raises(DataError, match=re.escape(f"s.jsonl:2: {what}")):
         read_jsonl(path)
+
+
+# -- tool calling -----------------------------------------------------------------------------
+
+# Qwen2.5-Instruct's template (its tokenizer_config.json's chat_template), which renders tools
+# in the system turn, calls as <tool_call> blocks and results as a user turn's <tool_response>
+QWEN25 = (Path(__file__).parent / "data" / "templates" / "qwen2.5-instruct.jinja").read_text()
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+CALLING = [{"role": "user", "content": "Weather in Zürich?"},
+           {"role": "assistant", "tool_calls": [
+               {"type": "function", "function": {"name": "get_weather",
+                                                 "arguments": {"city": "Zürich"}}}]},
+           {"role": "tool", "name": "get_weather", "content": '{"temp": 3}'},
+           {"role": "assistant", "content": "3 degrees."}]
+QWEN25_CALLING = (
+    "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou "
+    "are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+    '{"type": "function", "function": {"name": "get_weather", "description": "The weather in '
+    'a city", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, '
+    '"required": ["city"]}}}\n</tools>\n\nFor each function call, return a json object with '
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "<|im_start|>user\nWeather in Zürich?<|im_end|>\n<|im_start|>assistant\n<tool_call>\n"
+    '{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call><|im_end|>\n'
+    '<|im_start|>user\n<tool_response>\n{"temp": 3}\n</tool_response><|im_end|>\n'
+    "<|im_start|>assistant\n3 degrees.<|im_end|>\n")
+
+
+def test_tools_and_tool_calls_render_as_the_template_has_them_and_calls_are_trained():
+    template = ChatTemplate(QWEN25)
+    assert template.render(CALLING, tools=[WEATHER]) == QWEN25_CALLING
+    # without tools the template renders its plain system turn, as transformers' does
+    assert template.render(CALLING[:1]).startswith(
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+        "assistant.<|im_end|>\n<|im_start|>user\n")
+    vocab = Vocab()
+    example = encode_example({"messages": CALLING, "tools": [WEATHER]}, vocab, template,
+                             mask_prompt=True)
+    assert _text(vocab, example.ids[1:]) == QWEN25_CALLING
+    assert _text(vocab, example.ids[example.trained]) == (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+        "<|im_end|>\n3 degrees.<|im_end|>\n")      # the call and the answer, not the result
+
+
+def test_a_template_without_tools_is_refused_rather_than_training_unseen_calls():
+    vocab = Vocab()
+    with pytest.raises(DataError, match=r"\(ChatML\) leaves out tool 'get_weather'"):
+        encode_example({"messages": CALLING}, vocab, ChatTemplate(CHATML), True)
+    with pytest.raises(DataError, match="leaves out tool 'get_weather'"):
+        encode_example({"messages": CALLING[:1] + CALLING[3:], "tools": [WEATHER]}, vocab,
+                       ChatTemplate(CHATML), True)
+    # a template that knows tools but drops some calls' names from its rendering
+    dropping = QWEN25.replace("{{- tool_call.name }}", "")
+    with pytest.raises(DataError, match="leaves out tool 'get_weather'"):
+        encode_example({"messages": CALLING}, vocab, ChatTemplate(dropping), True)
+
+
+@pytest.mark.parametrize("line,message", [
+    ({"messages": CALLING, "tools": {"name": "x"}}, "'tools' must be a non-empty list"),
+    ({"messages": CALLING, "tools": [{"type": "function"}]}, "tool 0 must be"),
+    ({"text": "x", "tools": [WEATHER]}, "'tools' goes with 'messages'"),
+    ({"messages": [{"role": "assistant", "tool_calls": []}]}, "non-empty list"),
+    ({"messages": [{"role": "user", "tool_calls": [WEATHER]}]}, "message 0 must be"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [WEATHER]}]},
+     "only an assistant's message"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "tool call 0 must be"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": {"a": "\ud800"}}}]}]}, "lone surrogate"),
+])
+def test_a_bad_tool_calling_line_is_an_error_naming_it(tmp_path, line, message):
+    path = write(tmp_path / "d.jsonl", [json.dumps(line)])
+    with pytest.raises(DataError, match=message) as e:
+        read_jsonl(path)
+    assert f"{path}:1: " in str(e.value)
+
+
+def test_a_tool_call_may_be_the_function_itself_with_arguments_as_a_string(tmp_path):
+    call = {"role": "assistant", "content": None,
+            "tool_calls": [{"name": "get_weather", "arguments": '{"city": "Bern"}'}]}
+    path = write(tmp_path / "d.jsonl", [json.dumps({"messages": CALLING[:1] + [call],
+                                                    "tools": [WEATHER["function"]]})])
+    (example,) = read_jsonl(path)
+    text = ChatTemplate(QWEN25).render(example["messages"], tools=example["tools"])
+    assert '{"name": "get_weather", "arguments": "{\\"city\\": \\"Bern\\"}"}' in text

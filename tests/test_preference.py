@@ -439,3 +439,22 @@ def test_the_device_gives_packed_pairs_the_padded_loss_and_gradients(wgpu, loss)
         want, want_logp, want_grads = pairs_loss(padded, values, loss, lora, NumpyBackend())
         got, logp, grads = pairs_loss(packed, values, loss, lora, wgpu, spare=1)
         assert_float32_alike((got, logp, grads), (want, want_logp, want_grads))
+
+
+def test_a_conversational_pair_may_offer_tools_that_its_answers_call():
+    from ggwgpu.chat import ChatTemplate
+    from ggwgpu.data import DataError
+    from ggwgpu.pairs import check_pair, encode_pair
+    from test_chat import CALLING, QWEN25, WEATHER, Vocab, _text
+    pair = {"prompt": CALLING[:1], "chosen": CALLING[1:2],
+            "rejected": [{"role": "assistant", "content": "I cannot know."}],
+            "tools": [WEATHER]}
+    check_pair(pair)
+    vocab = Vocab()
+    chosen, rejected = encode_pair(pair, vocab, ChatTemplate(QWEN25))
+    assert "# Tools" in _text(vocab, chosen.ids) and "# Tools" in _text(vocab, rejected.ids)
+    assert _text(vocab, chosen.ids[chosen.trained]).startswith("<tool_call>\n")
+    with pytest.raises(DataError, match="'tools' goes with a conversational pair"):
+        check_pair({"prompt": "p", "chosen": "a", "rejected": "b", "tools": [WEATHER]})
+    with pytest.raises(DataError, match="'chosen' message 0, tool call 0 must be"):
+        check_pair({**pair, "chosen": [{"role": "assistant", "tool_calls": [{"x": 1}]}]})
