@@ -199,6 +199,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     what = "every weight" if full else (
         f"LoRA alpha {adapter.alpha:g} on {len(adapter.weights())} weights"
         + (f", dropout {options.lora_dropout:g}" if options.lora_dropout else ""))
+    if options.neftune_alpha:
+        what += f", NEFTune alpha {options.neftune_alpha:g}"
     per_step = options.batch * options.grad_accum
     rows = f"{per_step} x {cfg.n_ctx} tokens"
     if preference:

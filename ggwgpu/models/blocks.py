@@ -30,9 +30,11 @@ OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
 LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffix (llama.cpp)
 LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
-# p[LORA_DROPOUT]: (control, rate) of a training graph's dropout on the pairs' inputs (absent:
-# none), the control an i32 input [seed, on] (ops dropout)
+# A training graph's random draws (ops/draws.py; absent: none), each (control, its size), the
+# control an i32 input [seed, on]: p[LORA_DROPOUT] the rate of the dropout on the LoRA pairs'
+# inputs, p[EMBEDDING_NOISE] the magnitude of the noise on the token embeddings (NEFTune)
 LORA_DROPOUT = ".lora_dropout"
+EMBEDDING_NOISE = ".embedding_noise"
 
 
 def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
@@ -72,14 +74,18 @@ def rms_norm(cfg, x, weight):
 
 
 def embed(p: dict, tokens, precision: str = "f32", scale: float = 1.0):
-    """The token embeddings of `tokens`, plus scale * B A[t] for each LoRA pair on them, in
-    `precision` (rows of a block-type table come out f32: an f16 graph casts them), times
-    `scale` (gemma3's sqrt(n_embd), granite's embedding_scale)."""
+    """The token embeddings of `tokens`, plus scale * B A[t] for each LoRA pair on them (and
+    in a training graph with NEFTune, p[EMBEDDING_NOISE], uniform noise), in `precision`
+    (rows of a block-type table come out f32: an f16 graph casts them), times `scale`
+    (gemma3's sqrt(n_embd), granite's embedding_scale)."""
     x = O.get_rows(p[TOKEN_EMBD], tokens)
     if x.dtype != precision:
         x = O.cast(x, precision)
     for a, b, s in p.get(TOKEN_EMBD + LORA, ()):
         x = O.mul_mat_acc(b, O.get_rows(a, tokens), x, s)
+    if EMBEDDING_NOISE in p:    # NEFTune's, on the embedding's output (as TRL hooks it)
+        control, magnitude = p[EMBEDDING_NOISE]
+        x = O.noise(x, control, magnitude, zlib.crc32(TOKEN_EMBD.encode()))
     return x if scale == 1.0 else O.scale(x, scale)
 
 

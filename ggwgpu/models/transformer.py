@@ -9,6 +9,7 @@ be in a block type: ggwgpu.quant).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,8 +18,8 @@ from .. import ops as O
 from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
-from .blocks import (LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence, attention, embed,
-                     output, rms_norm)
+from .blocks import (EMBEDDING_NOISE, LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence,
+                     attention, embed, output, rms_norm)
 from .config import ModelConfig
 from .delta_net import chunking, delta_rule, segment_masks
 
@@ -148,9 +149,9 @@ class TrainGraph:
     # packed, with recurrent layers: the delta rule's (same, carry) inputs
     # (models.delta_net.segment_masks), each None where unused
     segments: tuple | None = None
-    # with lora_dropout: the i32 input [seed, on] of the dropout on the LoRA pairs' inputs
-    # (the trainer turns it on for a step, off to evaluate)
-    dropout: object = None
+    # with lora_dropout or neftune_alpha: the i32 input [seed, on] of their draws (the
+    # trainer turns it on for a step, off to evaluate)
+    draws: object = None
     reported = ()   # tensors a training step reads back for its record (report): none
 
     def report(self, values) -> dict:
@@ -246,7 +247,8 @@ def causal(n: int, window: int = 0) -> np.ndarray:
 def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = False,
                       lora=None, adapters=(), frozen: bool = False,
                       max_logits_bytes: int = MAX_LOGITS_BYTES, packed: bool = False,
-                      precision: str = "f32", sequences: int = 0, lora_dropout: float = 0.0):
+                      precision: str = "f32", sequences: int = 0, lora_dropout: float = 0.0,
+                      neftune_alpha: float = 0.0):
     """The forward graph of one training batch with its cross-entropy loss. With `lora`
     (an adapter, ggwgpu.lora.Adapter) the base `values` are frozen and the adapter's
     tensors are the params: a LoRA finetune. Else `values` are the params, or with `frozen`
@@ -281,19 +283,22 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     (ggwgpu.training.preference).
 
     `lora_dropout` > 0 (a LoRA finetune's) drops that share of each pair's input while
-    training (blocks.lora_input), as the input TrainGraph.dropout says: [seed, 1] on, each
-    step its own seed; [0, 0] off."""
+    training (blocks.lora_input); `neftune_alpha` > 0 adds NEFTune's noise to the token
+    embeddings, uniform within alpha / sqrt(n_ctx * n_embd) (TRL's neftune_noise_alpha).
+    Both draw as the input TrainGraph.draws says: [seed, 1] on, each step its own seed;
+    [0, 0] off."""
     if lora is not None:
         p, params = model_weights(values, (lora,), "lora", precision)
     else:
         p, params = model_weights(values, adapters, None if frozen else "base", precision)
-    dropout = None
+    if lora_dropout and lora is None:
+        raise ValueError("LoRA dropout drops the inputs of a LoRA finetune's pairs: give the "
+                         "adapter to train (lora=...)")
+    draws = input_tensor((2,), "i32", name="draws") if lora_dropout or neftune_alpha else None
     if lora_dropout:
-        if lora is None:
-            raise ValueError("LoRA dropout drops the inputs of a LoRA finetune's pairs: "
-                             "give the adapter to train (lora=...)")
-        dropout = input_tensor((2,), "i32", name="lora dropout")
-        p[LORA_DROPOUT] = (dropout, lora_dropout)
+        p[LORA_DROPOUT] = (draws, lora_dropout)
+    if neftune_alpha:
+        p[EMBEDDING_NOISE] = (draws, neftune_alpha / math.sqrt(cfg.n_ctx * cfg.n_embd))
     tokens = input_tensor((batch, cfg.n_ctx), "i32", name="tokens")
     targets = input_tensor((batch, cfg.n_ctx), "i32", name="targets")
     weights = input_tensor((batch, cfg.n_ctx), name="target weights")
@@ -376,12 +381,12 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         # gradient chunk by chunk in the order the planner computes the chunks, so each
         # chunk's part dies at once (measured: plan.memory() of tests/test_llama.py)
         loss = term if loss is None else O.add(term, loss)
-    mask, window_mask, dropout, *used = used_of([loss, *logits], mask, window_mask, dropout,
-                                                *(segments or ()))
+    mask, window_mask, draws, *used = used_of([loss, *logits], mask, window_mask, draws,
+                                              *(segments or ()))
     segments = tuple(used) if segments else None
     return TrainGraph(tokens, positions, targets, weights, logits, loss, params, checkpoints,
                       recompute, mask, window, window_mask, seq_rows, seq_nll, segments,
-                      dropout)
+                      draws)
 
 
 def used_of(outputs, *inputs) -> list:

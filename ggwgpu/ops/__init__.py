@@ -1,6 +1,7 @@
 """All ops. Each module registers one family; `OPS` maps op names to their definitions."""
 from .registry import OPS, Case, Dispatch, Input, OpDef, register  # noqa: F401
 from .elementwise import *  # noqa: F401,F403
+from .draws import *  # noqa: F401,F403
 from .reduce import *  # noqa: F401,F403
 from .layout import *  # noqa: F401,F403
 from .matmul import *  # noqa: F401,F403

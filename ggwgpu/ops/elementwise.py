@@ -1,12 +1,9 @@
 """Elementwise ops: binary with ggml broadcasting of the second operand, and unary maps.
 
 Shader: shaders/elementwise.wgsl, one entry point per op, one invocation per result element,
-generated from the WGSL table below; dropout's is shaders/dropout.wgsl (its draws hash
-integers).
+generated from the WGSL table below.
 """
 from __future__ import annotations
-
-import math
 
 import numpy as np
 
@@ -366,94 +363,9 @@ geglu_back = register(
     cases=lambda: gate_cases(3),
     doc="da of geglu: dy * b * gelu'(a). Inputs a, b, dy.")
 
-
-# Dropout (a LoRA pair's input while training, models.blocks.linear): a mask drawn from a
-# hash of each element's row-major index, a seed and a stream, so that the forward, its
-# backward, a recomputing checkpoint and every backend draw the same one, with no state.
-DROPOUT_BITS = 24           # a draw is the hash's top 24 bits: an integer below 2^24
-
-
-def dropout_mix(x: np.ndarray) -> np.ndarray:
-    """lowbias32, a 32-bit integer hash, on a uint32 array (dropout.wgsl's dropout_mix)."""
-    x = x ^ (x >> 16)
-    x = x * np.uint32(0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def dropout_threshold(rate: float) -> int:
-    """The smallest draw kept: an element is dropped with probability `rate` (to 2^-24)."""
-    return math.ceil(rate * 2 ** DROPOUT_BITS)
-
-
-def dropout_scale(rate: float) -> float:
-    """1 / (1 - rate) as the kernel multiplies by it: a float32."""
-    return float(np.float32(1) / (np.float32(1) - np.float32(rate)))
-
-
-def dropout_keep(shape, seed: int, rate: float, stream: int) -> np.ndarray:
-    """The elements dropout keeps (bool, `shape`): element i's draw, the top bits of
-    mix(mix(i ^ key) + key) with key = mix(seed + mix(stream)), is at least the threshold."""
-    key = dropout_mix(np.array([seed & 0xFFFFFFFF], np.uint32)
-                      + dropout_mix(np.array([stream], np.uint32)))
-    i = np.arange(math.prod(shape), dtype=np.uint32)
-    draw = dropout_mix(dropout_mix(i ^ key) + key) >> (32 - DROPOUT_BITS)
-    return (draw >= dropout_threshold(rate)).reshape(shape)
-
-
-def dropout_ref(x, ctl, rate, stream):
-    seed, on = (int(v) for v in np.asarray(ctl).reshape(-1)[:2])
-    if not on:
-        return x.copy()
-    keep = dropout_keep(x.shape, seed, rate, stream)
-    return np.where(keep, x * x.dtype.type(dropout_scale(rate)), 0).astype(x.dtype)
-
-
-def dropout_shape(srcs, rate, stream):
-    x, ctl = srcs
-    need_float(x)
-    if ctl.dtype != "i32" or ctl.shape != (2,):
-        raise ShapeError(f"the control must be i32 (2,), [seed, on], got {ctl.dtype} "
-                         f"{ctl.shape}")
-    if not 0 <= rate < 1:
-        raise ShapeError(f"the rate must be in [0, 1), got {rate}")
-    if not 0 <= stream < 2 ** 32:
-        raise ShapeError(f"the stream must be a 32-bit unsigned integer, got {stream}")
-    return x.shape, x.dtype, {}
-
-
-def dropout_cases():
-    on = Input((2,), -2 ** 31, 2 ** 31 - 1, dtype="i32")     # any seed; on (0 at 2^-32)
-    off = Input((2,), 0, 1, dtype="i32")
-    return [Case((Input((1,)), on), {"rate": 0.5, "stream": 0}),
-            Case((Input((5, 7)), on), {"rate": 0.1, "stream": 3}),
-            Case((Input((5, 7)), on), {"rate": 0.0, "stream": 3}),
-            Case((Input((3, 4, 5), layout="permuted"), on), {"rate": 0.5, "stream": 2 ** 32 - 1}),
-            Case((Input((4, 9), layout="strided"), Input((2,), 1, 9, "strided", "i32")),
-                 {"rate": 0.9, "stream": 7}),
-            Case((Input((5, 7)), off), {"rate": 0.5, "stream": 1}),
-            Case((Input((LARGE,)), on), {"rate": 0.25, "stream": 11}, grad=False)]
-
-
-# linear in x, with the same mask: the backward is the op on the gradient
-dropout = register(
-    "dropout", n_srcs=2, params=("rate", "stream"), shape=dropout_shape, shader="dropout",
-    reference=dropout_ref, no_grad=(1,),
-    backward=lambda n, g: (O.dropout(g, n.srcs[1], n.params["rate"], n.params["stream"]),
-                           None),
-    uniforms=lambda n: {"f": (dropout_scale(n.params["rate"]),),
-                        "u": (n.params["stream"], dropout_threshold(n.params["rate"]))},
-    cases=dropout_cases,
-    doc="Inverted dropout: x times 1 / (1 - rate) where an element is kept, else 0, each "
-        "dropped with probability `rate`; ctl, i32 [seed, on], gives the draws (with the "
-        "stream, an integer) and turns it off (on 0: x as it is). The draws are a hash of "
-        "each element's row-major index: the same on every backend, again in the backward.")
-
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
            "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "sigmoid", "softplus",
-           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back",
-           "geglu", "geglu_back", "dropout"]
+           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back", "geglu", "geglu_back"]
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2

@@ -185,6 +185,12 @@ class TrainOptions:
         "While training, each LoRA pair reads its input with this share of the elements "
         "dropped, the rest scaled by 1 / (1 - share); validation and the adapter see no "
         "dropout (0: off).", cli="finetune")
+    # NEFTune (TRL's neftune_noise_alpha): models.blocks.embed
+    neftune_alpha: float = _option(
+        0.0, NON_NEGATIVE,
+        "NEFTune: while training, noise uniform within alpha / sqrt(n_ctx * n_embd) is added "
+        "to the token embeddings (TRL's neftune_noise_alpha; 5 is common; 0: off).",
+        cli="finetune")
 
     def __post_init__(self):
         for name, bound in self.bounds().items():
@@ -194,9 +200,13 @@ class TrainOptions:
         if self.optimizer == "lbfgs" and self.objective != "sft":
             raise ValueError(f"option objective {self.objective} does not work with optimizer "
                              f"lbfgs: use adamw or sgd")
-        if self.optimizer == "lbfgs" and self.lora_dropout:
-            raise ValueError("option lora_dropout does not work with optimizer lbfgs: its "
-                             "line search and curvature history assume a loss without noise")
+        for name in ("lora_dropout", "neftune_alpha"):
+            if self.optimizer == "lbfgs" and getattr(self, name):
+                raise ValueError(f"option {name} does not work with optimizer lbfgs: its line "
+                                 f"search and curvature history assume a loss without noise")
+        if self.neftune_alpha and self.objective in ("dpo", "ipo"):
+            raise ValueError(f"option neftune_alpha does not work with objective "
+                             f"{self.objective}: its reference log-probabilities have no noise")
         if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
             raise ValueError("option loss_scale dynamic does not work with optimizer lbfgs: "
                              "its line search compares losses and gradients that a skipped, "

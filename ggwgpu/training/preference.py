@@ -213,7 +213,7 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
 class PreferenceGraph:
     """A training graph (models.TrainGraph, built with `sequences` = 2 pair slots) whose loss
     is a preference loss: what a Trainer needs of a graph (loss, params, checkpoints,
-    recompute, positions, packed, dropout), `feeds(*batch)` of a pairs.PairBatches batch, and
+    recompute, positions, packed, draws), `feeds(*batch)` of a pairs.PairBatches batch, and
     the batch's rewards, margins and accuracy (`report`) from its sequences'
     log-probabilities (`reported`, read back after a step).
 
@@ -233,7 +233,7 @@ class PreferenceGraph:
         self.loss, self.params = self.terms.loss, graph.params
         self.checkpoints, self.recompute = graph.checkpoints, graph.recompute
         self.positions, self.packed, self.tokens = graph.positions, graph.packed, graph.tokens
-        self.dropout = graph.dropout
+        self.draws = graph.draws
         self.reported = (graph.sequence_nll,)
         self.last = None
 

@@ -186,7 +186,7 @@ class PlannedUpdate:
         n = trainer.options.grad_accum
         backward, optimize = self.stages
         for i in range(n):
-            feeds = {**trainer.feeds(*trainer.batches.next_batch()), **trainer.dropout_feed(i),
+            feeds = {**trainer.feeds(*trainer.batches.next_batch()), **trainer.draws_feed(i),
                      self.hparams: hp if i == n - 1 else self.rule.noop_hparams()}
             if n > 1:
                 feeds[self.keep] = np.array([float(i > 0)], np.float32)
@@ -225,7 +225,7 @@ class PlannedUpdate:
         as they are, with no second plan (and no copy of the weights). The accumulated sums
         are restarted by the next step's first micro-batch."""
         feeds[self.hparams] = self.rule.noop_hparams()
-        feeds.update(self.trainer.dropout_feed(None))
+        feeds.update(self.trainer.draws_feed(None))
         if self.trainer.options.grad_accum > 1:
             feeds[self.keep] = np.zeros(1, np.float32)
         self.plan.run(feeds, stage=self.stages[0])

@@ -112,6 +112,7 @@ class Trainer:
                                        packed=getattr(batch_source, "packed", False),
                                        precision=self.precision,
                                        lora_dropout=options.lora_dropout,
+                                       neftune_alpha=options.neftune_alpha,
                                        sequences=2 * batch_source.pair_slots(batch)
                                        if preference else 0)
         if preference:
@@ -180,12 +181,12 @@ class Trainer:
             segments = self.world.rows(segments, targets)[0]
         return self.graph.feeds(inputs_, targets_, segments, counted)
 
-    def dropout_feed(self, micro: int | None) -> dict:
-        """The LoRA dropout's control (graph.dropout) for micro-batch `micro` of this step:
-        on, its seed drawn from the run's seed, the step, the micro-batch and the rank (a
-        resumed run drops as the run before it would have); `micro` None: off, to evaluate.
-        Empty without dropout."""
-        control = getattr(self.graph, "dropout", None)
+    def draws_feed(self, micro: int | None) -> dict:
+        """The control of the graph's random draws (graph.draws: LoRA dropout, NEFTune) for
+        micro-batch `micro` of this step: on, its seed drawn from the run's seed, the step,
+        the micro-batch and the rank (a resumed run draws as the run before it would have);
+        `micro` None: off, to evaluate. Empty without draws."""
+        control = self.graph.draws
         if control is None:
             return {}
         if micro is None:

@@ -1,6 +1,7 @@
-"""LoRA dropout: the dropout op's draws (the same on every backend, at the rate asked, apart
-for each stream and seed), its place in a LoRA training graph (what it drops, its
-gradients, off), and training with it (repeatable, resumable, evaluated without it)."""
+"""Random draws while training: LoRA dropout and NEFTune's noise. The ops' draws (the same on
+every backend, at the rate or magnitude asked, apart for each stream and seed), their place
+in a training graph (what they change, their gradients, off), and training with them
+(repeatable, resumable, evaluated without them)."""
 import numpy as np
 import pytest
 
@@ -55,6 +56,29 @@ def test_streams_and_seeds_draw_apart_and_off_is_the_identity():
     np.testing.assert_array_equal(dropped(backend, x, 0.0, 7, ON), x)
 
 
+def noised(backend, x, magnitude, stream, control):
+    xt, ct = input_tensor(x.shape), input_tensor((2,), "i32")
+    y = O.noise(xt, ct, magnitude, stream)
+    plan = backend.plan([y])
+    plan.run({xt: x, ct: np.asarray(control, np.int32)})
+    return plan.read(y)
+
+
+def test_noise_is_uniform_within_its_magnitude_and_the_same_on_the_device(wgpu):
+    x = np.random.default_rng(1).uniform(-1, 1, (300, 1000)).astype(np.float32)
+    ref = noised(NumpyBackend(), x, 0.25, 9, ON)
+    # the same draws; the device may fuse the multiply-add (one rounding fewer)
+    np.testing.assert_allclose(noised(wgpu, x, 0.25, 9, ON), ref, rtol=0, atol=3e-8)
+    unit = (ref.astype(np.float64) - x) / 0.25
+    assert -1 - 1e-6 <= unit.min() < -0.999 and 0.999 < unit.max() < 1 + 1e-6
+    sd = np.sqrt(1 / 3 / unit.size)       # of the mean of uniform [-1, 1) draws
+    assert abs(unit.mean()) < 5 * sd and abs((unit ** 2).mean() - 1 / 3) < 0.005
+    assert abs(np.corrcoef(unit[:, 1:].ravel(), unit[:, :-1].ravel())[0, 1]) < 0.01
+    other = (noised(NumpyBackend(), x, 0.25, 10, ON).astype(np.float64) - x) / 0.25
+    assert abs(np.corrcoef(unit.ravel(), other.ravel())[0, 1]) < 0.01   # another stream
+    np.testing.assert_array_equal(noised(NumpyBackend(), x, 0.25, 9, OFF), x)
+
+
 def trained_adapter(seed=1):
     """An adapter with B not zero (as after some steps), so every pair adds to the loss."""
     adapter = init_adapter(TINY, lora_ranks(TINY, r=2), 2.0, seed)
@@ -65,10 +89,10 @@ def trained_adapter(seed=1):
     return adapter
 
 
-def lora_graph(rate, adapter=None):
+def lora_graph(rate, adapter=None, neftune_alpha=0.0):
     values = init_parameters(TINY, seed=2)
     return build_train_graph(TINY, values, BATCH, lora=adapter or trained_adapter(),
-                             lora_dropout=rate)
+                             lora_dropout=rate, neftune_alpha=neftune_alpha)
 
 
 def batch_feeds(g, control=None):
@@ -76,7 +100,7 @@ def batch_feeds(g, control=None):
     feeds = {**g.feeds(tokens[:, :-1], tokens[:, 1:]),
              g.positions: np.arange(TINY.n_ctx, dtype=np.int32)}
     if control is not None:
-        feeds[g.dropout] = control
+        feeds[g.draws] = control
     return feeds
 
 
@@ -99,8 +123,16 @@ def test_each_pair_reads_its_input_dropped_and_the_weight_reads_it_whole():
         build_train_graph(TINY, init_parameters(TINY), BATCH, lora_dropout=0.1)
 
 
-def test_lora_dropout_gradients_match_finite_differences():
-    g = lora_graph(0.5)
+def test_the_noise_goes_on_the_embeddings_at_neftune_s_magnitude():
+    g = build_train_graph(TINY, init_parameters(TINY), BATCH, neftune_alpha=5.0)
+    (noise,) = [n for n in topo_order([g.loss]) if n.op == "noise"]
+    assert noise.srcs[0].op == "get_rows" and noise.srcs[1] is g.draws
+    assert noise.params["magnitude"] == pytest.approx(5.0 / np.sqrt(TINY.n_ctx * TINY.n_embd))
+    assert not any(n.op == "dropout" for n in topo_order([g.loss]))
+
+
+def test_lora_dropout_and_noise_gradients_match_finite_differences():
+    g = lora_graph(0.5, neftune_alpha=5.0)
     grads = build_backward(g.loss, list(g.params.values()))
     feeds = batch_feeds(g, ON)
     plan = NumpyBackend(np.float64).plan([g.loss, *grads.values()])
@@ -139,31 +171,44 @@ class Batches:
         return tokens[:, :-1], tokens[:, 1:]
 
 
-def trainer(rate, backend=None, **options):
+def trainer(rate, backend=None, lora=True, **options):
     options = TrainOptions(batch=BATCH, warmup=0, lr=1e-2, lora_dropout=rate, **options)
     return Trainer(TINY, init_parameters(TINY, seed=2), backend or NumpyBackend(), options,
-                   Batches(), lora=trained_adapter())
+                   Batches(), lora=trained_adapter() if lora else None)
 
 
 def test_a_step_draws_anew_for_each_micro_batch_and_step_and_evaluates_without_dropout():
     t = trainer(0.5, grad_accum=2)
-    first = t.dropout_feed(0)[t.graph.dropout]
-    assert first[1] == 1 and first[0] != t.dropout_feed(1)[t.graph.dropout][0]
-    assert not t.dropout_feed(None)[t.graph.dropout].any()
+    first = t.draws_feed(0)[t.graph.draws]
+    assert first[1] == 1 and first[0] != t.draws_feed(1)[t.graph.draws][0]
+    assert not t.draws_feed(None)[t.graph.draws].any()
     plain = trainer(0.0, grad_accum=2)
-    assert not plain.dropout_feed(0)
+    assert not plain.draws_feed(0)
     batch = [Batches().next_batch()]
     assert t.evaluation(batch) == plain.evaluation(batch)
     losses = [t.train_step()["loss"] for _ in range(3)]
     assert losses != [plain.train_step()["loss"] for _ in range(3)]
-    assert t.dropout_feed(0)[t.graph.dropout][0] != first[0]       # the step moved on
+    assert t.draws_feed(0)[t.graph.draws][0] != first[0]       # the step moved on
     again = trainer(0.5, grad_accum=2)
     assert [again.train_step()["loss"] for _ in range(3)] == losses
 
 
+def test_neftune_trains_every_weight_too_and_evaluates_without_noise():
+    noisy, plain = trainer(0.0, lora=False, neftune_alpha=5.0), trainer(0.0, lora=False)
+    batch = [Batches().next_batch()]
+    assert noisy.evaluation(batch) == plain.evaluation(batch)
+    assert noisy.train_step()["loss"] != plain.train_step()["loss"]
+    with pytest.raises(ValueError, match="neftune_alpha does not work with objective dpo"):
+        TrainOptions(neftune_alpha=5.0, objective="dpo")
+    assert TrainOptions(neftune_alpha=5.0, objective="orpo").neftune_alpha == 5.0
+    with pytest.raises(ValueError, match="neftune_alpha does not work with optimizer lbfgs"):
+        TrainOptions(neftune_alpha=5.0, optimizer="lbfgs")
+
+
 def test_checkpointing_recomputes_the_same_draws():
     losses = [[t.train_step()["loss"] for _ in range(3)]
-              for t in (trainer(0.5), trainer(0.5, checkpointing=True))]
+              for t in (trainer(0.5, neftune_alpha=5.0),
+                        trainer(0.5, neftune_alpha=5.0, checkpointing=True))]
     np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6)
 
 
@@ -204,7 +249,7 @@ def test_a_finetune_with_dropout_resumes_as_one_run(tmp_path):
                       steps=1, lora_dropout=0.3, backend="numpy", reporter=quiet)
 
 
-def test_finetune_takes_lora_dropout_and_says_so_and_train_does_not(tmp_path):
+def test_finetune_takes_lora_dropout_and_neftune_and_says_so_and_train_does_not(tmp_path):
     from click.testing import CliRunner
     from ggwgpu_cli import main as cli_main
     text = tmp_path / "text.txt"
@@ -223,9 +268,10 @@ def test_finetune_takes_lora_dropout_and_says_so_and_train_does_not(tmp_path):
     assert run.exit_code == 0, run.output
     run = CliRunner().invoke(cli, ["--backend", "numpy", "finetune", str(tmp_path / "base.gguf"),
                                    str(text), "--steps", "2", "--batch", "2", "--lora-dropout",
-                                   "0.1", "--out", str(tmp_path / "a.gguf")])
+                                   "0.1", "--neftune-alpha", "5", "--out",
+                                   str(tmp_path / "a.gguf")])
     assert run.exit_code == 0, run.output
-    assert ", dropout 0.1:" in run.output and (tmp_path / "a.gguf").exists()
+    assert ", dropout 0.1, NEFTune alpha 5:" in run.output and (tmp_path / "a.gguf").exists()
     run = CliRunner().invoke(cli, ["--backend", "numpy", "finetune", str(tmp_path / "base.gguf"),
                                    str(text), "--full", "--lora-dropout", "0.1"])
     assert run.exit_code != 0 and "trains every weight" in run.output
