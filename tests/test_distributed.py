@@ -246,6 +246,22 @@ def test_a_lora_finetune_of_another_family_over_two_ranks_matches_one_process(tm
     assert one[-1] != one[0]
 
 
+def test_a_finetune_with_dropout_and_neftune_runs_over_two_ranks(tmp_path, mpiexec):
+    """Each rank draws its own masks and noise (the rank is in the seed), as PyTorch's DDP
+    ranks do; the weights stay one (the update reads the summed gradients)."""
+    base = tmp_path / "base.gguf"
+    r = CliRunner().invoke(cli, train_args("--batch", "2", "--steps", "1", "--out", str(base)))
+    assert r.exit_code == 0, r.output
+    r = mpiexec(2, sys.executable, "-m", "ggwgpu_cli.main", "--backend", "numpy", "finetune",
+                base, "--steps", "3", "--batch", "2", "--lr", "1e-2", "--lora-dropout", "0.3",
+                "--neftune-alpha", "5", "--log", tmp_path / "two.jsonl", "--out",
+                tmp_path / "two.gguf")
+    assert r.returncode == 0, r.stdout + r.stderr
+    records = [json.loads(line) for line in (tmp_path / "two.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in records] == [1, 2, 3]
+    assert all(np.isfinite(x["loss"]) for x in records) and (tmp_path / "two.gguf").exists()
+
+
 def test_processes_on_a_machine_take_one_gpu_each():
     from ggwgpu.backends import adapter_for_rank
 
