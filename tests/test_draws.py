@@ -21,12 +21,21 @@ BATCH = 2
 ON, OFF = np.array([1234567, 1], np.int32), np.zeros(2, np.int32)
 
 
-def dropped(backend, x, rate, stream, control):
+def drawn(op, backend, x, size, stream, control):
+    """op (dropout or noise) of x at `size` (its rate or magnitude), on `backend`."""
     xt, ct = input_tensor(x.shape), input_tensor((2,), "i32")
-    y = O.dropout(xt, ct, rate, stream)
+    y = op(xt, ct, size, stream)
     plan = backend.plan([y])
     plan.run({xt: x, ct: np.asarray(control, np.int32)})
     return plan.read(y)
+
+
+def dropped(*args):
+    return drawn(O.dropout, *args)
+
+
+def noised(*args):
+    return drawn(O.noise, *args)
 
 
 @pytest.mark.parametrize("rate,stream,seed", [(0.3, 5, 12345), (0.05, 2 ** 32 - 1, -7),
@@ -54,14 +63,6 @@ def test_streams_and_seeds_draw_apart_and_off_is_the_identity():
         assert abs((base == other).mean() - 0.5) < 0.01     # as two independent masks
     np.testing.assert_array_equal(dropped(backend, x, 0.5, 7, OFF), x)
     np.testing.assert_array_equal(dropped(backend, x, 0.0, 7, ON), x)
-
-
-def noised(backend, x, magnitude, stream, control):
-    xt, ct = input_tensor(x.shape), input_tensor((2,), "i32")
-    y = O.noise(xt, ct, magnitude, stream)
-    plan = backend.plan([y])
-    plan.run({xt: x, ct: np.asarray(control, np.int32)})
-    return plan.read(y)
 
 
 def test_noise_is_uniform_within_its_magnitude_and_the_same_on_the_device(wgpu):
