@@ -19,9 +19,10 @@ Tool calling, as transformers and TRL take it: an example with messages may have
 list of function schemas ({"type": "function", "function": {"name", "description",
 "parameters"}}) that the template renders (Qwen's in its system turn); an assistant message
 may call tools, "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]
-(its content then may be left out), and a "tool" message holds a call's result. A template
-that leaves a tool or a call out of its rendering (ChatML does) is an error: the model would
-learn calls it was never shown.
+(its content then may be left out or null, and is rendered as "", which most templates
+need), and a "tool" message holds a call's result. A template that leaves a tool or a call
+out of its rendering (ChatML does) is an error: the model would learn calls it was never
+shown.
 
 An example becomes token ids and a trained flag per token (`Example`). With `mask_prompt`
 only the assistant turns are trained (their content and the end-of-turn text the template
@@ -193,12 +194,24 @@ def check_tools(tools) -> None:
     _need_unicode_in(tools, "'tools'")
 
 
-def tool_names(example: dict) -> list[str]:
-    """The names of the tools an example offers and of the tools its messages call."""
+def check_tools_rendered(example: dict, rendered: str, template, messages) -> None:
+    """Raise DataError where `rendered`, the example's conversation as `template` renders
+    it, lacks the name of a tool the example offers, or where the rendering of `messages`
+    without the tools lacks the name of a tool they call (a template that shows the tools
+    but not the calls: the calls' names came from the tools)."""
     offered = [t.get("function", t)["name"] for t in example.get("tools", ())]
-    called = [c.get("function", c)["name"] for m in example.get("messages", ())
-              for c in m.get("tool_calls") or ()]
-    return offered + called
+    called = [c.get("function", c)["name"] for m in messages for c in m.get("tool_calls") or ()]
+    left_out = [name for name in offered + called if name not in rendered]
+    if called and offered and not left_out:
+        try:
+            bare = template.render(messages)
+        except DataError:       # a template that wants the tools with the calls: no check
+            bare = None
+        left_out = [name for name in called if bare is not None and name not in bare]
+    if left_out:
+        raise DataError(f"the chat template ({template.origin}) leaves out tool "
+                        f"{left_out[0]!r}: it renders no tools or tool calls (give one that "
+                        f"does: --chat-template)")
 
 
 def _need_string(example, key):
@@ -253,15 +266,15 @@ class ChatTemplate:
         def raise_exception(message):
             raise TemplateError(message)
 
-        def tojson(value, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+        def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                              separators=separators, sort_keys=sort_keys)
 
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
         self.origin, self.budget = origin, RenderBudget()
         self.last_answer_only = 0    # conversations whose earlier answers `turns` left out
         env = bounded_environment(self.budget)(trim_blocks=True, lstrip_blocks=True,
-                                               extensions=[loopcontrols])
+                                               extensions=[loopcontrols, generation_tag()])
         env.filters["tojson"] = tojson
         env.globals.update(raise_exception=raise_exception, range=self.budget.range,
                            strftime_now=lambda fmt: datetime.now().strftime(fmt))
@@ -309,10 +322,11 @@ class ChatTemplate:
         turn's generation prompt is a piece of its own (not an answer), then its content and
         end-of-turn text (an answer, if the message's index is at least `answers_from`).
 
-        That needs every start of the conversation to render as the start of the whole.
-        Where the template renders otherwise (Qwen3's and Qwen3.5's earlier answers lose
-        their reasoning tags; Gemma 4's generation prompt opens an empty thought that an
-        answer does not have; Qwen3.5 refuses a conversation without a user turn), the
+        That needs every start of the conversation that ends at an answer to render as the
+        start of the whole. Where the template renders otherwise (Qwen3's and Qwen3.5's
+        earlier answers lose their reasoning tags; Gemma 4's generation prompt opens an empty
+        thought that an answer does not have; Qwen3.5 refuses a conversation without a user
+        turn, so an answer before the first user message), the
         conversation is cut as TRL cuts a prompt from its completion: the last message, if
         an assistant's, is the answer from where the whole and the rendering of the messages
         before it with the generation prompt part; earlier answers stay context (not answers:
@@ -333,8 +347,14 @@ class ChatTemplate:
                                                 (full[start:], last >= answers_from)) if t]
 
     def _turns_of_prefixes(self, messages, answers_from: int, tools) -> list[tuple[str, bool]]:
+        """The pieces from renderings of the conversation's starts at the assistant turns
+        (and the whole): the turns between two answers are one untrained piece, so no start
+        that ends elsewhere is rendered (Llama 3's template, which puts the tools in the
+        first user message, refuses a start without one)."""
         pieces, done = [], ""
         for i, message in enumerate(messages):
+            if message["role"] != "assistant" and i < len(messages) - 1:
+                continue
             parts = []
             if message["role"] == "assistant":
                 parts.append((self.render(messages[:i], add_generation_prompt=True, tools=tools),
@@ -348,6 +368,21 @@ class ChatTemplate:
                 pieces.append((text[len(done):], trained))
                 done = text
         return [(t, trained) for t, trained in pieces if t]
+
+
+def generation_tag():
+    """The jinja2 extension of transformers' {% generation %} ... {% endgeneration %}, which
+    marks an answer for its assistant-token masks: rendered as its body (the answers
+    trained are found by rendering the conversation's starts, ChatTemplate.turns)."""
+    from jinja2.ext import Extension
+
+    class Generation(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return Generation
 
 
 class RenderTimeout(Exception):
@@ -490,21 +525,13 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: ChatTemplate |
     mask_prompt, the messages before index `answers_from` are not trained, assistant turns
     among them neither."""
     if "messages" in example or ("prompt" in example and template is not None):
-        messages = example.get("messages") or [
+        messages = [m if m.get("content") is not None else {**m, "content": ""}
+                    for m in example["messages"]] if "messages" in example else [
             {"role": "user", "content": example["prompt"]},
             {"role": "assistant", "content": example["completion"]}]
-        names = tool_names(example)
-        if names and "tool" not in template.source:     # (ChatML would fail on a None content)
-            left_out = names
-        else:
-            pieces, special, eos = template.turns(messages, answers_from,
-                                                  example.get("tools")), True, False
-            rendered = "".join(text for text, _ in pieces)
-            left_out = [name for name in names if name not in rendered]
-        if left_out:
-            raise DataError(f"the chat template ({template.origin}) leaves out tool "
-                            f"{left_out[0]!r}: it renders no tools or tool calls (give one "
-                            f"that does: --chat-template)")
+        pieces, special, eos = template.turns(messages, answers_from,
+                                              example.get("tools")), True, False
+        check_tools_rendered(example, "".join(text for text, _ in pieces), template, messages)
     elif "prompt" in example:
         pieces = [(example["prompt"], False), (example["completion"], True)]
         special, eos = False, True

@@ -80,8 +80,9 @@ def test_templates_render_conversations_as_their_models_expect(name):
 
 # Templates written to behave as published ones do where a conversation's start does not
 # render as the start of the whole: Qwen3's answers after the last user turn carry empty
-# reasoning tags and earlier ones lose them; Qwen3.5's refuses a conversation without a
-# user turn; Gemma 4's generation prompt opens an empty thought that no answer has.
+# reasoning tags and earlier ones lose them; Gemma 4's generation prompt opens an empty
+# thought that no answer has. Qwen3.5's refuses a conversation without a user turn (as
+# Llama 3's does with tools): starts that end before an answer are never rendered alone.
 REASONING = (
     "{% set ns = namespace(last=0) %}{% for m in messages %}{% if m['role'] == 'user' %}"
     "{% set ns.last = loop.index0 %}{% endif %}{% endfor %}{% for m in messages %}"
@@ -100,8 +101,7 @@ THOUGHT = ("{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assi
 @pytest.mark.parametrize("source, last, first", [
     (REASONING, "<think>\n\n</think>\n\n Yes. <|im_end|>\n",
      "<think>\n\n</think>\n\nHello.<|im_end|>\n"),
-    (NEEDS_USER, " Yes. <|im_end|>\n", "Hello.<|im_end|>\n"),
-    (THOUGHT, "Yes.<turn|>\n", "Hello.<turn|>\n")], ids=["reasoning", "needs-user", "thought"])
+    (THOUGHT, "Yes.<turn|>\n", "Hello.<turn|>\n")], ids=["reasoning", "thought"])
 def test_a_template_that_renders_starts_otherwise_trains_the_last_answer(source, last, first):
     """As TRL cuts a completion from its prompt: the whole conversation as the template
     renders it, the last answer from where it parts from the rendering of the messages
@@ -117,8 +117,17 @@ def test_a_template_that_renders_starts_otherwise_trains_the_last_answer(source,
     assert not any(trained for _, trained in template.turns(CHAT[:4]))   # ends with a user
     assert not any(trained for _, trained in template.turns(CHAT, answers_from=5))
     assert template.last_answer_only == 1      # answers before answers_from are no answers
+
+
+def test_a_template_that_needs_a_user_turn_trains_every_answer_after_one():
+    template = ChatTemplate(NEEDS_USER)
+    turns = template.turns(CHAT)
+    assert [t for t, trained in turns if trained] == ["Hello.<|im_end|>\n",
+                                                      " Yes. <|im_end|>\n"]
+    assert "".join(t for t, _ in turns) == template.render(CHAT)
+    assert template.last_answer_only == 0
     with pytest.raises(DataError, match="No user query"):
-        ChatTemplate(NEEDS_USER).turns(CHAT[:1] + [{"role": "assistant", "content": "x"}])
+        template.turns(CHAT[:1] + [{"role": "assistant", "content": "x"}])
 
 
 def test_a_template_without_generation_prompt_for_the_default_system_turn():
@@ -689,6 +698,12 @@ def test_a_template_without_tools_is_refused_rather_than_training_unseen_calls()
     dropping = QWEN25.replace("{{- tool_call.name }}", "")
     with pytest.raises(DataError, match="leaves out tool 'get_weather'"):
         encode_example({"messages": CALLING}, vocab, ChatTemplate(dropping), True)
+    # one that shows the tools (their names) but no call (LFM2's takes calls as content)
+    no_calls = QWEN25.replace("{%- for tool_call in message.tool_calls %}",
+                              "{%- for tool_call in [] %}")
+    with pytest.raises(DataError, match="leaves out tool 'get_weather'"):
+        encode_example({"messages": CALLING, "tools": [WEATHER]}, vocab,
+                       ChatTemplate(no_calls), True)
 
 
 @pytest.mark.parametrize("line,message", [
