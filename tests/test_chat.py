@@ -225,6 +225,18 @@ def test_tojson_keeps_non_ascii():
     template = ChatTemplate("{{ messages[0] | tojson }}")
     assert json.loads(template.render([{"role": "user", "content": "é"}]))["content"] == "é"
     assert "é" in template.render([{"role": "user", "content": "é"}])
+    escaped = ChatTemplate("{{ messages[0].content | tojson(ensure_ascii=True) }}")
+    assert escaped.render([{"role": "user", "content": "é"}]) == '"\\u00e9"'   # as GLM asks
+
+
+def test_transformers_generation_tag_renders_its_body_and_answers_are_found_as_ever():
+    marked = CHATML.replace("message['content'] + '<|im_end|>'",
+                            "'' }}{% if message['role'] == 'assistant' %}{% generation %}"
+                            "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{% else %}"
+                            "{{ message['content'] + '<|im_end|>' }}{% endif %}{{ ''")
+    template = ChatTemplate(marked)
+    assert template.render(CHAT) == RENDERED["chatml"]
+    assert template.turns(CHAT) == ChatTemplate(CHATML).turns(CHAT)
 
 
 # -- files ------------------------------------------------------------------------------------
