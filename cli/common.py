@@ -270,6 +270,31 @@ def resolve_precision(backend, choice: str) -> str:
         raise click.UsageError(f"--precision {choice}: {e}") from None
 
 
+tools_option = click.option(
+    "--tools", "tools_path", type=InputPath(exists=True, dir_okay=False),
+    help="Function schemas the model may call: a JSON list, as a tool-calling example's "
+         "\"tools\" (docs/chat-data.md), which the chat template renders.")
+
+
+def load_tools(path, template):
+    """The function schemas of --tools's JSON file (None without one), refused where
+    `template` (a ChatTemplate) leaves them out of a conversation's rendering."""
+    import json
+
+    from ggwgpu.chat import check_tools, check_tools_rendered
+    if not path:
+        return None
+    try:
+        tools = json.loads(read_limited(path, ValueError).decode("utf-8"))
+        check_tools(tools)
+        probe = [{"role": "user", "content": "?"}]
+        check_tools_rendered({"tools": tools}, template.render(probe, True, tools), template,
+                             probe)
+    except (ValueError, OSError, RecursionError) as e:   # DataError, JSON: ValueErrors
+        raise click.UsageError(f"--tools {path}: {e}") from None
+    return tools
+
+
 def chat_template(tokenizer: Tokenizer, path=None):
     """The ChatTemplate of --chat-template's file, else the model's, else ChatML."""
     from ggwgpu.chat import ChatTemplate

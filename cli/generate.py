@@ -9,8 +9,9 @@ import click
 
 from .common import InputPath, chat_template as load_chat_template
 from .common import (MAX_DEFAULT_DECODE_CTX, check_memory, ctx_option, describe_backend,
-                     load_model, lora_option, precision_option, resolve_precision, sampling_of,
-                     sampling_options, select_backend, template_option)
+                     load_model, load_tools, lora_option, precision_option, resolve_precision,
+                     sampling_of, sampling_options, select_backend, template_option,
+                     tools_option)
 from .streaming import chat_answer, stream_sample
 
 
@@ -31,10 +32,11 @@ from .streaming import chat_answer, stream_sample
                    "the generation prompt (after --system); only the answer is printed.")
 @click.option("--system", help="With --chat: a system message first.")
 @template_option()
+@tools_option
 @precision_option
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
-             **kw):
+             tools_path, **kw):
     """Continue a prompt with a GGUF model of any family ggwgpu builds (ours or llama.cpp's).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
@@ -45,8 +47,8 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
     check_memory(ctx, f"generating with {model}", cfg, values, kw["precision"],
                  decoder=True)
-    if (system or chat_template) and not chat:
-        raise click.UsageError("--system and --chat-template go with --chat")
+    if (system or chat_template or tools_path) and not chat:
+        raise click.UsageError("--system, --chat-template and --tools go with --chat")
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
@@ -56,7 +58,8 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     if chat:
         template = load_chat_template(tokenizer, chat_template)
         chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n_predict,
-                    sampling_of(kw), kw["seed"], adapters, precision)
+                    sampling_of(kw), kw["seed"], adapters, precision,
+                    load_tools(tools_path, template))
     else:
         stream_sample(backend, cfg, values, tokenizer, prompt, n_predict, sampling_of(kw),
                       kw["seed"], adapters, precision)

@@ -48,11 +48,12 @@ def stream_sample(backend, cfg, values, tokenizer: Tokenizer, prompt, n, samplin
                f"{decoder.memory() / 2**20:.1f} MiB planned", err=True)
 
 
-def stream_reply(session, text: str, n: int) -> int:
-    """Print the answer to `text` piece by piece as it is sampled; the number of tokens."""
+def stream_reply(session, text: str, n: int, role: str = "user") -> int:
+    """Print the answer to `text` (a `role` message) piece by piece as it is sampled; the
+    number of tokens."""
     from ggwgpu.generate import TextStream
     stream, count = TextStream(session.tokenizer), 0
-    reply = session.reply(text, n)
+    reply = session.reply(text, n, role)
     try:
         for token in reply:
             count += 1
@@ -67,18 +68,18 @@ def stream_reply(session, text: str, n: int) -> int:
 
 
 def new_session(backend, cfg, values, tokenizer: Tokenizer, template, system, sampling, seed,
-                adapters, precision="f32"):
+                adapters, precision="f32", tools=None):
     from ggwgpu.generate import ChatSession, Decoder
     decoder = Decoder(backend, cfg, values, adapters=adapters, precision=precision)
-    return ChatSession(decoder, tokenizer, template, system, sampling, seed)
+    return ChatSession(decoder, tokenizer, template, system, sampling, seed, tools)
 
 
 def chat_answer(backend, cfg, values, tokenizer: Tokenizer, template, system, prompt, n, sampling,
-                seed, adapters=(), precision="f32"):
+                seed, adapters=(), precision="f32", tools=None):
     """generate --chat: the answer to one user message, then a timing line on stderr."""
     t0 = time.perf_counter()
     session = new_session(backend, cfg, values, tokenizer, template, system, sampling, seed,
-                          adapters, precision)
+                          adapters, precision, tools)
     t1 = time.perf_counter()
     try:
         count = stream_reply(session, prompt, n)

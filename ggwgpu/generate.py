@@ -490,8 +490,11 @@ class ChatSession:
     of it (`window`); a reply that fills the context slides the same way."""
 
     def __init__(self, decoder: Decoder, tokenizer: Tokenizer, template, system: str | None = None,
-                 sampling: Sampling = Sampling(), seed: int = 0):
+                 sampling: Sampling = Sampling(), seed: int = 0, tools=None):
+        """`tools`: function schemas the model may call (chat.check_tools), rendered by the
+        template at every turn; a call's result comes back with reply(..., role="tool")."""
         self.decoder, self.tokenizer, self.template = decoder, tokenizer, template
+        self.tools = tools
         self.sampling, self.rng = sampling, np.random.default_rng(seed)
         self.messages = [{"role": "system", "content": system}] if system else []
         self.start = 0      # the first turn the window kept: no earlier one fits again
@@ -500,7 +503,8 @@ class ChatSession:
         """The tokens of `messages` rendered with the generation prompt (or without)."""
         from .chat import rendered_ids
         return rendered_ids(self.tokenizer, self.template.render(messages,
-                                                                 add_generation_prompt))
+                                                                 add_generation_prompt,
+                                                                 self.tools))
 
     def generation_prompt_length(self) -> int:
         """How many tokens the generation prompt adds at the end of the conversation's
@@ -537,13 +541,14 @@ class ChatSession:
                     return ids
         return window(self.ids(self.messages) + answer, context_bos(self.tokenizer), max_ctx)
 
-    def reply(self, text: str, n: int = -1) -> Iterator[int]:
-        """Add the user message `text` and yield the answer's tokens as they are sampled: at
-        most n (< 0: no limit), ending at an end-of-generation token. The answer joins the
-        conversation when the generator ends, also when it is closed early or interrupted
-        (Ctrl-C), as far as it went. A message that cannot be tokenized (a VocabError)
-        does not join it."""
-        self.messages.append({"role": "user", "content": text})
+    def reply(self, text: str, n: int = -1, role: str = "user") -> Iterator[int]:
+        """Add the message `text` (a user's, or with role "tool" a tool call's result) and
+        yield the answer's tokens as they are sampled: at most n (< 0: no limit), ending at
+        an end-of-generation token. The answer joins the conversation when the generator
+        ends, also when it is closed early or interrupted (Ctrl-C), as far as it went (a
+        tool call as the text the model wrote, which the template renders as it was). A
+        message that cannot be tokenized (a VocabError) does not join it."""
+        self.messages.append({"role": role, "content": text})
         try:
             prompt = self.window()
         except VocabError:

@@ -1,6 +1,7 @@
 """Chatting: ChatSession keeps the KV cache across turns and the model sees exactly what the
 template renders; `ggwgpu chat` and `ggwgpu generate --chat` on a tiny byte-vocabulary model."""
 import io
+import json
 
 import numpy as np
 import pytest
@@ -278,3 +279,52 @@ def test_a_recurrent_model_chats_where_the_template_rewrites_earlier_answers():
     assert ByteTokenizer().decode(tokens).endswith("\nu:And?\na:<t>") and runs == [0, stable]
     np.testing.assert_allclose(logits, Decoder(backend, cfg, values).prefill(tokens),
                                rtol=0, atol=1e-12)
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+# TEMPLATE with the tools' names first, and a tool message as "t:"
+TOOLS_TEMPLATE = ("{% if tools %}T:{% for t in tools %}{{ t['function']['name'] }}"
+                  "{% endfor %}{{ '\n' }}{% endif %}" + TEMPLATE)
+TOOLS = [{"type": "function", "function": {"name": "clock", "parameters": {}}}]
+
+
+def test_a_session_renders_its_tools_and_takes_a_tool_s_result():
+    decoder = Decoder(NumpyBackend(), CFG, init_parameters(CFG, seed=3))
+    s = ChatSession(decoder, ByteTokenizer(), ChatTemplate(TOOLS_TEMPLATE), None, GREEDY,
+                    tools=TOOLS)
+    recorder = Recorder(s.decoder)
+    call = ByteTokenizer().decode(list(s.reply("Time?", 4)))
+    list(s.reply("9:00", 4, role="tool"))
+    assert [m["role"] for m in s.messages] == ["user", "assistant", "tool", "assistant"]
+    assert ByteTokenizer().decode(recorder.calls[-1][0]) == \
+        f"T:clock\nu:Time?\na:{call}\nt:9:00\na:"
+
+
+def test_chat_takes_tools_and_a_tool_result_line(files, tmp_path):
+    model, template = files
+    (tmp_path / "tools.jinja").write_text(TOOLS_TEMPLATE)
+    tools = tmp_path / "tools.json"
+    tools.write_text(json.dumps(TOOLS))
+    r = invoke("--backend", "numpy", "chat", model, "--chat-template",
+               str(tmp_path / "tools.jinja"), "--tools", str(tools), "-n", "4", "--temp", "0",
+               input="Time?\n/tool 9:00\n")
+    assert r.exit_code == 0, r.output
+    decoder = Decoder(NumpyBackend(), CFG, init_parameters(CFG, seed=3))
+    s = ChatSession(decoder, ByteTokenizer(), ChatTemplate(TOOLS_TEMPLATE), None, GREEDY,
+                    tools=TOOLS)
+    answers = []
+    for text, role in (("Time?", "user"), ("9:00", "tool")):
+        stream = TextStream(ByteTokenizer())
+        answers.append("".join(stream.push(t) for t in s.reply(text, 4, role))
+                       + stream.finish())
+    assert r.stdout == f"> Time?\n{answers[0]}\n> /tool 9:00\n{answers[1]}\n> \n"
+    # a template that renders no tools, tools that are no list of schemas, no --chat
+    plain = invoke("--backend", "numpy", "chat", model, "--chat-template", template, "--tools",
+                   str(tools), input="")
+    assert plain.exit_code == 2 and "leaves out tool 'clock'" in plain.output
+    (tmp_path / "bad.json").write_text('{"name": "clock"}')
+    bad = invoke("--backend", "numpy", "chat", model, "--tools", str(tmp_path / "bad.json"))
+    assert bad.exit_code == 2 and "bad.json: 'tools' must be a non-empty list" in bad.output
+    no_chat = invoke("--backend", "numpy", "generate", model, "--tools", str(tools))
+    assert no_chat.exit_code == 2 and "--tools go with --chat" in no_chat.output
