@@ -7,7 +7,8 @@ generate and merge, with the same defaults, files and checks as the `ggwgpu` com
     run = ggwgpu.finetune(base, data="chat-demo", out="adapter.gguf", steps=60, lr=1e-3)
     tuned = ggwgpu.load("SmolLM2-135M-Instruct-Q8_0.gguf", adapters=["adapter.gguf"])
     print(ggwgpu.evaluate(tuned, ["notes.txt"]).perplexity)
-    print(ggwgpu.generate(tuned, "What do I type to plot a run?", max_tokens=40))
+    print(ggwgpu.generate(tuned, [{"role": "user", "content": "What do I type to plot a run?"}],
+                          max_tokens=40))
 
 Training options (lr, batch, optimizer, warmup, ... : the fields of TrainOptions) are keyword
 arguments. A run prints a line every ten steps on standard error (pass `reporter=` a
@@ -22,7 +23,7 @@ from dataclasses import dataclass, field
 from . import evaluation, gguf_file, gguf_llama, lora
 from .backends import get_backend
 from .data import Samples
-from .generate import Decoder, generate as generate_text
+from .generate import ChatSession, Decoder, Sampling, generate as generate_text
 from .models import ModelConfig, init_parameters
 from .quant import Quantized, dequantize
 from .tokenizer import ByteTokenizer
@@ -281,19 +282,44 @@ def evaluate(model, texts=(), *, corpus: str = "shakespeare", windows: int | Non
     return Evaluation(loss, evaluation.perplexity_of(loss), counted, len(starts))
 
 
-def generate(model, prompt: str, max_tokens: int = 128, *, temperature: float = 0.8,
+def generate(model, prompt, max_tokens: int = 128, *, temperature: float = 0.8,
              top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
              repeat_penalty: float = 1.0, seed: int = 0, precision: str = "auto",
-             backend=None) -> str:
+             tools=None, chat_template: str | None = None, backend=None) -> str:
     """The text `model` (with its adapters) writes after `prompt`: up to max_tokens tokens,
-    ending early at an end-of-generation token; temperature 0 is greedy."""
+    ending early at an end-of-generation token; temperature 0 is greedy.
+
+    `prompt` a list of messages ([{"role", "content"}, ...], as chat data's, the last a
+    user's or a tool's): the answer to that conversation, rendered through the model's chat
+    template (or `chat_template`, a Jinja source) with `tools` (function schemas) where
+    given, as `ggwgpu chat` answers."""
     model = _model(model)
     backend = get_backend(backend)
     decoder = Decoder(backend, model.cfg, model.values, adapters=model.adapters,
                       precision=precision)
-    return generate_text(backend, model.cfg, model.values, model.tokenizer, prompt, max_tokens,
-                         temperature, top_k, top_p, repeat_penalty, seed=seed,
-                         decoder=decoder, min_p=min_p)
+    if isinstance(prompt, str):
+        if tools is not None or chat_template is not None:
+            raise ValueError("tools and chat_template go with a conversation: give the prompt "
+                             "as a list of messages")
+        return generate_text(backend, model.cfg, model.values, model.tokenizer, prompt,
+                             max_tokens, temperature, top_k, top_p, repeat_penalty, seed=seed,
+                             decoder=decoder, min_p=min_p)
+    from .chat import ChatTemplate, check_messages, check_tools, renderable
+    if not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a string or a non-empty list of messages")
+    check_messages(prompt)
+    if prompt[-1]["role"] not in ("user", "tool"):
+        raise ValueError(f"a conversation to answer ends with a user's or a tool's message, "
+                         f"not an {prompt[-1]['role']}'s")
+    if tools is not None:
+        check_tools(tools)
+    template = ChatTemplate.of(model.tokenizer, chat_template,
+                               chat_template and "the chat_template argument")
+    sampling = Sampling(temperature, top_k, top_p, repeat_penalty, min_p=min_p)
+    session = ChatSession(decoder, model.tokenizer, template, None, sampling, seed, tools)
+    session.messages = renderable(prompt[:-1])
+    return model.tokenizer.decode(list(session.reply(prompt[-1]["content"], max_tokens,
+                                                     prompt[-1]["role"])))
 
 
 def merge(model, adapters=None) -> Model:

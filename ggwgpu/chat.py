@@ -194,6 +194,12 @@ def check_tools(tools) -> None:
     _need_unicode_in(tools, "'tools'")
 
 
+def renderable(messages) -> list[dict]:
+    """`messages` (checked) with a tool call's missing or null content as "", which most
+    templates need (Qwen3's tests it for reasoning tags)."""
+    return [m if m.get("content") is not None else {**m, "content": ""} for m in messages]
+
+
 def check_tools_rendered(example: dict, rendered: str, template, messages) -> None:
     """Raise DataError where `rendered`, the example's conversation as `template` renders
     it, lacks the name of a tool the example offers, or where the rendering of `messages`
@@ -525,8 +531,7 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: ChatTemplate |
     mask_prompt, the messages before index `answers_from` are not trained, assistant turns
     among them neither."""
     if "messages" in example or ("prompt" in example and template is not None):
-        messages = [m if m.get("content") is not None else {**m, "content": ""}
-                    for m in example["messages"]] if "messages" in example else [
+        messages = renderable(example["messages"]) if "messages" in example else [
             {"role": "user", "content": example["prompt"]},
             {"role": "assistant", "content": example["completion"]}]
         pieces, special, eos = template.turns(messages, answers_from,

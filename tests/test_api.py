@@ -108,3 +108,20 @@ def test_a_tool_calling_finetune_renders_the_tools_and_trains_the_calls(base, tm
     with pytest.raises(ValueError, match=r"\(ChatML\) leaves out tool 'get_weather'"):
         ggwgpu.finetune(str(base / "base.gguf"), data=str(tmp_path), steps=1,
                         out=str(tmp_path / "b.gguf"), backend="numpy", reporter=QUIET)
+
+
+def test_generate_answers_a_conversation_through_the_chat_template(base):
+    from ggwgpu.chat import CHATML, ChatTemplate
+    from test_chat import CALLING, QWEN25, WEATHER
+    model = ggwgpu.load(base / "base.gguf")
+    greedy = dict(max_tokens=8, temperature=0, backend="numpy")
+    for messages, template, tools in (([{"role": "user", "content": "Full fathom"}], None, None),
+                                      (CALLING[:3], QWEN25, [WEATHER])):
+        answer = ggwgpu.generate(model, messages, chat_template=template, tools=tools, **greedy)
+        rendered = ChatTemplate(template or CHATML).render(
+            [dict(m, content=m.get("content") or "") for m in messages], True, tools)
+        assert answer == ggwgpu.generate(model, rendered, **greedy) and answer
+    with pytest.raises(ValueError, match="ends with a user's or a tool's message"):
+        ggwgpu.generate(model, CALLING, **greedy)
+    with pytest.raises(ValueError, match="tools and chat_template go with a conversation"):
+        ggwgpu.generate(model, "Full fathom", tools=[WEATHER], **greedy)
