@@ -293,26 +293,28 @@ def generate(model, prompt, max_tokens: int = 128, *, temperature: float = 0.8,
     user's or a tool's): the answer to that conversation, rendered through the model's chat
     template (or `chat_template`, a Jinja source) with `tools` (function schemas) where
     given, as `ggwgpu chat` answers."""
+    from .chat import ChatTemplate, check_messages, check_tools, renderable
     model = _model(model)
-    backend = get_backend(backend)
-    decoder = Decoder(backend, model.cfg, model.values, adapters=model.adapters,
-                      precision=precision)
     if isinstance(prompt, str):
         if tools is not None or chat_template is not None:
             raise ValueError("tools and chat_template go with a conversation: give the prompt "
                              "as a list of messages")
+    elif not isinstance(prompt, list) or not prompt:
+        raise ValueError("prompt must be a string or a non-empty list of messages")
+    else:
+        check_messages(prompt)
+        if prompt[-1]["role"] not in ("user", "tool"):
+            raise ValueError(f"a conversation to answer ends with a user's or a tool's "
+                             f"message; this one ends with the {prompt[-1]['role']}'s")
+        if tools is not None:
+            check_tools(tools)
+    backend = get_backend(backend)
+    decoder = Decoder(backend, model.cfg, model.values, adapters=model.adapters,
+                      precision=precision)
+    if isinstance(prompt, str):
         return generate_text(backend, model.cfg, model.values, model.tokenizer, prompt,
                              max_tokens, temperature, top_k, top_p, repeat_penalty, seed=seed,
                              decoder=decoder, min_p=min_p)
-    from .chat import ChatTemplate, check_messages, check_tools, renderable
-    if not isinstance(prompt, list) or not prompt:
-        raise ValueError("prompt must be a string or a non-empty list of messages")
-    check_messages(prompt)
-    if prompt[-1]["role"] not in ("user", "tool"):
-        raise ValueError(f"a conversation to answer ends with a user's or a tool's message, "
-                         f"not an {prompt[-1]['role']}'s")
-    if tools is not None:
-        check_tools(tools)
     template = ChatTemplate.of(model.tokenizer, chat_template,
                                chat_template and "the chat_template argument")
     sampling = Sampling(temperature, top_k, top_p, repeat_penalty, min_p=min_p)
