@@ -227,16 +227,17 @@ def _need_string(example, key):
 
 
 def _need_unicode_in(value, what: str):
-    """_need_unicode of every string (keys too) in a JSON value."""
-    if isinstance(value, str):
-        _need_unicode(value, what)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _need_unicode_in(k, what)
-            _need_unicode_in(v, what)
-    elif isinstance(value, list):
-        for v in value:
-            _need_unicode_in(v, what)
+    """_need_unicode of every string (keys too) in a JSON value, however deeply nested (a
+    stack, not recursion: JSON as deep as the parser allows must not overflow Python's)."""
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            _need_unicode(value, what)
+        elif isinstance(value, dict):
+            todo += [*value.keys(), *value.values()]
+        elif isinstance(value, list):
+            todo += value
 
 
 def _need_unicode(text: str, what: str):

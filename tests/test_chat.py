@@ -746,3 +746,13 @@ def test_a_tool_call_may_be_the_function_itself_with_arguments_as_a_string(tmp_p
     (example,) = read_jsonl(path)
     text = ChatTemplate(QWEN25).render(example["messages"], tools=example["tools"])
     assert '{"name": "get_weather", "arguments": "{\\"city\\": \\"Bern\\"}"}' in text
+
+
+def test_tools_nested_deeper_than_python_recurses_are_checked_without_recursion():
+    from ggwgpu.chat import check_example
+    deep = "\ud800"
+    for _ in range(5000):
+        deep = [deep]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": deep}}}]
+    with pytest.raises(DataError, match="'tools': character 0 is a lone surrogate"):
+        check_example({"messages": CALLING, "tools": tools})
