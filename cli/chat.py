@@ -48,7 +48,7 @@ def chat_command(ctx, model, system, n_predict, lora_paths, n_ctx, tools_path, *
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
     check_memory(ctx, f"chatting with {model}", cfg, values, kw["precision"],
                  decoder=True)
-    template = chat_template(tokenizer, kw.pop("chat_template"))
+    template = chat_template(tokenizer, kw.pop("chat_template"), kw.pop("chat_template_kwargs"))
     tools = load_tools(tools_path, template)
     backend = select_backend(ctx)
     precision = resolve_precision(backend, kw["precision"])

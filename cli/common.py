@@ -247,10 +247,19 @@ def load_model(path, lora_paths=(), n_ctx=None):
 
 
 def template_option(cls=click.Option):
-    """--chat-template; `cls` marks it for the training commands (training.Repeated)."""
-    return click.option("--chat-template", cls=cls, type=InputPath(exists=True, dir_okay=False),
-                        help="A Jinja chat template file (default: the model's own, else "
-                             "ChatML).")
+    """--chat-template and --chat-template-kwargs; `cls` marks them for the training
+    commands (training.Repeated)."""
+    def decorate(command):
+        command = click.option(
+            "--chat-template-kwargs", cls=cls, metavar="JSON",
+            help="Variables for the chat template, a JSON object, as transformers' "
+                 "chat_template_kwargs and llama.cpp's option of this name: "
+                 "'{\"enable_thinking\": false}' turns Qwen3's reasoning off.")(command)
+        return click.option(
+            "--chat-template", cls=cls, type=InputPath(exists=True, dir_okay=False),
+            help="A Jinja chat template file (default: the model's own, else "
+                 "ChatML).")(command)
+    return decorate
 
 
 precision_option = click.option(
@@ -295,13 +304,23 @@ def load_tools(path, template):
     return tools
 
 
-def chat_template(tokenizer: Tokenizer, path=None):
-    """The ChatTemplate of --chat-template's file, else the model's, else ChatML."""
+def chat_template(tokenizer: Tokenizer, path=None, variables_json=None):
+    """The ChatTemplate of --chat-template's file, else the model's, else ChatML, with
+    --chat-template-kwargs's variables."""
+    import json
+
     from ggwgpu.chat import ChatTemplate
+    try:
+        variables = json.loads(variables_json) if variables_json else None
+    except (ValueError, RecursionError) as e:
+        raise click.UsageError(f"--chat-template-kwargs: not JSON ({e})") from None
+    if variables is not None and not isinstance(variables, dict):
+        raise click.UsageError("--chat-template-kwargs: a JSON object of variables, as "
+                               "'{\"enable_thinking\": false}'")
     try:
         source = None
         if path:            # UnicodeDecodeError is a ValueError too
             source = read_limited(path, ValueError).decode("utf-8")
-        return ChatTemplate.of(tokenizer, source, path and f"--chat-template {path}")
+        return ChatTemplate.of(tokenizer, source, path and f"--chat-template {path}", variables)
     except (ValueError, OSError) as e:
         raise click.UsageError(str(e)) from None

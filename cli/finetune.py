@@ -175,7 +175,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     check_steps(kw)
     local_batch(options)    # under mpirun: the batch must split over the processes
     data = FinetuneData(kw["texts"], kw["corpus"], kw["data_path"],
-                        chat_template(tokenizer, kw["chat_template"]) if kw["data_path"] else None,
+                        chat_template(tokenizer, kw["chat_template"],
+                                      kw["chat_template_kwargs"]) if kw["data_path"] else None,
                         kw["mask_prompt"], kw["drop_long"], not kw["no_pack"], kw["val_split"],
                         bool(kw["val_every"] or kw["early_stop"]), samples_after_nl)
     backend = select_backend(ctx)

@@ -36,7 +36,7 @@ from .streaming import chat_answer, stream_sample
 @precision_option
 @click.pass_context
 def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, chat_template,
-             tools_path, **kw):
+             chat_template_kwargs, tools_path, **kw):
     """Continue a prompt with a GGUF model of any family ggwgpu builds (ours or llama.cpp's).
 
     The model runs with a KV cache on the chosen backend and the host samples as llama.cpp
@@ -47,8 +47,8 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     cfg, values, tokenizer, adapters = load_model(model, lora_paths, n_ctx)
     check_memory(ctx, f"generating with {model}", cfg, values, kw["precision"],
                  decoder=True)
-    if (system or chat_template or tools_path) and not chat:
-        raise click.UsageError("--system, --chat-template and --tools go with --chat")
+    if (system or chat_template or chat_template_kwargs or tools_path) and not chat:
+        raise click.UsageError("--system, --chat-template(-kwargs) and --tools go with --chat")
     if not (prompt or chat) and not (tokenizer.add_bos and tokenizer.bos_id is not None):
         raise click.UsageError(f"{model}'s vocabulary has no BOS token: give a --prompt")
     backend = select_backend(ctx)
@@ -56,7 +56,7 @@ def generate(ctx, model, prompt, n_predict, lora_paths, n_ctx, chat, system, cha
     click.echo(f"generate on {describe_backend(backend)} in {precision}: {model}, n_ctx "
                f"{cfg.n_ctx}, seed {kw['seed']}", err=True)
     if chat:
-        template = load_chat_template(tokenizer, chat_template)
+        template = load_chat_template(tokenizer, chat_template, chat_template_kwargs)
         chat_answer(backend, cfg, values, tokenizer, template, system, prompt, n_predict,
                     sampling_of(kw), kw["seed"], adapters, precision,
                     load_tools(tools_path, template))

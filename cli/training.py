@@ -402,7 +402,7 @@ def data_options(command):
 def example_sets(kw: dict, tokenizer: Tokenizer, splits=("train", "valid")) -> dict:
     """{split: encoded examples} of --data (only the splits asked for and present); the
     template is --chat-template's, else the model's, else ChatML."""
-    template = chat_template(tokenizer, kw.get("chat_template"))
+    template = chat_template(tokenizer, kw.get("chat_template"), kw.get("chat_template_kwargs"))
     with usage_errors():
         return inputs.example_sets(kw["data_path"], tokenizer, template, kw["mask_prompt"],
                                    splits)

@@ -146,14 +146,16 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
              full: bool = False, lora_r: int = 4, lora_alpha: float = 4.0,
              lora_ranks: dict | None = None, lora_layers=None, n_ctx: int | None = None,
              corpus: str = "shakespeare", samples_after_nl: bool = False,
-             chat_template: str | None = None, mask_prompt: bool = False,
-             drop_long: bool = False, pack: bool = True, val_split: float | None = None,
-             val_every: int = 0, val_batches: int = 0, early_stop: int = 0,
-             checkpoint: str | None = None, save_every: int = 100, log: str | None = None,
-             on_nan: str = "stop", backend=None, reporter=None, **options) -> RunResult:
+             chat_template: str | None = None, chat_template_kwargs: dict | None = None,
+             mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
+             val_split: float | None = None, val_every: int = 0, val_batches: int = 0,
+             early_stop: int = 0, checkpoint: str | None = None, save_every: int = 100,
+             log: str | None = None, on_nan: str = "stop", backend=None, reporter=None,
+             **options) -> RunResult:
     """Finetune `model` (a Model or a path) on text files (default: the bundled corpus), or
     on `data` (a JSONL file, a directory of splits or a bundled set) rendered through the
-    model's chat template (or `chat_template`, a Jinja source). Writes a LoRA adapter to
+    model's chat template (or `chat_template`, a Jinja source), given
+    `chat_template_kwargs` (variables: {"enable_thinking": False}). Writes a LoRA adapter to
     `out` (pairs of rank lora_r, or per target `lora_ranks` as lora.TARGETS names them, on
     `lora_layers`), or with `full` every weight as a model. With a validation set (the data's
     valid split, or `val_split`) the validation loss is taken every `val_every` steps (and at
@@ -169,8 +171,9 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
         ranks = lora.lora_ranks(model.cfg, lora_r, lora_ranks, lora_layers)
         adapter = lora.init_adapter(model.cfg, ranks, lora_alpha, options.seed)
     setup = dict(n_ctx=n_ctx or model.cfg.n_ctx, samples_after_nl=samples_after_nl)
+    template = _template(model, chat_template, chat_template_kwargs) if data else None
     return _run_finetune(model, values, adapter, options, 0, None, None, setup, texts, data,
-                         corpus, chat_template, mask_prompt, drop_long, pack, val_split,
+                         corpus, template, mask_prompt, drop_long, pack, val_split,
                          val_every, val_batches, early_stop, out, steps, checkpoint,
                          save_every, log, on_nan, backend, reporter)
 
@@ -191,11 +194,11 @@ def _trained_weights(model: Model, full: bool) -> dict:
 
 def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = None,
            steps: int = 100, corpus: str = "shakespeare", chat_template: str | None = None,
-           mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
-           val_split: float | None = None, val_every: int = 0, val_batches: int = 0,
-           early_stop: int = 0, checkpoint: str | None = None, save_every: int = 100,
-           log: str | None = None, on_nan: str = "stop", backend=None, reporter=None,
-           **options) -> RunResult:
+           chat_template_kwargs: dict | None = None, mask_prompt: bool = False,
+           drop_long: bool = False, pack: bool = True, val_split: float | None = None,
+           val_every: int = 0, val_batches: int = 0, early_stop: int = 0,
+           checkpoint: str | None = None, save_every: int = 100, log: str | None = None,
+           on_nan: str = "stop", backend=None, reporter=None, **options) -> RunResult:
     """Go on with the run saved in `checkpoint_in` for `steps` more steps: a from-scratch
     run (no `model`), or a finetune of `model` (the base it started from), on the same text
     or data. The checkpoint fixes the model, the data order and the options; of `options`
@@ -227,22 +230,28 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
                                      checkpoint_in, model.path or "this model")
     options = inputs.resumed_options(state.options, options, checkpoint_in)
     setup = dict(n_ctx=state.n_ctx or model.cfg.n_ctx, samples_after_nl=state.samples_after_nl)
+    template = _template(model, chat_template, chat_template_kwargs) if data else None
     return _run_finetune(model, values, adapter, options, state.step, opt_state, state, setup,
-                         texts, data, corpus, chat_template, mask_prompt, drop_long, pack,
+                         texts, data, corpus, template, mask_prompt, drop_long, pack,
                          val_split, val_every, val_batches, early_stop,
                          out or ("model.gguf" if full else "adapter.gguf"), steps,
                          checkpoint or checkpoint_in, save_every, log, on_nan, backend,
                          reporter)
 
 
+def _template(model: Model, chat_template: str | None, chat_template_kwargs: dict | None):
+    """The ChatTemplate of `chat_template` (a Jinja source), else the model's own, else
+    ChatML, with `chat_template_kwargs` (variables)."""
+    from .chat import ChatTemplate
+    return ChatTemplate.of(model.tokenizer, chat_template,
+                           chat_template and "the chat_template argument", chat_template_kwargs)
+
+
 def _run_finetune(model, values, adapter, options, step, opt_state, state, setup, texts, data,
-                  corpus, chat_template, mask_prompt, drop_long, pack, val_split, val_every,
+                  corpus, template, mask_prompt, drop_long, pack, val_split, val_every,
                   val_batches, early_stop, out, steps, checkpoint, save_every, log, on_nan,
                   backend, reporter) -> RunResult:
-    from .chat import ChatTemplate
     cfg = _with_context(model.cfg, setup["n_ctx"])
-    template = data and ChatTemplate.of(model.tokenizer, chat_template,
-                                        chat_template and "the chat_template argument")
     spec = FinetuneData(tuple(texts), corpus, data, template, mask_prompt, drop_long, pack,
                         val_split, bool(val_every or early_stop), setup["samples_after_nl"])
     run = prepare_finetune(model.cfg, cfg, model.tokenizer, model.digest, values, adapter,
@@ -285,20 +294,21 @@ def evaluate(model, texts=(), *, corpus: str = "shakespeare", windows: int | Non
 def generate(model, prompt, max_tokens: int = 128, *, temperature: float = 0.8,
              top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
              repeat_penalty: float = 1.0, seed: int = 0, precision: str = "auto",
-             tools=None, chat_template: str | None = None, backend=None) -> str:
+             tools=None, chat_template: str | None = None,
+             chat_template_kwargs: dict | None = None, backend=None) -> str:
     """The text `model` (with its adapters) writes after `prompt`: up to max_tokens tokens,
     ending early at an end-of-generation token; temperature 0 is greedy.
 
     `prompt` a list of messages ([{"role", "content"}, ...], as chat data's, the last a
     user's or a tool's): the answer to that conversation, rendered through the model's chat
-    template (or `chat_template`, a Jinja source) with `tools` (function schemas) where
-    given, as `ggwgpu chat` answers."""
-    from .chat import ChatTemplate, check_messages, check_tools, renderable
+    template (or `chat_template`, a Jinja source; `chat_template_kwargs` its variables) with
+    `tools` (function schemas) where given, as `ggwgpu chat` answers."""
+    from .chat import check_messages, check_tools, renderable
     model = _model(model)
     if isinstance(prompt, str):
-        if tools is not None or chat_template is not None:
-            raise ValueError("tools and chat_template go with a conversation: give the prompt "
-                             "as a list of messages")
+        if tools is not None or chat_template is not None or chat_template_kwargs:
+            raise ValueError("tools and chat_template(_kwargs) go with a conversation: give "
+                             "the prompt as a list of messages")
     elif not isinstance(prompt, list) or not prompt:
         raise ValueError("prompt must be a string or a non-empty list of messages")
     else:
@@ -315,8 +325,7 @@ def generate(model, prompt, max_tokens: int = 128, *, temperature: float = 0.8,
         return generate_text(backend, model.cfg, model.values, model.tokenizer, prompt,
                              max_tokens, temperature, top_k, top_p, repeat_penalty, seed=seed,
                              decoder=decoder, min_p=min_p)
-    template = ChatTemplate.of(model.tokenizer, chat_template,
-                               chat_template and "the chat_template argument")
+    template = _template(model, chat_template, chat_template_kwargs)
     sampling = Sampling(temperature, top_k, top_p, repeat_penalty, min_p=min_p)
     session = ChatSession(decoder, model.tokenizer, template, None, sampling, seed, tools)
     session.messages = renderable(prompt[:-1])

@@ -263,10 +263,11 @@ class ChatTemplate:
     immutable sandbox with bounds (RENDER_*): whatever fails in a template, from a syntax
     error, an include or a recursion to a loop that would not end, is a DataError "the chat
     template (`origin`) failed: ...". `origin` says where it came from (a model file, a
-    --chat-template file)."""
+    --chat-template file); `variables` are passed to every render (template_variables:
+    {"enable_thinking": False} for Qwen3's)."""
 
     def __init__(self, source: str, bos_token: str = "", eos_token: str = "",
-                 origin: str = "ChatML"):
+                 origin: str = "ChatML", variables: dict | None = None):
         from jinja2 import TemplateError
         from jinja2.ext import loopcontrols
 
@@ -278,6 +279,7 @@ class ChatTemplate:
                               separators=separators, sort_keys=sort_keys)
 
         self.source, self.bos_token, self.eos_token = source, bos_token, eos_token
+        self.variables = template_variables(variables)
         self.origin, self.budget = origin, RenderBudget()
         self.last_answer_only = 0    # conversations whose earlier answers `turns` left out
         env = bounded_environment(self.budget)(trim_blocks=True, lstrip_blocks=True,
@@ -292,18 +294,18 @@ class ChatTemplate:
                             f"{type(e).__name__}: {e}") from None
 
     @classmethod
-    def of(cls, tokenizer: Tokenizer, source: str | None = None, origin: str | None = None
-           ) -> ChatTemplate:
+    def of(cls, tokenizer: Tokenizer, source: str | None = None, origin: str | None = None,
+           variables: dict | None = None) -> ChatTemplate:
         """The template `source` (from `origin`), else the tokenizer's own
         (tokenizer.chat_template in its GGUF), else ChatML; bos_token and eos_token are the
-        tokenizer's."""
+        tokenizer's; `variables` as the constructor takes them."""
         from .tokenizer import CHAT_TEMPLATE
         own = tokenizer.gguf_metadata().get(CHAT_TEMPLATE)
         if source is None:
             source, origin = (own, f"the model's {CHAT_TEMPLATE}") if own else (CHATML, "ChatML")
         text = lambda i: tokenizer.tokens[i] if i is not None else ""   # noqa: E731
         return cls(source, text(tokenizer.bos_id), text(tokenizer.eos_id),
-                   origin or "a given template")
+                   origin or "a given template", variables)
 
     def render(self, messages, add_generation_prompt: bool = False, tools=None) -> str:
         """The text of `messages` (and the `tools` they may call, None: none), as transformers'
@@ -313,7 +315,7 @@ class ChatTemplate:
             with time_limit(RENDER_SECONDS):
                 parts, size = [], 0
                 for part in self.template.generate(
-                        messages=messages, tools=tools,
+                        **self.variables, messages=messages, tools=tools,
                         add_generation_prompt=add_generation_prompt,
                         bos_token=self.bos_token, eos_token=self.eos_token):
                     size += len(part)
@@ -375,6 +377,27 @@ class ChatTemplate:
                 pieces.append((text[len(done):], trained))
                 done = text
         return [(t, trained) for t, trained in pieces if t]
+
+
+# what every render sets itself: chat template variables may not name these
+RENDER_VARIABLES = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token")
+
+
+def template_variables(variables) -> dict:
+    """`variables` (None: none), what transformers' apply_chat_template passes a template
+    beside the conversation (its chat_template_kwargs, llama.cpp's --chat-template-kwargs:
+    Qwen3's enable_thinking), checked: a dict of names to JSON values, none of them one a
+    render sets itself (RENDER_VARIABLES)."""
+    variables = dict(variables or {})
+    for name in variables:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"a chat template variable's name is an identifier, not "
+                             f"{name!r}")
+        if name in RENDER_VARIABLES:
+            raise ValueError(f"the chat template variable {name!r} is set by each rendering "
+                             f"itself")
+    _need_unicode_in(variables, "the chat template variables")
+    return variables
 
 
 def generation_tag():

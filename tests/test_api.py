@@ -121,7 +121,12 @@ def test_generate_answers_a_conversation_through_the_chat_template(base):
         rendered = ChatTemplate(template or CHATML).render(
             [dict(m, content=m.get("content") or "") for m in messages], True, tools)
         assert answer == ggwgpu.generate(model, rendered, **greedy) and answer
+    who = CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>' + who + '\\n'")
+    asked = [{"role": "user", "content": "Full fathom"}]
+    assert ggwgpu.generate(model, asked, chat_template=who, chat_template_kwargs={"who": "bot"},
+                           **greedy) == ggwgpu.generate(
+        model, ChatTemplate(who, variables={"who": "bot"}).render(asked, True), **greedy)
     with pytest.raises(ValueError, match="ends with a user's or a tool's message"):
         ggwgpu.generate(model, CALLING, **greedy)
-    with pytest.raises(ValueError, match="tools and chat_template go with a conversation"):
+    with pytest.raises(ValueError, match=r"tools and chat_template\(_kwargs\) go with a conversation"):
         ggwgpu.generate(model, "Full fathom", tools=[WEATHER], **greedy)

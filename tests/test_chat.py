@@ -756,3 +756,21 @@ def test_tools_nested_deeper_than_python_recurses_are_checked_without_recursion(
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"x": deep}}}]
     with pytest.raises(DataError, match="'tools': character 0 is a lone surrogate"):
         check_example({"messages": CALLING, "tools": tools})
+
+
+def test_template_variables_reach_every_render_and_cannot_replace_its_own():
+    # as Qwen3's generation prompt, whose enable_thinking false writes an empty thought
+    source = CHATML.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n' + ("
+                            "'<think>\\n\\n</think>\\n\\n' if enable_thinking is defined and "
+                            "not enable_thinking else '')")
+    plain = ChatTemplate(source).render(CHAT[:2], True)
+    quiet = ChatTemplate(source, variables={"enable_thinking": False}).render(CHAT[:2], True)
+    assert quiet == plain + "<think>\n\n</think>\n\n"
+    assert ChatTemplate(source, variables={"enable_thinking": True}).render(CHAT[:2], True) \
+        == plain
+    for bad, message in (({"messages": []}, "'messages' is set by each rendering itself"),
+                         ({"add_generation_prompt": 1}, "set by each rendering"),
+                         ({"not a name": 1}, "an identifier, not 'not a name'"),
+                         ({"x": "\ud800"}, "lone surrogate")):
+        with pytest.raises(ValueError, match=message):
+            ChatTemplate(CHATML, variables=bad)

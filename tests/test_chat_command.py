@@ -328,3 +328,21 @@ def test_chat_takes_tools_and_a_tool_result_line(files, tmp_path):
     assert bad.exit_code == 2 and "bad.json: 'tools' must be a non-empty list" in bad.output
     no_chat = invoke("--backend", "numpy", "generate", model, "--tools", str(tools))
     assert no_chat.exit_code == 2 and "--tools go with --chat" in no_chat.output
+
+
+def test_generate_chat_takes_template_variables(files, tmp_path):
+    model, _ = files
+    template = tmp_path / "v.jinja"
+    template.write_text(TEMPLATE.replace("a:", "{{ who }}:"))
+    args = ("--backend", "numpy", "generate", model, "-n", "4", "--temp", "0")
+    r = invoke(*args, "--chat", "-p", "Hi?", "--chat-template", str(template),
+               "--chat-template-kwargs", '{"who": "bot"}')
+    assert r.exit_code == 0, r.output
+    plain = invoke(*args, "-p", "u:Hi?\nbot:")
+    assert r.stdout == plain.stdout[len("u:Hi?\nbot:"):]
+    for given, message in (("{nope", "--chat-template-kwargs: not JSON"),
+                           ("[1]", "a JSON object of variables"),
+                           ('{"messages": 1}', "set by each rendering itself")):
+        bad = invoke(*args, "--chat", "-p", "Hi?", "--chat-template-kwargs", given)
+        assert bad.exit_code == 2 and message in bad.output, bad.output
+    assert invoke(*args, "--chat-template-kwargs", "{}").exit_code == 2     # no --chat
