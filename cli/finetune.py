@@ -178,7 +178,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
                         chat_template(tokenizer, kw["chat_template"],
                                       kw["chat_template_kwargs"]) if kw["data_path"] else None,
                         kw["mask_prompt"], kw["drop_long"], not kw["no_pack"], kw["val_split"],
-                        bool(kw["val_every"] or kw["early_stop"]), samples_after_nl)
+                        bool(kw["val_every"] or kw["early_stop"]), samples_after_nl,
+                        kw["every_answer"])
     backend = select_backend(ctx)
     with usage_errors():
         run = prepare_finetune(model_cfg, cfg, tokenizer, base_digest, values, adapter, options,

@@ -386,6 +386,11 @@ def data_options(command):
         template_option(cls=Repeated),
         click.option("--mask-prompt", cls=Repeated, is_flag=True,
                      help="Train on the answers only (assistant turns, completions)."),
+        click.option("--every-answer", cls=Repeated, is_flag=True,
+                     help="With --mask-prompt, where the chat template renders earlier "
+                          "answers otherwise in a longer conversation (Qwen3's reasoning, "
+                          "whose conversations then train their last answer only): one "
+                          "example per answer, the conversation up to it."),
         click.option("--drop-long", cls=Repeated, is_flag=True,
                      help="Leave out examples longer than --n-ctx (default: cut them)."),
         click.option("--no-pack", cls=Repeated, is_flag=True,
@@ -405,7 +410,7 @@ def example_sets(kw: dict, tokenizer: Tokenizer, splits=("train", "valid")) -> d
     template = chat_template(tokenizer, kw.get("chat_template"), kw.get("chat_template_kwargs"))
     with usage_errors():
         return inputs.example_sets(kw["data_path"], tokenizer, template, kw["mask_prompt"],
-                                   splits)
+                                   splits, kw["every_answer"])
 
 
 def example_batches(examples, cfg, batch: int, kw: dict, seed: int):

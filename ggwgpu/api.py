@@ -147,7 +147,8 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
              lora_ranks: dict | None = None, lora_layers=None, n_ctx: int | None = None,
              corpus: str = "shakespeare", samples_after_nl: bool = False,
              chat_template: str | None = None, chat_template_kwargs: dict | None = None,
-             mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
+             mask_prompt: bool = False, every_answer: bool = False, drop_long: bool = False,
+             pack: bool = True,
              val_split: float | None = None, val_every: int = 0, val_batches: int = 0,
              early_stop: int = 0, checkpoint: str | None = None, save_every: int = 100,
              log: str | None = None, on_nan: str = "stop", backend=None, reporter=None,
@@ -175,7 +176,7 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
     return _run_finetune(model, values, adapter, options, 0, None, None, setup, texts, data,
                          corpus, template, mask_prompt, drop_long, pack, val_split,
                          val_every, val_batches, early_stop, out, steps, checkpoint,
-                         save_every, log, on_nan, backend, reporter)
+                         save_every, log, on_nan, backend, reporter, every_answer)
 
 
 def _trained_weights(model: Model, full: bool) -> dict:
@@ -195,7 +196,8 @@ def _trained_weights(model: Model, full: bool) -> dict:
 def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = None,
            steps: int = 100, corpus: str = "shakespeare", chat_template: str | None = None,
            chat_template_kwargs: dict | None = None, mask_prompt: bool = False,
-           drop_long: bool = False, pack: bool = True, val_split: float | None = None,
+           every_answer: bool = False, drop_long: bool = False, pack: bool = True,
+           val_split: float | None = None,
            val_every: int = 0, val_batches: int = 0, early_stop: int = 0,
            checkpoint: str | None = None, save_every: int = 100, log: str | None = None,
            on_nan: str = "stop", backend=None, reporter=None, **options) -> RunResult:
@@ -236,7 +238,7 @@ def resume(checkpoint_in, model=None, texts=(), *, data=None, out: str | None = 
                          val_split, val_every, val_batches, early_stop,
                          out or ("model.gguf" if full else "adapter.gguf"), steps,
                          checkpoint or checkpoint_in, save_every, log, on_nan, backend,
-                         reporter)
+                         reporter, every_answer)
 
 
 def _template(model: Model, chat_template: str | None, chat_template_kwargs: dict | None):
@@ -250,10 +252,11 @@ def _template(model: Model, chat_template: str | None, chat_template_kwargs: dic
 def _run_finetune(model, values, adapter, options, step, opt_state, state, setup, texts, data,
                   corpus, template, mask_prompt, drop_long, pack, val_split, val_every,
                   val_batches, early_stop, out, steps, checkpoint, save_every, log, on_nan,
-                  backend, reporter) -> RunResult:
+                  backend, reporter, every_answer) -> RunResult:
     cfg = _with_context(model.cfg, setup["n_ctx"])
     spec = FinetuneData(tuple(texts), corpus, data, template, mask_prompt, drop_long, pack,
-                        val_split, bool(val_every or early_stop), setup["samples_after_nl"])
+                        val_split, bool(val_every or early_stop), setup["samples_after_nl"],
+                        every_answer)
     run = prepare_finetune(model.cfg, cfg, model.tokenizer, model.digest, values, adapter,
                            options, spec, get_backend(backend),
                            checkpoint or inputs.default_checkpoint_path(out), step=step,

@@ -282,6 +282,7 @@ class ChatTemplate:
         self.variables = template_variables(variables)
         self.origin, self.budget = origin, RenderBudget()
         self.last_answer_only = 0    # conversations whose earlier answers `turns` left out
+        self.split_conversations = 0     # those made one example per answer instead
         env = bounded_environment(self.budget)(trim_blocks=True, lstrip_blocks=True,
                                                extensions=[loopcontrols, generation_tag()])
         env.filters["tojson"] = tojson
@@ -579,6 +580,28 @@ def encode_example(example: dict, tokenizer: Tokenizer, template: ChatTemplate |
         ids.append(tokenizer.eos_id)
         trained.append(True)
     return Example(np.array(ids, np.int32), np.array(trained, bool))
+
+
+def encode_examples(example: dict, tokenizer: Tokenizer, template: ChatTemplate | None,
+                    mask_prompt: bool, every_answer: bool = False) -> list[Example]:
+    """[encode_example's Example]; with `every_answer` (and mask_prompt), a conversation
+    whose earlier answers the template renders otherwise in a longer one (ChatTemplate.turns
+    then trains its last answer only: Qwen3's reasoning) becomes one Example per answer, the
+    conversation up to it, its last answer trained as the template writes a last answer:
+    every answer is trained as the model writes it (`template.split_conversations` counts
+    them, not `last_answer_only`)."""
+    before = template.last_answer_only if template is not None else 0
+    last = encode_example(example, tokenizer, template, mask_prompt)
+    if not (every_answer and mask_prompt) or template is None \
+            or template.last_answer_only == before:
+        return [last]
+    messages = example["messages"]
+    earlier = [encode_example({**example, "messages": messages[:i + 1]}, tokenizer, template,
+                              mask_prompt)
+               for i, m in enumerate(messages[:-1]) if m["role"] == "assistant"]
+    template.last_answer_only = before
+    template.split_conversations += 1
+    return earlier + [last]
 
 
 # -- batches ----------------------------------------------------------------------------------

@@ -774,3 +774,21 @@ def test_template_variables_reach_every_render_and_cannot_replace_its_own():
                          ({"x": "\ud800"}, "lone surrogate")):
         with pytest.raises(ValueError, match=message):
             ChatTemplate(CHATML, variables=bad)
+
+
+def test_every_answer_makes_a_rewriting_template_s_conversation_one_example_per_answer():
+    from ggwgpu.chat import encode_examples
+    vocab, example = Vocab(), {"messages": CHAT}
+    template = ChatTemplate(REASONING)
+    (alone,) = encode_examples(example, vocab, template, mask_prompt=True)
+    assert template.last_answer_only == 1
+    first, last = encode_examples(example, vocab, template, mask_prompt=True, every_answer=True)
+    assert template.last_answer_only == 1 and template.split_conversations == 1
+    np.testing.assert_array_equal(last.ids, alone.ids)
+    np.testing.assert_array_equal(last.trained, alone.trained)
+    # the first answer as the template writes a last one: with its reasoning tags
+    assert _text(vocab, first.ids[first.trained]) == "<think>\n\n</think>\n\nHello.<|im_end|>\n"
+    assert _text(vocab, first.ids) == _text(vocab, [vocab.bos_id]) + template.render(CHAT[:3])
+    # a template that renders starts as the whole, or no masking: one example as ever
+    for source, mask in ((CHATML, True), (REASONING, False)):
+        assert len(encode_examples(example, vocab, ChatTemplate(source), mask, True)) == 1

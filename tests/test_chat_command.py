@@ -346,3 +346,22 @@ def test_generate_chat_takes_template_variables(files, tmp_path):
         bad = invoke(*args, "--chat", "-p", "Hi?", "--chat-template-kwargs", given)
         assert bad.exit_code == 2 and message in bad.output, bad.output
     assert invoke(*args, "--chat-template-kwargs", "{}").exit_code == 2     # no --chat
+
+
+def test_finetune_every_answer_says_how_many_conversations_it_split(files, tmp_path):
+    from test_chat import CHAT, REASONING
+    model, _ = files
+    (tmp_path / "r.jinja").write_text(REASONING)
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"messages": CHAT}) + "\n" for _ in range(3)))
+    args = ("--backend", "numpy", "finetune", model, "--data", str(data), "--chat-template",
+            str(tmp_path / "r.jinja"), "--mask-prompt", "--n-ctx", "256", "--steps", "1",
+            "--batch", "2")
+    r = invoke(*args, "--out", str(tmp_path / "a.gguf"))
+    assert r.exit_code == 0, r.output
+    assert "3 conversations train their last answer only" in r.output
+    assert "--every-answer trains each" in r.output
+    r = invoke(*args, "--every-answer", "--out", str(tmp_path / "b.gguf"))
+    assert r.exit_code == 0, r.output
+    assert "3 conversations made one example per answer" in r.output
+    assert "last answer only" not in r.output and "6 examples" in r.output, r.output

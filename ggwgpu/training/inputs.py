@@ -87,13 +87,15 @@ def resume_data(samples, state: RunState, checkpoint: str | None):
 
 
 def example_sets(path, tokenizer, template, mask_prompt: bool,
-                 splits=("train", "valid")) -> dict:
+                 splits=("train", "valid"), every_answer: bool = False) -> dict:
     """{split: encoded chat.Examples} of a JSONL file, a directory of splits or a bundled
-    set (only the splits asked for and present), rendered through `template`."""
+    set (only the splits asked for and present), rendered through `template`
+    (chat.encode_examples: `every_answer`)."""
     try:
         sets = chat.load_dataset(path)
-        return {split: [chat.encode_example(e, tokenizer, template, mask_prompt)
-                        for e in sets[split]] for split in splits if split in sets}
+        return {split: [x for e in sets[split] for x in chat.encode_examples(
+            e, tokenizer, template, mask_prompt, every_answer)]
+            for split in splits if split in sets}
     except OSError as e:
         raise ValueError(str(e)) from None
 
@@ -115,14 +117,15 @@ class ExampleData:
 
 
 def finetune_examples(path, tokenizer, template, n_ctx: int, options: TrainOptions, *,
-                      mask_prompt: bool = False, drop_long: bool = False, pack: bool = True,
+                      mask_prompt: bool = False, every_answer: bool = False,
+                      drop_long: bool = False, pack: bool = True,
                       val_split: float | None = None, need_validation: bool = False,
                       state: RunState | None = None, checkpoint: str | None = None
                       ) -> ExampleData:
     """The examples of `path`: the validation set is its valid split, else `val_split` of
     the training examples (`need_validation`: there must be one); packed where that makes
     fewer rows (unless `pack` is False); at a resumed run's position when `state` is given."""
-    sets = example_sets(path, tokenizer, template, mask_prompt)
+    sets = example_sets(path, tokenizer, template, mask_prompt, every_answer=every_answer)
     train, valid = sets["train"], sets.get("valid")
     if valid is None and val_split:
         train, valid = chat.split_off(train, val_split, options.seed)

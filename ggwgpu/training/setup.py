@@ -30,6 +30,7 @@ class FinetuneData:
     val_split: float | None = None
     need_validation: bool = False
     samples_after_nl: bool = False
+    every_answer: bool = False      # chat.encode_examples
 
 
 @dataclass
@@ -75,6 +76,7 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
         else:
             split = inputs.finetune_examples(data.data, tokenizer, data.template, cfg.n_ctx,
                                              options, mask_prompt=data.mask_prompt,
+                                             every_answer=data.every_answer,
                                              pack=data.pack, **common)
             describe = inputs.describe_examples
         samples, valid, digest = split.train, split.valid, split.digest
@@ -84,7 +86,12 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
         if data.mask_prompt and data.template is not None and data.template.last_answer_only:
             lines.append(f"      {data.template.last_answer_only} conversations train their "
                          f"last answer only: the chat template renders earlier answers "
-                         f"otherwise in a longer conversation (as Qwen3's does)")
+                         f"otherwise in a longer conversation (as Qwen3's does; "
+                         f"--every-answer trains each as the model writes it)")
+        if data.template is not None and data.template.split_conversations:
+            lines.append(f"      {data.template.split_conversations} conversations made one "
+                         f"example per answer (--every-answer): the chat template renders "
+                         f"earlier answers otherwise in a longer conversation")
     else:
         text, source = inputs.training_text(data.texts, data.corpus)
         if len(text) >= inputs.LARGE_TEXT:
