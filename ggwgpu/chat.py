@@ -351,6 +351,10 @@ class ChatTemplate:
             return [(full, False)]
         prompt = self.render(messages[:last], add_generation_prompt=True, tools=tools)
         start = len(os.path.commonprefix([prompt, full]))
+        if start < len(prompt):     # they part inside the generation prompt (Gemma 4's
+            # thought before a "<|tool_call>"): at a line's or a tag's end, so that no
+            # control token is cut in two
+            start = max(full.rfind("\n", 0, start), full.rfind(">", 0, start)) + 1
         self.last_answer_only += any(m["role"] == "assistant"
                                      for m in messages[answers_from:last])
         return [(t, trained) for t, trained in ((full[:start], False),

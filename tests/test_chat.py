@@ -792,3 +792,12 @@ def test_every_answer_makes_a_rewriting_template_s_conversation_one_example_per_
     # a template that renders starts as the whole, or no masking: one example as ever
     for source, mask in ((CHATML, True), (REASONING, False)):
         assert len(encode_examples(example, vocab, ChatTemplate(source), mask, True)) == 1
+
+
+def test_the_last_answer_s_cut_never_falls_inside_a_control_token():
+    """Gemma 4's generation prompt opens "<|channel>": an answer that begins "<|tool_call>"
+    shares "<|" with it, and the cut moves back to the line's end, not between "<|" and the
+    rest of the token."""
+    call = [CHAT[1], {"role": "assistant", "content": "<|tool_call>f()<tool_call|>"}]
+    turns = ChatTemplate(THOUGHT).turns(call)
+    assert [t for t, trained in turns if trained] == ["<|tool_call>f()<tool_call|><turn|>\n"]
