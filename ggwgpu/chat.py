@@ -393,6 +393,9 @@ def template_variables(variables) -> dict:
     beside the conversation (its chat_template_kwargs, llama.cpp's --chat-template-kwargs:
     Qwen3's enable_thinking), checked: a dict of names to JSON values, none of them one a
     render sets itself (RENDER_VARIABLES)."""
+    if variables is not None and not isinstance(variables, dict):
+        raise ValueError(f"chat template variables are a dict of names to values, not a "
+                         f"{type(variables).__name__}")
     variables = dict(variables or {})
     for name in variables:
         if not isinstance(name, str) or not name.isidentifier():

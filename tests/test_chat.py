@@ -771,7 +771,8 @@ def test_template_variables_reach_every_render_and_cannot_replace_its_own():
     for bad, message in (({"messages": []}, "'messages' is set by each rendering itself"),
                          ({"add_generation_prompt": 1}, "set by each rendering"),
                          ({"not a name": 1}, "an identifier, not 'not a name'"),
-                         ({"x": "\ud800"}, "lone surrogate")):
+                         ({"x": "\ud800"}, "lone surrogate"),
+                         (["enable_thinking"], "a dict of names to values, not a list")):
         with pytest.raises(ValueError, match=message):
             ChatTemplate(CHATML, variables=bad)
 
