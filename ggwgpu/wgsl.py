@@ -13,8 +13,9 @@ layout of the Params uniform block its kernels read. Text only: nothing here nee
     kernel_name(entry)           the WGSL function of an entry point
 
 The generated parts' templates are here too: the elementwise kernels (elementwise_kernels),
-the row families' modules per variant (row_module_source), the quantized kernels' type codes
-and subgroup entry points (type_codes, subgroup_entries).
+the row families' modules per variant (row_module_source), the tiled kernels' entry points
+(tile_entries), the quantized kernels' type codes and subgroup entry points (type_codes,
+subgroup_entries).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .kernels import TYPE_CODE, row_entry
+from .kernels import QUANT_TILED, TYPE_CODE, row_entry
 
 MAX_SRCS = 4            # source bindings (src0 .. src3) common.wgsl declares after dst
 # The override constant of a kernel that reads source 0 bound as several ranges
@@ -257,6 +258,23 @@ fn k_{kernel}_{dtype}(@builtin(subgroup_invocation_id) lane: u32,
     {kernel}({const}, lane, flat_group(wid, nwg));
 }}
 """
+
+
+# The tiled kernels' entry points (tiles.wgsl), one per kernel for each product that runs
+# them (matmul.wgsl's mul_mat, quant_tiled.wgsl's mul_mat_q): k_<product>_<kernel>.
+TILE_ENTRY = """
+@compute @workgroup_size({threads}_THREADS)
+fn k_{product}_{kernel}(@builtin(local_invocation_index) lid: u32,
+        @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {{
+    mul_mat_{kernel}(lid, wid, nwg);
+}}
+"""
+
+
+def tile_entries(product: str) -> str:
+    """The entry points of `product` on each tiled kernel (kernels.QUANT_TILED)."""
+    return "".join(TILE_ENTRY.format(product=product, kernel=kernel, threads=kernel.upper())
+                   for kernel in QUANT_TILED)
 
 
 def subgroup_entries(kernel: str) -> str:

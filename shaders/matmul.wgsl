@@ -52,24 +52,8 @@ fn load_operand4(at: u32, is_b: bool) -> vec4f {
 
 fn operand_bases(batch: u32) -> vec3u { return product_bases(batch); }
 
-// The tiled kernels (tiles.wgsl), for GPUs.
-@compute @workgroup_size(256)
-fn k_mul_mat_tiled(@builtin(local_invocation_index) lid: u32,
-                   @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_tiled(lid, wid, nwg);
-}
-
-@compute @workgroup_size(64)
-fn k_mul_mat_small(@builtin(local_invocation_index) lid: u32,
-                   @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_small(lid, wid, nwg);
-}
-
-@compute @workgroup_size(256)
-fn k_mul_mat_wide(@builtin(local_invocation_index) lid: u32,
-                  @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_wide(lid, wid, nwg);
-}
+// The tiled kernels (tiles.wgsl), for GPUs: k_mul_mat_tiled, _small, _wide.
+// #include mul_mat_tile_entries
 
 // k_mul_mat_splits: dst[n, m] = the epilogue of the sum over s of src0[s, n, m], the sums of
 // p.u.y chunks of K (src0 contiguous [chunks, N, M], unscaled); one invocation per 4

@@ -19,20 +19,5 @@ fn operand_bases(batch: u32) -> vec3u {
     return vec3u(p.off.x + o.x, o.y, p.off.z + o.z);
 }
 
-@compute @workgroup_size(256)
-fn k_mul_mat_q_tiled(@builtin(local_invocation_index) lid: u32,
-                     @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_tiled(lid, wid, nwg);
-}
-
-@compute @workgroup_size(64)
-fn k_mul_mat_q_small(@builtin(local_invocation_index) lid: u32,
-                     @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_small(lid, wid, nwg);
-}
-
-@compute @workgroup_size(256)
-fn k_mul_mat_q_wide(@builtin(local_invocation_index) lid: u32,
-                    @builtin(workgroup_id) wid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
-    mul_mat_wide(lid, wid, nwg);
-}
+// k_mul_mat_q_tiled, _small, _wide
+// #include mul_mat_q_tile_entries

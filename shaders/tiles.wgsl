@@ -1,8 +1,9 @@
 // The tiled product kernels' bodies, shared by matmul.wgsl (f32 and f16 operands) and
 // quant_tiled.wgsl (a frozen weight in a block type), each of which defines how an operand's
 // vec4 is loaded (load_operand4) and where a batch entry's operands start (operand_bases),
-// and the entry points, of the workgroup sizes each body names. p.u.y: the operands'
-// layouts; p.f.x, p.u.x: product_epilogue's alpha and c.
+// and includes the entry points (wgsl.tile_entries: k_<product>_<kernel>, of
+// <KERNEL>_THREADS invocations). p.u.y: the operands' layouts; p.f.x, p.u.x:
+// product_epilogue's alpha and c.
 // #include product
 
 // mul_mat_tiled, for GPUs: a workgroup of 16 x 16 invocations computes a 64 x 64 tile of
@@ -109,18 +110,23 @@ fn mul_mat_blocks4(lid: u32, wid: vec3u, nwg: vec3u, size: u32, threads: u32) {
     store_block4(tile, base, tx, ty, acc);
 }
 
-fn mul_mat_tiled(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(256)
-    mul_mat_blocks4(lid, wid, nwg, 64u, 256u);
+// Each kernel's invocations, the workgroup size of its entry points (wgsl.tile_entries).
+const TILED_THREADS: u32 = 256u;
+const SMALL_THREADS: u32 = 64u;
+const WIDE_THREADS: u32 = 256u;
+
+fn mul_mat_tiled(lid: u32, wid: vec3u, nwg: vec3u) {
+    mul_mat_blocks4(lid, wid, nwg, 64u, TILED_THREADS);
 }
 
-fn mul_mat_small(lid: u32, wid: vec3u, nwg: vec3u) {      // @workgroup_size(64)
-    mul_mat_blocks4(lid, wid, nwg, 32u, 64u);
+fn mul_mat_small(lid: u32, wid: vec3u, nwg: vec3u) {
+    mul_mat_blocks4(lid, wid, nwg, 32u, SMALL_THREADS);
 }
 
 // mul_mat_wide: invocation (tx, ty) computes m in 4 tx .. + 3 and 64 + 4 tx .. + 3, n in
 // 4 ty .. + 3 and 64 + 4 ty .. + 3 of a 128 x 128 tile: per k, 4 vec4 loads of workgroup
 // memory (consecutive invocations read consecutive vec4s) feed 64 multiply-adds.
-fn mul_mat_wide(lid: u32, wid: vec3u, nwg: vec3u) {       // @workgroup_size(256)
+fn mul_mat_wide(lid: u32, wid: vec3u, nwg: vec3u) {       // WIDE_THREADS: 16 x 16
     let g = flat_group(wid, nwg); if (g >= p.n) { return; }  // the whole workgroup
     let tile = product_tile(g, 128u, 128u);
     let base = operand_bases(tile.z);
@@ -129,7 +135,7 @@ fn mul_mat_wide(lid: u32, wid: vec3u, nwg: vec3u) {       // @workgroup_size(256
     var lo: array<vec4f, 8>;   // lo[j]: dst[n_j, m0 + 4 tx ..], n_j the j-th of this one's n
     var hi: array<vec4f, 8>;   // hi[j]: dst[n_j, m0 + 64 + 4 tx ..]
     for (var k0 = 0u; k0 < p.ne_0.x; k0 += 8u) {
-        stage_step(lid, k0, 128u, 256u, tile.x, tile.y, base);
+        stage_step(lid, k0, 128u, WIDE_THREADS, tile.x, tile.y, base);
         workgroupBarrier();
         for (var k = 0u; k < 8u; k++) {
             let a0 = tile_a[k * 32u + tx];

@@ -14,11 +14,13 @@ alpha into their products (d a, d b are products with the same alpha; d c = g).
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
 from .. import ops as O
+from .. import wgsl
 from ..kernels import (MATMUL_KERNELS, QUANT_TILED, SPLIT_MIN_K, SPLIT_TARGET, SUM_ROWS_MAX,
                        TUNE_MIN_K)
 from ..tensor import ShapeError, Tensor
@@ -505,5 +507,8 @@ out_prod = register(
         Case((Input((2048, 12)), Input((2048, 8))), {"alpha": 2.0}, grad=False)],
     doc="ggml_out_prod: a [.., K, M], b [.., K, N] -> [.., N, M] = alpha * b.T @ a, a "
         "broadcast over b's batch dims (alpha applied as the kernel stores).")
+
+# matmul.wgsl's entry points on the tiled kernels (tiles.wgsl)
+wgsl.add_part("mul_mat_tile_entries", partial(wgsl.tile_entries, "mul_mat"))
 
 __all__ = ["mul_mat", "mul_mat_acc", "out_prod"]

@@ -249,6 +249,7 @@ get_rows_q = register(
 # The WGSL the quantized shaders include: the type codes, and quant_subgroup.wgsl's entry
 # points, one per kernel and type (the type a constant the compiler folds away).
 wgsl.add_part("quant_type_codes", wgsl.type_codes)
+wgsl.add_part("mul_mat_q_tile_entries", partial(wgsl.tile_entries, "mul_mat_q"))
 for _kernel in ("mul_mat_q_subgroup", "mul_mat_q_back_subgroup"):
     wgsl.add_part(f"{_kernel}_entries", partial(wgsl.subgroup_entries, _kernel))
 
