@@ -45,7 +45,7 @@ def draw_preference(ax, records):
 def plot(log, out):
     """Plot the loss (validation loss too, and the learning rate) of a `train --log` or
     `finetune --log` JSONL file as a PNG; for a preference finetune (--objective dpo, ipo,
-    orpo) also the accuracy and margin of its pairs, below.
+    orpo, cpo, simpo) also the accuracy and margin of its pairs, below.
 
     Needs matplotlib: pip install 'ggwgpu[plot]'.
     """

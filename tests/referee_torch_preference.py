@@ -1,10 +1,12 @@
-"""ggwgpu's preference losses (DPO with and without label smoothing, IPO, ORPO) against an
+"""ggwgpu's preference losses (DPO with and without label smoothing, IPO, ORPO, CPO, SimPO
+with and without the NLL term) against an
 independent PyTorch computation (torch is never a dependency of ggwgpu): a tiny llama in
 float64 written here from llama.cpp's definitions (RMSNorm, rope in ggml's normal mode,
 grouped-query attention, SwiGLU), its weights read with the `gguf` package from the GGUF
 files ggwgpu writes (a base, a perturbed copy of it, a LoRA adapter), and TRL's loss
 formulas (DPOTrainer's sigmoid loss with label smoothing and its IPO loss on per-token
-means, ORPOTrainer's odds-ratio loss plus the chosen answers' NLL), each sequence on its own.
+means, ORPOTrainer's odds-ratio loss plus the chosen answers' NLL, CPOTrainer's sigmoid
+and SimPO losses plus cpo_alpha times that NLL), each sequence on its own.
 ggwgpu runs the same pairs on its NumPy backend in float64, padded (one sequence a row) and
 packed (several pairs to each two rows), its reference log-probabilities its own
 (preference.sequence_logps). Prints, per objective x LoRA/full x padded/packed, the loss
@@ -50,7 +52,11 @@ N_PAIRS = 8         # a power of two: the pair weights 1 / N_PAIRS are exact in 
 OBJECTIVES = {"dpo": PreferenceLoss("dpo", beta=0.1),
               "dpo ls=0.1": PreferenceLoss("dpo", beta=0.1, label_smoothing=0.1),
               "ipo": PreferenceLoss("ipo", beta=0.1),
-              "orpo": PreferenceLoss("orpo", orpo_lambda=0.1)}
+              "orpo": PreferenceLoss("orpo", orpo_lambda=0.1),
+              "cpo": PreferenceLoss("cpo", beta=0.1),
+              "simpo": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5),
+              "simpo ls=0.1 alpha=0.5": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5,
+                                                      label_smoothing=0.1, cpo_alpha=0.5)}
 
 
 # -- the files and the pairs -------------------------------------------------------------------
@@ -165,7 +171,8 @@ def torch_logps(model: TorchLlama, w: dict, pairs: list) -> tuple[torch.Tensor, 
 
 def trl_loss(loss: PreferenceLoss, logps, counts, chosen_tokens, ref_logps,
              rounded: bool = False):
-    """TRL's losses (trl/trainer/dpo_trainer.py dpo_loss, orpo_trainer.py odds_ratio_loss).
+    """TRL's losses (trl/trainer/dpo_trainer.py dpo_loss, orpo_trainer.py odds_ratio_loss,
+    cpo_trainer.py cpo_loss).
     `rounded`: with the per-sequence constants rounded to f32 where ggwgpu's graph takes
     them as f32 inputs (the reference log-probabilities, 1 / answer length, ORPO's 1 / the
     chosen answers' tokens), the rest float64."""
@@ -174,14 +181,24 @@ def trl_loss(loss: PreferenceLoss, logps, counts, chosen_tokens, ref_logps,
 
     def per_token(x):
         return x * f32(1 / counts) if rounded else x / counts
+    # CrossEntropyLoss's mean over the chosen answers' tokens
+    nll = -chosen_tokens.sum() * f32(torch.tensor(1 / len(chosen_tokens)))
     if loss.kind == "orpo":     # average_log_prob=True; beta is ORPO's lambda
         avg = per_token(logps)
         c, r = avg[0::2], avg[1::2]
         log_odds = (c - r) - (torch.log1p(-torch.exp(c)) - torch.log1p(-torch.exp(r)))
         ratio = F.logsigmoid(log_odds)
-        # CrossEntropyLoss's mean over the chosen answers' tokens
-        nll = -chosen_tokens.sum() * f32(torch.tensor(1 / len(chosen_tokens)))
         return nll - (loss.orpo_lambda * ratio).mean()
+    if loss.kind in ("cpo", "simpo"):       # CPOTrainer: no reference model
+        if loss.kind == "simpo":            # average_log_prob, the margin gamma / beta
+            logps = per_token(logps)
+        logits = logps[0::2] - logps[1::2]
+        if loss.kind == "simpo":
+            logits = logits - loss.simpo_gamma / loss.beta
+        eps = loss.label_smoothing
+        losses = (-F.logsigmoid(loss.beta * logits) * (1 - eps)
+                  - F.logsigmoid(-loss.beta * logits) * eps)
+        return losses.mean() + loss.nll_weight * nll
     if loss.kind == "ipo":      # DPOTrainer divides IPO's log-probabilities by the length
         logps, ref_logps = per_token(logps), ref_logps / counts
     ref_logps = f32(ref_logps)

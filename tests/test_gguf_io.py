@@ -834,3 +834,23 @@ def test_a_run_state_writes_back_the_json_it_was_read_from_in_the_same_order():
              "mode", "samples_after_nl", "n_ctx", "later_key"]
     back = RunState.from_json({key: state[key] for key in reversed(order)}).to_json()
     assert list(back) == order and back == state
+
+
+# The options every checkpoint has held since the first; any added later must be one of
+# state.later_option's (absent from an older checkpoint: its default), or resuming an older
+# run's checkpoint would fail with "options.x is missing".
+FIRST_OPTIONS = {"optimizer", "batch", "grad_accum", "lr", "beta1", "beta2", "eps",
+                 "weight_decay", "grad_clip", "warmup", "cos_decay_steps", "cos_decay_min",
+                 "cos_decay_restart", "restarts", "flash_attn", "checkpointing", "precision",
+                 "seed"}
+
+
+def test_a_checkpoint_from_before_the_later_options_resumes_with_their_defaults():
+    from ggwgpu.training.options import TrainOptions
+    from ggwgpu.training.state import check_state, later_option
+    later = {name for name in TrainOptions.bounds() if later_option(name)}
+    assert set(TrainOptions.bounds()) - later == FIRST_OPTIONS
+    state = train_state(5, tokens_digest="ab")
+    for name in later:
+        del state["options"][name]
+    assert check_state(state) is state

@@ -1,7 +1,7 @@
-"""Preference losses (training/preference.py): the graph's DPO, IPO and ORPO losses and their
-gradients against TRL's formulas computed in float64 from the reference logits of each
-sequence (testing.reference_logits), for LoRA and full finetuning, in one logits chunk and in
-several."""
+"""Preference losses (training/preference.py): the graph's DPO, IPO, ORPO, CPO and SimPO losses
+and their gradients against TRL's formulas computed in float64 from the reference logits of
+each sequence (testing.reference_logits), for LoRA and full finetuning, in one logits chunk
+and in several."""
 import numpy as np
 import pytest
 
@@ -16,7 +16,15 @@ from ggwgpu.training.preference import PreferenceLoss, preference_terms, referen
 CFG = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=7)
 PAIRS = 2
 LOSSES = [PreferenceLoss("dpo", beta=0.5), PreferenceLoss("dpo", beta=0.3, label_smoothing=0.2),
-          PreferenceLoss("ipo", beta=0.4), PreferenceLoss("orpo", orpo_lambda=0.7)]
+          PreferenceLoss("ipo", beta=0.4), PreferenceLoss("orpo", orpo_lambda=0.7),
+          PreferenceLoss("cpo", beta=0.3, label_smoothing=0.1),
+          PreferenceLoss("simpo", beta=2.0, simpo_gamma=1.0),
+          PreferenceLoss("simpo", beta=2.5, simpo_gamma=0.5, cpo_alpha=0.5)]
+
+
+def loss_id(loss) -> str:
+    return (f"{loss.kind}-{loss.label_smoothing}"
+            + (f"-alpha{loss.cpo_alpha}" if loss.cpo_alpha is not None else ""))
 
 
 def batch(seed=0):
@@ -72,7 +80,7 @@ def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
             {p.name: plan.read(grad) for p, grad in grads.items()}, reference)
 
 
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+@pytest.mark.parametrize("loss", LOSSES, ids=loss_id)
 @pytest.mark.parametrize("chunked", [False, True], ids=["one chunk", "chunks of 3 rows"])
 def test_full_finetune_loss_and_gradient_equal_trls_formulas_in_float64(loss, chunked):
     values = {k: v.astype(np.float64) for k, v in init_parameters(CFG, seed=3).items()}
@@ -98,7 +106,7 @@ def test_full_finetune_loss_and_gradient_equal_trls_formulas_in_float64(loss, ch
         assert (grads[name] * v).sum() == pytest.approx(numeric, rel=1e-5, abs=1e-9), name
 
 
-@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=loss_id)
 def test_lora_finetune_gradient_equals_the_references(loss):
     base = {k: v.astype(np.float64) for k, v in init_parameters(CFG, seed=3).items()}
     adapter = init_adapter(CFG, lora_ranks(CFG, 2), alpha=4.0, seed=2)
@@ -130,6 +138,27 @@ def test_lora_finetune_gradient_equals_the_references(loss):
     assert (grads[name] * v).sum() == pytest.approx((at(h) - at(-h)) / (2 * h), rel=1e-5)
 
 
+def test_cpo_and_simpo_follow_trls_cpo_trainer():
+    """TRL's CPOTrainer: CPO's sigmoid loss of beta (logp_c - logp_r) plus alpha times the
+    chosen answers' mean token NLL; SimPO's of beta (avg_c - avg_r) - gamma, per-token means,
+    no NLL unless alpha is given (CPO-SimPO); rewards beta logp (SimPO's of the means)."""
+    logp, lengths = [-3.0, -5.0, -4.0, -2.0], [2, 4, 2, 1]
+    cpo = reference_loss(logp, lengths, None, PreferenceLoss("cpo", beta=0.5))
+    nll = (3.0 + 4.0) / (2 + 2)
+    sp = np.logaddexp(0, [-1.0, 1.0])             # softplus(-beta d), d = 2 and -2
+    assert cpo["loss"] == pytest.approx(sp.mean() + nll)
+    np.testing.assert_allclose(cpo["chosen"], [-1.5, -2.0])
+    assert PreferenceLoss("cpo").nll_weight == 1 and PreferenceLoss("simpo").nll_weight == 0
+    simpo = PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5)
+    avg = np.array(logp) / lengths                # -1.5, -1.25, -2, -2
+    z = 2.0 * (avg[0::2] - avg[1::2]) - 0.5
+    r = reference_loss(logp, lengths, None, simpo)
+    assert r["loss"] == pytest.approx(np.logaddexp(0, -z).mean())
+    np.testing.assert_allclose(r["margin"], 2.0 * (avg[0::2] - avg[1::2]))
+    both = reference_loss(logp, lengths, None, PreferenceLoss("simpo", beta=2.0, cpo_alpha=0.3))
+    assert both["loss"] == pytest.approx(r["loss"] + 0.3 * nll)
+
+
 def test_the_rewards_and_accuracy_follow_trl():
     loss = PreferenceLoss("dpo", beta=0.5)
     r = reference_loss([-3.0, -5.0, -4.0, -2.0], [2, 2, 2, 2], [-4.0, -4.0, -4.0, -4.0], loss)
@@ -144,7 +173,8 @@ def test_the_rewards_and_accuracy_follow_trl():
 def test_bad_constants_are_refused_by_name():
     for kw, word in [({"kind": "kto"}, "one of dpo, ipo, orpo"), ({"beta": 0}, "beta"),
                      ({"label_smoothing": 0.5}, "label smoothing"),
-                     ({"orpo_lambda": -1}, "lambda")]:
+                     ({"orpo_lambda": -1}, "lambda"), ({"simpo_gamma": -1}, "gamma"),
+                     ({"kind": "cpo", "cpo_alpha": -0.5}, "alpha")]:
         with pytest.raises(ValueError, match=word):
             PreferenceLoss(**kw)
 
@@ -161,7 +191,7 @@ def assert_float32_alike(got, want):
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+@pytest.mark.parametrize("loss", LOSSES, ids=loss_id)
 def test_the_device_computes_the_loss_and_gradients_numpy_does(wgpu, loss):
     values = init_parameters(CFG, seed=3)
     adapter = init_adapter(CFG, lora_ranks(CFG, 2), alpha=4.0, seed=2)
@@ -220,7 +250,7 @@ def finetune_cli(d, *args):
 
 
 @pytest.mark.parametrize("packing", ["padded", "packed"])
-@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo"])
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo", "simpo"])
 def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, objective, packing):
     """Packed at n_ctx 200: three pairs (of about 66 bytes a sequence) to each two rows."""
     import json
@@ -308,7 +338,26 @@ def test_dpo_through_the_python_api_raises_the_preference_accuracy(tiny_base):
     assert np.mean([r["loss"] for r in seen.records[-3:]]) < 0.3
 
 
-@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+@pytest.mark.parametrize("objective", ["cpo", "simpo"])
+def test_reference_free_objectives_raise_the_preference_accuracy(tiny_base, tmp_path,
+                                                                  objective):
+    """CPO and SimPO need no reference pass; on the training pairs the chosen answers move
+    ahead and the loss falls."""
+    import json
+    log = tmp_path / "log.jsonl"
+    beta = "2.0" if objective == "simpo" else "0.5"
+    r = finetune_cli(tiny_base, "--objective", objective, "--beta", beta, "--steps", "24",
+                     "--lr", "3e-2", "--warmup", "2", "--batch", "3", "--out",
+                     str(tmp_path / "a.gguf"), "--log", str(log))
+    assert r.exit_code == 0, r.output
+    assert "reference log-probabilities" not in r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert np.mean([r["accuracy"] for r in records[-3:]]) == 1.0
+    assert (np.mean([r["loss"] for r in records[-3:]])
+            < 0.8 * np.mean([r["loss"] for r in records[:3]]))
+
+
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=loss_id)
 def test_an_f16_graph_gives_the_f32_loss_and_gradients_within_halves(wgpu, loss):
     if not wgpu.has_f16:
         pytest.skip("the adapter has no shader-f16")
@@ -396,7 +445,7 @@ def test_pairs_pack_two_rows_at_a_time_and_keep_their_lengths():
 
 
 @pytest.mark.parametrize("cfg", [PACKED, PACKED_QWEN35], ids=["llama", "qwen35"])
-@pytest.mark.parametrize("loss", LOSSES, ids=lambda l: f"{l.kind}-{l.label_smoothing}")
+@pytest.mark.parametrize("loss", LOSSES, ids=loss_id)
 def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss, cfg):
     """The same pairs, one sequence a row or several pairs to two rows (with spare pair
     slots, filled and weighted 0): the loss of TRL's formulas and the same gradients (4
@@ -428,7 +477,7 @@ def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss, cfg):
     assert pairs_loss(packed, values, loss, cfg=cfg)[0] == pytest.approx(want, rel=2e-7)
 
 
-@pytest.mark.parametrize("loss", LOSSES[::2], ids=lambda l: l.kind)
+@pytest.mark.parametrize("loss", LOSSES[::2], ids=loss_id)
 def test_the_device_gives_packed_pairs_the_padded_loss_and_gradients(wgpu, loss):
     values = init_parameters(PACKED, seed=3)
     adapter = init_adapter(PACKED, lora_ranks(PACKED, 2), alpha=4.0, seed=2)

@@ -138,6 +138,8 @@ def other_value(bound, default):
         return not default
     if bound.kind is str:
         return next(c for c in bound.choices if c != default)
+    if default is None:                         # an optional value: any in the bound
+        return bound.kind(bound.low + 1)
     middle = (bound.low + bound.high) / 2 if None not in (bound.low, bound.high) else default
     return next(v for v in (default + 1, default - 1, default / 2, default * 2, middle)
                 if bound.kind(v) != default and bound.problem(bound.kind(v)) is None)
@@ -151,8 +153,8 @@ def test_each_training_option_given_reaches_its_train_options_field(command):
     declared = {name: d for name, d in TrainOptions.declared().items()
                 if d["cli"] in (True, command)}
     wanted = {name: other_value(d["bound"], d["default"]) for name, d in declared.items()}
-    if command == "finetune":   # (neftune_alpha takes no objective with a reference model)
-        wanted["objective"] = "orpo"
+    if command == "finetune":   # (neftune_alpha takes no objective with a reference model,
+        wanted["objective"] = "simpo"   # cpo_alpha only cpo's and simpo's)
     args = [__file__] if command == "finetune" else []      # BASE: any file parses
     for name, value in wanted.items():
         if isinstance(value, bool):

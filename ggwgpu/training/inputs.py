@@ -187,11 +187,12 @@ def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions
 def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
                       state: RunState | None = None, world=None):
     """Give the pairs (pairs.PairBatches) of `train` and `valid` (or None) their reference
-    log-probabilities (DPO and IPO need them): a resumed run's, else those of the model
+    log-probabilities (where the objective needs them: DPO, IPO): a resumed run's, else those of the model
     `values` as they are now (the base of a LoRA finetune; the starting weights of a full
     one), computed once (with `world`, a distributed.World, shared out over the ranks)."""
     from .preference import sequence_logps
-    if options.objective not in ("dpo", "ipo"):
+    loss = options.preference_loss()
+    if loss is None or not loss.needs_reference:
         return
     for batches, saved in ((train, state and state.reference),
                            (valid, state and state.valid_reference)):

@@ -10,7 +10,7 @@ import numpy as np
 from ..models import PRECISIONS
 from .lbfgs import LINESEARCHES, ON_FAIL, LbfgsOptions
 
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo")     # training/preference.py: the last three
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "cpo", "simpo")    # all but sft: preference.py
 
 MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
 MAX_STEPS = 10 ** 9             # warmup and decay lengths: more steps than any run takes
@@ -28,7 +28,8 @@ class Bound:
     """The values a training option (or a training state's number) may take: the CLI makes
     its click type from it, TrainOptions and `check_state` check values against it. `kind`
     is int, float (finite; ints accepted), bool or str (one of `choices`); `low`/`high` are
-    inclusive unless `low_open`/`high_open`; `power_of_two` asks for 2^k (a loss scale)."""
+    inclusive unless `low_open`/`high_open`; `power_of_two` asks for 2^k (a loss scale);
+    `optional` lets None stand for a default that depends on other options."""
     kind: type
     low: float | None = None
     high: float | None = None
@@ -36,9 +37,12 @@ class Bound:
     high_open: bool = False
     choices: tuple = ()
     power_of_two: bool = False
+    optional: bool = False
 
     def problem(self, value) -> str | None:
         """Why `value` is not one of the bound's values, or None."""
+        if value is None and self.optional:
+            return None
         if self.kind is bool:
             return None if isinstance(value, bool) else f"must be true or false, got {value!r}"
         if self.kind is str:
@@ -168,17 +172,25 @@ class TrainOptions:
     # preference finetuning (training/preference.py), TRL's defaults
     objective: str = _option(
         "sft", Bound(str, choices=OBJECTIVES),
-        "sft: next-token loss on text or --data examples; dpo, ipo, orpo: preference "
-        "finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs a step "
-        "(packed: --batch pairs of rows, several pairs in each).",
+        "sft: next-token loss on text or --data examples; dpo, ipo, orpo, cpo, simpo: "
+        "preference finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs "
+        "a step (packed: --batch pairs of rows, several pairs in each).",
         cli="finetune")
     beta: float = _option(0.1, POSITIVE, "DPO, IPO: how far the model may move from the "
-                          "reference, the base (TRL's beta).", cli="finetune")
+                          "reference, the base; CPO, SimPO: the scale of the reward "
+                          "difference (TRL's beta).", cli="finetune")
     label_smoothing: float = _option(0.0, Bound(float, 0, 0.5, high_open=True),
-                                     "DPO: the share of pairs taken to be mislabelled.",
-                                     cli="finetune")
+                                     "DPO, CPO, SimPO: the share of pairs taken to be "
+                                     "mislabelled.", cli="finetune")
     orpo_lambda: float = _option(0.1, NON_NEGATIVE, "ORPO: the weight of the odds-ratio "
                                  "term beside the chosen answers' loss.", cli="finetune")
+    simpo_gamma: float = _option(0.5, NON_NEGATIVE, "SimPO: the target margin of the "
+                                 "scaled rewards (TRL's simpo_gamma).", cli="finetune")
+    cpo_alpha: float | None = _option(
+        None, Bound(float, 0, optional=True),
+        "CPO, SimPO: the weight of the chosen answers' NLL beside the preference term "
+        "(TRL's cpo_alpha; default 1 for cpo, 0 for simpo: SimPO's loss; above 0 with simpo: "
+        "CPO-SimPO).", cli="finetune")
     # LoRA dropout (PEFT's lora_dropout, MLX-LM's dropout): models.blocks.linear
     lora_dropout: float = _option(
         0.0, Bound(float, 0, 1, high_open=True),
@@ -204,6 +216,9 @@ class TrainOptions:
             if self.optimizer == "lbfgs" and getattr(self, name):
                 raise ValueError(f"option {name} does not work with optimizer lbfgs: its line "
                                  f"search and curvature history assume a loss without noise")
+        if self.cpo_alpha is not None and self.objective not in ("cpo", "simpo"):
+            raise ValueError(f"option cpo_alpha weighs the chosen answers' NLL of objectives "
+                             f"cpo and simpo, not of {self.objective}")
         if self.neftune_alpha and self.objective in ("dpo", "ipo"):
             raise ValueError(f"option neftune_alpha does not work with objective "
                              f"{self.objective}: its reference log-probabilities have no noise")
@@ -221,6 +236,14 @@ class TrainOptions:
         """{field: its declaration (`_option`'s bound, help, flag, may_change, cli) and its
         default}, in the fields' order."""
         return {f.name: {**f.metadata, "default": f.default} for f in fields(cls)}
+
+    def preference_loss(self):
+        """The preference.PreferenceLoss of a preference objective, None for sft."""
+        if self.objective == "sft":
+            return None
+        from .preference import PreferenceLoss
+        return PreferenceLoss(self.objective, self.beta, self.label_smoothing,
+                              self.orpo_lambda, self.simpo_gamma, self.cpo_alpha)
 
     def lbfgs_options(self) -> LbfgsOptions:
         return LbfgsOptions(

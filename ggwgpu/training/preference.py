@@ -1,5 +1,6 @@
 """Preference finetuning: DPO (Rafailov et al. 2023) with the sigmoid loss and label
-smoothing, its IPO variant, and ORPO (Hong et al. 2024), with TRL's formulas.
+smoothing, its IPO variant, ORPO (Hong et al. 2024), CPO (Xu et al. 2024) and SimPO (Meng et
+al. 2024), with TRL's formulas.
 
 A batch holds pairs (pairs.PairBatches): padded, row 2i the chosen answer of pair i and row
 2i + 1 the rejected one; packed, several pairs to each two rows. Each answer comes with its
@@ -20,6 +21,10 @@ pair (c chosen, r rejected):
           loss = (d - 1 / (2 beta))^2
     ORPO  log_odds = (avg_c - log(1 - exp(avg_c))) - (avg_r - log(1 - exp(avg_r)))
           loss = NLL of the chosen answers (mean per token) + lambda * softplus(-log_odds)
+    CPO   z = beta * (logp_c - logp_r), no reference
+          loss = (1 - eps) * softplus(-z) + eps * softplus(z) + alpha * NLL of the chosen
+    SimPO z = beta * (avg_c - avg_r) - gamma, no reference
+          loss = as CPO's (alpha 0 by default: SimPO's paper; above 0, TRL's CPO-SimPO)
 
 each averaged over the batch's pairs (a packed batch's pairs vary in number: each pair's
 weight is then an input, 1 / the batch's pairs); softplus(x) = log(1 + exp(x)) =
@@ -35,17 +40,22 @@ import numpy as np
 from .. import ops as O
 from ..tensor import constant, input_tensor
 
-LOSSES = ("dpo", "ipo", "orpo")
+LOSSES = ("dpo", "ipo", "orpo", "cpo", "simpo")
 
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """Which loss and its constants: beta (DPO, IPO; TRL's default 0.1), label smoothing
-    (DPO's eps, in [0, 0.5)), lambda (ORPO's weight of the odds-ratio term, TRL's beta)."""
+    """Which loss and its constants: beta (DPO, IPO, CPO, SimPO; TRL's default 0.1), label
+    smoothing (DPO's, CPO's and SimPO's eps, in [0, 0.5)), lambda (ORPO's weight of the
+    odds-ratio term, TRL's beta), gamma (SimPO's target margin, TRL's simpo_gamma) and alpha
+    (CPO's and SimPO's weight of the chosen answers' NLL, TRL's cpo_alpha; None: 1 for CPO,
+    0 for SimPO)."""
     kind: str = "dpo"
     beta: float = 0.1
     label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
+    simpo_gamma: float = 0.5
+    cpo_alpha: float | None = None
 
     def __post_init__(self):
         if self.kind not in LOSSES:
@@ -57,15 +67,29 @@ class PreferenceLoss:
             raise ValueError(f"label smoothing must be in [0, 0.5), got {self.label_smoothing}")
         if not self.orpo_lambda >= 0:
             raise ValueError(f"ORPO's lambda must be >= 0, got {self.orpo_lambda}")
+        if not self.simpo_gamma >= 0:
+            raise ValueError(f"SimPO's gamma must be >= 0, got {self.simpo_gamma}")
+        if self.cpo_alpha is not None and not self.cpo_alpha >= 0:
+            raise ValueError(f"CPO's alpha must be >= 0, got {self.cpo_alpha}")
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind != "orpo"
+        return self.kind in ("dpo", "ipo")
 
     @property
     def per_token(self) -> bool:
-        """Whether the loss reads per-token means of the log-probabilities (IPO, ORPO)."""
-        return self.kind != "dpo"
+        """Whether the loss reads per-token means of the log-probabilities (IPO, ORPO,
+        SimPO)."""
+        return self.kind in ("ipo", "orpo", "simpo")
+
+    @property
+    def nll_weight(self) -> float:
+        """The weight of the chosen answers' mean token NLL in the loss."""
+        if self.kind == "orpo":
+            return 1.0
+        if self.kind in ("cpo", "simpo") and self.cpo_alpha is not None:
+            return self.cpo_alpha
+        return 1.0 if self.kind == "cpo" else 0.0
 
 
 def softplus(x):
@@ -90,9 +114,10 @@ def pair_matrix(n_pairs: int) -> np.ndarray:
 @dataclass
 class PreferenceTerms:
     """The graph's preference loss and the inputs it adds: the reference log-probabilities
-    (1, 2 n_pairs) (DPO; IPO's per answer token, as its policy's), for IPO and ORPO each
-    sequence's 1 / answer length (1, 2 n_pairs), for ORPO the chosen sequences' weights of
-    the mean NLL (1, 2 n_pairs): 1 / (the chosen answers' tokens) at chosen sequences, 0 at
+    (1, 2 n_pairs) (DPO; IPO's per answer token, as its policy's), for IPO, ORPO and SimPO
+    each sequence's 1 / answer length (1, 2 n_pairs), for a loss with the chosen answers'
+    NLL (ORPO; CPO, SimPO with alpha) the chosen sequences' weights of its mean
+    (1, 2 n_pairs): 1 / (the chosen answers' tokens) at chosen sequences, 0 at
     rejected ones, and when `weighted` each pair's weight in the mean (1, n_pairs)."""
     loss: object
     reference: object
@@ -112,7 +137,7 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
     reference = input_tensor((1, n_seq), name="reference logp") if loss.needs_reference else None
     inv_lengths = input_tensor((1, n_seq), name="1 / answer length") if loss.per_token else None
     chosen_weights = input_tensor((1, n_seq), name="chosen weights") \
-        if loss.kind == "orpo" else None
+        if loss.nll_weight else None
     pair_weights = input_tensor((1, n_pairs), name="pair weights") if weighted else None
     logp = O.neg(sequence_nll)
     if loss.per_token:
@@ -130,20 +155,27 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
         one = constant(np.ones(1, np.float32), name="one")
         log1m = O.log(O.add1(O.neg(O.exp(logp)), one))                # log(1 - exp(avg))
         log_odds = chosen_minus_rejected(O.sub(logp, log1m))
-        nll = O.sum(O.mul(sequence_nll, chosen_weights))
-        total = O.add(nll, O.scale(mean(softplus(O.neg(log_odds))), loss.orpo_lambda))
+        total = O.scale(mean(softplus(O.neg(log_odds))), loss.orpo_lambda)
     else:
-        d = chosen_minus_rejected(O.sub(logp, O.reshape(reference, (1, n_seq))))
+        if reference is not None:
+            logp = O.sub(logp, O.reshape(reference, (1, n_seq)))
+        d = chosen_minus_rejected(logp)
         if loss.kind == "ipo":
             shift = constant(np.array([-1.0 / (2 * loss.beta)], np.float32), name="-1/(2 beta)")
             terms = O.sqr(O.add1(d, shift))
         else:
             z = O.scale(d, loss.beta)
+            if loss.kind == "simpo":
+                gamma = constant(np.array([-loss.simpo_gamma], np.float32), name="-gamma")
+                z = O.add1(z, gamma)
             eps = loss.label_smoothing
             terms = softplus(O.neg(z))
             if eps:
                 terms = O.add(O.scale(terms, 1 - eps), O.scale(softplus(z), eps))
         total = mean(terms)
+    if chosen_weights is not None:              # the chosen answers' mean token NLL
+        nll = O.sum(O.mul(sequence_nll, chosen_weights))
+        total = O.add(total, nll if loss.nll_weight == 1 else O.scale(nll, loss.nll_weight))
     return PreferenceTerms(total, reference, inv_lengths, chosen_weights, pair_weights)
 
 
@@ -182,7 +214,7 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
     log-probabilities: the loss, and per pair the rewards of chosen and rejected, margins,
     and whether the chosen one is ahead (TRL's rewards/accuracies)."""
     logp, lengths = np.asarray(logp, np.float64), np.asarray(lengths, np.float64)
-    reference = np.asarray(reference if reference is not None else np.zeros_like(logp),
+    reference = np.asarray(reference if loss.needs_reference else np.zeros_like(logp),
                            np.float64)
     if loss.per_token:
         logp, reference = logp / lengths, reference / lengths
@@ -191,21 +223,23 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
         return np.logaddexp(0.0, x)
 
     c, r = logp[0::2], logp[1::2]
+    chosen_sums = c * lengths[0::2] if loss.per_token else c
+    nll = -chosen_sums.sum() / lengths[0::2].sum()
     if loss.kind == "orpo":
         log_odds = (c - r) - (np.log1p(-np.exp(c)) - np.log1p(-np.exp(r)))
-        nll = -(c * lengths[0::2]).sum() / lengths[0::2].sum()
-        value = nll + loss.orpo_lambda * softplus_(-log_odds).mean()
+        value = loss.orpo_lambda * softplus_(-log_odds).mean()
         chosen, rejected = loss.orpo_lambda * c, loss.orpo_lambda * r
     else:
         d = (c - reference[0::2]) - (r - reference[1::2])
         if loss.kind == "ipo":
             value = ((d - 1 / (2 * loss.beta)) ** 2).mean()
         else:
+            z = loss.beta * d - (loss.simpo_gamma if loss.kind == "simpo" else 0.0)
             eps = loss.label_smoothing
-            value = ((1 - eps) * softplus_(-loss.beta * d) +
-                     eps * softplus_(loss.beta * d)).mean()
+            value = ((1 - eps) * softplus_(-z) + eps * softplus_(z)).mean()
         chosen = loss.beta * (c - reference[0::2])
         rejected = loss.beta * (r - reference[1::2])
+    value += loss.nll_weight * nll
     return {"loss": float(value), "chosen": chosen, "rejected": rejected,
             "margin": chosen - rejected, "accuracy": float((chosen > rejected).mean())}
 

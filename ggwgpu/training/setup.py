@@ -100,7 +100,7 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
                                                       data.samples_after_nl, **resumed)
         valid, lines = None, [f"data: {source}: {len(tokens)} tokens, {samples.n_samples} "
                               f"samples of {cfg.n_ctx}"]
-    if preference and options.objective != "orpo" and state is None:
+    if preference and options.preference_loss().needs_reference and state is None:
         stage(f"the reference log-probabilities of {samples.n_pairs} pairs (the model as it "
               f"starts)")
     inputs.attach_references(samples, valid, cfg, values, backend, options, state, world)

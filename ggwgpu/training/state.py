@@ -23,9 +23,17 @@ STATE_STRINGS = ("tokens_digest", "base")
 FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has all or none
 
 
-# options older checkpoints lack: their defaults apply
-LATER_OPTIONS = ("lbfgs_", "opt_", "loss_scale", "objective", "beta", "label_smoothing",
-                 "orpo_lambda")
+# options older checkpoints lack (these names, and those of L-BFGS's prefixes): their
+# defaults apply
+LATER_OPTIONS = ("loss_scale", "loss_scale_init", "loss_scale_growth_interval", "objective",
+                 "beta", "label_smoothing", "orpo_lambda", "lora_dropout", "neftune_alpha",
+                 "simpo_gamma", "cpo_alpha")
+LATER_PREFIXES = ("lbfgs_", "opt_")
+
+
+def later_option(name: str) -> bool:
+    """Whether an older checkpoint may lack option `name`."""
+    return name in LATER_OPTIONS or name.startswith(LATER_PREFIXES)
 # The loss scaler's state (LossScaler.state()), present when options.loss_scale is dynamic
 # (a checkpoint written before it existed has none: the scaler starts at its defaults)
 SCALER_STATE = {"scale": SCALE, "growth_tracker": COUNT, "skipped_steps": COUNT}
@@ -56,7 +64,7 @@ def check_state(state) -> dict:
         if key not in bounds:
             raise ValueError(f"options.{key} is not a training option")
     for key, bound in bounds.items():
-        if key in options or not key.startswith(LATER_OPTIONS):
+        if key in options or not later_option(key):
             check(require(options, key, "options."), bound, f"options.{key}")
     ftol, wolfe = (options.get(k, TrainOptions.declared()[k]["default"])
                    for k in ("lbfgs_ftol", "lbfgs_wolfe"))

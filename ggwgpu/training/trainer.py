@@ -92,8 +92,8 @@ class Trainer:
         world.local_batch(options.batch) rows of it, and the gradients are summed over the
         ranks before the update (distributed.py). `loss_scaler` is a checkpoint's
         RunState.loss_scaler (LossScaler.state()); without one a dynamic loss scale starts at
-        options.loss_scale_init. With a preference objective (options.objective dpo, ipo,
-        orpo) the batches are pairs.PairBatches' (options.batch units of two rows, a pair
+        options.loss_scale_init. With a preference objective (options.objective other than
+        sft) the batches are pairs.PairBatches' (options.batch units of two rows, a pair
         each when padded), with their reference log-probabilities set
         (preference.sequence_logps; DPO, IPO)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
@@ -116,10 +116,8 @@ class Trainer:
                                        sequences=2 * batch_source.pair_slots(batch)
                                        if preference else 0)
         if preference:
-            from .preference import PreferenceGraph, PreferenceLoss
-            g = PreferenceGraph(g, PreferenceLoss(options.objective, options.beta,
-                                                  options.label_smoothing,
-                                                  options.orpo_lambda), world)
+            from .preference import PreferenceGraph
+            g = PreferenceGraph(g, options.preference_loss(), world)
         self.graph = g
         # the frozen values of a full model (rope factors, models.FROZEN): `parameters` gives
         # them back
