@@ -13,7 +13,7 @@ import shlex
 import click
 
 from ggwgpu import gguf_file, gguf_llama
-from ggwgpu.lora import GLOBAL_TARGETS, TARGETS
+from ggwgpu.lora import GLOBAL_TARGETS, MERGE_TYPES, TARGETS
 from ggwgpu.training import checkpoint
 from ggwgpu.training.inputs import best_path, data_files, default_checkpoint_path
 
@@ -263,18 +263,27 @@ def rows_of(options) -> int:
 @click.argument("adapters", nargs=-1, required=True,
                 type=InputPath(exists=True, dir_okay=False))
 @click.option("--out", required=True, type=click.Path(dir_okay=False),
-              help="The merged model, a llama GGUF (f32).")
-def merge_command(base, adapters, out):
+              help="The merged model, a GGUF of BASE's family.")
+@click.option("--type", "dtype", type=click.Choice(MERGE_TYPES), default="auto",
+              show_default=True,
+              help="auto: as llama.cpp's llama-export-lora, the weights a pair changes in f16 "
+                   "(f32 where BASE holds f32), the others as BASE stores them; f32: every "
+                   "weight f32; a block type: every 2-D weight whose rows are a multiple of "
+                   "32 values in it, as `ggwgpu quantize` writes.")
+def merge_command(base, adapters, out, dtype):
     """Add the LoRA pairs of each ADAPTER into the weights of BASE (W + alpha / r * B A, as
-    llama.cpp applies them) and write the result as an f32 model; a quantized base is
-    dequantized first."""
+    llama.cpp applies them, summed over the dequantized weight) and write the result as a
+    model (llama.cpp's llama-cli loads it)."""
     from ggwgpu import lora
     check_outputs([("BASE", base), *(("ADAPTER", a) for a in adapters)], [("--out", out)])
     try:
         cfg, values, tokenizer = gguf_llama.load_model(base, keep_quantized=True)
         loaded = [lora.load_adapter(path, cfg) for path in adapters]
-        gguf_llama.save_model(out, *lora.merge(cfg, values, loaded), tokenizer)
+        cfg, merged = lora.merge(cfg, values, loaded, dtype)
+        gguf_llama.save_model(out, cfg, merged, tokenizer)
     except gguf_file.GGUFError as e:
         raise click.ClickException(str(e)) from None
     n = sum(len(a.weights()) for a in loaded)
-    click.echo(f"{out}: {base} with {n} LoRA pairs of {len(loaded)} adapter(s) merged (f32)")
+    size = sum(v.nbytes for v in merged.values()) / 2 ** 20
+    click.echo(f"{out}: {base} with {n} LoRA pairs of {len(loaded)} adapter(s) merged "
+               f"(--type {dtype}; weights {size:.2f} MiB)")

@@ -336,13 +336,16 @@ def generate(model, prompt, max_tokens: int = 128, *, temperature: float = 0.8,
                                                      prompt[-1]["role"])))
 
 
-def merge(model, adapters=None) -> Model:
+def merge(model, adapters=None, dtype: str = "auto") -> Model:
     """`model` with LoRA adapters (paths or lora.Adapters; default: the model's own) added
-    into its weights, as llama.cpp applies them: an f32 model without adapters."""
+    into its weights, as llama.cpp applies them: a model without adapters, its weights
+    stored as `dtype` says (lora.MERGE_TYPES: "auto", as llama.cpp's llama-export-lora, the
+    changed weights f16 where the base is not f32 and the rest as stored; "f32"; or a block
+    type, "q8_0", as `ggwgpu quantize` writes)."""
     model = _model(model)
     adapters = model.adapters if adapters is None else [
         a if isinstance(a, lora.Adapter) else lora.load_adapter(a, model.cfg) for a in adapters]
-    cfg, values = lora.merge(model.cfg, model.values, adapters)
+    cfg, values = lora.merge(model.cfg, model.values, adapters, dtype)
     return Model(cfg, values, model.tokenizer)
 
 

@@ -44,7 +44,7 @@ from .gguf_file import K_ARCH, K_NAME, K_TYPE, GGUFError, GGUFFile, checked_tens
 from .gguf_llama import K_CKPT_VERSION, OPTIMIZER_TENSOR_PREFIX
 from .models import (FAMILIES, LORA_A, LORA_B, OUTPUT, TOKEN_EMBD, ModelConfig, arch_list,
                      matrix_shapes)
-from .quant import Quantized, dequantize
+from .quant import QUANTIZABLE, Quantized, dequantize, quantize, quantize_model
 
 K_ADAPTER_TYPE = "adapter.type"
 K_ALPHA = "adapter.lora.alpha"
@@ -291,24 +291,45 @@ def load_adapter_checkpoint(path, cfg: ModelConfig):
 
 # -- merging and identity ---------------------------------------------------------------------
 
-def merge(cfg: ModelConfig, values: dict, adapters) -> tuple[ModelConfig, dict]:
+# How a merge stores its weights: "auto" as llama.cpp's llama-export-lora does (the weights
+# no pair changes keep their stored type, bytes unchanged; the changed ones f16, or f32 where
+# the base held f32), "f32" every weight f32, or a block type for every weight
+# quant.quantize_model would put in it (those already in it and unchanged kept as they are)
+MERGE_TYPES = ("auto", "f32") + QUANTIZABLE
+
+
+def merge(cfg: ModelConfig, values: dict, adapters, dtype: str = "auto"
+          ) -> tuple[ModelConfig, dict]:
     """(cfg, values) of the base with every adapter's pairs added: W + scale * B A, and
-    E + scale * A B^T for the token embedding; f32 (sums in float64), quantized weights
-    dequantized. A pair on either side of tied embeddings unties them: the merged model gets
-    its own output.weight (the base's token_embd plus the output's pairs)."""
-    merged = {n: (dequantize(v) if isinstance(v, Quantized) else np.asarray(v, np.float32))
-              for n, v in values.items()}
+    E + scale * A B^T for the token embedding (sums in float64 over the dequantized
+    weight), stored as `dtype` (one of MERGE_TYPES) says. A pair on either side of tied
+    embeddings unties them: the merged model gets its own output.weight (the base's
+    token_embd plus the output's pairs)."""
+    if dtype not in MERGE_TYPES:
+        raise ValueError(f"cannot store a merged model as {dtype!r}; one of "
+                         f"{', '.join(MERGE_TYPES)}")
+    stored, changed = dict(values), {}
     if cfg.tied_embeddings and any(w in (TOKEN_EMBD, OUTPUT) for a in adapters
                                    for w in a.weights()):
         cfg = dataclasses.replace(cfg, tied_embeddings=False)
-        merged[OUTPUT] = merged[TOKEN_EMBD]
+        stored[OUTPUT] = stored[TOKEN_EMBD]
     for adapter in adapters:
         for weight in adapter.weights():
             a = adapter.tensors[weight + LORA_A].astype(np.float64)
             b = adapter.tensors[weight + LORA_B].astype(np.float64)
             delta = a @ b.T if weight == TOKEN_EMBD else b @ a
-            merged[weight] = (merged[weight] + adapter.scale(weight) * delta).astype(np.float32)
-    return cfg, merged
+            before = changed.get(weight, stored[weight])
+            before = dequantize(before) if isinstance(before, Quantized) else before
+            changed[weight] = (np.asarray(before, np.float32) + adapter.scale(weight) * delta
+                               ).astype(np.float32)
+    if dtype == "auto":
+        return cfg, {**stored, **{n: v if not isinstance(stored[n], Quantized)
+                                  else quantize(v, "f16") for n, v in changed.items()}}
+    kept = {n: v for n, v in stored.items() if n not in changed and isinstance(v, Quantized)
+            and v.dtype == dtype}
+    merged = {n: (dequantize(v) if isinstance(v, Quantized) else np.asarray(v, np.float32))
+              for n, v in {**stored, **changed}.items() if n not in kept}
+    return cfg, merged if dtype == "f32" else {**quantize_model(merged, dtype), **kept}
 
 
 def model_digest(cfg: ModelConfig, values: dict) -> str:

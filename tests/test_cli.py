@@ -503,6 +503,35 @@ def eval_loss(*args) -> float:
     return float(re.search(r"loss (\S+) nats/token", r.output)[1])
 
 
+def test_merge_over_a_quantized_base_keeps_its_types_unless_asked(tmp_path):
+    """--type auto writes the changed weights in f16 and copies the rest (a q8_0 base gives a
+    file far smaller than f32's), and evaluates as the adapter on the base does."""
+    from gguf import GGUFReader
+    base = tiny_base(tmp_path / "q8.gguf", "q8_0", 32, 64)
+    adapter = tmp_path / "adapter.gguf"
+    r = finetune(tmp_path, base, "--steps", "3", "--lr", "1e-2", "--out", str(adapter))
+    assert r.exit_code == 0, r.output
+    sizes, types = {}, {}
+    for dtype in ("auto", "f32", "q8_0"):
+        out = tmp_path / f"{dtype}.gguf"
+        r = invoke("merge", str(base), str(adapter), "--out", str(out), "--type", dtype)
+        assert r.exit_code == 0 and f"(--type {dtype}; weights" in r.output, r.output
+        sizes[dtype] = out.stat().st_size
+        types[dtype] = {t.name: t.tensor_type.name for t in GGUFReader(out).tensors}
+    assert types["auto"]["blk.0.attn_q.weight"] == "F16"        # a pair changed it
+    assert types["auto"]["blk.0.ffn_norm.weight"] == "F32"
+    assert set(types["f32"].values()) == {"F32"}
+    assert types["q8_0"]["blk.0.attn_q.weight"] == "Q8_0"
+    assert sizes["q8_0"] < sizes["auto"] < sizes["f32"]
+    text = str(tmp_path / "text.txt")
+    tuned = eval_loss(str(base), text, "--lora", str(adapter))
+    assert abs(eval_loss(str(tmp_path / "auto.gguf"), text) - tuned) < 1e-3
+    assert abs(eval_loss(str(tmp_path / "f32.gguf"), text) - tuned) < 1e-4
+    r = invoke("merge", str(base), str(adapter), "--out", str(tmp_path / "x.gguf"),
+               "--type", "q4_k")
+    assert r.exit_code == 2 and "'q4_k' is not one of" in r.output
+
+
 def test_eval_shows_the_finetuned_loss_below_the_base_and_equal_to_the_merge(tmp_path):
     base = tiny_base(tmp_path / "base.gguf")
     adapter, merged = tmp_path / "adapter.gguf", tmp_path / "merged.gguf"

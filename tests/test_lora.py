@@ -266,6 +266,48 @@ def test_lora_on_a_tied_gqa_model_starts_at_the_base_and_merges_untied(tmp_path)
                                rtol=1e-5, atol=1e-6)
 
 
+Q_CFG = ModelConfig(n_vocab=32, n_embd=32, n_head=2, n_layer=2, n_ff=64, n_ctx=6)
+
+
+def test_a_merge_stores_its_weights_as_asked():
+    """auto (llama.cpp's llama-export-lora): the weights a pair changes in f16 over a
+    quantized base, f32 over an f32 one, the rest as stored; f32: all f32; a block type:
+    as quantize_model writes the merged f32 model, unchanged weights of that type kept."""
+    from ggwgpu.quant import Quantized, dequantize, quantize
+    f32 = init_parameters(Q_CFG, seed=3)
+    base = quantize_model(f32, "q8_0")
+    ranks = lora_ranks(Q_CFG, r=2, layers=[1])
+    adapter = trained_adapter(Q_CFG, ranks)
+    changed = set(adapter.weights())
+    want = merge(Q_CFG, {n: dequantize(v) if isinstance(v, Quantized) else v
+                         for n, v in base.items()}, [adapter], "f32")[1]
+    auto = merge(Q_CFG, base, [adapter])[1]
+    for name, value in auto.items():
+        if name in changed:
+            assert value.dtype == "f16"
+            np.testing.assert_array_equal(dequantize(value), want[name].astype(np.float16))
+        else:
+            assert value is base[name]
+    assert all(merge(Q_CFG, f32, [adapter])[1][n].dtype == np.float32 for n in changed)
+    assert {type(v) for v in merge(Q_CFG, base, [adapter], "f32")[1].values()} == {np.ndarray}
+    for dtype in ("q8_0", "q4_0"):
+        stored = merge(Q_CFG, base, [adapter], dtype)[1]
+        quantized = quantize_model(want, dtype)
+        for name, value in stored.items():
+            if dtype == "q8_0" and name not in changed and isinstance(base[name], Quantized):
+                assert value is base[name]
+            elif isinstance(value, Quantized):
+                assert value.dtype == dtype
+                np.testing.assert_array_equal(value.data, quantized[name].data)
+            else:
+                assert value.ndim == 1, name        # norms stay f32
+    np.testing.assert_array_equal(
+        merge(Q_CFG, base, [adapter], "q4_0")[1]["blk.1.attn_q.weight"].data,
+        quantize(want["blk.1.attn_q.weight"], "q4_0").data)
+    with pytest.raises(ValueError, match="cannot store a merged model as 'q4_k'"):
+        merge(Q_CFG, base, [adapter], "q4_k")
+
+
 def test_a_bases_digest_is_the_one_earlier_checkpoints_hold():
     """Config fields added later leave the digest of a model that does not use them as it
     was (the values here were written by a ggwgpu before those fields), so that finetune
