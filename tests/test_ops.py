@@ -14,6 +14,7 @@ from ggwgpu.ops import OPS
 from ggwgpu.ops.registry import f32_only_ops
 from ggwgpu.ops.reduce import SUM_SPAN
 from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.graph import build_backward
 from ggwgpu.wgsl import kernel_name, shader_source
 
 FORWARD = [(name, case) for name in sorted(OPS) for case in testing.cases_of(name)]
@@ -152,6 +153,20 @@ def test_an_f16_dispatch_without_shader_f16_names_the_op_and_feature(wgpu, monke
         wgpu.plan([gg.exp(x)])
 
 
+# ops whose backward is zero by definition, which finite differences contradict
+ZERO_BACKWARD = {"detach"}
+
+
+def test_detach_passes_its_value_and_no_gradient():
+    x = gg.input_tensor((3,), name="x")
+    y = gg.sum(gg.add(gg.mul(x, x), gg.detach(gg.mul(x, x))))
+    (grad,) = build_backward(y, [x]).values()
+    plan = NumpyBackend(np.float64).plan([y, grad])
+    plan.run({x: np.array([1.0, 2.0, 3.0])})
+    assert plan.read(y)[0] == 28.0
+    np.testing.assert_array_equal(plan.read(grad), [2.0, 4.0, 6.0])   # of x * x alone
+
+
 @pytest.mark.parametrize("name", sorted(OPS))
 def test_registry_entry_is_complete(name):
     """An op without reference, shader entry point, backward or test cases fails here."""
@@ -168,6 +183,8 @@ def test_registry_entry_is_complete(name):
         if all(i.dtype != "f32" for c in cases for i in c.inputs):
             # reads only frozen weights and ids (get_rows_q): nothing to differentiate
             assert not differentiable and not any(c.grad for c in cases)
+        elif name in ZERO_BACKWARD:
+            assert not any(c.grad for c in cases)
         else:
             assert any(c.grad for c in cases), f"{name} has no gradient test case"
             assert differentiable, f"{name} differentiates none of its inputs"

@@ -155,6 +155,20 @@ cont = register(
     doc="A contiguous copy of a.")
 
 
+detach = register(
+    "detach", n_srcs=1, shape=cont_shape, shader="layout", entry="cpy",
+    dispatches=copy_dispatch,
+    f16_nmse=0.0,  # exact: copies halves
+    reference=lambda a: np.ascontiguousarray(a).copy(),
+    fast=lambda out, a: np.copyto(out, a),
+    backward=lambda n, g: (None,),
+    # its backward is zero by definition, which finite differences would contradict
+    cases=lambda: [Case((Input((3, 4), layout="permuted"),), grad=False),
+                   Case((Input((1,)),), grad=False)],
+    doc="A contiguous copy of a that passes no gradient back (torch's detach): a value "
+        "a loss uses as a constant, as KTO's KL estimate.")
+
+
 def cpy_shape(srcs):
     a, b = srcs
     need_float(a, b)
@@ -312,5 +326,6 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "cpy", "cast", "acc", "concat", "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "detach", "cpy", "cast", "acc", "concat",
+           "diag",
            "reshape_any"]
