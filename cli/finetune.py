@@ -206,7 +206,8 @@ def finetune_command(ctx, base, out, full, lora_r, lora_alpha, lora_layers, n_ct
     per_step = options.batch * options.grad_accum
     rows = f"{per_step} x {cfg.n_ctx} tokens"
     if preference:
-        unit = "packed pairs of rows" if trainer.graph.packed else "pairs"
+        unit = "packed pairs of rows" if trainer.graph.packed else (
+            "examples" if options.objective == "kto" else "pairs")
         rows = f"{per_step} {unit} ({2 * per_step} x {cfg.n_ctx} tokens, {options.objective})"
     click.echo(f"training {what}: {n_trained} parameters; {steps} steps of {rows}; "
                f"{planned_memory(trainer.plan)}")

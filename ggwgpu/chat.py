@@ -625,12 +625,15 @@ def split_off(examples: list, fraction: float, seed: int) -> tuple[list, list]:
             [e for i, e in enumerate(examples) if i in held])
 
 
-def examples_digest(examples: list[Example]) -> str:
-    """Identifies encoded examples (ids and trained flags), for a resume to check its data."""
+def examples_digest(examples: list[Example], labels=None) -> str:
+    """Identifies encoded examples (ids and trained flags, and KTO's labels when given), for
+    a resume to check its data."""
     import hashlib
     h = hashlib.sha256()
     for e in examples:
         h.update(e.ids.tobytes() + e.trained.tobytes() + b"|")
+    if labels is not None:
+        h.update(np.asarray(labels, bool).tobytes())
     return h.hexdigest()[:16]
 
 

@@ -8,6 +8,17 @@ in the forms TRL documents:
 A conversational pair may have "tools" (chat.py's tool calling: the schemas the messages'
 tool calls call).
 
+KTO's data is unpaired, one answer a line labelled good (true) or bad (false), as TRL's
+KTOTrainer takes it:
+
+    {"prompt": "...", "completion": "...", "label": true}
+    {"prompt": [messages], "completion": [messages], "label": false}
+
+and a file of pairs is unpaired (TRL's unpair_preference_dataset): each pair gives its chosen
+answer labelled true and its rejected one labelled false. `kto_pairs` makes each example a
+pair too, of its own answer and a mismatched one (another example's answer after its prompt:
+KTO's KL sample), so that the pair machinery below batches both.
+
 A file or a directory of splits, as chat data (chat.load_dataset). Each answer is encoded as
 a chat example of the prompt and that answer (chat.encode_example: through the chat
 template, a string prompt a user turn and a string answer the assistant's), and only the
@@ -79,6 +90,76 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
                  for answer in (chosen, rejected))
 
 
+def check_unpaired(example) -> None:
+    """Raise DataError unless `example` is a KTO example (prompt, completion, label) or a
+    preference pair (check_pair)."""
+    if isinstance(example, dict) and "label" not in example and "completion" not in example:
+        return check_pair(example)
+    if not isinstance(example, dict):
+        raise DataError(f"a KTO example must be a JSON object, got {type(example).__name__}")
+    extra = sorted(set(example) - {"prompt", "completion", "label", "tools"})
+    if extra or not {"prompt", "completion", "label"} <= set(example):
+        raise DataError(f"a KTO example has 'prompt', 'completion' and 'label' (and 'tools'), "
+                        f"or is a preference pair; this one has keys {sorted(example)}")
+    if not isinstance(example["label"], bool):
+        raise DataError(f"a KTO example's 'label' is true (a good answer) or false, got "
+                        f"{example['label']!r}")
+    prompt, completion = example["prompt"], example["completion"]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if "tools" in example:
+            raise DataError("'tools' goes with a conversational KTO example (lists of "
+                            "messages)")
+        _need_unicode(prompt, "'prompt'")
+        _need_unicode(completion, "'completion'")
+    elif isinstance(prompt, list) and isinstance(completion, list):
+        check_messages(prompt, "'prompt' ")
+        check_messages(completion, "'completion' ")
+        if "tools" in example:
+            check_tools(example["tools"])
+        if not any(m["role"] == "assistant" for m in completion):
+            raise DataError("the 'completion' has no assistant message")
+    else:
+        raise DataError("a KTO example's prompt and completion are both strings or both "
+                        "lists of messages")
+    if not prompt:
+        raise DataError("a KTO example's prompt must not be empty")
+
+
+def unpaired(examples: list[dict]) -> list[dict]:
+    """KTO examples of checked lines (check_unpaired): a pair's chosen answer labelled true
+    and its rejected one false, in that order; KTO examples as they are."""
+    out = []
+    for e in examples:
+        if "label" in e:
+            out.append(e)
+            continue
+        tools = {"tools": e["tools"]} if "tools" in e else {}
+        prompt, chosen, rejected = conversation(e) if isinstance(e["chosen"], list) else (
+            e["prompt"], e["chosen"], e["rejected"])
+        out += [{"prompt": prompt, "completion": chosen, "label": True, **tools},
+                {"prompt": prompt, "completion": rejected, "label": False, **tools}]
+    return out
+
+
+def kto_pairs(examples: list[dict], group: int) -> tuple[list[dict], list[bool]]:
+    """Each KTO example as a pair (chosen: its completion, rejected: the KL sample's, the
+    completion of the example before it in its group of `group` in file order, the first
+    taking the last's: TRL's mismatched pairs, made per batch of the data as it is read) and
+    its label."""
+    forms = {isinstance(e["prompt"], str) for e in examples}
+    if len(forms) > 1:
+        raise DataError("KTO examples are all strings or all conversations: a KL sample puts "
+                        "one example's completion after another's prompt")
+    out = []
+    for start in range(0, len(examples), group):
+        members = examples[start:start + group]
+        for k, e in enumerate(members):
+            out.append({"prompt": e["prompt"], "chosen": e["completion"],
+                        "rejected": members[k - 1]["completion"],
+                        **({"tools": e["tools"]} if "tools" in e else {})})
+    return out, [e["label"] for e in examples]
+
+
 def pack_pairs(spans, n_ctx: int) -> list[list[int]]:
     """Pairs whose chosen and rejected sequences fill these positions ((chosen, rejected)
     each <= n_ctx) in units of two rows of n_ctx, the chosen sequences one after another in
@@ -105,18 +186,23 @@ class PairBatches(RowBatches):
             (training/preference.sequence_logps),
         sequences (2 batch, n_ctx) which sequence of the batch each position belongs to
             (2 i the chosen one of the batch's pair i, 2 i + 1 its rejected one; -1 for
-            padding).
+            padding),
+        labels (P,) the pairs' `labels` (KTO's: whether the chosen answer is good), None
+            without them.
 
     A sequence longer than n_ctx + 1 tokens is cut (`truncated` counts the pairs), or with
     `drop_long` its pair left out; a pair with an answer of no trained token in its window
     is left out too (`dropped` counts both). `state()`/`load_state()` resume exactly."""
 
     def __init__(self, pairs: list[tuple[Example, Example]], n_ctx: int, batch: int,
-                 seed: int, pad_id: int = 0, drop_long: bool = False, pack: bool | str = False):
+                 seed: int, pad_id: int = 0, drop_long: bool = False, pack: bool | str = False,
+                 labels=None):
         def fits(e):
             return len(e) <= n_ctx + 1
-        kept = [p for p in pairs if (not drop_long or all(map(fits, p)))
+        keep = [i for i, p in enumerate(pairs) if (not drop_long or all(map(fits, p)))
                 and all(e.trained[1:n_ctx + 1].any() for e in p)]
+        kept = [pairs[i] for i in keep]
+        self.labels = None if labels is None else np.asarray(labels, bool)[keep]
         self.dropped = len(pairs) - len(kept)
         self.truncated = sum(not all(map(fits, p)) for p in kept)
         if not kept:
@@ -182,7 +268,8 @@ class PairBatches(RowBatches):
         sequences += np.where(sequences >= 0, offsets[:, None], 0)
         pairs = np.concatenate([self.units[u] for u in units]).astype(np.int64)
         reference = None if self.reference is None else self.reference[pairs].reshape(-1)
-        return self.inputs[rows], self.targets[rows], pairs, reference, sequences
+        labels = None if self.labels is None else self.labels[pairs]
+        return self.inputs[rows], self.targets[rows], pairs, reference, sequences, labels
 
     def in_order(self, limit: int | None = None):
         """Batches of the units in order, the same every time (for evaluation and the
@@ -191,9 +278,10 @@ class PairBatches(RowBatches):
         n = self.n_samples if limit is None else min(self.n_samples, limit * self.batch)
         for start in range(0, n, self.batch):
             units = np.arange(start, start + self.batch)
-            inputs, targets, pairs, reference, sequences = self._rows(units % n)
+            inputs, targets, pairs, reference, sequences, labels = self._rows(units % n)
             repeated = np.concatenate([[u >= n] * len(self.units[u % n]) for u in units])
-            yield inputs, targets, np.where(repeated, -1, pairs), reference, sequences
+            yield (inputs, targets, np.where(repeated, -1, pairs), reference, sequences,
+                   labels)
 
     def next_batch(self):
         return self._rows(self.order.take(self.batch))

@@ -1,7 +1,9 @@
-"""Preference losses (training/preference.py): the graph's DPO, IPO, ORPO, CPO and SimPO losses
-and their gradients against TRL's formulas computed in float64 from the reference logits of
-each sequence (testing.reference_logits), for LoRA and full finetuning, in one logits chunk
-and in several."""
+"""Preference losses (training/preference.py): the graph's DPO, IPO, ORPO, CPO, SimPO and
+KTO losses and their gradients against TRL's formulas computed in float64 from the reference
+logits of each sequence (testing.reference_logits), for LoRA and full finetuning, in one
+logits chunk and in several."""
+import re
+
 import numpy as np
 import pytest
 
@@ -11,7 +13,8 @@ from ggwgpu.lora import init_adapter, lora_ranks
 from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
 from ggwgpu import testing
 from ggwgpu.testing import reference_logits
-from ggwgpu.training.preference import PreferenceLoss, preference_terms, reference_loss
+from ggwgpu.training.preference import (PreferenceLoss, kto_loss, preference_terms,
+                                        reference_loss)
 
 CFG = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=7)
 PAIRS = 2
@@ -19,7 +22,9 @@ LOSSES = [PreferenceLoss("dpo", beta=0.5), PreferenceLoss("dpo", beta=0.3, label
           PreferenceLoss("ipo", beta=0.4), PreferenceLoss("orpo", orpo_lambda=0.7),
           PreferenceLoss("cpo", beta=0.3, label_smoothing=0.1),
           PreferenceLoss("simpo", beta=2.0, simpo_gamma=1.0),
+          PreferenceLoss("kto", beta=0.5, undesirable_weight=1.3),
           PreferenceLoss("simpo", beta=2.5, simpo_gamma=0.5, cpo_alpha=0.5)]
+LABELS = [True, False]      # KTO's, of the PAIRS examples
 
 
 def loss_id(loss) -> str:
@@ -52,6 +57,15 @@ def reference_logps(values, inputs, targets) -> np.ndarray:
     return np.array(out)
 
 
+def trl_loss(logp, lengths, reference, loss, kl_at=None) -> float:
+    """reference_loss's loss; KTO's of LABELS, its KL estimate that of `kl_at` (the
+    log-probabilities before a move: the graph's gradient takes it as a constant)."""
+    if loss.kind != "kto":
+        return reference_loss(logp, lengths, reference, loss)["loss"]
+    kl = kto_loss(logp if kl_at is None else kl_at, reference, LABELS, loss)["kl"]
+    return kto_loss(logp, reference, LABELS, loss, kl)["loss"]
+
+
 def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
                precision="f32"):
     g = build_train_graph(CFG, values, 2 * PAIRS, lora=lora, sequences=2 * PAIRS,
@@ -66,7 +80,9 @@ def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
     if terms.inv_lengths is not None:
         feeds[terms.inv_lengths] = (1.0 / lengths)[None].astype(np.float32)
     # any reference log-probabilities; per token exact in float32, as the graph takes them
-    reference = -lengths * np.array([1.5, 1.25, 2.0, 0.75])[:2 * PAIRS]
+    # (KTO's: its mismatched answers' log-ratios above 0, so the KL estimate is not 0)
+    reference = -lengths * np.array([1.5, 4.0, 2.0, 4.0] if loss.kind == "kto" else
+                                    [1.5, 1.25, 2.0, 0.75])[:2 * PAIRS]
     if terms.reference is not None:
         feeds[terms.reference] = ((reference / lengths if loss.per_token else reference)
                                   [None].astype(np.float32))
@@ -74,6 +90,12 @@ def graph_loss(values, loss, lora=None, max_logits_bytes=1 << 20, backend=None,
         w = np.zeros(2 * PAIRS)
         w[0::2] = 1 / lengths[0::2].sum()
         feeds[terms.chosen_weights] = w[None].astype(np.float32)
+    if terms.signs is not None:
+        feeds[terms.signs] = np.where(LABELS, 1.0, -1.0)[None].astype(np.float32)
+        feeds[terms.kl_weights] = np.tile([0.0, 1 / PAIRS], PAIRS)[None].astype(np.float32)
+        feeds[terms.pair_weights] = (np.where(LABELS, loss.desirable_weight,
+                                              loss.undesirable_weight) / PAIRS
+                                     )[None].astype(np.float32)
     plan.write(g.positions, np.arange(CFG.n_ctx, dtype=np.int32))
     plan.run(feeds)
     return (float(plan.read(terms.loss)[0]), -plan.read(g.sequence_nll)[0],
@@ -90,7 +112,7 @@ def test_full_finetune_loss_and_gradient_equal_trls_formulas_in_float64(loss, ch
     inputs, targets, lengths = batch()
     want_logp = reference_logps(values, inputs, targets)
     np.testing.assert_allclose(logp, want_logp, rtol=1e-9)
-    want = reference_loss(want_logp, lengths, reference, loss)["loss"]
+    want = trl_loss(want_logp, lengths, reference, loss)
     assert got == pytest.approx(want, rel=2e-7)     # 1 / length is an f32 input
     # the gradient along random directions against central differences of the reference
     rng = np.random.default_rng(1)
@@ -100,8 +122,8 @@ def test_full_finetune_loss_and_gradient_equal_trls_formulas_in_float64(loss, ch
 
         def at(t):
             moved = {**values, name: values[name] + t * v}
-            return reference_loss(reference_logps(moved, inputs, targets), lengths, reference,
-                                  loss)["loss"]
+            return trl_loss(reference_logps(moved, inputs, targets), lengths, reference, loss,
+                            want_logp)
         numeric = (at(h) - at(-h)) / (2 * h)
         assert (grads[name] * v).sum() == pytest.approx(numeric, rel=1e-5, abs=1e-9), name
 
@@ -124,8 +146,7 @@ def test_lora_finetune_gradient_equals_the_references(loss):
         return out
     want_logp = reference_logps(merged(adapter.tensors), inputs, targets)
     np.testing.assert_allclose(logp, want_logp, rtol=1e-9)
-    assert got == pytest.approx(reference_loss(want_logp, lengths, reference, loss)["loss"],
-                                rel=2e-7)
+    assert got == pytest.approx(trl_loss(want_logp, lengths, reference, loss), rel=2e-7)
     rng = np.random.default_rng(4)
     name = "blk.0.attn_v.weight.lora_b"
     v = rng.standard_normal(adapter.tensors[name].shape)
@@ -133,8 +154,8 @@ def test_lora_finetune_gradient_equals_the_references(loss):
 
     def at(t):
         tensors = {**adapter.tensors, name: adapter.tensors[name] + t * v}
-        return reference_loss(reference_logps(merged(tensors), inputs, targets), lengths,
-                              reference, loss)["loss"]
+        return trl_loss(reference_logps(merged(tensors), inputs, targets), lengths,
+                        reference, loss, want_logp)
     assert (grads[name] * v).sum() == pytest.approx((at(h) - at(-h)) / (2 * h), rel=1e-5)
 
 
@@ -171,10 +192,11 @@ def test_the_rewards_and_accuracy_follow_trl():
 
 
 def test_bad_constants_are_refused_by_name():
-    for kw, word in [({"kind": "kto"}, "one of dpo, ipo, orpo"), ({"beta": 0}, "beta"),
+    for kw, word in [({"kind": "rso"}, "one of dpo, ipo, orpo"), ({"beta": 0}, "beta"),
                      ({"label_smoothing": 0.5}, "label smoothing"),
                      ({"orpo_lambda": -1}, "lambda"), ({"simpo_gamma": -1}, "gamma"),
-                     ({"kind": "cpo", "cpo_alpha": -0.5}, "alpha")]:
+                     ({"kind": "cpo", "cpo_alpha": -0.5}, "alpha"),
+                     ({"kind": "kto", "undesirable_weight": 0}, "KTO's weights")]:
         with pytest.raises(ValueError, match=word):
             PreferenceLoss(**kw)
 
@@ -250,7 +272,7 @@ def finetune_cli(d, *args):
 
 
 @pytest.mark.parametrize("packing", ["padded", "packed"])
-@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo", "simpo"])
+@pytest.mark.parametrize("objective", ["dpo", "ipo", "orpo", "simpo", "kto"])
 def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, objective, packing):
     """Packed at n_ctx 200: three pairs (of about 66 bytes a sequence) to each two rows."""
     import json
@@ -260,10 +282,12 @@ def test_a_stopped_preference_finetune_resumes_exactly(tiny_base, tmp_path, obje
     r = finetune_cli(d, "--objective", objective, "--steps", "4", "--out", str(out),
                      "--log", str(log), *n_ctx)
     assert r.exit_code == 0, r.output
-    assert (f"4 steps of 2 pairs (4 x 96 tokens, {objective})" if packing == "padded" else
+    unit = "examples" if objective == "kto" else "pairs"
+    assert (f"4 steps of 2 {unit} (4 x 96 tokens, {objective})" if packing == "padded" else
             f"4 steps of 2 packed pairs of rows (4 x 200 tokens, {objective})") in r.output
-    assert ("packed into 3 pairs of rows of 200 (3.0 pairs each)" in r.output) \
-        == (packing == "packed")
+    packed = ("packed into 3 pairs of rows of 200 (3.0 pairs each)" if objective != "kto" else
+              "packed into 6 pairs of rows of 200 (3.0 examples each)")
+    assert (packed in r.output) == (packing == "packed")
     ckpt = tmp_path / "ckpt.gguf"
     r = finetune_cli(d, "--objective", objective, "--steps", "2", "--out", str(tmp_path / "a"),
                      "--checkpoint-out", str(ckpt), "--log", str(tmp_path / "log.jsonl"),
@@ -395,6 +419,8 @@ def pairs_loss(batches, values, loss, lora=None, backend=None, spare=0, cfg=PACK
     `batches`' pairs (pairs.PairBatches), `spare` more pair slots per unit than it needs."""
     from ggwgpu.training.preference import PreferenceGraph
     batches.unit_pairs += spare
+    if loss.kind == "kto" and batches.labels is None:
+        batches.labels = np.arange(batches.n_pairs) % 3 != 1
     lengths = batches.lengths()
     batches.reference = (-lengths * np.resize([1.5, 1.25, 2.0, 0.75], len(lengths))
                          ).reshape(-1, 2)
@@ -433,7 +459,7 @@ def test_pairs_pack_two_rows_at_a_time_and_keep_their_lengths():
     np.testing.assert_array_equal(packed.lengths(), padded.lengths())
     np.testing.assert_array_equal(padded.lengths(), [e.trained[1:].sum() for p in pairs
                                                      for e in p])
-    inputs, targets, got, _, sequences = next(packed.in_order())
+    inputs, targets, got, _, sequences, _ = next(packed.in_order())
     assert sorted(got) == list(range(7))
     for i, pair in enumerate(got):        # each sequence in its unit's first or second row
         for side in (0, 1):
@@ -473,7 +499,7 @@ def test_packed_pairs_give_the_padded_loss_and_gradients_in_float64(loss, cfg):
         own.append(logsm[np.flatnonzero(target >= 0), target[target >= 0]].sum())
     np.testing.assert_allclose(
         pairs_loss(packed, values, loss, cfg=cfg)[1].reshape(-1), own, rtol=1e-12)
-    want = reference_loss(own, lengths, reference, loss)["loss"]
+    want = reference_loss(own, lengths, reference, loss, padded.labels)["loss"]
     assert pairs_loss(packed, values, loss, cfg=cfg)[0] == pytest.approx(want, rel=2e-7)
 
 
@@ -507,3 +533,79 @@ def test_a_conversational_pair_may_offer_tools_that_its_answers_call():
         check_pair({"prompt": "p", "chosen": "a", "rejected": "b", "tools": [WEATHER]})
     with pytest.raises(DataError, match="'chosen' message 0, tool call 0 must be"):
         check_pair({**pair, "chosen": [{"role": "assistant", "tool_calls": [{"x": 1}]}]})
+
+
+# -- KTO: unpaired examples --------------------------------------------------------------------
+
+def test_kto_examples_are_checked_unpaired_and_given_mismatched_answers():
+    from ggwgpu.data import DataError
+    from ggwgpu.pairs import check_unpaired, kto_pairs, unpaired
+    good = {"prompt": "1+1?", "completion": "2", "label": True}
+    check_unpaired(good)
+    check_unpaired({"prompt": "p", "chosen": "a", "rejected": "b"})      # a pair
+    chat = {"prompt": [{"role": "user", "content": "hi"}],
+            "completion": [{"role": "assistant", "content": "hello"}], "label": False}
+    check_unpaired(chat)
+    for bad, words in [({**good, "label": 1}, "'label' is true"),
+                       ({"prompt": "p", "completion": "c"}, "has 'prompt', 'completion' and "
+                                                            "'label'"),
+                       ({**good, "prompt": []}, "both strings or both lists"),
+                       ({**good, "prompt": ""}, "prompt must not be empty"),
+                       ({**chat, "completion": [{"role": "user", "content": "x"}]},
+                        "'completion' has no assistant message"),
+                       ({**good, "tools": [{"name": "f"}]}, "'tools' goes with a conversational")]:
+        with pytest.raises(DataError, match=words):
+            check_unpaired(bad)
+    conversational_pair = {"chosen": [{"role": "user", "content": "q"},
+                                      {"role": "assistant", "content": "a"}],
+                           "rejected": [{"role": "user", "content": "q"},
+                                        {"role": "assistant", "content": "b"}]}
+    examples = unpaired([good, conversational_pair])
+    assert examples[0] is good
+    assert examples[1:] == [
+        {"prompt": [{"role": "user", "content": "q"}],
+         "completion": [{"role": "assistant", "content": "a"}], "label": True},
+        {"prompt": [{"role": "user", "content": "q"}],
+         "completion": [{"role": "assistant", "content": "b"}], "label": False}]
+    five = [{"prompt": f"p{i}", "completion": f"c{i}", "label": i % 2 == 0} for i in range(5)]
+    found, labels = kto_pairs(five, group=2)     # groups (0, 1), (2, 3), (4)
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in found] == [
+        ("p0", "c0", "c1"), ("p1", "c1", "c0"), ("p2", "c2", "c3"), ("p3", "c3", "c2"),
+        ("p4", "c4", "c4")]
+    assert labels == [True, False, True, False, True]
+    with pytest.raises(DataError, match="all strings or all conversations"):
+        kto_pairs([good, chat], group=2)
+
+
+def test_kto_raises_the_share_of_examples_on_their_labels_side(tiny_base, tmp_path):
+    """Unpaired examples, the right sum good and "no idea" bad: after training the good
+    ones' log-ratios are above the KL estimate and the bad ones' below, held-out examples'
+    too. (A wrong sum as the bad answer is another prompt's right one, which a 1-layer
+    model cannot tell apart: KTO, unlike DPO, asks each answer to move on its own.)"""
+    import json
+    data = tmp_path / "kto.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p["prompt"], "completion": answer,
+                                        "label": answer != "no idea"}) + "\n"
+                            for p in PAIRS_JSONL for answer in (p["chosen"], "no idea")))
+    log = tmp_path / "log.jsonl"
+    r = finetune_cli(tiny_base, "--data", str(data), "--objective", "kto", "--beta", "0.5",
+                     "--steps", "24", "--lr", "3e-2", "--warmup", "2", "--batch", "4",
+                     "--val-split", "0.25", "--out", str(tmp_path / "a.gguf"), "--log", str(log))
+    assert r.exit_code == 0, r.output
+    assert re.search(r"train: 18 examples \(\d+ good, \d+ bad\), each with a mismatched "
+                     r"answer for the KL", r.output), r.output
+    assert "the reference log-probabilities of 18 examples" in r.output
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    assert {"rewards_chosen", "rewards_rejected", "margin", "accuracy", "kl"} <= set(records[0])
+    assert records[0]["loss"] == pytest.approx(0.5, abs=1e-6)     # at the reference
+    assert [r["accuracy"] for r in records[-4:]] == [1.0] * 4
+    assert np.mean([r["loss"] for r in records[-4:]]) < 0.1
+    assert records[-1]["val_accuracy"] == 1.0
+
+
+def test_kto_runs_in_one_process():
+    from types import SimpleNamespace
+    from ggwgpu.training.preference import PreferenceGraph
+    g = build_train_graph(CFG, init_parameters(CFG, seed=3), 2 * PAIRS, sequences=2 * PAIRS)
+    with pytest.raises(ValueError, match="run KTO in one process"):
+        PreferenceGraph(g, PreferenceLoss("kto"), world=SimpleNamespace(size=2, rank=0))

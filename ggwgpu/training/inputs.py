@@ -155,31 +155,41 @@ def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions
     units of two rows, packed where that makes fewer units than pairs (unless `pack` is
     False): the validation set is its valid split, else `val_split` of the training pairs,
     packed as the training pairs are and given as many pair slots (both run through one
-    graph); at a resumed run's position when `state` is given."""
+    graph); at a resumed run's position when `state` is given. KTO's examples (pairs
+    unpaired) become pairs of their answer and a mismatched one (pairs.kto_pairs, in
+    groups of options.batch), with their labels."""
     from .. import pairs
+    kto = options.objective == "kto"
     try:
-        sets = chat.load_dataset(path, check=pairs.check_pair)
+        sets = chat.load_dataset(path, check=pairs.check_unpaired if kto else pairs.check_pair)
     except OSError as e:
         raise ValueError(str(e)) from None
-    train, valid = ([pairs.encode_pair(e, tokenizer, template) for e in sets[split]]
-                    if split in sets else None for split in ("train", "valid"))
-    if valid is None and val_split:
-        train, valid = chat.split_off(train, val_split, options.seed)
-    if valid is None and need_validation:
+    if kto:
+        sets = {split: pairs.unpaired(examples) for split, examples in sets.items()}
+    if "valid" not in sets and val_split:
+        sets["train"], sets["valid"] = chat.split_off(sets["train"], val_split, options.seed)
+    if "valid" not in sets and need_validation:
         raise ValueError("--val-every and --early-stop need a validation set: valid.jsonl in "
                          "the --data directory, or --val-split")
-    digest = chat.examples_digest([e for pair in train for e in pair])
+
+    def encoded(examples):      # (encoded pairs, labels or None)
+        found, labels = pairs.kto_pairs(examples, options.batch) if kto else (examples, None)
+        return [pairs.encode_pair(e, tokenizer, template) for e in found], labels
+    (train, labels), (valid, valid_labels) = (
+        encoded(sets[split]) if split in sets else (None, None) for split in ("train", "valid"))
+    digest = chat.examples_digest([e for pair in train for e in pair], labels)
     if state is not None and state.tokens_digest != digest:
         raise ValueError(f"{checkpoint} was trained on other pairs: pass the same --data (and "
                          f"template options) to resume")
     batches = pairs.PairBatches(train, n_ctx, options.batch, options.seed,
-                                drop_long=drop_long, pack="auto" if pack else False)
+                                drop_long=drop_long, pack="auto" if pack else False,
+                                labels=labels)
     if state is not None:
         resume_data(batches, state, checkpoint)
     held = None
     if valid is not None:
         held = pairs.PairBatches(valid, n_ctx, options.batch, options.seed,
-                                 drop_long=drop_long, pack=batches.packed)
+                                 drop_long=drop_long, pack=batches.packed, labels=valid_labels)
         batches.unit_pairs = held.unit_pairs = max(batches.unit_pairs, held.unit_pairs)
     return ExampleData(batches, held, digest)
 
@@ -207,11 +217,19 @@ def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
 
 
 def describe_pairs(name: str, batches) -> str:
-    """One line on a split's preference pairs: counts, what was cut or left out."""
-    line = f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens; "
+    """One line on a split's preference pairs (KTO's examples): counts, what was cut or
+    left out."""
+    if batches.labels is None:
+        line = f"{name}: {batches.n_pairs} pairs, {batches.trained_tokens} answer tokens; "
+    else:
+        good = int(batches.labels.sum())
+        line = (f"{name}: {batches.n_pairs} examples ({good} good, {batches.n_pairs - good} "
+                f"bad), each with a mismatched answer for the KL, {batches.trained_tokens} "
+                f"answer tokens; ")
     if batches.packed:
+        unit = "pairs" if batches.labels is None else "examples"
         line += (f"packed into {batches.n_samples} pairs of rows of {batches.n_ctx} "
-                 f"({batches.n_pairs / batches.n_samples:.1f} pairs each), {batches.fill:.0%} "
+                 f"({batches.n_pairs / batches.n_samples:.1f} {unit} each), {batches.fill:.0%} "
                  f"of positions used")
     else:
         line += (f"one sequence per row of {batches.n_ctx}, padded, {batches.fill:.0%} of "

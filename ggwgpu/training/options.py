@@ -10,7 +10,7 @@ import numpy as np
 from ..models import PRECISIONS
 from .lbfgs import LINESEARCHES, ON_FAIL, LbfgsOptions
 
-OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "cpo", "simpo")    # all but sft: preference.py
+OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "cpo", "simpo", "kto")   # but sft: preference.py
 
 MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
 MAX_STEPS = 10 ** 9             # warmup and decay lengths: more steps than any run takes
@@ -174,10 +174,11 @@ class TrainOptions:
         "sft", Bound(str, choices=OBJECTIVES),
         "sft: next-token loss on text or --data examples; dpo, ipo, orpo, cpo, simpo: "
         "preference finetuning on --data pairs ({prompt, chosen, rejected}), --batch pairs "
-        "a step (packed: --batch pairs of rows, several pairs in each).",
+        "a step (packed: --batch pairs of rows, several pairs in each); kto: on examples "
+        "labelled good or bad ({prompt, completion, label}, or pairs unpaired).",
         cli="finetune")
-    beta: float = _option(0.1, POSITIVE, "DPO, IPO: how far the model may move from the "
-                          "reference, the base; CPO, SimPO: the scale of the reward "
+    beta: float = _option(0.1, POSITIVE, "DPO, IPO, KTO: how far the model may move from "
+                          "the reference, the base; CPO, SimPO: the scale of the reward "
                           "difference (TRL's beta).", cli="finetune")
     label_smoothing: float = _option(0.0, Bound(float, 0, 0.5, high_open=True),
                                      "DPO, CPO, SimPO: the share of pairs taken to be "
@@ -191,6 +192,10 @@ class TrainOptions:
         "CPO, SimPO: the weight of the chosen answers' NLL beside the preference term "
         "(TRL's cpo_alpha; default 1 for cpo, 0 for simpo: SimPO's loss; above 0 with simpo: "
         "CPO-SimPO).", cli="finetune")
+    desirable_weight: float = _option(1.0, POSITIVE, "KTO: the weight of the good examples' "
+                                      "terms (TRL's desirable_weight).", cli="finetune")
+    undesirable_weight: float = _option(1.0, POSITIVE, "KTO: the weight of the bad examples' "
+                                        "terms (TRL's undesirable_weight).", cli="finetune")
     # LoRA dropout (PEFT's lora_dropout, MLX-LM's dropout): models.blocks.linear
     lora_dropout: float = _option(
         0.0, Bound(float, 0, 1, high_open=True),
@@ -219,7 +224,7 @@ class TrainOptions:
         if self.cpo_alpha is not None and self.objective not in ("cpo", "simpo"):
             raise ValueError(f"option cpo_alpha weighs the chosen answers' NLL of objectives "
                              f"cpo and simpo, not of {self.objective}")
-        if self.neftune_alpha and self.objective in ("dpo", "ipo"):
+        if self.neftune_alpha and self.objective in ("dpo", "ipo", "kto"):
             raise ValueError(f"option neftune_alpha does not work with objective "
                              f"{self.objective}: its reference log-probabilities have no noise")
         if self.optimizer == "lbfgs" and self.loss_scale == "dynamic":
@@ -243,7 +248,8 @@ class TrainOptions:
             return None
         from .preference import PreferenceLoss
         return PreferenceLoss(self.objective, self.beta, self.label_smoothing,
-                              self.orpo_lambda, self.simpo_gamma, self.cpo_alpha)
+                              self.orpo_lambda, self.simpo_gamma, self.cpo_alpha,
+                              self.desirable_weight, self.undesirable_weight)
 
     def lbfgs_options(self) -> LbfgsOptions:
         return LbfgsOptions(

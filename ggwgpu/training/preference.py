@@ -1,6 +1,6 @@
 """Preference finetuning: DPO (Rafailov et al. 2023) with the sigmoid loss and label
-smoothing, its IPO variant, ORPO (Hong et al. 2024), CPO (Xu et al. 2024) and SimPO (Meng et
-al. 2024), with TRL's formulas.
+smoothing, its IPO variant, ORPO (Hong et al. 2024), CPO (Xu et al. 2024), SimPO (Meng et
+al. 2024) and KTO (Ethayarajh et al. 2024), with TRL's formulas.
 
 A batch holds pairs (pairs.PairBatches): padded, row 2i the chosen answer of pair i and row
 2i + 1 the rejected one; packed, several pairs to each two rows. Each answer comes with its
@@ -25,6 +25,11 @@ pair (c chosen, r rejected):
           loss = (1 - eps) * softplus(-z) + eps * softplus(z) + alpha * NLL of the chosen
     SimPO z = beta * (avg_c - avg_r) - gamma, no reference
           loss = as CPO's (alpha 0 by default: SimPO's paper; above 0, TRL's CPO-SimPO)
+    KTO   a "pair" is one example's answer (its label s: +1 good, -1 bad) and a mismatched
+          answer after its prompt (pairs.kto_pairs), whose log-ratios estimate the KL:
+          KL = max(0, mean over the batch of (logp_m - r_m)), a constant (detach)
+          loss = w_s * (1 - sigmoid(beta * s * (logp - r - KL))), w_s TRL's desirable and
+          undesirable weights
 
 each averaged over the batch's pairs (a packed batch's pairs vary in number: each pair's
 weight is then an input, 1 / the batch's pairs); softplus(x) = log(1 + exp(x)) =
@@ -40,7 +45,7 @@ import numpy as np
 from .. import ops as O
 from ..tensor import constant, input_tensor
 
-LOSSES = ("dpo", "ipo", "orpo", "cpo", "simpo")
+LOSSES = ("dpo", "ipo", "orpo", "cpo", "simpo", "kto")
 
 
 @dataclass(frozen=True)
@@ -49,13 +54,16 @@ class PreferenceLoss:
     smoothing (DPO's, CPO's and SimPO's eps, in [0, 0.5)), lambda (ORPO's weight of the
     odds-ratio term, TRL's beta), gamma (SimPO's target margin, TRL's simpo_gamma) and alpha
     (CPO's and SimPO's weight of the chosen answers' NLL, TRL's cpo_alpha; None: 1 for CPO,
-    0 for SimPO)."""
+    0 for SimPO), and KTO's weights of the good and the bad examples' terms (TRL's
+    desirable_weight, undesirable_weight)."""
     kind: str = "dpo"
     beta: float = 0.1
     label_smoothing: float = 0.0
     orpo_lambda: float = 0.1
     simpo_gamma: float = 0.5
     cpo_alpha: float | None = None
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
 
     def __post_init__(self):
         if self.kind not in LOSSES:
@@ -71,10 +79,13 @@ class PreferenceLoss:
             raise ValueError(f"SimPO's gamma must be >= 0, got {self.simpo_gamma}")
         if self.cpo_alpha is not None and not self.cpo_alpha >= 0:
             raise ValueError(f"CPO's alpha must be >= 0, got {self.cpo_alpha}")
+        if not (self.desirable_weight > 0 and self.undesirable_weight > 0):
+            raise ValueError(f"KTO's weights must be > 0, got {self.desirable_weight} and "
+                             f"{self.undesirable_weight}")
 
     @property
     def needs_reference(self) -> bool:
-        return self.kind in ("dpo", "ipo")
+        return self.kind in ("dpo", "ipo", "kto")
 
     @property
     def per_token(self) -> bool:
@@ -118,12 +129,17 @@ class PreferenceTerms:
     each sequence's 1 / answer length (1, 2 n_pairs), for a loss with the chosen answers'
     NLL (ORPO; CPO, SimPO with alpha) the chosen sequences' weights of its mean
     (1, 2 n_pairs): 1 / (the chosen answers' tokens) at chosen sequences, 0 at
-    rejected ones, and when `weighted` each pair's weight in the mean (1, n_pairs)."""
+    rejected ones, and when `weighted` each pair's weight in the mean (1, n_pairs); KTO's
+    signs of the labels (1, n_pairs) and weights of the KL estimate's mean (1, 2 n_pairs):
+    1 / the batch's examples at their mismatched sequences, 0 elsewhere (and its pair
+    weights always: the label weights over the batch's examples)."""
     loss: object
     reference: object
     inv_lengths: object
     chosen_weights: object
     pair_weights: object = None
+    signs: object = None
+    kl_weights: object = None
 
 
 def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
@@ -138,7 +154,11 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
     inv_lengths = input_tensor((1, n_seq), name="1 / answer length") if loss.per_token else None
     chosen_weights = input_tensor((1, n_seq), name="chosen weights") \
         if loss.nll_weight else None
-    pair_weights = input_tensor((1, n_pairs), name="pair weights") if weighted else None
+    kto = loss.kind == "kto"
+    pair_weights = input_tensor((1, n_pairs), name="pair weights") \
+        if weighted or kto else None
+    signs = input_tensor((1, n_pairs), name="label signs") if kto else None
+    kl_weights = input_tensor((1, n_seq), name="KL weights") if kto else None
     logp = O.neg(sequence_nll)
     if loss.per_token:
         logp = O.mul(logp, inv_lengths)
@@ -156,6 +176,12 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
         log1m = O.log(O.add1(O.neg(O.exp(logp)), one))                # log(1 - exp(avg))
         log_odds = chosen_minus_rejected(O.sub(logp, log1m))
         total = O.scale(mean(softplus(O.neg(log_odds))), loss.orpo_lambda)
+    elif kto:
+        ratios = O.sub(logp, O.reshape(reference, (1, n_seq)))
+        kl = O.relu(O.detach(O.sum(O.mul(ratios, kl_weights))))
+        answers = constant(np.maximum(pair_matrix(n_pairs), 0), name="answers")
+        z = O.mul(O.scale(O.add1(O.mul_mat(answers, ratios), O.neg(kl)), loss.beta), signs)
+        total = mean(O.exp(O.neg(softplus(z))))                  # 1 - sigmoid(z)
     else:
         if reference is not None:
             logp = O.sub(logp, O.reshape(reference, (1, n_seq)))
@@ -176,7 +202,8 @@ def preference_terms(sequence_nll, n_pairs: int, loss: PreferenceLoss,
     if chosen_weights is not None:              # the chosen answers' mean token NLL
         nll = O.sum(O.mul(sequence_nll, chosen_weights))
         total = O.add(total, nll if loss.nll_weight == 1 else O.scale(nll, loss.nll_weight))
-    return PreferenceTerms(total, reference, inv_lengths, chosen_weights, pair_weights)
+    return PreferenceTerms(total, reference, inv_lengths, chosen_weights, pair_weights, signs,
+                           kl_weights)
 
 
 def sequence_matrix(sequences, n_pairs: int, n_slots: int) -> np.ndarray:
@@ -208,11 +235,16 @@ def sequence_feeds(graph, inputs, targets, sequences, n_pairs: int) -> dict:
     return feeds
 
 
-def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
+def reference_loss(logp, lengths, reference, loss: PreferenceLoss, labels=None) -> dict:
     """TRL's formulas in float64, from each sequence's log-probability `logp` (2 n_pairs,
     chosen and rejected alternating), its answer length, and the reference model's
-    log-probabilities: the loss, and per pair the rewards of chosen and rejected, margins,
-    and whether the chosen one is ahead (TRL's rewards/accuracies)."""
+    log-probabilities (read where the loss has a reference): the loss, and per pair the
+    rewards of chosen and rejected, margins, and whether the chosen one is ahead (TRL's
+    rewards/accuracies). KTO's (`labels` its pairs' labels): the rewards of the good and
+    the bad examples, each example's margin beta * s * (logp - r - KL), the share of
+    examples on their label's side of the KL, and the KL."""
+    if loss.kind == "kto":
+        return kto_loss(logp, reference, labels, loss)
     logp, lengths = np.asarray(logp, np.float64), np.asarray(lengths, np.float64)
     reference = np.asarray(reference if loss.needs_reference else np.zeros_like(logp),
                            np.float64)
@@ -244,6 +276,22 @@ def reference_loss(logp, lengths, reference, loss: PreferenceLoss) -> dict:
             "margin": chosen - rejected, "accuracy": float((chosen > rejected).mean())}
 
 
+def kto_loss(logp, reference, labels, loss: PreferenceLoss, kl=None) -> dict:
+    """reference_loss of KTO (TRL's kto_loss, mean over the examples); `kl` the KL
+    estimate, else the mismatched answers' (max(0, their mean log-ratio))."""
+    ratios = np.asarray(logp, np.float64) - np.asarray(reference, np.float64)
+    labels = np.asarray(labels, bool)
+    answers = ratios[0::2]
+    kl = max(ratios[1::2].mean(), 0.0) if kl is None else kl
+    sign = np.where(labels, 1.0, -1.0)
+    z = loss.beta * sign * (answers - kl)
+    weights = np.where(labels, loss.desirable_weight, loss.undesirable_weight)
+    rewards = loss.beta * answers
+    return {"loss": float((weights * np.exp(-np.logaddexp(0.0, z))).mean()),
+            "chosen": rewards[labels], "rejected": rewards[~labels], "margin": z,
+            "accuracy": float((z > 0).mean()), "kl": kl}
+
+
 class PreferenceGraph:
     """A training graph (models.TrainGraph, built with `sequences` = 2 pair slots) whose loss
     is a preference loss: what a Trainer needs of a graph (loss, params, checkpoints,
@@ -255,11 +303,16 @@ class PreferenceGraph:
     and keeps this rank's units of it (2 rows each, the batch cut into world.size parts as
     for text), each pair weighted by 1 / the whole batch's pairs (ORPO's NLL by the whole
     batch's chosen tokens), so that the ranks' losses and gradients sum to one process's;
-    the metrics gather every rank's log-probabilities and are the whole batch's."""
+    the metrics gather every rank's log-probabilities and are the whole batch's. KTO's
+    KL estimate is a mean over the whole batch inside the graph, so KTO runs in one
+    process."""
 
     def __init__(self, graph, loss: PreferenceLoss, world=None):
         if graph.sequence_nll is None:
             raise ValueError("a preference graph needs a training graph with sequences")
+        if world is not None and loss.kind == "kto":
+            raise ValueError("KTO's KL estimate is a mean over each step's whole batch, which "
+                             "is not shared out over processes: run KTO in one process")
         self.graph, self.kind, self.world = graph, loss, world
         self.n_pairs = graph.sequence_nll.shape[1] // 2            # pair slots
         self.terms = preference_terms(graph.sequence_nll, self.n_pairs, loss,
@@ -271,10 +324,10 @@ class PreferenceGraph:
         self.reported = (graph.sequence_nll,)
         self.last = None
 
-    def feeds(self, inputs, targets, pairs, reference, sequences) -> dict:
+    def feeds(self, inputs, targets, pairs, reference, sequences, labels=None) -> dict:
         """The graph's inputs of a batch (pairs.PairBatches'): `pairs` (-1 for a filler
-        pair, which no loss or metric counts) and `reference` (2 pairs,) their reference
-        log-probabilities, with a world the whole batch's."""
+        pair, which no loss or metric counts), `reference` (2 pairs,) their reference
+        log-probabilities and (KTO) their `labels`, with a world the whole batch's."""
         terms, world = self.terms, self.world
         targets, sequences = np.asarray(targets, np.int32), np.asarray(sequences)
         pairs = np.asarray(pairs)
@@ -286,6 +339,9 @@ class PreferenceGraph:
             raise ValueError(f"{self.kind.kind} needs the reference model's log-probabilities "
                              f"of the pairs")
         reference = None if terms.reference is None else np.asarray(reference, np.float64)
+        if terms.signs is not None and labels is None:
+            raise ValueError("KTO needs its examples' labels")
+        labels = None if terms.signs is None else np.asarray(labels, bool)
         rows, first, mine = slice(None), 0, n
         if world is not None:       # this rank's units, their pairs a run of the batch's
             k = len(inputs) // world.size
@@ -312,17 +368,23 @@ class PreferenceGraph:
             w = np.zeros(2 * n)
             w[0::2] = real / lengths[0::2][real].sum()
             feeds[terms.chosen_weights] = slots(w, repeat=False)
+        weights = real / real.sum()
+        if labels is not None:                   # KTO's
+            feeds[terms.signs] = slots(np.repeat(np.where(labels, 1.0, -1.0), 2))[:, 0::2]
+            feeds[terms.kl_weights] = slots(np.stack([np.zeros(n), weights], 1).reshape(-1),
+                                            repeat=False)
+            weights = weights * np.where(labels, self.kind.desirable_weight,
+                                         self.kind.undesirable_weight)
         if terms.pair_weights is not None:       # 1 / the whole batch's pairs
-            feeds[terms.pair_weights] = slots(np.repeat(real / real.sum(), 2),
-                                              repeat=False)[:, 0::2]
-        self.last = (lengths, reference, real, first, mine)
+            feeds[terms.pair_weights] = slots(np.repeat(weights, 2), repeat=False)[:, 0::2]
+        self.last = (lengths, reference, real, first, mine, labels)
         return feeds
 
     def _metrics(self, sequence_nll) -> tuple[dict, int]:
         """reference_loss of the last batch's real pairs (an evaluation's last batch is
         filled up with repeated ones), and how many there are; with a world, of the whole
         batch (every rank's log-probabilities summed into one buffer)."""
-        lengths, reference, real, first, mine = self.last
+        lengths, reference, real, first, mine, labels = self.last
         nll = np.zeros(2 * len(real))
         nll[2 * first:2 * (first + mine)] = np.asarray(sequence_nll, np.float64).reshape(-1)[
             :2 * mine]
@@ -331,7 +393,8 @@ class PreferenceGraph:
         rows = np.repeat(real, 2)
         return reference_loss(-nll[rows], lengths[rows],
                               None if reference is None else reference[rows],
-                              self.kind), int(real.sum())
+                              self.kind, None if labels is None else labels[real]
+                              ), int(real.sum())
 
     def weighed(self, plan, batch) -> dict:
         """The batch's loss, accuracy and mean margin times its pairs, and its pairs
@@ -342,11 +405,15 @@ class PreferenceGraph:
 
     def report(self, reported) -> dict:
         """The last batch's TRL metrics: mean rewards of chosen and rejected, margin, and
-        the share of pairs whose chosen reward is higher."""
+        the share of pairs whose chosen reward is higher (KTO's: of its good and bad
+        examples, the mean margin, the share on their label's side, and the KL)."""
         r, _ = self._metrics(reported[0])
-        return {"rewards_chosen": float(r["chosen"].mean()),
-                "rewards_rejected": float(r["rejected"].mean()),
-                "margin": float(r["margin"].mean()), "accuracy": r["accuracy"]}
+
+        def mean(x):                # a KTO batch may hold no good or no bad example
+            return float(x.mean()) if len(x) else float("nan")
+        return {"rewards_chosen": mean(r["chosen"]), "rewards_rejected": mean(r["rejected"]),
+                "margin": float(r["margin"].mean()), "accuracy": r["accuracy"],
+                **({"kl": r["kl"]} if "kl" in r else {})}
 
 
 def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=None,
@@ -367,7 +434,7 @@ def sequence_logps(cfg, values, batches, backend, precision: str = "f32", lora=N
     if not g.packed:
         plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
     out = np.zeros((batches.n_pairs, 2))
-    for k, (inputs, targets, pairs, _, sequences) in enumerate(batches.in_order()):
+    for k, (inputs, targets, pairs, _, sequences, _) in enumerate(batches.in_order()):
         if world is not None and k % world.size != world.rank:
             continue
         plan.run(sequence_feeds(g, inputs, targets, sequences, len(pairs)))

@@ -101,7 +101,8 @@ def prepare_finetune(base_cfg, cfg, tokenizer, base_digest: str, values: dict, a
         valid, lines = None, [f"data: {source}: {len(tokens)} tokens, {samples.n_samples} "
                               f"samples of {cfg.n_ctx}"]
     if preference and options.preference_loss().needs_reference and state is None:
-        stage(f"the reference log-probabilities of {samples.n_pairs} pairs (the model as it "
+        unit = "examples" if options.objective == "kto" else "pairs"
+        stage(f"the reference log-probabilities of {samples.n_pairs} {unit} (the model as it "
               f"starts)")
     inputs.attach_references(samples, valid, cfg, values, backend, options, state, world)
     inputs.planning_stage(values, stage)

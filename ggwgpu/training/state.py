@@ -27,7 +27,7 @@ FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has 
 # defaults apply
 LATER_OPTIONS = ("loss_scale", "loss_scale_init", "loss_scale_growth_interval", "objective",
                  "beta", "label_smoothing", "orpo_lambda", "lora_dropout", "neftune_alpha",
-                 "simpo_gamma", "cpo_alpha")
+                 "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight")
 LATER_PREFIXES = ("lbfgs_", "opt_")
 
 
