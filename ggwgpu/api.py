@@ -161,10 +161,11 @@ def finetune(model, texts=(), *, data=None, out: str = "adapter.gguf", steps: in
     `lora_layers`), or with `full` every weight as a model. With a validation set (the data's
     valid split, or `val_split`) the validation loss is taken every `val_every` steps (and at
     the end) and the best weights kept in OUT's .best.gguf; `early_stop` evaluations without
-    a lower loss end the run. objective="dpo", "ipo", "orpo", "cpo" or "simpo" (with beta,
-    label_smoothing, orpo_lambda, simpo_gamma, cpo_alpha) finetunes on preference pairs in `data` instead (pairs.py's forms, packed
-    as examples are unless `pack` is False), the reference model being `model` as it
-    starts."""
+    a lower loss end the run. objective="dpo", "ipo", "orpo", "cpo", "simpo" (with beta,
+    label_smoothing, orpo_lambda, simpo_gamma, cpo_alpha) or "kto" (beta, desirable_weight,
+    undesirable_weight) finetunes on preference pairs (KTO's labelled examples) in `data`
+    instead (pairs.py's forms, packed as examples are unless `pack` is False), the reference
+    model being `model` as it starts."""
     model = _model(model)
     options = TrainOptions(**{**FINETUNE_DEFAULTS, **options})
     values, adapter = _trained_weights(model, full), None

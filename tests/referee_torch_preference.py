@@ -1,12 +1,14 @@
 """ggwgpu's preference losses (DPO with and without label smoothing, IPO, ORPO, CPO, SimPO
-with and without the NLL term) against an
+with and without the NLL term, KTO) against an
 independent PyTorch computation (torch is never a dependency of ggwgpu): a tiny llama in
 float64 written here from llama.cpp's definitions (RMSNorm, rope in ggml's normal mode,
 grouped-query attention, SwiGLU), its weights read with the `gguf` package from the GGUF
 files ggwgpu writes (a base, a perturbed copy of it, a LoRA adapter), and TRL's loss
 formulas (DPOTrainer's sigmoid loss with label smoothing and its IPO loss on per-token
 means, ORPOTrainer's odds-ratio loss plus the chosen answers' NLL, CPOTrainer's sigmoid
-and SimPO losses plus cpo_alpha times that NLL), each sequence on its own.
+and SimPO losses plus cpo_alpha times that NLL, KTOTrainer's loss with its KL estimate
+from the second sequence of each pair, taken as the mismatched one, under no_grad), each
+sequence on its own.
 ggwgpu runs the same pairs on its NumPy backend in float64, padded (one sequence a row) and
 packed (several pairs to each two rows), its reference log-probabilities its own
 (preference.sequence_logps). Prints, per objective x LoRA/full x padded/packed, the loss
@@ -56,7 +58,12 @@ OBJECTIVES = {"dpo": PreferenceLoss("dpo", beta=0.1),
               "cpo": PreferenceLoss("cpo", beta=0.1),
               "simpo": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5),
               "simpo ls=0.1 alpha=0.5": PreferenceLoss("simpo", beta=2.0, simpo_gamma=0.5,
-                                                      label_smoothing=0.1, cpo_alpha=0.5)}
+                                                      label_smoothing=0.1, cpo_alpha=0.5),
+              "kto": PreferenceLoss("kto", beta=0.1, undesirable_weight=1.5)}
+LABELS = np.arange(N_PAIRS) % 3 != 1        # KTO's: which examples are good
+# KTO's reference log-probabilities, both sides' lowered by this many nats, so that the KL
+# estimate (else about -0.25 here, clamped to 0) is above 0 and its detach matters
+KTO_SHIFT = 1.0
 
 
 # -- the files and the pairs -------------------------------------------------------------------
@@ -183,6 +190,15 @@ def trl_loss(loss: PreferenceLoss, logps, counts, chosen_tokens, ref_logps,
         return x * f32(1 / counts) if rounded else x / counts
     # CrossEntropyLoss's mean over the chosen answers' tokens
     nll = -chosen_tokens.sum() * f32(torch.tensor(1 / len(chosen_tokens)))
+    if loss.kind == "kto":      # KTOTrainer.kto_loss: the KL of the mismatched answers
+        ratios = logps - f32(ref_logps)
+        kl = ratios[1::2].detach().mean().clamp(min=0)
+        good = torch.as_tensor(LABELS)
+        answers = ratios[0::2]
+        chosen = 1 - F.sigmoid(loss.beta * (answers[good] - kl))
+        rejected = 1 - F.sigmoid(loss.beta * (kl - answers[~good]))
+        return torch.cat([loss.desirable_weight * chosen,
+                          loss.undesirable_weight * rejected]).mean()
     if loss.kind == "orpo":     # average_log_prob=True; beta is ORPO's lambda
         avg = per_token(logps)
         c, r = avg[0::2], avg[1::2]
@@ -227,7 +243,7 @@ def torch_run(d: Path, loss: PreferenceLoss, mode: str, pairs: list, rounded: bo
         def weights():
             return trained
     with torch.no_grad():
-        ref = torch_logps(model, base, pairs)[0]
+        ref = torch_logps(model, base, pairs)[0] - (KTO_SHIFT if loss.kind == "kto" else 0)
     for t in trained.values():
         t.requires_grad_(True)
     logps, counts, chosen_tokens = torch_logps(model, weights(), pairs)
@@ -254,9 +270,11 @@ def ggwgpu_run(d: Path, loss: PreferenceLoss, mode: str, pairs: list, pack: bool
         values = {k: np.asarray(v, np.float64)
                   for k, v in gguf_llama.load_model(d / "policy.gguf")[1].items()}
     units = len(PairBatches(pairs, cfg.n_ctx, 1, 0, pack=pack).units)
-    batches = PairBatches(pairs, cfg.n_ctx, units, 0, pack=pack)
+    batches = PairBatches(pairs, cfg.n_ctx, units, 0, pack=pack,
+                          labels=LABELS if loss.kind == "kto" else None)
     if loss.needs_reference:
-        batches.reference = sequence_logps(cfg, base, batches, backend, "f32")
+        batches.reference = sequence_logps(cfg, base, batches, backend, "f32") - (
+            KTO_SHIFT if loss.kind == "kto" else 0)
     g = build_train_graph(cfg, values, 2 * batches.batch, lora=adapter, packed=batches.packed,
                           sequences=2 * batches.pair_slots(batches.batch))
     pg = PreferenceGraph(g, loss)
