@@ -50,7 +50,7 @@ LOSSES = ("dpo", "ipo", "orpo", "cpo", "simpo", "kto")
 
 @dataclass(frozen=True)
 class PreferenceLoss:
-    """Which loss and its constants: beta (DPO, IPO, CPO, SimPO; TRL's default 0.1), label
+    """Which loss and its constants: beta (all but ORPO; TRL's default 0.1), label
     smoothing (DPO's, CPO's and SimPO's eps, in [0, 0.5)), lambda (ORPO's weight of the
     odds-ratio term, TRL's beta), gamma (SimPO's target margin, TRL's simpo_gamma) and alpha
     (CPO's and SimPO's weight of the chosen answers' NLL, TRL's cpo_alpha; None: 1 for CPO,
