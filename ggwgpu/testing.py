@@ -312,7 +312,7 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
-NEOX = ("qwen2", "qwen3", "gemma3", "phi3", "lfm2")  # llama_model_rope_type NEOX; others NORM
+NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2")  # llama_model_rope_type NEOX; others NORM
 ROPE_FACTORS = ("llama", "granite")     # the graphs that pass rope_freqs.weight to the rope
 
 
@@ -336,15 +336,20 @@ def _rope(x, positions, n_rot, neox, base, scale, factors, mscale=1.0):
     return out
 
 
-def _attention(q, k, v, kq_scale, window=0):
+def _attention(q, k, v, kq_scale, window=0, softcap=0.0):
     """softmax(q k^T * kq_scale + mask) v, heads concatenated: q (T, n_head, d), k and v
     (T, n_kv, d), query head j reading K/V head j // (n_head / n_kv). Query p_q masks key p_k
-    when p_k > p_q, and with a window when p_q - p_k >= window (is_masked_swa, STANDARD)."""
+    when p_k > p_q, and with a window when p_q - p_k >= window (is_masked_swa, STANDARD).
+    With `softcap` c, the scores q k^T are c * tanh(q k^T / c) first (llama.cpp's
+    attn_soft_cap)."""
     ahead = np.arange(len(q))[:, None] - np.arange(len(k))[None, :]           # p_q - p_k
     masked = (ahead < 0) | (ahead >= window if window else False)
     group = q.shape[1] // k.shape[1]
     k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-    s = np.where(masked, -np.inf, np.einsum("qhd,khd->hqk", q, k) * kq_scale)
+    s = np.einsum("qhd,khd->hqk", q, k)
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
+    s = np.where(masked, -np.inf, s * kq_scale)
     p = np.exp(s - s.max(axis=-1, keepdims=True))
     return np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v).reshape(len(q), -1)
 
@@ -381,7 +386,10 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
     n_head) at 62 layers) and scores times 1, and with a sliding window, five layers of six
     windowed and roped at rope_freq_base_swa (llama.cpp's 10000 when unset) with scale 1;
-    logits c * tanh(logits / c). smollm3: no rope on every fourth layer. granite: rope with
+    logits c * tanh(logits / c). gemma2: gemma3's without QK norms, with the scores (Q times
+    1/sqrt(head_dim), 1/sqrt(n_embd / n_head) at 46 layers) c * tanh(s / c), c =
+    attn_logit_softcap, and a window on the even layers, roped at rope_freq_base_swa (else
+    the global base) with the global scale. smollm3: no rope on every fourth layer. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
@@ -397,9 +405,10 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
-    if arch not in ("llama", "qwen2", "qwen3", "gemma3", "smollm3", "granite", "phi3", "lfm2"):
+    if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
+                    "lfm2"):
         raise ValueError(f"no reference for arch {arch!r}")
-    gemma, granite = arch == "gemma3", arch == "granite"
+    gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd = len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
@@ -412,7 +421,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     factors = np.ones(cfg.rot // 2) if factors is None else factors
     q_scale, kq_scale = 1.0, 1 / np.sqrt(hd)
     if gemma:
-        q_scale, kq_scale = 1 / np.sqrt(cfg.n_embd // cfg.n_head if cfg.n_layer == 62 else hd), 1.0
+        wide = cfg.n_layer == (46 if arch == "gemma2" else 62)     # the 27B models
+        q_scale, kq_scale = 1 / np.sqrt(cfg.n_embd // cfg.n_head if wide else hd), 1.0
     elif granite and cfg.attention_scale:
         kq_scale = cfg.attention_scale
     branch = cfg.residual_scale if granite and cfg.residual_scale else 1.0
@@ -423,9 +433,12 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x * cfg.embedding_scale
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
-        local = gemma and cfg.sliding_window > 0 and il % 6 < 5
+        local = gemma and cfg.sliding_window > 0 and (il % 2 == 0 if arch == "gemma2"
+                                                      else il % 6 < 5)
         base, scale = ((cfg.rope_freq_base_swa or 10000.0, 1.0) if local
                        else (cfg.rope_freq_base, cfg.rope_freq_scale))
+        if local and arch == "gemma2":
+            base, scale = cfg.rope_freq_base_swa or cfg.rope_freq_base, cfg.rope_freq_scale
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
@@ -446,7 +459,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             if not (arch == "smollm3" and (il + 1) % 4 == 0):
                 q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
                         for y in (q, k))
-            att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0)
+            att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
+                             cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T
             if gemma:
                 att = _rms_norm(att, p("post_attention_norm.weight"), eps)

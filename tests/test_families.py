@@ -40,6 +40,11 @@ FAMILIES = {
     "gemma3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=6,
                           tied_embeddings=True, rope_freq_base=1e6, sliding_window=4,
                           rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma3"),
+    # Gemma-2-2B: heads narrower than n_embd / n_head, a sliding window on the even layers,
+    # the scores and the logits soft-capped as its file has them, tied
+    "gemma2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=4,
+                          tied_embeddings=True, sliding_window=4, attn_logit_softcap=50.0,
+                          final_logit_softcap=30.0, arch="gemma2"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),

@@ -35,6 +35,11 @@ GEMMA3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      n_ff=12, n_ctx=5, tied_embeddings=True, sliding_window=3,
                      rope_freq_base=1e6, rope_freq_base_swa=1e4, final_logit_softcap=2.0,
                      arch="gemma3")
+# Gemma 2: gemma3's block without QK norms, the scores and the logits soft-capped (caps
+# small enough to bend this model's values), a sliding window of 3 on the even layers
+GEMMA2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=4,
+                     n_ff=12, n_ctx=5, tied_embeddings=True, sliding_window=3,
+                     attn_logit_softcap=0.5, final_logit_softcap=2.0, arch="gemma2")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -66,7 +71,8 @@ QWEN35 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
                      tied_embeddings=True, arch="qwen35")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
-           "qwen2": QWEN2, "qwen3": QWEN3, "gemma3": GEMMA3, "smollm3": SMOLLM3,
+           "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
+           "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),

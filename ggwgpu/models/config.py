@@ -35,6 +35,8 @@ class ModelConfig:
                                     # this many positions back (0: no window)
     rope_freq_base_swa: float | None = None   # gemma3's local layers' rope base
     final_logit_softcap: float = 0.0    # logits = c * tanh(logits / c) (0: none)
+    attn_logit_softcap: float = 0.0     # gemma2: attention scores (scaled) = c * tanh(s / c)
+                                        # before the softmax (0: none)
     embedding_scale: float = 1.0    # granite: the input embeddings times this
     residual_scale: float = 1.0     # granite: each block's branch times this before its add
     attention_scale: float = 0.0    # the scores' scale (0: the family's own, 1/sqrt(head_dim))
