@@ -312,7 +312,7 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
-NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2")  # llama_model_rope_type NEOX; others NORM
+NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2")  # llama_model_rope_type NEOX; others NORM
 ROPE_FACTORS = ("llama", "granite")     # the graphs that pass rope_freqs.weight to the rope
 
 
@@ -389,7 +389,10 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     logits c * tanh(logits / c). gemma2: gemma3's without QK norms, with the scores (Q times
     1/sqrt(head_dim), 1/sqrt(n_embd / n_head) at 46 layers) c * tanh(s / c), c =
     attn_logit_softcap, and a window on the even layers, roped at rope_freq_base_swa (else
-    the global base) with the global scale. smollm3: no rope on every fourth layer. granite: rope with
+    the global base) with the global scale. olmo2: no pre-norms, Q and K RMS-normed over
+    their whole width, a norm after each branch, with a sliding window three layers of four
+    roped at the global base with scale 1. smollm3: no rope on every
+    fourth layer. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
@@ -406,7 +409,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2"):
+                    "lfm2", "olmo2"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -439,8 +442,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
                        else (cfg.rope_freq_base, cfg.rope_freq_scale))
         if local and arch == "gemma2":
             base, scale = cfg.rope_freq_base_swa or cfg.rope_freq_base, cfg.rope_freq_scale
+        olmo2 = arch == "olmo2"
+        if olmo2 and cfg.sliding_window > 0 and il % 4 < 3:
+            local, base, scale = True, cfg.rope_freq_base, 1.0
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
-        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        h = x if olmo2 else _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
             b, c, xx = np.split(h @ p("shortconv.in_proj.weight").T, 3, axis=1)
             y = _causal_conv(b * xx, p("shortconv.conv.weight"))
@@ -452,6 +458,9 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             else:
                 q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
                            for m in "qkv")
+            if olmo2:
+                q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
+                    k, p("attn_k_norm.weight"), eps)
             q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
             if arch in ("qwen3", "gemma3", "lfm2"):
                 q = _rms_norm(q, p("attn_q_norm.weight"), eps)
@@ -462,17 +471,17 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T
-            if gemma:
+            if gemma or olmo2:
                 att = _rms_norm(att, p("post_attention_norm.weight"), eps)
             x = x + branch * att
-        h = _rms_norm(x, p("ffn_norm.weight"), eps)
+        h = x if olmo2 else _rms_norm(x, p("ffn_norm.weight"), eps)
         if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
         else:
             ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                        _gelu if gemma else _silu)
-        if gemma:
+        if gemma or olmo2:
             ffn = _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])

@@ -45,6 +45,12 @@ FAMILIES = {
     "gemma2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=4,
                           tied_embeddings=True, sliding_window=4, attn_logit_softcap=50.0,
                           final_logit_softcap=30.0, arch="gemma2"),
+    # OLMo-2-0425-1B: no pre-norms, Q/K normed over their whole width, post-norms, untied;
+    # OLMo 3: three sliding-window layers of four
+    "olmo2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, rope_freq_base=5e5,
+                         arch="olmo2"),
+    "olmo3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, rope_freq_base=5e5,
+                         sliding_window=4, arch="olmo2"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),

@@ -40,6 +40,11 @@ GEMMA3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
 GEMMA2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=4,
                      n_ff=12, n_ctx=5, tied_embeddings=True, sliding_window=3,
                      attn_logit_softcap=0.5, final_logit_softcap=2.0, arch="gemma2")
+# OLMo 2: no pre-norms, Q and K normed over their whole width, post-norms; OLMo 3: a sliding
+# window of 3 on three layers of four, roped with scale 1
+OLMO2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
+                    rope_freq_scale=0.5, arch="olmo2")
+OLMO3 = dataclasses.replace(OLMO2, n_layer=4, sliding_window=3)
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -72,6 +77,7 @@ QWEN35 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      tied_embeddings=True, arch="qwen35")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
+           "olmo2": OLMO2, "olmo3": OLMO3,
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,

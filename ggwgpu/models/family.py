@@ -30,6 +30,7 @@ class Family:
     qkv_bias = False          # attn_q/k/v.bias added to the products, before rope (qwen2)
     qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
     post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
+    pre_norms = True          # attn_norm / ffn_norm on each branch's input (olmo2 has none)
     gate = staticmethod(B.swiglu)     # the feed-forward's gate: B.swiglu or B.geglu
     # Whether llama.cpp's graph of the family passes a rope_freqs.weight (Llama 3's
     # frequency factors, ModelConfig.rope_freqs) to its rope.
@@ -73,16 +74,19 @@ class Family:
         """The tensors of block i, name within the block ("attn_q.weight") -> shape."""
         c = self.layer(cfg, i)
         e, f, q, kv, hd = c.n_embd, c.n_ff, c.q_dim, c.kv_dim, c.head_dim
-        shapes = {"attn_norm.weight": (e,), "attn_q.weight": (q, e), "attn_k.weight": (kv, e),
-                  "attn_v.weight": (kv, e), "attn_output.weight": (e, q)}
+        shapes = {"attn_norm.weight": (e,)} if self.pre_norms else {}
+        shapes.update({"attn_q.weight": (q, e), "attn_k.weight": (kv, e),
+                       "attn_v.weight": (kv, e), "attn_output.weight": (e, q)})
         if self.qkv_bias:
             shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         if self.qk_norm:
             shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
         if self.post_norms:
             shapes["post_attention_norm.weight"] = (e,)
-        shapes.update({"ffn_norm.weight": (e,), "ffn_gate.weight": (f, e),
-                       "ffn_down.weight": (e, f), "ffn_up.weight": (f, e)})
+        if self.pre_norms:
+            shapes["ffn_norm.weight"] = (e,)
+        shapes.update({"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f),
+                       "ffn_up.weight": (f, e)})
         if self.post_norms:
             shapes["post_ffw_norm.weight"] = (e,)
         return shapes
@@ -167,14 +171,18 @@ class Family:
         feed-forward, each with its residual."""
         b = f"blk.{i}."
         x = self.mix(cfg, p, i, x, seq)
-        gated = self.gate(p, b, B.rms_norm(cfg, x, p[b + "ffn_norm.weight"]))
+        gated = self.gate(p, b, self.pre_norm(cfg, p, b + "ffn_norm.weight", x))
         return self.residual(cfg, p, b, "ffn_down.weight", gated, x, "post_ffw_norm.weight")
 
     def mix(self, cfg, p: dict, i: int, x, seq: B.Sequence):
         """x + block i's token mixer (self-attention) of attn_norm(x)."""
         b = f"blk.{i}."
-        att = self.attend(cfg, p, i, B.rms_norm(cfg, x, p[b + "attn_norm.weight"]), seq)
+        att = self.attend(cfg, p, i, self.pre_norm(cfg, p, b + "attn_norm.weight", x), seq)
         return self.residual(cfg, p, b, "attn_output.weight", att, x, "post_attention_norm.weight")
+
+    def pre_norm(self, cfg, p: dict, name: str, x):
+        """A branch's input: x through its norm `name`, or x itself without pre_norms."""
+        return B.rms_norm(cfg, x, p[name]) if self.pre_norms else x
 
     def residual(self, cfg, p: dict, b: str, weight: str, h, x, post_norm: str):
         """x + block b's branch: its `weight` times h (times residual_scale), or with
