@@ -31,6 +31,9 @@ class Family:
     qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
     post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
     pre_norms = True          # attn_norm / ffn_norm on each branch's input (olmo2 has none)
+    # llama.cpp's set_swa_pattern(n): with a sliding_window, layers i % n < n - 1 attend
+    # within it, every n-th is global (0: no layer)
+    swa_pattern = 0
     gate = staticmethod(B.swiglu)     # the feed-forward's gate: B.swiglu or B.geglu
     # Whether llama.cpp's graph of the family passes a rope_freqs.weight (Llama 3's
     # frequency factors, ModelConfig.rope_freqs) to its rope.
@@ -148,9 +151,14 @@ class Family:
         """Whether layer i ropes its Q and K."""
         return True
 
+    def local(self, cfg, i: int) -> bool:
+        """Whether layer i has a sliding window (swa_pattern's)."""
+        n = self.swa_pattern
+        return cfg.sliding_window > 0 and n > 0 and i % n < n - 1
+
     def window(self, cfg, i: int) -> int:
         """Layer i's sliding window (0: it attends to every earlier position)."""
-        return 0
+        return cfg.sliding_window if self.local(cfg, i) else 0
 
     def rope_base_scale(self, cfg, i: int) -> tuple[float, float]:
         """Layer i's rope base and frequency scale."""

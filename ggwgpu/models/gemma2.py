@@ -12,21 +12,17 @@ from gguf import Keys
 
 from .gemma3 import Gemma3
 
-SWA_PATTERN = 2             # llama.cpp's for gemma2: the odd layers are global
-
 
 class Gemma2(Gemma3):
     arch = "gemma2"
     qk_norm = False
+    swa_pattern = 2           # llama.cpp's for gemma2: the odd layers are global
     keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW,
             "rope_freq_base_swa": "{arch}.rope.freq_base_swa",
             "attn_logit_softcap": Keys.LLM.ATTN_LOGIT_SOFTCAPPING,
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
     # llama.cpp's values when a file has no such key (a 0 is written as unset)
     absent = {"sliding_window": 4096, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}
-
-    def local(self, cfg, i: int) -> bool:
-        return cfg.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
 
     def rope_base_scale(self, cfg, i):
         if self.local(cfg, i):

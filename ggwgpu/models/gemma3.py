@@ -13,7 +13,6 @@ from gguf import Keys
 from . import blocks as B
 from .family import Family
 
-SWA_PATTERN = 6             # llama.cpp's default for gemma3: the sixth layer is global
 SWA_FREQ_BASE = 10000.0     # llama.cpp's rope_freq_base_train_swa when the file has none
 
 
@@ -24,16 +23,10 @@ class Gemma3(Family):
     qk_norm = True
     post_norms = True
     gate = staticmethod(B.geglu)
+    swa_pattern = 6           # llama.cpp's default for gemma3: the sixth layer is global
     keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW,
             "rope_freq_base_swa": "{arch}.rope.freq_base_swa",   # (gguf-py 0.17 lacks it)
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
-
-    def local(self, cfg, i: int) -> bool:
-        """Whether layer i is a sliding-window (local) one."""
-        return cfg.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
-
-    def window(self, cfg, i):
-        return cfg.sliding_window if self.local(cfg, i) else 0
 
     def rope_base_scale(self, cfg, i):
         if self.local(cfg, i):

@@ -168,9 +168,6 @@ class Gemma4(Family):
             return i
         return first - (2 if self.local(cfg, i) else 1)
 
-    def window(self, cfg, i):
-        return cfg.sliding_window if self.local(cfg, i) else 0
-
     def attention_scale(self, cfg):
         return 1.0
 

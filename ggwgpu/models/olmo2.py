@@ -10,14 +10,13 @@ from ..tensor import ShapeError
 from . import blocks as B
 from .family import Family
 
-SWA_PATTERN = 4             # llama.cpp's for olmo2: every fourth layer is global
-
 
 class Olmo2(Family):
     arch = "olmo2"
     rope_mode = "neox"
     pre_norms = False
     post_norms = True
+    swa_pattern = 4           # llama.cpp's for olmo2: every fourth layer is global
     keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW}
 
     def check(self, cfg):
@@ -38,12 +37,6 @@ class Olmo2(Family):
         q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"]) for n, t in zip("qk", (q, k)))
         return tuple(B.split_heads(t, lead, heads, cfg.head_dim)
                      for t, heads in zip((q, k, v), (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
-
-    def local(self, cfg, i: int) -> bool:
-        return cfg.sliding_window > 0 and i % SWA_PATTERN < SWA_PATTERN - 1
-
-    def window(self, cfg, i):
-        return cfg.sliding_window if self.local(cfg, i) else 0
 
     def rope_base_scale(self, cfg, i):
         if self.local(cfg, i):
