@@ -42,8 +42,9 @@ def check_pair(example) -> None:
                         f"{type(example).__name__}")
     extra = sorted(set(example) - {"prompt", "chosen", "rejected", "tools"})
     if extra or "chosen" not in example or "rejected" not in example:
+        unpaired = " (a KTO example: --objective kto)" if "label" in example else ""
         raise DataError(f"a preference pair has 'chosen' and 'rejected' (and 'prompt', "
-                        f"'tools'); this one has keys {sorted(example)}")
+                        f"'tools'); this one has keys {sorted(example)}{unpaired}")
     if all(isinstance(example.get(k), str) for k in ("prompt", "chosen", "rejected")):
         if "tools" in example:
             raise DataError("'tools' goes with a conversational pair (lists of messages)")

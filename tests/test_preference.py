@@ -575,6 +575,9 @@ def test_kto_examples_are_checked_unpaired_and_given_mismatched_answers():
     assert labels == [True, False, True, False, True]
     with pytest.raises(DataError, match="all strings or all conversations"):
         kto_pairs([good, chat], group=2)
+    from ggwgpu.pairs import check_pair
+    with pytest.raises(DataError, match=r"\(a KTO example: --objective kto\)"):
+        check_pair(good)
 
 
 def test_kto_raises_the_share_of_examples_on_their_labels_side(tiny_base, tmp_path):
