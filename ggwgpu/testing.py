@@ -392,7 +392,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     the global base) with the global scale. olmo2: no pre-norms, Q and K RMS-normed over
     their whole width, a norm after each branch, with a sliding window three layers of four
     roped at the global base with scale 1. smollm3: no rope on every
-    fourth layer. granite: rope with
+    fourth layer. ernie4_5: llama's without rope factors. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
@@ -409,7 +409,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2", "olmo2"):
+                    "lfm2", "olmo2", "ernie4_5"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}

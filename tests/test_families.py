@@ -51,6 +51,9 @@ FAMILIES = {
                          arch="olmo2"),
     "olmo3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, rope_freq_base=5e5,
                          sliding_window=4, arch="olmo2"),
+    # ERNIE-4.5-0.3B: llama's block, heads of 128 over an n_embd of 1024 (16 heads), tied
+    "ernie4_5": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
+                            tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -427,6 +430,16 @@ def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_experts_re
     with pytest.raises(ValueError, match="layer 4 would attend to the K/V of layer 2, which "
                                          "is not a sliding one"):
         dataclasses.replace(cfg, swa_layers=(0, 1, 3, 4))
+
+
+def test_an_ernie4_5_file_s_output_biases_are_read_past(tmp_path):
+    """llama.cpp's ernie4_5 loads attn_output.bias where a file has one and never adds it:
+    reading drops it, and the model computes as without it."""
+    cfg = FAMILIES["ernie4_5"]
+    values = family_values(cfg)
+    biases = {f"blk.{i}.attn_output.bias": np.full(16, 5.0, np.float32) for i in range(2)}
+    got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", cfg, values | biases))
+    assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
 
 
 def test_qwen35_files_say_which_layers_recur_and_what_is_refused(tmp_path):
