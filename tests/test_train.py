@@ -47,6 +47,23 @@ def test_schedule_warms_up_decays_and_restarts():
     assert schedule(250, r) == pytest.approx(1.0)          # second restart, not truncated
 
 
+def test_linear_and_constant_schedules_follow_trl_and_mlx():
+    """linear: warmup, then a straight line to cos_decay_min over cos_decay_steps (TRL's
+    get_linear_schedule_with_warmup with the floor at 0: 1 - t / period); constant: 1."""
+    o = TrainOptions(warmup=10, cos_decay_steps=100, cos_decay_min=0.0, lr_schedule="linear")
+    assert schedule(9, o) == pytest.approx(1.0) and schedule(10, o) == pytest.approx(1.0)
+    assert schedule(35, o) == pytest.approx(0.75) and schedule(109, o) == pytest.approx(0.01)
+    assert schedule(110, o) == 0.0 and schedule(10 ** 6, o) == 0.0
+    floor = TrainOptions(warmup=0, cos_decay_steps=4, cos_decay_min=0.2, lr_schedule="linear")
+    assert [schedule(s, floor) for s in range(6)] == pytest.approx([1, 0.8, 0.6, 0.4, 0.2, 0.2])
+    c = TrainOptions(warmup=4, lr_schedule="constant")
+    assert [schedule(s, c) for s in (0, 3, 4, 10 ** 6)] == pytest.approx([0.25, 1, 1, 1])
+    with pytest.raises(ValueError, match="restarts restarts a cosine schedule, not a linear"):
+        TrainOptions(lr_schedule="linear", restarts=True)
+    with pytest.raises(ValueError, match="lr_schedule must be one of cosine, linear"):
+        TrainOptions(lr_schedule="cos")
+
+
 def looped_schedule(step, o):
     """The schedule as a loop over restarts (what schedule() was): the reference."""
     t, period = step - o.warmup, float(o.cos_decay_steps)
@@ -83,7 +100,8 @@ def test_no_schedule_input_loops():
                              cos_decay_restart=growth)
             results.extend(schedule(step, o) for step in (0, 10 ** 6, 2 ** 62, 2 ** 63 - 1))
         forged = types.SimpleNamespace(warmup=0, cos_decay_steps=0, restarts=True,
-                                       cos_decay_restart=1.0, cos_decay_min=0.1)
+                                       cos_decay_restart=1.0, cos_decay_min=0.1,
+                                       lr_schedule="cosine")
         for bad in ({}, {"cos_decay_steps": float("nan")}, {"cos_decay_restart": 1e300},
                     {"cos_decay_restart": float("nan"), "cos_decay_steps": 5}):
             with pytest.raises(ValueError):
@@ -155,6 +173,7 @@ def test_each_training_option_given_reaches_its_train_options_field(command):
     wanted = {name: other_value(d["bound"], d["default"]) for name, d in declared.items()}
     if command == "finetune":   # (neftune_alpha takes no objective with a reference model,
         wanted["objective"] = "simpo"   # cpo_alpha only cpo's and simpo's)
+    del wanted["lr_schedule"]   # restarts (given: on) go with cosine only: checked alone below
     args = [__file__] if command == "finetune" else []      # BASE: any file parses
     for name, value in wanted.items():
         if isinstance(value, bool):
@@ -168,6 +187,9 @@ def test_each_training_option_given_reaches_its_train_options_field(command):
     for name, value in wanted.items():
         assert getattr(options, name) == pytest.approx(value) if isinstance(value, float) \
             else getattr(options, name) == value, name
+    ctx = cli.commands[command].make_context(
+        command, ([__file__] if command == "finetune" else []) + ["--lr-schedule", "linear"])
+    assert train_options(ctx.params).lr_schedule == "linear"
 
 
 def test_the_resume_command_repeats_the_run_options_given_and_no_training_option(tmp_path):

@@ -10,6 +10,7 @@ import numpy as np
 from ..models import PRECISIONS
 from .lbfgs import LINESEARCHES, ON_FAIL, LbfgsOptions
 
+SCHEDULES = ("cosine", "linear", "constant")    # `schedule`
 OBJECTIVES = ("sft", "dpo", "ipo", "orpo", "cpo", "simpo", "kto")   # but sft: preference.py
 
 MAX_INT = 2 ** 63 - 1           # what a checkpoint's counts (uint64 keys) hold
@@ -123,6 +124,12 @@ class TrainOptions:
     grad_clip: float = _option(1.0, NON_NEGATIVE,
                                "Clip gradients to this global norm (0: off).")
     warmup: int = _option(100, Bound(int, 0, MAX_STEPS), "Steps of linear warmup (0: none).")
+    lr_schedule: str = _option(
+        "cosine", Bound(str, choices=SCHEDULES),
+        "After the warmup: cosine (ggml's) to --cos-decay-min over --cos-decay-steps (with "
+        "--restarts, again and again), linear (TRL's) to --cos-decay-min over "
+        "--cos-decay-steps (--cos-decay-min 0 and --cos-decay-steps --steps minus --warmup "
+        "end at 0 with the run, as TRL's does), or constant (MLX-LM's).")
     cos_decay_steps: int = _option(1000, Bound(int, 1, MAX_STEPS))
     cos_decay_min: float = _option(0.1, Bound(float, 0, 1))
     cos_decay_restart: float = _option(1.1, Bound(float, 1, MAX_RESTART_GROWTH))
@@ -221,6 +228,9 @@ class TrainOptions:
             if self.optimizer == "lbfgs" and getattr(self, name):
                 raise ValueError(f"option {name} does not work with optimizer lbfgs: its line "
                                  f"search and curvature history assume a loss without noise")
+        if self.restarts and self.lr_schedule != "cosine":
+            raise ValueError(f"option restarts restarts a cosine schedule, not a "
+                             f"{self.lr_schedule} one")
         if self.cpo_alpha is not None and self.objective not in ("cpo", "simpo"):
             raise ValueError(f"option cpo_alpha weighs the chosen answers' NLL of objectives "
                              f"cpo and simpo, not of {self.objective}")
@@ -261,17 +271,22 @@ class TrainOptions:
 
 
 def schedule(step: int, o: TrainOptions) -> float:
-    """Learning-rate multiplier of `step` (0-based): linear warmup, then cosine decay to
-    cos_decay_min, optionally restarting with periods growing by cos_decay_restart (as a
-    float: the reference truncates it to an int). Closed form, no loop over restarts: any
+    """Learning-rate multiplier of `step` (0-based): linear warmup, then o.lr_schedule's:
+    cosine decay to cos_decay_min, optionally restarting with periods growing by
+    cos_decay_restart (as a float: the reference truncates it to an int); a straight line
+    to cos_decay_min over cos_decay_steps; or 1. Closed form, no loop over restarts: any
     step of any options takes the same few operations."""
     if step < o.warmup:
         return (step + 1) / o.warmup
+    if o.lr_schedule == "constant":
+        return 1.0
     t, period = float(step - o.warmup), float(o.cos_decay_steps)
     if not (period >= 1 and math.isfinite(t)):
         raise ValueError(f"no schedule for step {step} with cos_decay_steps {period}")
     if t >= period and not o.restarts:
         return o.cos_decay_min
+    if o.lr_schedule == "linear":
+        return 1.0 - (1.0 - o.cos_decay_min) * t / period
     if t >= period:
         t, period = _within_restart(t, period, float(o.cos_decay_restart))
     return o.cos_decay_min + (1 - o.cos_decay_min) * 0.5 * (1 + math.cos(math.pi * t / period))

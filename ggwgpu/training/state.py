@@ -27,7 +27,8 @@ FINETUNE_KEYS = ("base", "mode", "samples_after_nl")   # a finetune's state has 
 # defaults apply
 LATER_OPTIONS = ("loss_scale", "loss_scale_init", "loss_scale_growth_interval", "objective",
                  "beta", "label_smoothing", "orpo_lambda", "lora_dropout", "neftune_alpha",
-                 "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight")
+                 "simpo_gamma", "cpo_alpha", "desirable_weight", "undesirable_weight",
+                 "lr_schedule")
 LATER_PREFIXES = ("lbfgs_", "opt_")
 
 
