@@ -312,8 +312,9 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
-NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2")  # llama_model_rope_type NEOX; others NORM
-ROPE_FACTORS = ("llama", "granite")     # the graphs that pass rope_freqs.weight to the rope
+# llama_model_rope_type NEOX; others NORM
+NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4")
+ROPE_FACTORS = ("llama", "granite", "exaone4")     # the graphs that pass rope_freqs.weight to the rope
 
 
 def _rms_norm(x, w, eps):
@@ -392,7 +393,9 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     the global base) with the global scale. olmo2: no pre-norms, Q and K RMS-normed over
     their whole width, a norm after each branch, with a sliding window three layers of four
     roped at the global base with scale 1. smollm3: no rope on every
-    fourth layer. ernie4_5: llama's without rope factors. granite: rope with
+    fourth layer. ernie4_5: llama's without rope factors. exaone4: olmo2's with per-head QK
+    norms and rope factors; at 64 layers three of four windowed and roped, the fourth not
+    roped. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
@@ -409,7 +412,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2", "olmo2", "ernie4_5"):
+                    "lfm2", "olmo2", "ernie4_5", "exaone4"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -442,9 +445,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
                        else (cfg.rope_freq_base, cfg.rope_freq_scale))
         if local and arch == "gemma2":
             base, scale = cfg.rope_freq_base_swa or cfg.rope_freq_base, cfg.rope_freq_scale
-        olmo2 = arch == "olmo2"
-        if olmo2 and cfg.sliding_window > 0 and il % 4 < 3:
+        olmo2 = arch in ("olmo2", "exaone4")        # no pre-norms, post-norms
+        exaone_swa = arch == "exaone4" and cfg.n_layer == 64
+        if arch == "olmo2" and cfg.sliding_window > 0 and il % 4 < 3:
             local, base, scale = True, cfg.rope_freq_base, 1.0
+        local = local or exaone_swa and cfg.sliding_window > 0 and il % 4 < 3
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
         h = x if olmo2 else _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
@@ -458,14 +463,14 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             else:
                 q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
                            for m in "qkv")
-            if olmo2:
+            if arch == "olmo2":
                 q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
                     k, p("attn_k_norm.weight"), eps)
             q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
-            if arch in ("qwen3", "gemma3", "lfm2"):
+            if arch in ("qwen3", "gemma3", "lfm2", "exaone4"):
                 q = _rms_norm(q, p("attn_q_norm.weight"), eps)
                 k = _rms_norm(k, p("attn_k_norm.weight"), eps)
-            if not (arch == "smollm3" and (il + 1) % 4 == 0):
+            if not (arch == "smollm3" and (il + 1) % 4 == 0 or exaone_swa and il % 4 == 3):
                 q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
                         for y in (q, k))
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,

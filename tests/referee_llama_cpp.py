@@ -45,6 +45,12 @@ CONFIGS = {
                          rope_freq_scale=0.5, sliding_window=16, arch="olmo2"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
+    "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                           rope_freqs=True, rope_freq_base=1e6, arch="exaone4"),
+    # the 32B's 64 layers: windows on three layers of four, which alone are roped
+    "exaone4-64": ModelConfig(**{**BASE, "n_embd": 16, "n_ff": 16}, n_head=2, n_head_kv=1,
+                              n_layer=64, sliding_window=16, rope_freq_base=1e6,
+                              arch="exaone4"),
     "gemma3": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=32, n_layer=6,
                           tied_embeddings=True, rope_freq_base=1e6, sliding_window=16,
                           rope_freq_base_swa=1e4, arch="gemma3"),

@@ -54,6 +54,9 @@ FAMILIES = {
     # ERNIE-4.5-0.3B: llama's block, heads of 128 over an n_embd of 1024 (16 heads), tied
     "ernie4_5": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
+    # EXAONE-4.0-1.2B: post-norms only, per-head QK norms, rope frequency factors, tied
+    "exaone4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
+                           rope_freqs=True, rope_freq_base=1e6, arch="exaone4"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -440,6 +443,27 @@ def test_an_ernie4_5_file_s_output_biases_are_read_past(tmp_path):
     biases = {f"blk.{i}.attn_output.bias": np.full(16, 5.0, np.float32) for i in range(2)}
     got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", cfg, values | biases))
     assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
+
+
+def test_exaone4_windows_and_ropes_only_three_layers_of_four_of_its_64_layer_model():
+    """llama.cpp gives the 64-layer EXAONE 4.0 (32B) its sliding windows, on layers i % 4 < 3,
+    and ropes only those; other depths are roped everywhere and never windowed."""
+    from ggwgpu.generate import Decoder
+    from ggwgpu.testing import reference_logits
+    deep = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=64, n_ff=8,
+                       n_ctx=8, sliding_window=3, arch="exaone4")
+    family = deep.family
+    assert [family.window(deep, i) for i in range(5)] == [3, 3, 3, 0, 3]
+    assert [family.ropes(deep, i) for i in range(5)] == [True, True, True, False, True]
+    shallow = dataclasses.replace(deep, n_layer=30)
+    assert not any(family.window(shallow, i) for i in range(30))
+    assert all(family.ropes(shallow, i) for i in range(30))
+    values = init_parameters(deep, seed=2)
+    tokens = [1, 4, 2, 7, 3, 9, 5]
+    got = Decoder(NumpyBackend(np.float64), deep, values).prefill(tokens)
+    np.testing.assert_allclose(np.asarray(got).reshape(-1),
+                               reference_logits(deep, values, np.array(tokens))[-1], rtol=1e-9,
+                               atol=1e-12)
 
 
 def test_qwen35_files_say_which_layers_recur_and_what_is_refused(tmp_path):

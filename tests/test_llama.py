@@ -48,6 +48,9 @@ OLMO3 = dataclasses.replace(OLMO2, n_layer=4, sliding_window=3)
 # ERNIE 4.5 0.3B: llama's block with heads wider than n_embd / n_head
 ERNIE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
                     n_ff=12, n_ctx=5, tied_embeddings=True, arch="ernie4_5")
+# EXAONE 4.0 1.2B: olmo2's block with per-head QK norms and rope frequency factors, tied
+EXAONE4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
+                      tied_embeddings=True, rope_freqs=True, arch="exaone4")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -80,7 +83,7 @@ QWEN35 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      tied_embeddings=True, arch="qwen35")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
-           "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE,
+           "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
