@@ -258,7 +258,7 @@ def test_llama_attention_takes_a_mask_on_both_paths():
     from types import SimpleNamespace
     from ggwgpu.models import attention
     rng = np.random.default_rng(11)
-    cfg = SimpleNamespace(head_dim=4)
+    cfg = SimpleNamespace(head_dim=4, attn_logit_softcap=0.0)
     q, k, v = (gg.input_tensor(s) for s in ((2, 6, 4, 4), (2, 6, 2, 4), (2, 6, 2, 4)))
     causal, docs = gg.input_tensor((6, 6)), gg.input_tensor((2, 1, 6, 6))
     feeds = {t: rng.uniform(-1, 1, t.shape) for t in (q, k, v)}
@@ -274,3 +274,15 @@ def test_llama_attention_takes_a_mask_on_both_paths():
         np.testing.assert_allclose(a, flash, atol=1e-12)
     np.testing.assert_allclose(flash_docs, plain_docs, atol=1e-12)
     assert np.abs(flash_docs - flash).max() > 1e-3   # the documents do hide keys
+    # gemma2's capped scores, c * tanh(s / c): the unfused path on both (no fused kernel
+    # caps); a cap far above the scores changes nothing, a small one does
+    capped = [attention(SimpleNamespace(head_dim=4, attn_logit_softcap=c), q, k, v, f, m)
+              for c in (1e6, 0.3) for f in (True, False) for m in (None, docs)]
+    assert {o.srcs[0].op for o in capped} == {"mul_mat"}
+    wide, wide_docs, _, _, small, small_docs, small_plain, small_plain_docs = \
+        NumpyBackend(np.float64).compute(capped, {t: feeds[t] for t in (q, k, v, docs)})
+    np.testing.assert_allclose(wide, plain, atol=1e-9)
+    np.testing.assert_allclose(wide_docs, plain_docs, atol=1e-9)
+    np.testing.assert_allclose(small, small_plain, atol=1e-12)
+    np.testing.assert_allclose(small_docs, small_plain_docs, atol=1e-12)
+    assert np.abs(small - plain).max() > 1e-3
