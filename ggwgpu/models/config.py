@@ -119,7 +119,7 @@ class ModelConfig:
     LATER_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
                     "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale",
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
-                    "rope_sections")
+                    "rope_sections", "attn_logit_softcap")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their
