@@ -81,8 +81,8 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
     if batch:
         tokens = batch * cfg.n_ctx
         acts = tokens * (cfg.n_embd * (cfg.n_layer + 4) + 3 * cfg.n_ff)
-        if not flash_attn:
-            acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx
+        if not flash_attn or cfg.attn_logit_softcap:    # capped scores run unfused
+            acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx * score_copies(cfg)
         need["activations"] = value_bytes * acts
     if decoder:
         family = cfg.family
@@ -95,11 +95,17 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
         need["KV cache"] = value_bytes * cfg.n_ctx * (2 * width + convolved)
         # one layer's scores of the decoder's largest prefill chunk (generate.PREFILL_SIZES)
         need["prefill attention scores"] = value_bytes * cfg.n_head * min(
-            PREFILL_CHUNK, cfg.n_ctx) * cfg.n_ctx
+            PREFILL_CHUNK, cfg.n_ctx) * cfg.n_ctx * score_copies(cfg)
         if cfg.recurrent_layers:    # qwen35's delta-net states, f32
             need["recurrent states"] = F32 * len(cfg.recurrent_layers) * cfg.ssm_heads * \
                 cfg.ssm_state ** 2
     return need
+
+
+def score_copies(cfg: ModelConfig) -> int:
+    """Score-sized tensors a layer's attention holds: 1, or with gemma2's soft cap 3 (the
+    product, its tanh and the capped scores)."""
+    return 3 if cfg.attn_logit_softcap else 1
 
 
 HOST_ROLES = ("weights", "gradients and optimizer moments")   # on the host with any device

@@ -344,6 +344,14 @@ def test_the_memory_estimate_counts_two_bytes_per_f16_activation_and_cache_value
     assert long["prefill attention scores"] == 4 * 2 * memory.PREFILL_CHUNK * 4096
     assert f16["weights"] == f32["weights"]
     assert f16["gradients and optimizer moments"] == f32["gradients and optimizer moments"]
+    # gemma2's capped scores: three score-sized tensors, unfused even with flash attention
+    capped = dataclasses.replace(GEMMA2, n_ctx=64)
+    plain = dataclasses.replace(capped, attn_logit_softcap=0.0)
+    scores = 2 * capped.n_head * 64 * 64 * memory.F32
+    assert memory.estimate(capped, batch=2, flash_attn=True)["activations"] == \
+        memory.estimate(plain, batch=2, flash_attn=True)["activations"] + 3 * scores
+    assert memory.estimate(capped, decoder=True)["prefill attention scores"] == \
+        3 * memory.estimate(plain, decoder=True)["prefill attention scores"]
 
 
 def test_the_memory_estimate_of_gemma4_counts_each_layer_and_only_its_own_kv_cache():
