@@ -314,7 +314,7 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 
 # llama_model_rope_type NEOX; others NORM
 NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4")
-ROPE_FACTORS = ("llama", "granite", "exaone4")     # the graphs that pass rope_freqs.weight to the rope
+ROPE_FACTORS = ("llama", "granite", "exaone4")     # graphs passing rope_freqs.weight to rope
 
 
 def _rms_norm(x, w, eps):

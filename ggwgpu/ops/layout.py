@@ -326,6 +326,6 @@ diag = register(
                    Case((Input((1, 130)),), grad=False)],
     doc="A row (n,) or (.., 1, n) as a diagonal matrix (.., n, n), as ggml_diag.")
 
-__all__ = ["view", "reshape", "permute", "transpose", "cont", "detach", "cpy", "cast", "acc", "concat",
-           "diag",
+__all__ = ["view", "reshape", "permute", "transpose", "cont", "detach", "cpy", "cast", "acc",
+           "concat", "diag",
            "reshape_any"]

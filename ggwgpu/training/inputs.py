@@ -197,9 +197,10 @@ def preference_data(path, tokenizer, template, n_ctx: int, options: TrainOptions
 def attach_references(train, valid, cfg, values, backend, options: TrainOptions,
                       state: RunState | None = None, world=None):
     """Give the pairs (pairs.PairBatches) of `train` and `valid` (or None) their reference
-    log-probabilities (where the objective needs them: DPO, IPO): a resumed run's, else those of the model
-    `values` as they are now (the base of a LoRA finetune; the starting weights of a full
-    one), computed once (with `world`, a distributed.World, shared out over the ranks)."""
+    log-probabilities (where the objective needs them: DPO, IPO, KTO): a resumed run's, else
+    those of the model `values` as they are now (the base of a LoRA finetune; the starting
+    weights of a full one), computed once (with `world`, a distributed.World, shared out over
+    the ranks)."""
     from .preference import sequence_logps
     loss = options.preference_loss()
     if loss is None or not loss.needs_reference:
