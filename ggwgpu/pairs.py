@@ -94,10 +94,10 @@ def encode_pair(example: dict, tokenizer, template) -> tuple[Example, Example]:
 def check_unpaired(example) -> None:
     """Raise DataError unless `example` is a KTO example (prompt, completion, label) or a
     preference pair (check_pair)."""
-    if isinstance(example, dict) and "label" not in example and "completion" not in example:
-        return check_pair(example)
     if not isinstance(example, dict):
         raise DataError(f"a KTO example must be a JSON object, got {type(example).__name__}")
+    if "label" not in example and "completion" not in example:
+        return check_pair(example)
     extra = sorted(set(example) - {"prompt", "completion", "label", "tools"})
     if extra or not {"prompt", "completion", "label"} <= set(example):
         raise DataError(f"a KTO example has 'prompt', 'completion' and 'label' (and 'tools'), "

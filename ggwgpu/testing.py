@@ -314,6 +314,8 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 
 # llama_model_rope_type NEOX; others NORM
 NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4")
+# llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
+SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 ROPE_FACTORS = ("llama", "granite", "exaone4")     # graphs passing rope_freqs.weight to rope
 
 
@@ -437,21 +439,22 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x * np.sqrt(cfg.n_embd)
     elif granite and cfg.embedding_scale:
         x = x * cfg.embedding_scale
+    post_only = arch in ("olmo2", "exaone4")            # no pre-norms, post-norms
+    exaone_swa = arch == "exaone4" and cfg.n_layer == 64  # the 32B: windows, global NoPE
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
-        local = gemma and cfg.sliding_window > 0 and (il % 2 == 0 if arch == "gemma2"
-                                                      else il % 6 < 5)
-        base, scale = ((cfg.rope_freq_base_swa or 10000.0, 1.0) if local
-                       else (cfg.rope_freq_base, cfg.rope_freq_scale))
-        if local and arch == "gemma2":
-            base, scale = cfg.rope_freq_base_swa or cfg.rope_freq_base, cfg.rope_freq_scale
-        olmo2 = arch in ("olmo2", "exaone4")        # no pre-norms, post-norms
-        exaone_swa = arch == "exaone4" and cfg.n_layer == 64
-        if arch == "olmo2" and cfg.sliding_window > 0 and il % 4 < 3:
-            local, base, scale = True, cfg.rope_freq_base, 1.0
-        local = local or exaone_swa and cfg.sliding_window > 0 and il % 4 < 3
+        # the layer's window (every n-th layer global) and its rope base and scale
+        pattern = 4 if exaone_swa else SWA_PATTERNS.get(arch, 0)
+        local = cfg.sliding_window > 0 and pattern > 0 and il % pattern < pattern - 1
+        base, scale = cfg.rope_freq_base, cfg.rope_freq_scale
+        if local and arch == "gemma3":
+            base, scale = cfg.rope_freq_base_swa or 10000.0, 1.0
+        elif local and arch == "gemma2":
+            base = cfg.rope_freq_base_swa or cfg.rope_freq_base
+        elif local and arch == "olmo2":
+            scale = 1.0
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
-        h = x if olmo2 else _rms_norm(x, p("attn_norm.weight"), eps)
+        h = x if post_only else _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
             b, c, xx = np.split(h @ p("shortconv.in_proj.weight").T, 3, axis=1)
             y = _causal_conv(b * xx, p("shortconv.conv.weight"))
@@ -476,17 +479,17 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T
-            if gemma or olmo2:
+            if gemma or post_only:
                 att = _rms_norm(att, p("post_attention_norm.weight"), eps)
             x = x + branch * att
-        h = x if olmo2 else _rms_norm(x, p("ffn_norm.weight"), eps)
+        h = x if post_only else _rms_norm(x, p("ffn_norm.weight"), eps)
         if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
         else:
             ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                        _gelu if gemma else _silu)
-        if gemma or olmo2:
+        if gemma or post_only:
             ffn = _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])

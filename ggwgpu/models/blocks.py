@@ -141,32 +141,29 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):
     `mask` (f32, 0 or -inf; (n_ctx, n_ctx) or (batch, 1, n_ctx, n_ctx)) replaces the
     causal rule and is added to the scores (document masks of packed rows, sliding
     windows). The scores are scaled by `scale` (default 1/sqrt(head_dim)), and soft-capped
-    where cfg.attn_logit_softcap is set (gemma2: `capped_scores`; the fused kernels have no
-    cap, so those scores take the unfused path even with `flash`)."""
+    where cfg.attn_logit_softcap is set (`attention_scores`; the fused kernels have no cap,
+    so those scores take the unfused path even with `flash`)."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim) if scale is None else scale
-    if cfg.attn_logit_softcap:
-        kq = capped_scores(cfg, k, q, scale)
-        probs = O.soft_max(kq, 1.0, 0) if mask is None else O.soft_max_ext(kq, mask, 1.0)
-        out = O.mul_mat(O.transpose(v), probs)
-    elif flash:
+    if flash and not cfg.attn_logit_softcap:
         out = (O.flash_attn(q, k, v, scale, True) if mask is None
                else O.flash_attn_ext(q, k, v, mask, scale))
-    else:
-        if mask is None:    # the scale in the product's epilogue
-            kq = O.mul_mat(k, q, scale)                           # (batch, head, q, k)
-            probs = O.soft_max(kq, 1.0, 0)                        # causal: n_past 0
-        else:
-            probs = O.soft_max_ext(O.mul_mat(k, q), mask, scale)
+    else:   # causal without a mask: the scale in the product's epilogue, n_past 0
+        kq, scale = attention_scores(cfg, k, q, scale, folded=mask is None)  # (b, h, q, k)
+        probs = O.soft_max(kq, scale, 0) if mask is None else O.soft_max_ext(kq, mask, scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
 
 
-def capped_scores(cfg, k, q, scale: float):
-    """The attention scores of q over k, scaled and soft-capped as llama.cpp's gemma2 graph
-    does: c * tanh(scale * q.k / c), c = cfg.attn_logit_softcap."""
+def attention_scores(cfg, k, q, scale: float, folded: bool = False):
+    """(the scores of q over k, the scale their softmax still applies): q.k with `scale`
+    left to the softmax, or with `folded` applied in the product's epilogue; where
+    cfg.attn_logit_softcap is set, scaled and soft-capped as llama.cpp's gemma2 graph does,
+    c * tanh(scale * q.k / c), c the cap."""
     cap = cfg.attn_logit_softcap
-    return O.scale(O.tanh(O.mul_mat(k, q, scale / cap)), cap)
+    if cap:
+        return O.scale(O.tanh(O.mul_mat(k, q, scale / cap)), cap), 1.0
+    return (O.mul_mat(k, q, scale), 1.0) if folded else (O.mul_mat(k, q), scale)
 
 
 def columns(t, widths, head_dim: int | None = None):

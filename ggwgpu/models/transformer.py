@@ -19,7 +19,7 @@ from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
 from .blocks import (EMBEDDING_NOISE, LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence,
-                     attention, capped_scores, embed, output, rms_norm)
+                     attention, attention_scores, embed, output, rms_norm)
 from .config import ModelConfig
 from .delta_net import chunking, delta_rule, segment_masks
 
@@ -576,10 +576,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
                               (1, span, heads, width)) for part, t in zip("kv", (k, v)))
             attended[i] = k, v
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
-        if cfg.attn_logit_softcap:                                # (1, head, n_tokens, span)
-            kq, scale = capped_scores(cfg, k, q, scale), 1.0
-        else:
-            kq = O.mul_mat(k, q)
+        kq, scale = attention_scores(cfg, k, q, scale)           # (1, head, n_tokens, span)
         probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))

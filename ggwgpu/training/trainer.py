@@ -95,7 +95,7 @@ class Trainer:
         options.loss_scale_init. With a preference objective (options.objective other than
         sft) the batches are pairs.PairBatches' (options.batch units of two rows, a pair
         each when padded), with their reference log-probabilities set
-        (preference.sequence_logps; DPO, IPO)."""
+        (preference.sequence_logps; DPO, IPO, KTO)."""
         self.cfg, self.options, self.batches, self.step = cfg, options, batch_source, step
         self.world = world
         self.precision = precision_for(backend, options.precision)
