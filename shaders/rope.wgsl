@@ -1,5 +1,5 @@
 // Rotary position embedding, forward and backward, with or without per-pair frequency
-// factors (ggml_rope_ext with ext_factor 0, attn_factor 1).
+// factors, YaRN included (ggml_rope_ext).
 // #include common
 
 // positions are i32: read through an int32 view of binding 3 (this file never uses src1).
@@ -19,8 +19,9 @@ fn reduce_angle(theta: f32) -> f32 {
 
 // rope / rope_back (k_rope), rope_ff / rope_ff_back (k_rope_ff): src0 x [head_dim, n_head,
 // n_tokens, batch] (ggml order), src1_i32 positions [n_tokens], src2 (rope_ff) factors
-// [n_dims / 2]; dst like x. p.f = (freq_base, freq_scale, sin sign: +1 forward,
-// -1 backward), p.u = (n_dims, mode: 0 normal, 2 neox).
+// [n_dims / 2]; dst like x. p.f = (freq_base, freq_scale, m: the factor of sin, its sign
+// +1 forward, -1 backward, its magnitude cos's, ext_factor), p.u = (n_dims, mode: 0 normal,
+// 2 neox, YaRN's ramp: first and last pair).
 // One invocation per dst element: it reads its own element and its pair partner and
 // writes its half of the rotation, so both halves of a pair see the same inputs.
 fn rope_element(i: u32, with_factors: bool) {
@@ -43,10 +44,17 @@ fn rope_element(i: u32, with_factors: bool) {
         partner = select(idx.x - half, idx.x + half, first);
     }
     let pos = f32(src1_i32[at_1(vec4u(idx.z, 0u, 0u, 0u))]);
-    var theta = pos * p.f.y * pow(p.f.x, -2.0 * f32(k) / f32(n_dims));
-    if (with_factors) { theta = theta / f32(src2[at_2(vec4u(k, 0u, 0u, 0u))]); }
+    var extrap = pos * pow(p.f.x, -2.0 * f32(k) / f32(n_dims));    // the unscaled angle
+    if (with_factors) { extrap = extrap / f32(src2[at_2(vec4u(k, 0u, 0u, 0u))]); }
+    var theta = extrap * p.f.y;
+    if (p.f.w != 0.0) {    // YaRN: the fast pairs mixed back towards their unscaled angle
+        let lo = f32(p.u.z);
+        let y = (f32(k) - lo) / max(0.001, f32(p.u.w) - lo);
+        let mix = (1.0 - clamp(y, 0.0, 1.0)) * p.f.w;
+        theta = theta * (1.0 - mix) + extrap * mix;
+    }
     theta = reduce_angle(theta);
-    let c = cos(theta);
+    let c = cos(theta) * abs(p.f.z);
     let s = sin(theta) * p.f.z;
     let y = f32(src0[at_0(vec4u(partner, idx.yzw))]);
     // first: x0 c - x1 s (x = x0, y = x1); second: x0 s + x1 c (y = x0, x = x1)

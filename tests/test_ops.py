@@ -435,6 +435,56 @@ def test_rope_ff_divides_the_angle_of_pair_k_by_factor_k(wgpu, mode, frozen_dims
         gg.rope_ff(x, pos, gg.input_tensor((6,)), *args)
 
 
+
+def hf_yarn(dim, base, factor, n_ctx_orig, beta_fast=32.0, beta_slow=1.0):
+    """inv_freq and attention_factor as transformers computes them for rope_type "yarn"
+    (modeling_rope_utils: _compute_yarn_parameters, truncating the correction range)."""
+    pos_freqs = base ** (np.arange(0, dim, 2) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+
+    def correction_dim(rotations):
+        return dim * np.log(n_ctx_orig / (rotations * 2 * np.pi)) / (2 * np.log(base))
+    low = max(np.floor(correction_dim(beta_fast)), 0)
+    high = min(np.ceil(correction_dim(beta_slow)), dim - 1)
+    ramp = np.clip((np.arange(dim // 2) - low) / max(high - low, 0.001), 0, 1)
+    keep = 1 - ramp       # the share of the extrapolated (unscaled) frequency
+    return interpolation * (1 - keep) + extrapolation * keep, 0.1 * np.log(factor) + 1
+
+
+@pytest.mark.parametrize("factor,n_ctx_orig,betas", [(4.0, 256, (32.0, 1.0)),
+                                                     (8.0, 8192, (32.0, 1.0)),
+                                                     (2.5, 1024, (16.0, 2.0))])
+def test_rope_with_ext_factor_1_is_yarn_as_transformers_computes_it(wgpu, factor, n_ctx_orig,
+                                                                    betas):
+    """rope with ext_factor 1 and attn_factor 1 is YaRN: transformers' frequencies and its
+    attention factor 0.1 ln(factor) + 1 on cos and sin (neox pairs: rotate_half)."""
+    from ggwgpu.backends.numpy_backend import NumpyBackend
+    rng = np.random.default_rng(1)
+    dim, base = 32, 1e4
+    x, pos = gg.input_tensor((1, 40, 3, dim)), gg.input_tensor((40,), "i32")
+    feeds = {x: rng.uniform(-1, 1, x.shape), pos: rng.integers(0, 4096, 40)}   # f32 angles
+    inv_freq, attention_factor = hf_yarn(dim, base, factor, n_ctx_orig, *betas)
+    angles = feeds[pos][:, None].astype(np.float64) * inv_freq
+    cos = np.cos(np.concatenate([angles] * 2, -1))[:, None] * attention_factor
+    sin = np.sin(np.concatenate([angles] * 2, -1))[:, None] * attention_factor
+    half = feeds[x][..., :dim // 2], feeds[x][..., dim // 2:]
+    want = feeds[x] * cos + np.concatenate([-half[1], half[0]], -1) * sin
+    y = gg.rope(x, pos, dim, "neox", base, 1 / factor, ext_factor=1.0, beta_fast=betas[0],
+                beta_slow=betas[1], n_ctx_orig=n_ctx_orig)
+    feeds[pos] = feeds[pos].astype(np.int32)
+    np.testing.assert_allclose(NumpyBackend(np.float64).compute([y], feeds)[0], want,
+                               atol=1e-12)
+    # f32 angles of thousands of radians are good to ~1e-4 (as ggml's)
+    np.testing.assert_allclose(wgpu.compute([y], feeds)[0], want, atol=1e-3)
+
+
+def test_rope_refuses_yarn_without_its_original_context():
+    x, pos = gg.input_tensor((1, 2, 1, 8)), gg.input_tensor((2,), "i32")
+    with pytest.raises(gg.ShapeError, match="YaRN .* needs a positive n_ctx_orig"):
+        gg.rope(x, pos, 8, "neox", 1e4, 0.25, ext_factor=1.0)
+    with pytest.raises(gg.ShapeError, match="attn_factor -1 must make"):
+        gg.rope(x, pos, 8, "neox", attn_factor=-1)
+
 def test_the_package_exports_every_op_and_no_family_module():
     """`ggwgpu.quant` is the block-type module, not ops/quant.py: star imports carry op
     constructors, not the modules that define them."""
