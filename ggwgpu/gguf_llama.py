@@ -18,9 +18,10 @@ Model file
     .attention.key_length and .value_length (only when the head size is not
     embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when
-    rope_freq_scale != 1, .rope.scaling.type "linear" with .rope.scaling.factor =
-    1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor); the tokenizer's
-    tokenizer.ggml.* keys; ggwgpu.config_json, the ModelConfig as JSON, so that float
+    rope_freq_scale != 1 or YaRN, .rope.scaling.type ("linear" or "yarn") with
+    .rope.scaling.factor = 1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor),
+    .rope.scaling.original_context_length and .rope.scaling.attn_factor where set; the
+    tokenizer's tokenizer.ggml.* keys; ggwgpu.config_json, the ModelConfig as JSON, so that float
     hyper-parameters come back exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
     embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases
@@ -61,7 +62,8 @@ ARCH_KEY_TEMPLATES = dict(
     key_length=Keys.Attention.KEY_LENGTH, value_length=Keys.Attention.VALUE_LENGTH,
     eps=Keys.Attention.LAYERNORM_RMS_EPS, rot=Keys.Rope.DIMENSION_COUNT,
     freq_base=Keys.Rope.FREQ_BASE, scaling_type=Keys.Rope.SCALING_TYPE,
-    scaling_factor=Keys.Rope.SCALING_FACTOR,
+    scaling_factor=Keys.Rope.SCALING_FACTOR, orig_ctx=Keys.Rope.SCALING_ORIG_CTX_LEN,
+    attn_factor=Keys.Rope.SCALING_ATTN_FACTOR,
     scale_linear_old="{arch}.rope.scale_linear")   # llama.cpp's older name, read only
 
 
@@ -83,6 +85,9 @@ K_CKPT_VERSION = "ggwgpu.checkpoint.version"
 OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
+# rope.scaling.type values read ("none": linear at factor 1); YaRN's own keys
+# (rope.scaling.yarn_*) are not read, as llama.cpp reads them for none of these families
+ROPE_SCALING_TYPES = ("linear", "none", "yarn")
 MIN_BLOCK_TENSORS = 6       # no family's block has fewer (phi3's, fused)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
@@ -159,9 +164,13 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         keys[k.ff] = (list(cfg.n_ff_layers), _T.ARRAY)
     if cfg.n_embd_head is not None:
         keys[k.key_length] = keys[k.value_length] = (cfg.head_dim, _T.UINT32)
-    if cfg.rope_freq_scale != 1.0:
-        keys[k.scaling_type] = (RopeScalingType.LINEAR.value, _T.STRING)
+    if cfg.rope_freq_scale != 1.0 or cfg.rope_scaling != "linear":
+        keys[k.scaling_type] = (cfg.rope_scaling, _T.STRING)
         keys[k.scaling_factor] = (1.0 / cfg.rope_freq_scale, _T.FLOAT32)
+    if cfg.rope_orig_ctx:
+        keys[k.orig_ctx] = (cfg.rope_orig_ctx, _T.UINT32)
+    if cfg.rope_attn_factor != 1.0:
+        keys[k.attn_factor] = (float(cfg.rope_attn_factor), _T.FLOAT32)
     for field, template in cfg.family.keys.items():     # where set (models.family)
         value = getattr(cfg, field)
         if value != FIELD_DEFAULTS[field] or field in cfg.family.required or \
@@ -273,9 +282,10 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
     hp["longrope"] = phi3.LONG in f.tensors or phi3.SHORT in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
-    if scaling not in (RopeScalingType.LINEAR.value, RopeScalingType.NONE.value):
+    if scaling not in ROPE_SCALING_TYPES:
         raise GGUFError(f"{f.path}: {k.scaling_type} {scaling!r} is not supported (only "
-                        f"'linear' and 'none')")
+                        f"{', '.join(map(repr, ROPE_SCALING_TYPES))})")
+    hp["rope_scaling"] = "yarn" if scaling == RopeScalingType.YARN.value else "linear"
     factor = f.float_key(k.scaling_factor, default=None, allow_zero=True)
     if factor is None:
         factor = f.float_key(k.scale_linear_old, default=None, allow_zero=True)
@@ -285,6 +295,11 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
         raise GGUFError(f"{f.path}: {k.scaling_factor} = {factor!r} is not a plausible rope "
                         f"scaling factor ({MIN_ROPE_FACTOR:g} .. {MAX_ROPE_FACTOR:g}): the "
                         f"rotation angles would overflow or vanish")
+    # llama.cpp's n_ctx_orig_yarn: the key, else the trained context
+    hp["rope_orig_ctx"] = f.int_key(k.orig_ctx, default=0, minimum=0)
+    if scaling == RopeScalingType.YARN.value:
+        hp["rope_orig_ctx"] = hp["rope_orig_ctx"] or hp["n_ctx"]
+    hp["rope_attn_factor"] = f.float_key(k.attn_factor, default=1.0, allow_zero=True) or 1.0
 
     family = FAMILIES[arch]
     for field, template in family.keys.items():     # 0 or absent: unset (models.family)
@@ -360,11 +375,12 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
     told = ("arch", "tied_embeddings", "rope_freqs", "longrope", "head_dim", "swa_layers",
-            "layer_output_scale", "n_head_kv_layers", "n_ff_layers")
+            "layer_output_scale", "n_head_kv_layers", "n_ff_layers", "rope_scaling",
+            "rope_orig_ctx")
     if any(getattr(exact, n) != getattr(cfg, n) for n in told):
         return cfg
     if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)
-           for n in cfg.family.keys):       # the family's keys, neutral ones not written
+           for n in (*cfg.family.keys, "rope_attn_factor")):    # neutral ones not written
         return cfg
     return exact
 

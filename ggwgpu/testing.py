@@ -323,20 +323,43 @@ def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, n_rot, neox, base, scale, factors, mscale=1.0):
+def _rope(x, positions, n_rot, neox, base, scale, factors, attn_factor=1.0, yarn_orig_ctx=0):
     """ggml_rope_ext on x (T, heads, head_dim): pair i of the first n_rot dims turns by
-    pos * scale * base^(-2i / n_rot) / factors[i], its cos and sin times mscale (the
-    attn_factor); the rest pass. The pairs: mode NORM takes adjacent dims (2i, 2i + 1),
-    mode NEOX (i, i + n_rot / 2)."""
+    pos * scale * base^(-2i / n_rot) / factors[i], its cos and sin times attn_factor; the
+    rest pass. The pairs: mode NORM takes adjacent dims (2i, 2i + 1), mode NEOX (i, i + n_rot
+    / 2). With yarn_orig_ctx, YaRN as ggml's rope_yarn with ext_factor 1 and betas 32 and 1:
+    the pairs from the one turning 32 times in yarn_orig_ctx positions to the one turning
+    once take a share of their unscaled angle falling from 1 to 0 (all of it before them),
+    and cos and sin are also times 1 + 0.1 ln(1 / scale)."""
     i = np.arange(n_rot // 2)
-    theta = (positions[:, None] * scale * base ** (-2.0 * i / n_rot) / factors)[:, None, :]
+    unscaled = positions[:, None] * base ** (-2.0 * i / n_rot) / factors
+    theta = scale * unscaled
+    if yarn_orig_ctx:
+        def corr_dim(turns):
+            return n_rot * np.log(yarn_orig_ctx / (turns * 2 * np.pi)) / (2 * np.log(base))
+        lo, hi = max(0, np.floor(corr_dim(32))), min(n_rot - 1, np.ceil(corr_dim(1)))
+        share = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+        theta = theta * (1 - share) + unscaled * share
+        attn_factor = attn_factor * (1 + 0.1 * np.log(1 / scale))
+    theta = theta[:, None, :]
     first, second = (i, i + n_rot // 2) if neox else (2 * i, 2 * i + 1)
     a, b = x[..., first], x[..., second]
     out = x.copy()
-    cos, sin = mscale * np.cos(theta), mscale * np.sin(theta)
+    cos, sin = attn_factor * np.cos(theta), attn_factor * np.sin(theta)
     out[..., first] = a * cos - b * sin
     out[..., second] = a * sin + b * cos
     return out
+
+
+def _context_rope(cfg) -> tuple[float, int]:
+    """The attn_factor and YaRN's original context (0: no YaRN) that llama.cpp's context
+    gives every rope of cfg (llama-context.cpp): a YaRN model's attn_factor is
+    get_mscale(factor) / (1 + 0.1 ln factor), times rope.scaling.attn_factor."""
+    if cfg.rope_scaling != "yarn":
+        return cfg.rope_attn_factor, 0
+    factor = 1 / cfg.rope_freq_scale
+    get_mscale = 0.1 * np.log(factor) + 1 if factor > 1 else 1.0
+    return cfg.rope_attn_factor * get_mscale / (1 + 0.1 * np.log(factor)), cfg.rope_orig_ctx
 
 
 def _attention(q, k, v, kq_scale, window=0, softcap=0.0):
@@ -402,12 +425,14 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
     gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
-    rope_orig_ctx, else rope_factors_short, cos and sin times rope_attn_factor. lfm2: the
+    rope_orig_ctx, else rope_factors_short. lfm2: the
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
     neox rope (within sliding_window where set); the final norm is token_embd_norm.
-    gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`.
-    `values` are float arrays (dequantize block types first)."""
+    gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. Every rope's cos
+    and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
+    olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
+    first)."""
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
@@ -421,11 +446,10 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     n, hd = len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
     factors = w.get("rope_freqs.weight") if arch in ROPE_FACTORS else None
-    mscale = 1.0
     if arch == "phi3" and "rope_factors_long.weight" in w:     # LongRoPE
         long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
         factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
-        mscale = cfg.rope_attn_factor
+    attn_factor, yarn = _context_rope(cfg)
     factors = np.ones(cfg.rot // 2) if factors is None else factors
     q_scale, kq_scale = 1.0, 1 / np.sqrt(hd)
     if gemma:
@@ -451,8 +475,9 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             base, scale = cfg.rope_freq_base_swa or 10000.0, 1.0
         elif local and arch == "gemma2":
             base = cfg.rope_freq_base_swa or cfg.rope_freq_base
-        elif local and arch == "olmo2":
-            scale = 1.0
+        rope_yarn = attn_factor, yarn
+        if local and arch == "olmo2":           # OLMo 3's windowed layers: no YaRN
+            scale, rope_yarn = 1.0, (1.0, 0)
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
         h = x if post_only else _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
@@ -474,8 +499,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
                 q = _rms_norm(q, p("attn_q_norm.weight"), eps)
                 k = _rms_norm(k, p("attn_k_norm.weight"), eps)
             if not (arch == "smollm3" and (il + 1) % 4 == 0 or exaone_swa and il % 4 == 3):
-                q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors, mscale)
-                        for y in (q, k))
+                q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors,
+                              *rope_yarn) for y in (q, k))
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T
@@ -524,7 +549,7 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
             n, cfg.n_layer, n_pl)
         layer_inputs = (_rms_norm(proj, w["per_layer_proj_norm.weight"], eps) + own) / np.sqrt(2)
     first_shared = cfg.n_layer - cfg.shared_kv_layers
-    kv = {}
+    kv, context_rope = {}, _context_rope(cfg)
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
         swa = il in cfg.swa_layers
@@ -539,13 +564,13 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         q = _rms_norm((h @ p("attn_q.weight").T).reshape(n, cfg.n_head, hd),
                       p("attn_q_norm.weight"), eps)
-        q = _rope(q, positions, n_rot, True, base, scale, factors)
+        q = _rope(q, positions, n_rot, True, base, scale, factors, *context_rope)
         if il < first_shared:
             k = _rms_norm((h @ p("attn_k.weight").T).reshape(n, heads_kv, hd),
                           p("attn_k_norm.weight"), eps)
             v = (h @ p("attn_v.weight").T).reshape(n, heads_kv, hd)
             v = v / np.sqrt(np.mean(v * v, axis=-1, keepdims=True) + eps)
-            kv[il] = _rope(k, positions, n_rot, True, base, scale, factors), v
+            kv[il] = _rope(k, positions, n_rot, True, base, scale, factors, *context_rope), v
             k, v = kv[il]
         else:
             k, v = kv[first_shared - (2 if swa else 1)]
@@ -619,9 +644,11 @@ def qwen35_reference_logits(cfg, values, tokens) -> np.ndarray:
             q, gate = full[..., :hd], full[..., hd:]
             k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "kv")
             q = _rope(_rms_norm(q, p("attn_q_norm.weight"), eps), positions, cfg.rot, True,
-                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2))
+                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2),
+                      *_context_rope(cfg))
             k = _rope(_rms_norm(k, p("attn_k_norm.weight"), eps), positions, cfg.rot, True,
-                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2))
+                      cfg.rope_freq_base, cfg.rope_freq_scale, np.ones(cfg.rot // 2),
+                      *_context_rope(cfg))
             att = _attention(q, k, v, 1 / np.sqrt(hd)) * sigmoid(gate.reshape(n, -1))
             x = x + att @ p("attn_output.weight").T
         h = _rms_norm(x, p("post_attention_norm.weight"), eps)

@@ -43,6 +43,15 @@ CONFIGS = {
                          arch="olmo2"),
     "olmo3": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, rope_freq_base=5e5,
                          rope_freq_scale=0.5, sliding_window=16, arch="olmo2"),
+    # YaRN: OLMo 3's (factor 8, its global layers only), and Qwen3's with a ramp over pairs
+    # 5 .. 11 of 16 and a rope.scaling.attn_factor
+    "olmo3-yarn": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, rope_freq_base=5e5,
+                              rope_scaling="yarn", rope_freq_scale=0.125, rope_orig_ctx=16,
+                              sliding_window=16, arch="olmo2"),
+    "qwen3-yarn": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
+                              tied_embeddings=True, rope_freq_base=1e4, rope_scaling="yarn",
+                              rope_freq_scale=0.25, rope_orig_ctx=3580, rope_attn_factor=0.9,
+                              arch="qwen3"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

@@ -46,11 +46,12 @@ FAMILIES = {
                           tied_embeddings=True, sliding_window=4, attn_logit_softcap=50.0,
                           final_logit_softcap=30.0, arch="gemma2"),
     # OLMo-2-0425-1B: no pre-norms, Q/K normed over their whole width, post-norms, untied;
-    # OLMo 3: three sliding-window layers of four
+    # OLMo 3: three sliding-window layers of four, YaRN (factor 8) on the fourth
     "olmo2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, rope_freq_base=5e5,
                          arch="olmo2"),
     "olmo3": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, rope_freq_base=5e5,
-                         sliding_window=4, arch="olmo2"),
+                         sliding_window=4, rope_scaling="yarn", rope_freq_scale=0.125,
+                         rope_orig_ctx=8, arch="olmo2"),
     # ERNIE-4.5-0.3B: llama's block, heads of 128 over an n_embd of 1024 (16 heads), tied
     "ernie4_5": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),

@@ -14,6 +14,7 @@ from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.gguf_llama import load_model, save_model
 from ggwgpu.models import ModelConfig, init_parameters, parameter_shapes
+from ggwgpu.tensor import ShapeError
 from ggwgpu.tokenizer import ByteTokenizer
 from conftest import train_state
 
@@ -129,6 +130,36 @@ def test_rope_freq_scale_is_written_as_llama_cpp_linear_scaling_factor(tmp_path)
     meta, _ = fields(tmp_path / "m.gguf")
     assert meta["llama.rope.scaling.type"] == ("linear", T.STRING)
     assert meta["llama.rope.scaling.factor"] == (4.0, T.FLOAT32)     # llama.cpp: scale = 1/factor
+
+
+def test_yarn_and_attn_factor_are_read_as_llama_cpp_reads_them_and_written_back(tmp_path):
+    """A converter's YaRN file (type, factor, original context; its rope.scaling.yarn_* keys
+    read by llama.cpp for no family here) and the attn_factor any family may have; without
+    an original context, YaRN's is the trained one (llama.cpp's n_ctx_orig_yarn)."""
+    no_json = [gguf_llama.K_CONFIG_JSON]
+    yarn = {"llama.rope.scaling.type": ("yarn", T.STRING),
+            "llama.rope.scaling.factor": (8.0, T.FLOAT32),
+            "llama.rope.scaling.yarn_beta_fast": (32.0, T.FLOAT32),
+            "llama.rope.scaling.attn_factor": (0.75, T.FLOAT32)}
+    cfg, _ = load_model(forge(tmp_path / "a.gguf", drop=no_json, set_keys=yarn))[:2]
+    assert (cfg.rope_scaling, cfg.rope_freq_scale, cfg.rope_orig_ctx, cfg.rope_attn_factor) \
+        == ("yarn", 0.125, TINY.n_ctx, 0.75)
+    yarn["llama.rope.scaling.original_context_length"] = (4, T.UINT32)
+    cfg, values = load_model(forge(tmp_path / "b.gguf", drop=no_json, set_keys=yarn))[:2]
+    assert cfg.rope_orig_ctx == 4
+    save_model(tmp_path / "c.gguf", cfg, values, TinyVocab())
+    meta, _ = fields(tmp_path / "c.gguf")
+    assert meta["llama.rope.scaling.type"] == ("yarn", T.STRING)
+    assert meta["llama.rope.scaling.original_context_length"] == (4, T.UINT32)
+    assert meta["llama.rope.scaling.attn_factor"] == (0.75, T.FLOAT32)
+    assert load_model(tmp_path / "c.gguf")[0] == cfg
+    # a JSON config without rope scaling does not hide the file's YaRN (at factor 1 too)
+    linear = gguf_llama.model_metadata(tmp_path / "c.gguf", TINY, TinyVocab(), None)
+    yarn[gguf_llama.K_CONFIG_JSON] = linear[gguf_llama.K_CONFIG_JSON]
+    yarn["llama.rope.scaling.factor"] = (1.0, T.FLOAT32)
+    assert load_model(forge(tmp_path / "d.gguf", set_keys=yarn))[0].rope_scaling == "yarn"
+    with pytest.raises(ShapeError, match="'yarn' needs rope_orig_ctx"):
+        dataclasses.replace(TINY, rope_scaling="yarn")
 
 
 def test_extra_keys_are_written_and_cannot_replace_model_keys(tmp_path):
@@ -405,8 +436,8 @@ def test_wrong_architecture_and_bad_key_values(tmp_path):
     raises_naming(path, "blk.0.attn_k.weight", "(4, 8)")
     path = forge(tmp_path / "d.gguf", set_keys={"llama.block_count": (2 ** 30, T.UINT32)})
     raises_naming(path, "llama.block_count")
-    path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("yarn", T.STRING)})
-    raises_naming(path, "llama.rope.scaling.type", "yarn")
+    path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("longrope", T.STRING)})
+    raises_naming(path, "llama.rope.scaling.type", "longrope")
     path = forge(tmp_path / "f.gguf", set_keys={"llama.rope.scaling.factor": (1e-45, T.FLOAT32)})
     raises_naming(path, "llama.rope.scaling.factor", "plausible")
 

@@ -16,6 +16,7 @@ rows become E[t] + scale * B A[t]. p[name + LORA] lists the pairs (a, b, scale) 
 from __future__ import annotations
 
 import dataclasses
+import math
 import zlib
 from dataclasses import dataclass
 from typing import Callable
@@ -99,15 +100,32 @@ def output(cfg, p: dict, x):
     return O.scale(O.tanh(y), cap) if cap else y
 
 
-def rope(cfg, x, positions, freq_base: float, freq_scale: float, factors=None):
-    """llama.cpp's rope of the family (mode normal: adjacent pairs, as its converter stores a
-    llama's Q and K; neox: pairs (k, k + n_rot / 2)) at `freq_base` and `freq_scale` (the
-    layer's: models.family), with per-pair frequency `factors` (Llama 3's rope_freqs,
-    Phi-3's LongRoPE) when given."""
-    args = (cfg.rot, cfg.rope_mode, freq_base, freq_scale)
+def rope_params(cfg, freq_base: float, freq_scale: float, scaled: bool = True) -> dict:
+    """The rope op's parameters at `freq_base` and `freq_scale` (the layer's:
+    models.family), as llama.cpp's context sets them for the model: YaRN's for a "yarn"
+    model (ext_factor 1, its original context; attn_factor over 0.1 ln(factor) + 1, which
+    the op's own factor cancels at the model's scale), times rope_attn_factor. `scaled`
+    False: neither (olmo2's windowed layers)."""
+    params = {"n_dims": cfg.rot, "mode": cfg.rope_mode, "freq_base": freq_base,
+              "freq_scale": freq_scale}
+    if not scaled:
+        return params
+    attn_factor = cfg.rope_attn_factor
+    if cfg.rope_scaling == "yarn":
+        factor = 1.0 / cfg.rope_freq_scale
+        attn_factor *= (0.1 * math.log(factor) + 1 if factor > 1 else 1.0) \
+            / (1 + 0.1 * math.log(factor))
+        params.update(ext_factor=1.0, n_ctx_orig=cfg.rope_orig_ctx)
+    return {**params, "attn_factor": attn_factor}
+
+
+def rope(x, positions, params: dict, factors=None):
+    """llama.cpp's rope (mode normal: adjacent pairs, as its converter stores a llama's Q and
+    K; neox: pairs (k, k + n_rot / 2)) with `params` (rope_params'), with per-pair frequency
+    `factors` (Llama 3's rope_freqs, Phi-3's LongRoPE) when given."""
     if factors is not None:
-        return O.rope_ff(x, positions, factors, *args)
-    return O.rope(x, positions, *args)
+        return O.rope_ff(x, positions, factors, **params)
+    return O.rope(x, positions, **params)
 
 
 @dataclass

@@ -11,6 +11,8 @@ from dataclasses import asdict, dataclass, fields
 
 from ..tensor import ShapeError
 
+ROPE_SCALINGS = ("linear", "yarn")      # llama.cpp's "none" is linear at scale 1
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -42,9 +44,11 @@ class ModelConfig:
     attention_scale: float = 0.0    # the scores' scale (0: the family's own, 1/sqrt(head_dim))
     logit_scale: float = 1.0        # granite: the logits divided by this
     longrope: bool = False          # phi3: rope_factors_long/short.weight, LongRoPE's factors
-    rope_orig_ctx: int = 0          # phi3: the long factors apply when n_ctx exceeds this (0:
-                                    # never)
-    rope_attn_factor: float = 1.0   # phi3: the rotated dims of Q and K times this (LongRoPE)
+    rope_orig_ctx: int = 0          # rope.scaling.original_context_length: YaRN's original
+                                    # context; phi3's long factors apply when n_ctx exceeds
+                                    # it (0: never)
+    rope_attn_factor: float = 1.0   # rope.scaling.attn_factor: the rotated dims of Q and K
+                                    # times this (llama.cpp's attn_factor; phi3's LongRoPE)
     conv_layers: tuple = ()         # lfm2: the blocks whose mixer is a short convolution
     conv_kernel: int = 0            # lfm2: the convolution's length (shortconv.l_cache)
     n_head_kv_layers: tuple = ()    # K/V heads per layer where layers differ (gemma4's sliding
@@ -65,6 +69,9 @@ class ModelConfig:
     ssm_heads: int = 0              # qwen35: its value heads (ssm.time_step_rank)
     ssm_groups: int = 0             # qwen35: its query/key heads (ssm.group_count)
     rope_sections: tuple = ()       # qwen35: rope.dimension_sections (imrope's t, h, w, e)
+    rope_scaling: str = "linear"    # rope.scaling.type: "linear" (rope_freq_scale scales
+                                    # every angle) or "yarn" (YaRN: the fast pairs less, and
+                                    # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -102,6 +109,12 @@ class ModelConfig:
             if any(not 0 <= i < self.n_layer for i in layers):
                 raise ShapeError(f"{name} {layers} must be blocks 0 .. {self.n_layer - 1}")
         object.__setattr__(self, "rope_sections", tuple(int(i) for i in self.rope_sections))
+        if self.rope_scaling not in ROPE_SCALINGS:
+            raise ShapeError(f"rope_scaling {self.rope_scaling!r} must be one of "
+                             f"{', '.join(ROPE_SCALINGS)}")
+        if self.rope_scaling == "yarn" and self.rope_orig_ctx < 1:
+            raise ShapeError("rope_scaling 'yarn' needs rope_orig_ctx, the context the model "
+                             "was trained at before scaling")
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
@@ -119,7 +132,7 @@ class ModelConfig:
     LATER_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
                     "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale",
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
-                    "rope_sections", "attn_logit_softcap")
+                    "rope_sections", "attn_logit_softcap", "rope_scaling")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -160,9 +160,10 @@ class Family:
         """Layer i's sliding window (0: it attends to every earlier position)."""
         return cfg.sliding_window if self.local(cfg, i) else 0
 
-    def rope_base_scale(self, cfg, i: int) -> tuple[float, float]:
-        """Layer i's rope base and frequency scale."""
-        return cfg.rope_freq_base, cfg.rope_freq_scale
+    def rope_params(self, cfg, i: int) -> dict:
+        """Layer i's rope: the op's parameters (blocks.rope_params), at the model's base and
+        scale."""
+        return B.rope_params(cfg, cfg.rope_freq_base, cfg.rope_freq_scale)
 
     def attention_scale(self, cfg) -> float:
         """The scale of the attention scores (llama.cpp's kq_scale)."""
@@ -228,8 +229,7 @@ class Family:
                      for n, heads in zip("qkv", (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
 
     def rope(self, cfg, p: dict, i: int, x, positions):
-        """Layer i's rope of x (q or k): its base and scale, the model's factor table."""
+        """Layer i's rope of x (q or k): its parameters, the model's factor table."""
         tables = self.rope_tables(cfg)
-        return B.rope(cfg, x, positions, *self.rope_base_scale(cfg, i),
-                      p[tables[0]] if tables else None)
+        return B.rope(x, positions, self.rope_params(cfg, i), p[tables[0]] if tables else None)
 

@@ -10,6 +10,7 @@ import math
 
 from gguf import Keys
 
+from . import blocks as B
 from .gemma3 import Gemma3
 
 
@@ -24,10 +25,11 @@ class Gemma2(Gemma3):
     # llama.cpp's values when a file has no such key (a 0 is written as unset)
     absent = {"sliding_window": 4096, "attn_logit_softcap": 50.0, "final_logit_softcap": 30.0}
 
-    def rope_base_scale(self, cfg, i):
+    def rope_params(self, cfg, i):
         if self.local(cfg, i):
-            return cfg.rope_freq_base_swa or cfg.rope_freq_base, cfg.rope_freq_scale
-        return cfg.rope_freq_base, cfg.rope_freq_scale
+            return B.rope_params(cfg, cfg.rope_freq_base_swa or cfg.rope_freq_base,
+                                 cfg.rope_freq_scale)
+        return super().rope_params(cfg, i)
 
     def attention_scale(self, cfg):
         if cfg.n_layer == 46:       # llama.cpp's LLM_TYPE_27B

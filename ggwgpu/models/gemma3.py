@@ -28,10 +28,10 @@ class Gemma3(Family):
             "rope_freq_base_swa": "{arch}.rope.freq_base_swa",   # (gguf-py 0.17 lacks it)
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
 
-    def rope_base_scale(self, cfg, i):
+    def rope_params(self, cfg, i):
         if self.local(cfg, i):
-            return cfg.rope_freq_base_swa or SWA_FREQ_BASE, 1.0
-        return cfg.rope_freq_base, cfg.rope_freq_scale
+            return B.rope_params(cfg, cfg.rope_freq_base_swa or SWA_FREQ_BASE, 1.0)
+        return super().rope_params(cfg, i)
 
     def attention_scale(self, cfg):
         if cfg.n_layer == 62:       # llama.cpp's LLM_TYPE_27B

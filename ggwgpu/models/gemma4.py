@@ -174,11 +174,14 @@ class Gemma4(Family):
     def input_scale(self, cfg):
         return math.sqrt(cfg.n_embd)
 
-    def rope(self, cfg, p, i, x, positions):
+    def rope_params(self, cfg, i):
         if self.local(cfg, i):
-            return B.rope(cfg, x, positions, cfg.rope_freq_base_swa or SWA_FREQ_BASE, 1.0)
-        factors = p[B.ROPE_FREQS] if cfg.rope_freqs else None
-        return B.rope(cfg, x, positions, cfg.rope_freq_base, cfg.rope_freq_scale, factors)
+            return B.rope_params(cfg, cfg.rope_freq_base_swa or SWA_FREQ_BASE, 1.0)
+        return super().rope_params(cfg, i)
+
+    def rope(self, cfg, p, i, x, positions):
+        factors = p[B.ROPE_FREQS] if cfg.rope_freqs and not self.local(cfg, i) else None
+        return B.rope(x, positions, self.rope_params(cfg, i), factors)
 
     # -- the graph -------------------------------------------------------------------------
 

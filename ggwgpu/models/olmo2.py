@@ -38,10 +38,11 @@ class Olmo2(Family):
         return tuple(B.split_heads(t, lead, heads, cfg.head_dim)
                      for t, heads in zip((q, k, v), (cfg.n_head, cfg.kv_heads, cfg.kv_heads)))
 
-    def rope_base_scale(self, cfg, i):
+    def rope_params(self, cfg, i):
+        # OLMo 3's windowed layers: plain rope, no YaRN (llama.cpp's olmo2.cpp)
         if self.local(cfg, i):
-            return cfg.rope_freq_base, 1.0
-        return cfg.rope_freq_base, cfg.rope_freq_scale
+            return B.rope_params(cfg, cfg.rope_freq_base, 1.0, scaled=False)
+        return super().rope_params(cfg, i)
 
 
 FAMILY = Olmo2()

@@ -4,14 +4,11 @@ one (ffn_up, rows gate | up: silu(gate) * up); neox rope, partial where rope.dim
 is less than the head size; LongRoPE where the file has rope_factors_long/short.weight: the
 long factors when the context (n_ctx) exceeds rope.scaling.original_context_length, else the
 short ones, as llama.cpp picks them per context, and the rotated dims of Q and K times
-rope.scaling.attn_factor (llama.cpp's attn_factor scales cos and sin). llama.cpp ignores a
+rope.scaling.attn_factor (llama.cpp's attn_factor scales cos and sin, as in every family). llama.cpp ignores a
 phi3 file's sliding window, and so does ggwgpu. LoRA pairs adapt the fused matrices, as
 llama.cpp applies them."""
-import numpy as np
-from gguf import Keys
 
 from .. import ops as O
-from ..tensor import constant
 from . import blocks as B
 from .family import Family
 
@@ -30,8 +27,6 @@ class Phi3(Family):
     rope_mode = "neox"
     partial_rope = True
     gate = staticmethod(fused_gate)
-    keys = {"rope_orig_ctx": Keys.Rope.SCALING_ORIG_CTX_LEN,
-            "rope_attn_factor": Keys.Rope.SCALING_ATTN_FACTOR}
 
     def block_shapes(self, cfg, i):
         e, f, q, kv = cfg.n_embd, cfg.n_ff, cfg.q_dim, cfg.kv_dim
@@ -51,14 +46,7 @@ class Phi3(Family):
         factors = None
         if cfg.longrope:
             factors = p[LONG if cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx else SHORT]
-        y = B.rope(cfg, x, positions, cfg.rope_freq_base, cfg.rope_freq_scale, factors)
-        m = cfg.rope_attn_factor
-        if m == 1.0:
-            return y
-        if cfg.rot == cfg.head_dim:
-            return O.scale(y, m)
-        dims = np.where(np.arange(cfg.head_dim) < cfg.rot, m, 1.0).astype(np.float32)
-        return O.mul(y, constant(dims, y.dtype, name="rope attn_factor"))
+        return B.rope(x, positions, self.rope_params(cfg, i), factors)
 
 
 FAMILY = Phi3()
