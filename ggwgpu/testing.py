@@ -316,28 +316,32 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4")
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
-ROPE_FACTORS = ("llama", "granite", "exaone4")     # graphs passing rope_freqs.weight to rope
+# graphs passing rope_freqs.weight to rope
+ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3")
 
 
 def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def _rope(x, positions, n_rot, neox, base, scale, factors, attn_factor=1.0, yarn_orig_ctx=0):
+def _rope(x, positions, n_rot, neox, base, scale, factors, attn_factor=1.0, yarn=None):
     """ggml_rope_ext on x (T, heads, head_dim): pair i of the first n_rot dims turns by
     pos * scale * base^(-2i / n_rot) / factors[i], its cos and sin times attn_factor; the
     rest pass. The pairs: mode NORM takes adjacent dims (2i, 2i + 1), mode NEOX (i, i + n_rot
-    / 2). With yarn_orig_ctx, YaRN as ggml's rope_yarn with ext_factor 1 and betas 32 and 1:
-    the pairs from the one turning 32 times in yarn_orig_ctx positions to the one turning
-    once take a share of their unscaled angle falling from 1 to 0 (all of it before them),
-    and cos and sin are also times 1 + 0.1 ln(1 / scale)."""
+    / 2). With yarn = (original context, beta_fast, beta_slow), YaRN as ggml's rope_yarn
+    with ext_factor 1: the pairs from the one turning beta_fast times in the original context
+    to the one turning beta_slow times take a share of their unscaled angle falling from 1
+    to 0 (all of it before them), and cos and sin are also times 1 + 0.1 ln(1 / scale)."""
     i = np.arange(n_rot // 2)
     unscaled = positions[:, None] * base ** (-2.0 * i / n_rot) / factors
     theta = scale * unscaled
-    if yarn_orig_ctx:
+    if yarn:
+        orig_ctx, beta_fast, beta_slow = yarn
+
         def corr_dim(turns):
-            return n_rot * np.log(yarn_orig_ctx / (turns * 2 * np.pi)) / (2 * np.log(base))
-        lo, hi = max(0, np.floor(corr_dim(32))), min(n_rot - 1, np.ceil(corr_dim(1)))
+            return n_rot * np.log(orig_ctx / (turns * 2 * np.pi)) / (2 * np.log(base))
+        lo = max(0, np.floor(corr_dim(beta_fast)))
+        hi = min(n_rot - 1, np.ceil(corr_dim(beta_slow)))
         share = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
         theta = theta * (1 - share) + unscaled * share
         attn_factor = attn_factor * (1 + 0.1 * np.log(1 / scale))
@@ -351,15 +355,30 @@ def _rope(x, positions, n_rot, neox, base, scale, factors, attn_factor=1.0, yarn
     return out
 
 
-def _context_rope(cfg) -> tuple[float, int]:
-    """The attn_factor and YaRN's original context (0: no YaRN) that llama.cpp's context
-    gives every rope of cfg (llama-context.cpp): a YaRN model's attn_factor is
-    get_mscale(factor) / (1 + 0.1 ln factor), times rope.scaling.attn_factor."""
+def _context_rope(cfg) -> tuple[float, tuple | None]:
+    """The attn_factor and YaRN's (original context, beta_fast, beta_slow) (None: no YaRN)
+    that llama.cpp's context gives every rope of cfg (llama-context.cpp): a YaRN model's
+    attn_factor is get_mscale(factor, 1) / (1 + 0.1 ln factor), with a yarn_log_multiplier
+    m get_mscale(factor, 1) / get_mscale(factor, m) / (1 + 0.1 ln factor), times
+    rope.scaling.attn_factor."""
     if cfg.rope_scaling != "yarn":
-        return cfg.rope_attn_factor, 0
+        return cfg.rope_attn_factor, None
     factor = 1 / cfg.rope_freq_scale
-    get_mscale = 0.1 * np.log(factor) + 1 if factor > 1 else 1.0
-    return cfg.rope_attn_factor * get_mscale / (1 + 0.1 * np.log(factor)), cfg.rope_orig_ctx
+
+    def get_mscale(m):
+        return 0.1 * m * np.log(factor) + 1 if factor > 1 else 1.0
+    ratio = get_mscale(1) / get_mscale(cfg.yarn_log_mul) if cfg.yarn_log_mul else get_mscale(1)
+    return (cfg.rope_attn_factor * ratio / (1 + 0.1 * np.log(factor)),
+            (cfg.rope_orig_ctx, cfg.yarn_beta_fast, cfg.yarn_beta_slow))
+
+
+def _attention_temperature(cfg, positions):
+    """Llama 4's attention temperature of each position (llama.cpp's inp_attn_scale), Q's
+    factor: ln(floor(pos / rope_orig_ctx) + 1) * attn_temp_scale + 1 (1 without a scale)."""
+    if not cfg.attn_temp_scale:
+        return np.ones((len(positions), 1, 1))
+    return (np.log(np.floor(positions / cfg.rope_orig_ctx) + 1) * cfg.attn_temp_scale
+            + 1)[:, None, None]
 
 
 def _attention(q, k, v, kq_scale, window=0, softcap=0.0):
@@ -429,6 +448,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     blocks of cfg.conv_layers mix by a short convolution (in_proj's b | c | x, c times the
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
     neox rope (within sliding_window where set); the final norm is token_embd_norm.
+    mistral3: llama's, YaRN with the file's betas and log multiplier, Q times the attention
+    temperature of its position after rope (`_attention_temperature`).
     gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
@@ -439,7 +460,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2", "olmo2", "ernie4_5", "exaone4"):
+                    "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -477,7 +498,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             base = cfg.rope_freq_base_swa or cfg.rope_freq_base
         rope_yarn = attn_factor, yarn
         if local and arch == "olmo2":           # OLMo 3's windowed layers: no YaRN
-            scale, rope_yarn = 1.0, (1.0, 0)
+            scale, rope_yarn = 1.0, (1.0, None)
         local = local or arch == "lfm2" and cfg.sliding_window > 0   # its base stays global
         h = x if post_only else _rms_norm(x, p("attn_norm.weight"), eps)
         if il in cfg.conv_layers:       # lfm2's short convolution
@@ -501,6 +522,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             if not (arch == "smollm3" and (il + 1) % 4 == 0 or exaone_swa and il % 4 == 3):
                 q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors,
                               *rope_yarn) for y in (q, k))
+            q = q * _attention_temperature(cfg, positions)
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T

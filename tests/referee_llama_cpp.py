@@ -52,6 +52,15 @@ CONFIGS = {
                               tied_embeddings=True, rope_freq_base=1e4, rope_scaling="yarn",
                               rope_freq_scale=0.25, rope_orig_ctx=3580, rope_attn_factor=0.9,
                               arch="qwen3"),
+    # Ministral 3: YaRN with the file's betas and log multiplier, the attention temperature
+    # from position 16 on; Mistral Small 3.x: neither
+    "mistral3": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
+                            tied_embeddings=True, rope_freq_base=1e4, rope_scaling="yarn",
+                            rope_freq_scale=0.0625, rope_orig_ctx=16, yarn_beta_fast=16.0,
+                            yarn_beta_slow=2.0, yarn_log_mul=0.5, attn_temp_scale=0.1,
+                            arch="mistral3"),
+    "mistral3-plain": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
+                                  rope_freq_base=1e8, arch="mistral3"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
@@ -158,9 +167,12 @@ def ggwgpu_logits(backend, cfg, values, tokens, adapters=()):
 
 
 def llama_cpp_model(path, lora_path=None):
+    # YaRN's settings from the file, as llama.cpp's own tools take them (llama-cpp-python's
+    # defaults would replace the file's betas with 32 and 1)
     return llama_cpp.Llama(str(path), n_ctx=N, logits_all=True, type_k=0, type_v=0,
                            n_threads=2, verbose=False, lora_path=lora_path and str(lora_path),
-                           n_batch=N, n_ubatch=N)
+                           n_batch=N, n_ubatch=N, yarn_attn_factor=-1.0, yarn_beta_fast=-1.0,
+                           yarn_beta_slow=-1.0)
 
 
 def llama_cpp_logits(llm, tokens):

@@ -14,6 +14,7 @@ from gguf import GGUFReader, GGUFValueType
 from ggwgpu import gguf_file, gguf_llama, lora
 from ggwgpu.backends import ENV_VAR
 from ggwgpu.backends.numpy_backend import NumpyBackend
+from ggwgpu.graph import topo_order
 from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.tensor import ShapeError
@@ -58,6 +59,12 @@ FAMILIES = {
     # EXAONE-4.0-1.2B: post-norms only, per-head QK norms, rope frequency factors, tied
     "exaone4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
                            rope_freqs=True, rope_freq_base=1e6, arch="exaone4"),
+    # Ministral-3-3B: heads wider than n_embd / n_head, YaRN (factor 16, its log multiplier),
+    # the attention temperature past an original context of 8, tied
+    "mistral3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_embd_head=8, n_layer=2,
+                            tied_embeddings=True, rope_freq_base=1e6, rope_scaling="yarn",
+                            rope_freq_scale=0.0625, rope_orig_ctx=8, yarn_log_mul=1.0,
+                            attn_temp_scale=0.1, arch="mistral3"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -444,6 +451,38 @@ def test_an_ernie4_5_file_s_output_biases_are_read_past(tmp_path):
     biases = {f"blk.{i}.attn_output.bias": np.full(16, 5.0, np.float32) for i in range(2)}
     got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", cfg, values | biases))
     assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
+
+
+def test_a_mistral3_file_s_biases_are_refused_and_its_temperature_counts_in_its_context(
+        tmp_path):
+    """llama.cpp adds a mistral3's biases where a file has them (the published models have
+    none): refused by name. Without an original context the attention temperature counts in
+    the trained one (llama.cpp's n_ctx_orig_yarn), and the model computes the temperature
+    only past it."""
+    cfg = FAMILIES["mistral3"]
+    values = family_values(cfg)
+    for name, what in (("attn_output.bias", "an attention output bias"),
+                       ("ffn_up.bias", "feed-forward biases")):
+        path = write_tensors(tmp_path / f"{name}.gguf", cfg,
+                             values | {f"blk.0.{name}": np.ones(16, np.float32)})
+        with pytest.raises(GGUFError, match=f"tensor blk.0.{name}: ggwgpu's mistral3 does not "
+                                            f"support {what}"):
+            load_model(path)
+    plain = dataclasses.replace(cfg, rope_scaling="linear", rope_freq_scale=1.0,
+                                rope_orig_ctx=0, attn_temp_scale=0.0)
+    path = family_file(tmp_path / "t.gguf", plain, values, config_json=False)
+    meta = gguf_llama.model_metadata(path, plain, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    meta["mistral3.attention.temperature_scale"] = (0.1, GGUFValueType.FLOAT32)
+    gguf_file.write_gguf(path, meta, values)
+    got = load_model(path)[0]
+    assert (got.attn_temp_scale, got.rope_orig_ctx) == (np.float32(0.1), cfg.n_ctx)
+    def tables(c):
+        return [t for t in topo_order([build_train_graph(c, values, 1).loss])
+                if t.name == "attention temperature"]
+    assert not tables(got)
+    (table,) = tables(dataclasses.replace(got, rope_orig_ctx=cfg.n_ctx // 2))   # all layers'
+    assert table.shape == (cfg.n_ctx, 1)
 
 
 def test_exaone4_windows_and_ropes_only_three_layers_of_four_of_its_64_layer_model():

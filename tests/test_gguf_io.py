@@ -158,7 +158,7 @@ def test_yarn_and_attn_factor_are_read_as_llama_cpp_reads_them_and_written_back(
     yarn[gguf_llama.K_CONFIG_JSON] = linear[gguf_llama.K_CONFIG_JSON]
     yarn["llama.rope.scaling.factor"] = (1.0, T.FLOAT32)
     assert load_model(forge(tmp_path / "d.gguf", set_keys=yarn))[0].rope_scaling == "yarn"
-    with pytest.raises(ShapeError, match="'yarn' needs rope_orig_ctx"):
+    with pytest.raises(ShapeError, match="'yarn' and attn_temp_scale need rope_orig_ctx"):
         dataclasses.replace(TINY, rope_scaling="yarn")
 
 

@@ -55,6 +55,13 @@ ERNIE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, 
 # EXAONE 4.0 1.2B: olmo2's block with per-head QK norms and rope frequency factors, tied
 EXAONE4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
                       tied_embeddings=True, rope_freqs=True, arch="exaone4")
+# Ministral 3: YaRN with its own betas and log multiplier, and from position 2 (its original
+# context here) Q times the attention temperature
+MISTRAL3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
+                       n_ff=12, n_ctx=5, rope_freqs=True, rope_scaling="yarn",
+                       rope_freq_scale=0.25, rope_orig_ctx=2, rope_freq_base=10.0,
+                       yarn_beta_fast=0.5, yarn_beta_slow=0.25, yarn_log_mul=0.5,
+                       attn_temp_scale=0.4, arch="mistral3")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -90,6 +97,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
            "olmo3-yarn": dataclasses.replace(OLMO3, **YARN),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
+           "mistral3": MISTRAL3,
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,

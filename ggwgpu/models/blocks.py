@@ -24,6 +24,7 @@ from typing import Callable
 import numpy as np
 
 from .. import ops as O
+from ..tensor import constant
 
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
@@ -113,10 +114,29 @@ def rope_params(cfg, freq_base: float, freq_scale: float, scaled: bool = True) -
     attn_factor = cfg.rope_attn_factor
     if cfg.rope_scaling == "yarn":
         factor = 1.0 / cfg.rope_freq_scale
-        attn_factor *= (0.1 * math.log(factor) + 1 if factor > 1 else 1.0) \
-            / (1 + 0.1 * math.log(factor))
-        params.update(ext_factor=1.0, n_ctx_orig=cfg.rope_orig_ctx)
+
+        def mscale(m):      # transformers' get_mscale
+            return 0.1 * m * math.log(factor) + 1 if factor > 1 else 1.0
+        # with a yarn_log_multiplier: mscale(1) / mscale(it) (llama.cpp's, mscale 1)
+        attn_factor *= (mscale(1) / mscale(cfg.yarn_log_mul) if cfg.yarn_log_mul
+                        else mscale(1)) / (1 + 0.1 * math.log(factor))
+        params.update(ext_factor=1.0, n_ctx_orig=cfg.rope_orig_ctx,
+                      beta_fast=cfg.yarn_beta_fast, beta_slow=cfg.yarn_beta_slow)
     return {**params, "attn_factor": attn_factor}
+
+
+def attention_temperature(cfg, positions, n_positions: int, dtype: str):
+    """What Q is multiplied by at each of `positions` (below n_positions), (tokens, 1, 1):
+    Llama 4's attention temperature ln(floor(pos / rope_orig_ctx) + 1) * attn_temp_scale + 1
+    (llama.cpp's inp_attn_scale), read from a table of every position; None where it is 1 at
+    all of them (below rope_orig_ctx)."""
+    if not cfg.attn_temp_scale or n_positions <= cfg.rope_orig_ctx:
+        return None
+    pos = np.arange(n_positions)
+    table = np.log(np.floor(pos / cfg.rope_orig_ctx) + 1) * cfg.attn_temp_scale + 1
+    scales = O.get_rows(constant(table[:, None], dtype, name="attention temperature"),
+                        positions)
+    return O.reshape(scales, (scales.shape[0], 1, 1))
 
 
 def rope(x, positions, params: dict, factors=None):
@@ -143,13 +163,16 @@ class Sequence:
     Family.prepare), rows shaped as the block's input; empty where the family has none.
     `recur(layer, q, k, v, g, beta)` gives the gated delta rule's output (models.delta_net)
     over the tokens, from the state the layer's sequence had before them: q, k, v
-    (*rows, heads, size), g and beta (*rows, heads), rows as the block's input rows."""
+    (*rows, heads, size), g and beta (*rows, heads), rows as the block's input rows.
+    `temperature`: what q is multiplied by after rope, one value per position
+    (attention_temperature), None for 1."""
     lead: tuple
     positions: object
     attend: Callable
     convolve: Callable | None = None
     recur: Callable | None = None
     layer_inputs: list = dataclasses.field(default_factory=list)
+    temperature: object = None
 
 
 def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):

@@ -72,6 +72,12 @@ class ModelConfig:
     rope_scaling: str = "linear"    # rope.scaling.type: "linear" (rope_freq_scale scales
                                     # every angle) or "yarn" (YaRN: the fast pairs less, and
                                     # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1)
+    yarn_beta_fast: float = 32.0    # mistral3: YaRN's ramp starts at the pair that turns this
+    yarn_beta_slow: float = 1.0     # many times in rope_orig_ctx, ends at this many
+    yarn_log_mul: float = 0.0       # mistral3: rope.scaling.yarn_log_multiplier (transformers'
+                                    # mscale_all_dim), YaRN's attn_factor over its mscale
+    attn_temp_scale: float = 0.0    # mistral3: Q times ln(floor(pos / rope_orig_ctx) + 1) *
+                                    # this + 1 (Llama 4's attention temperature; 0: none)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -112,9 +118,9 @@ class ModelConfig:
         if self.rope_scaling not in ROPE_SCALINGS:
             raise ShapeError(f"rope_scaling {self.rope_scaling!r} must be one of "
                              f"{', '.join(ROPE_SCALINGS)}")
-        if self.rope_scaling == "yarn" and self.rope_orig_ctx < 1:
-            raise ShapeError("rope_scaling 'yarn' needs rope_orig_ctx, the context the model "
-                             "was trained at before scaling")
+        if (self.rope_scaling == "yarn" or self.attn_temp_scale) and self.rope_orig_ctx < 1:
+            raise ShapeError("rope_scaling 'yarn' and attn_temp_scale need rope_orig_ctx, the "
+                             "context the model was trained at before scaling")
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
@@ -132,7 +138,8 @@ class ModelConfig:
     LATER_FIELDS = ("n_head_kv_layers", "n_ff_layers", "swa_layers", "head_dim_swa",
                     "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale",
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
-                    "rope_sections", "attn_logit_softcap", "rope_scaling")
+                    "rope_sections", "attn_logit_softcap", "rope_scaling",
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -215,6 +215,8 @@ class Family:
                     for n, t in zip("qk", (q, k)))
         if self.ropes(cfg, i):
             q, k = (self.rope(cfg, p, i, t, seq.positions) for t in (q, k))
+        if seq.temperature is not None:
+            q = O.mul(q, seq.temperature)
         return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
 
     def project_qkv(self, cfg, p: dict, b: str, h, lead):

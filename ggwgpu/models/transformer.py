@@ -19,7 +19,8 @@ from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
 from .blocks import (EMBEDDING_NOISE, LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence,
-                     attention, attention_scores, embed, output, rms_norm)
+                     attention, attention_scores, attention_temperature, embed, output,
+                     rms_norm)
 from .config import ModelConfig
 from .delta_net import chunking, delta_rule, segment_masks
 
@@ -342,7 +343,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
     def recur(i, q, k, v, g, beta):     # each sequence from a zero state
         return delta_rule(q, k, v, g, beta, segments=segments)
 
-    seq = Sequence(lead, seq_positions, attend, convolve, recur)
+    seq = Sequence(lead, seq_positions, attend, convolve, recur,
+                   temperature=attention_temperature(cfg, seq_positions, n, precision))
     x = embed(p, tokens, precision, family.input_scale(cfg))     # (batch, ctx, embd)
     seq = family.prepare(cfg, p, tokens, x, seq)
     checkpoints = []
@@ -610,7 +612,8 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
         state_writes.append(O.cpy(end, leaf))
         return O.reshape(O.cont(o), v.shape)
 
-    seq = Sequence((1, n_tokens), positions, attend, convolve, recur)
+    seq = Sequence((1, n_tokens), positions, attend, convolve, recur,
+                   temperature=attention_temperature(cfg, positions, max_ctx, precision))
     x = embed(p, tokens, precision, family.input_scale(cfg))  # (n_tokens, embd)
     seq = family.prepare(cfg, p, tokens, x, seq)
     for i in range(cfg.n_layer):
