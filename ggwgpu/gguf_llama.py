@@ -2,10 +2,10 @@
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
-qwen35, olmo2, ernie4_5, exaone4, mistral3) shares it: the keys are the same under the prefix
-"<arch>.", and each family's module adds its own keys and tensors (docs/families.md). Built
-on the container, ggwgpu.gguf_file; checkpoints (ggwgpu.checkpoint) and adapters
-(ggwgpu.lora) are model files with more.
+qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense) shares it: the keys are the same
+under the prefix "<arch>.", and each family's module adds its own keys and tensors
+(docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
+(ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
 Model file
     general.architecture, the family (<arch> below), general.name, general.type "model",

@@ -46,6 +46,9 @@ TEKKEN = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+|[^\r\n\p{{L}}\p{{N}}
 GPT4O = (rf"[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}*{_LOWERISH}+{_CONTRACTIONS}?"
          rf"|[^\r\n\p{{L}}\p{{N}}]?{_UPPERISH}+{_LOWERISH}*{_CONTRACTIONS}?|\p{{N}}{{1,3}}"
          r"| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+# Hunyuan's dense models: digits in threes, runs of CJK ideographs and kana, then words
+HUNYUAN = ("[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?"
+           "[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+")
 _BLOOM = r" ?[^(\s|.,!?…。，、।۔،)]+"
 _CJK = "[\u4e00-\u9fa5\u0800-\u4e00\uac00-\ud7ff]+"
 _DEEPSEEK_LETTERS = (
@@ -81,6 +84,7 @@ REGEXES = {
     "gpt4o": (GPT4O,),
     "seed-coder": (SEED_CODER,),
     "bailingmoe": (BAILINGMOE,),
+    "hunyuan-dense": (r"\p{N}{1,3}", "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+", HUNYUAN),
 }
 
 
@@ -129,6 +133,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("gpt-4o llama4 kanana2 talkie", regexes="gpt4o", clean_spaces=False),
     **_names("seed-coder", regexes="seed-coder", clean_spaces=False),
     **_names("bailingmoe bailingmoe2 llada-moe", regexes="bailingmoe", clean_spaces=False),
+    **_names("hunyuan-dense joyai-llm hy_v4", regexes="hunyuan-dense", clean_spaces=False),
 }
 
 

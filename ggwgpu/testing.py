@@ -313,7 +313,7 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
 # llama_model_rope_type NEOX; others NORM
-NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4")
+NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4", "hunyuan-dense")
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 # graphs passing rope_freqs.weight to rope
@@ -449,7 +449,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     causal depthwise convolution of b * x, out_proj), the others attend with QK norms and
     neox rope (within sliding_window where set); the final norm is token_embd_norm.
     mistral3: llama's, YaRN with the file's betas and log multiplier, Q times the attention
-    temperature of its position after rope (`_attention_temperature`).
+    temperature of its position after rope (`_attention_temperature`). hunyuan-dense: neox rope,
+    per-head RMS norms of Q and K after it.
     gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
@@ -460,7 +461,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3"):
+                    "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -522,6 +523,9 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             if not (arch == "smollm3" and (il + 1) % 4 == 0 or exaone_swa and il % 4 == 3):
                 q, k = (_rope(y, positions, cfg.rot, arch in NEOX, base, scale, factors,
                               *rope_yarn) for y in (q, k))
+            if arch == "hunyuan-dense":       # its QK norms after rope
+                q = _rms_norm(q, p("attn_q_norm.weight"), eps)
+                k = _rms_norm(k, p("attn_k_norm.weight"), eps)
             q = q * _attention_temperature(cfg, positions)
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)

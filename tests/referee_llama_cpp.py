@@ -61,6 +61,10 @@ CONFIGS = {
                             arch="mistral3"),
     "mistral3-plain": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
                                   rope_freq_base=1e8, arch="mistral3"),
+    # Hunyuan dense: QK norms after rope, an alpha-scaled base
+    "hunyuan-dense": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
+                                 tied_embeddings=True, rope_freq_base=1.1e7,
+                                 arch="hunyuan-dense"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

@@ -65,6 +65,10 @@ FAMILIES = {
                             tied_embeddings=True, rope_freq_base=1e6, rope_scaling="yarn",
                             rope_freq_scale=0.0625, rope_orig_ctx=8, yarn_log_mul=1.0,
                             attn_temp_scale=0.1, arch="mistral3"),
+    # Hunyuan-0.5B: QK norms after rope, a rope base scaled by its alpha, tied
+    "hunyuan-dense": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2,
+                                 tied_embeddings=True, rope_freq_base=1.1e7,
+                                 arch="hunyuan-dense"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -483,6 +487,20 @@ def test_a_mistral3_file_s_biases_are_refused_and_its_temperature_counts_in_its_
     assert not tables(got)
     (table,) = tables(dataclasses.replace(got, rope_orig_ctx=cfg.n_ctx // 2))   # all layers'
     assert table.shape == (cfg.n_ctx, 1)
+
+
+def test_a_hunyuan_file_s_rope_alpha_scales_its_base_as_llama_cpp_reads_it(tmp_path):
+    """rope.scaling.alpha (llama.cpp's converter folds it into the base itself; a file may
+    carry it): base * alpha^(d / (d - 2)), d the head size."""
+    cfg = dataclasses.replace(FAMILIES["hunyuan-dense"], rope_freq_base=1e4)
+    values = family_values(cfg)
+    path = family_file(tmp_path / "m.gguf", cfg, values, config_json=False)
+    meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    meta["hunyuan-dense.rope.scaling.alpha"] = (1000.0, GGUFValueType.FLOAT32)
+    gguf_file.write_gguf(path, meta, values)
+    d = cfg.head_dim
+    assert np.isclose(load_model(path)[0].rope_freq_base, 1e4 * 1000 ** (d / (d - 2)))
 
 
 def test_exaone4_windows_and_ropes_only_three_layers_of_four_of_its_64_layer_model():

@@ -62,6 +62,10 @@ MISTRAL3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=
                        rope_freq_scale=0.25, rope_orig_ctx=2, rope_freq_base=10.0,
                        yarn_beta_fast=0.5, yarn_beta_slow=0.25, yarn_log_mul=0.5,
                        attn_temp_scale=0.4, arch="mistral3")
+# Hunyuan dense: per-head QK norms after neox rope, heads wider than n_embd / n_head
+HUNYUAN = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
+                      n_ff=12, n_ctx=5, tied_embeddings=True,
+                      arch="hunyuan-dense")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -98,6 +102,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "olmo3-yarn": dataclasses.replace(OLMO3, **YARN),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3,
+           "hunyuan-dense": HUNYUAN,
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,

@@ -29,6 +29,7 @@ class Family:
     rope_mode = "normal"      # llama.cpp's rope type of the arch: "normal" or "neox"
     qkv_bias = False          # attn_q/k/v.bias added to the products, before rope (qwen2)
     qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
+    qk_norm_after_rope = False    # those norms after rope instead (hunyuan-dense)
     post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
     pre_norms = True          # attn_norm / ffn_norm on each branch's input (olmo2 has none)
     # llama.cpp's set_swa_pattern(n): with a sliding_window, layers i % n < n - 1 attend
@@ -210,11 +211,16 @@ class Family:
         heads, q and k normed and roped as the family does, attended over `seq`."""
         b, cfg = f"blk.{i}.", self.layer(cfg, i)
         q, k, v = self.project_qkv(cfg, p, b, h, seq.lead)
-        if self.qk_norm:
-            q, k = (B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"])
-                    for n, t in zip("qk", (q, k)))
+
+        def norm(q, k):
+            return tuple(B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"])
+                         for n, t in zip("qk", (q, k)))
+        if self.qk_norm and not self.qk_norm_after_rope:
+            q, k = norm(q, k)
         if self.ropes(cfg, i):
             q, k = (self.rope(cfg, p, i, t, seq.positions) for t in (q, k))
+        if self.qk_norm and self.qk_norm_after_rope:
+            q, k = norm(q, k)
         if seq.temperature is not None:
             q = O.mul(q, seq.temperature)
         return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
