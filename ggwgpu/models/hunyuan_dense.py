@@ -1,9 +1,10 @@
 """hunyuan-dense (Tencent Hunyuan 0.5B .. 7B dense; llama.cpp's src/models/hunyuan-vl.cpp,
 which its hunyuan-dense graph is): llama's block with neox rope and per-head RMS norms of Q
 and K after rope (`attn_q_norm`, `attn_k_norm`); no rope frequency factors (llama.cpp
-loads none for the arch). Hunyuan's NTK-aware alpha scaling is a larger rope base: llama.cpp's converter
-stores the base already scaled; a file with rope.scaling.alpha has base * alpha^(d / (d - 2))
-(d the head size), as llama.cpp reads it, which reading folds into the base."""
+loads none for the arch). Hunyuan's NTK-aware alpha scaling is a larger rope base:
+llama.cpp's converter stores the base already scaled; a file with rope.scaling.alpha has
+base * alpha^(d / (d - 2)) (d the head size), as llama.cpp reads it, which reading folds
+into the base."""
 from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from .family import Family

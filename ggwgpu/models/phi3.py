@@ -4,9 +4,9 @@ one (ffn_up, rows gate | up: silu(gate) * up); neox rope, partial where rope.dim
 is less than the head size; LongRoPE where the file has rope_factors_long/short.weight: the
 long factors when the context (n_ctx) exceeds rope.scaling.original_context_length, else the
 short ones, as llama.cpp picks them per context, and the rotated dims of Q and K times
-rope.scaling.attn_factor (llama.cpp's attn_factor scales cos and sin, as in every family). llama.cpp ignores a
-phi3 file's sliding window, and so does ggwgpu. LoRA pairs adapt the fused matrices, as
-llama.cpp applies them."""
+rope.scaling.attn_factor (llama.cpp's attn_factor scales cos and sin, as in every family).
+llama.cpp ignores a phi3 file's sliding window, and so does ggwgpu. LoRA pairs adapt the
+fused matrices, as llama.cpp applies them."""
 
 from .. import ops as O
 from . import blocks as B
