@@ -2,8 +2,8 @@
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
-qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense) shares it: the keys are the same
-under the prefix "<arch>.", and each family's module adds its own keys and tensors
+qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm) shares it: the keys are
+the same under the prefix "<arch>.", and each family's module adds its own keys and tensors
 (docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
 (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
@@ -48,7 +48,8 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
 from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ROPE_TABLES, ModelConfig, arch_list,
-                     parameter_shapes, phi3)
+                     parameter_shapes)
+from .models.blocks import ROPE_LONG, ROPE_SHORT
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
 from .tokenizer import Tokenizer, tokenizer_from_metadata
@@ -87,7 +88,7 @@ OPTIMIZER_TENSOR_PREFIX = "optimizer."
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 # rope.scaling.type values read ("none": linear at factor 1); YaRN's own keys
 # (rope.scaling.yarn_*) are not read, as llama.cpp reads them for none of these families
-ROPE_SCALING_TYPES = ("linear", "none", "yarn")
+ROPE_SCALING_TYPES = ("linear", "none", "yarn", "longrope")
 MIN_BLOCK_TENSORS = 6       # no family's block has fewer (phi3's, fused)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}
 _T = GGUFValueType
@@ -280,12 +281,12 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
-    hp["longrope"] = phi3.LONG in f.tensors or phi3.SHORT in f.tensors
+    hp["longrope"] = ROPE_LONG in f.tensors or ROPE_SHORT in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
     if scaling not in ROPE_SCALING_TYPES:
         raise GGUFError(f"{f.path}: {k.scaling_type} {scaling!r} is not supported (only "
                         f"{', '.join(map(repr, ROPE_SCALING_TYPES))})")
-    hp["rope_scaling"] = "yarn" if scaling == RopeScalingType.YARN.value else "linear"
+    hp["rope_scaling"] = scaling if scaling in ("yarn", "longrope") else "linear"
     factor = f.float_key(k.scaling_factor, default=None, allow_zero=True)
     if factor is None:
         factor = f.float_key(k.scale_linear_old, default=None, allow_zero=True)
@@ -297,7 +298,7 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
                         f"rotation angles would overflow or vanish")
     # llama.cpp's n_ctx_orig_yarn: the key, else the trained context
     hp["rope_orig_ctx"] = f.int_key(k.orig_ctx, default=0, minimum=0)
-    if scaling == RopeScalingType.YARN.value:
+    if scaling in ("yarn", "longrope"):
         hp["rope_orig_ctx"] = hp["rope_orig_ctx"] or hp["n_ctx"]
     hp["rope_attn_factor"] = f.float_key(k.attn_factor, default=1.0, allow_zero=True) or 1.0
 

@@ -317,7 +317,7 @@ NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4"
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 # graphs passing rope_freqs.weight to rope
-ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3")
+ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm")
 
 
 def _rms_norm(x, w, eps):
@@ -441,7 +441,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     norms and rope factors; at 64 layers three of four windowed and roped, the fourth not
     roped. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
-    scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale.
+    scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale;
+    minicpm: granite's.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
     gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
     rope_orig_ctx, else rope_factors_short. lfm2: the
@@ -461,14 +462,15 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
-                    "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense"):
+                    "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
+                    "minicpm"):
         raise ValueError(f"no reference for arch {arch!r}")
-    gemma, granite = arch in ("gemma2", "gemma3"), arch == "granite"
+    gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd = len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
     factors = w.get("rope_freqs.weight") if arch in ROPE_FACTORS else None
-    if arch == "phi3" and "rope_factors_long.weight" in w:     # LongRoPE
+    if "rope_factors_long.weight" in w:     # LongRoPE (phi3, minicpm)
         long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
         factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
     attn_factor, yarn = _context_rope(cfg)

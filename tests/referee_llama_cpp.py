@@ -65,6 +65,16 @@ CONFIGS = {
     "hunyuan-dense": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
                                  tied_embeddings=True, rope_freq_base=1.1e7,
                                  arch="hunyuan-dense"),
+    # MiniCPM4: granite's scales, LongRoPE ("longrope" files: the long factors past an
+    # original context of 32, the short ones within 4096)
+    "minicpm": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                           longrope=True, rope_scaling="longrope", rope_orig_ctx=32,
+                           embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
+                           arch="minicpm"),
+    "minicpm-short": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, longrope=True,
+                                 rope_scaling="longrope", rope_orig_ctx=4096,
+                                 embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
+                                 arch="minicpm"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

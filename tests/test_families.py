@@ -69,6 +69,12 @@ FAMILIES = {
     "hunyuan-dense": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2,
                                  tied_embeddings=True, rope_freq_base=1.1e7,
                                  arch="hunyuan-dense"),
+    # MiniCPM4-0.5B: granite's scales (12, 1.4 / sqrt(n_layer), n_embd / 64), LongRoPE's
+    # factors, tied
+    "minicpm": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
+                           longrope=True, rope_scaling="longrope", rope_orig_ctx=8,
+                           embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
+                           arch="minicpm"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -107,6 +113,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": 
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
+          "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight"}
 
 
@@ -501,6 +508,29 @@ def test_a_hunyuan_file_s_rope_alpha_scales_its_base_as_llama_cpp_reads_it(tmp_p
     gguf_file.write_gguf(path, meta, values)
     d = cfg.head_dim
     assert np.isclose(load_model(path)[0].rope_freq_base, 1e4 * 1000 ** (d / (d - 2)))
+
+
+def test_a_minicpm_file_without_its_scales_takes_llama_cpp_s_and_ours_always_has_them(
+        tmp_path):
+    """Older MiniCPM files have no scale keys: llama.cpp then takes 12, 1.4 / sqrt(n_layer)
+    and n_embd / 256; ggwgpu writes all three always, even at 1, so that llama.cpp never
+    takes a default instead."""
+    cfg = FAMILIES["minicpm"]
+    values = family_values(cfg)
+    path = family_file(tmp_path / "m.gguf", cfg, values, config_json=False)
+    meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    for name in ("embedding_scale", "residual_scale", "logit_scale"):
+        del meta[f"minicpm.{name}"]
+    gguf_file.write_gguf(path, meta, values)
+    got = load_model(path)[0]
+    assert (got.embedding_scale, got.residual_scale, got.logit_scale) == \
+        (12.0, 1.4 / np.sqrt(cfg.n_layer), cfg.n_embd / 256)
+    ones = dataclasses.replace(cfg, embedding_scale=1.0, residual_scale=1.0, logit_scale=1.0)
+    save_model(tmp_path / "ones.gguf", ones, values, ByteTokenizer())
+    reader = GGUFReader(tmp_path / "ones.gguf")
+    assert all(reader.fields[f"minicpm.{name}"].contents() == 1.0
+               for name in ("embedding_scale", "residual_scale", "logit_scale"))
 
 
 def test_exaone4_windows_and_ropes_only_three_layers_of_four_of_its_64_layer_model():

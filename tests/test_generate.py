@@ -87,6 +87,10 @@ MISTRAL3 = dataclasses.replace(QWEN3, arch="mistral3", rope_scaling="yarn",
                                attn_temp_scale=0.4)
 # hunyuan-dense: per-head QK norms after rope (the cache holds normed K)
 HUNYUAN = dataclasses.replace(QWEN3, arch="hunyuan-dense")
+# minicpm: granite's scales, LongRoPE's long factors
+MINICPM = dataclasses.replace(GQA, arch="minicpm", n_rot=None, longrope=True,
+                              rope_scaling="longrope", rope_orig_ctx=4, embedding_scale=12.0,
+                              residual_scale=0.99, logit_scale=0.5)
 # exaone4: post-norms only, per-head QK norms, rope factors
 EXAONE4 = dataclasses.replace(GQA, arch="exaone4", n_rot=None, rope_freqs=True)
 # ernie4_5: llama's block, heads wider than n_embd / n_head
@@ -118,7 +122,7 @@ QWEN35 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2,
             "gemma3": GEMMA3, "olmo2": OLMO2, "olmo3": OLMO3, "olmo3-yarn": OLMO3_YARN,
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
-            "hunyuan-dense": HUNYUAN,
+            "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35}

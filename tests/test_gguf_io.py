@@ -436,8 +436,8 @@ def test_wrong_architecture_and_bad_key_values(tmp_path):
     raises_naming(path, "blk.0.attn_k.weight", "(4, 8)")
     path = forge(tmp_path / "d.gguf", set_keys={"llama.block_count": (2 ** 30, T.UINT32)})
     raises_naming(path, "llama.block_count")
-    path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("longrope", T.STRING)})
-    raises_naming(path, "llama.rope.scaling.type", "longrope")
+    path = forge(tmp_path / "e.gguf", set_keys={"llama.rope.scaling.type": ("xdrope", T.STRING)})
+    raises_naming(path, "llama.rope.scaling.type", "xdrope")
     path = forge(tmp_path / "f.gguf", set_keys={"llama.rope.scaling.factor": (1e-45, T.FLOAT32)})
     raises_naming(path, "llama.rope.scaling.factor", "plausible")
 

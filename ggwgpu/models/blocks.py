@@ -30,6 +30,7 @@ TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
 OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
+ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"   # LongRoPE
 LORA_A, LORA_B = ".lora_a", ".lora_b"   # adapter tensors: <weight name> + suffix (llama.cpp)
 LORA = ".lora"      # p[name + LORA]: the LoRA pairs (a, b, scale) the adapters add to weight `name`
 # A training graph's random draws (ops/draws.py; absent: none), each (control, its size), the

@@ -11,7 +11,9 @@ from dataclasses import asdict, dataclass, fields
 
 from ..tensor import ShapeError
 
-ROPE_SCALINGS = ("linear", "yarn")      # llama.cpp's "none" is linear at scale 1
+# rope.scaling.type: llama.cpp's "none" is linear at scale 1; "longrope" (minicpm's files say
+# so) is rope_factors_long/short.weight's
+ROPE_SCALINGS = ("linear", "yarn", "longrope")
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,8 @@ class ModelConfig:
     residual_scale: float = 1.0     # granite: each block's branch times this before its add
     attention_scale: float = 0.0    # the scores' scale (0: the family's own, 1/sqrt(head_dim))
     logit_scale: float = 1.0        # granite: the logits divided by this
-    longrope: bool = False          # phi3: rope_factors_long/short.weight, LongRoPE's factors
+    longrope: bool = False          # phi3, minicpm: rope_factors_long/short.weight, LongRoPE's
+                                    # factors
     rope_orig_ctx: int = 0          # rope.scaling.original_context_length: YaRN's original
                                     # context; phi3's long factors apply when n_ctx exceeds
                                     # it (0: never)
@@ -70,8 +73,9 @@ class ModelConfig:
     ssm_groups: int = 0             # qwen35: its query/key heads (ssm.group_count)
     rope_sections: tuple = ()       # qwen35: rope.dimension_sections (imrope's t, h, w, e)
     rope_scaling: str = "linear"    # rope.scaling.type: "linear" (rope_freq_scale scales
-                                    # every angle) or "yarn" (YaRN: the fast pairs less, and
-                                    # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1)
+                                    # every angle), "yarn" (YaRN: the fast pairs less, and
+                                    # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1) or
+                                    # "longrope" (the factor tables of `longrope`)
     yarn_beta_fast: float = 32.0    # mistral3: YaRN's ramp starts at the pair that turns this
     yarn_beta_slow: float = 1.0     # many times in rope_orig_ctx, ends at this many
     yarn_log_mul: float = 0.0       # mistral3: rope.scaling.yarn_log_multiplier (transformers'

@@ -39,6 +39,9 @@ class Family:
     # Whether llama.cpp's graph of the family passes a rope_freqs.weight (Llama 3's
     # frequency factors, ModelConfig.rope_freqs) to its rope.
     reads_rope_freqs = False
+    # Whether it reads LongRoPE's rope_factors_long/short.weight (ModelConfig.longrope): the
+    # long ones when the context exceeds rope_orig_ctx, else the short ones
+    reads_longrope = False
     output_norm = B.OUTPUT_NORM   # the final norm's tensor (lfm2 names it token_embd_norm)
     partial_rope = False      # whether llama.cpp's graph allows n_rot < head_dim (it asserts not)
     # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
@@ -97,7 +100,19 @@ class Family:
 
     def rope_tables(self, cfg) -> tuple[str, ...]:
         """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
+        if cfg.longrope and self.reads_longrope:
+            return B.ROPE_LONG, B.ROPE_SHORT
         return (B.ROPE_FREQS,) if cfg.rope_freqs and self.reads_rope_freqs else ()
+
+    def rope_factors(self, cfg, p: dict, i: int):
+        """The factor table layer i ropes with (None: none): LongRoPE's long factors when
+        the context exceeds rope_orig_ctx, else its short ones, as llama.cpp picks them
+        per context."""
+        tables = self.rope_tables(cfg)
+        if len(tables) == 2:
+            return p[tables[0] if cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
+                     else tables[1]]
+        return p[tables[0]] if tables else None
 
     def more_keys(self, cfg) -> dict:
         """Keys the family writes beyond one per field of `keys`: key -> (value, GGUF type)."""
@@ -238,6 +253,5 @@ class Family:
 
     def rope(self, cfg, p: dict, i: int, x, positions):
         """Layer i's rope of x (q or k): its parameters, the model's factor table."""
-        tables = self.rope_tables(cfg)
-        return B.rope(x, positions, self.rope_params(cfg, i), p[tables[0]] if tables else None)
+        return B.rope(x, positions, self.rope_params(cfg, i), self.rope_factors(cfg, p, i))
 

@@ -12,8 +12,6 @@ from .. import ops as O
 from . import blocks as B
 from .family import Family
 
-LONG, SHORT = "rope_factors_long.weight", "rope_factors_short.weight"
-
 
 def fused_gate(p: dict, b: str, h):
     """silu(gate) * up, gate and up the two halves of h times ffn_up."""
@@ -26,6 +24,7 @@ class Phi3(Family):
     arch = "phi3"
     rope_mode = "neox"
     partial_rope = True
+    reads_longrope = True
     gate = staticmethod(fused_gate)
 
     def block_shapes(self, cfg, i):
@@ -34,19 +33,10 @@ class Phi3(Family):
                 "attn_output.weight": (e, q), "ffn_norm.weight": (e,),
                 "ffn_down.weight": (e, f), "ffn_up.weight": (2 * f, e)}
 
-    def rope_tables(self, cfg):
-        return (LONG, SHORT) if cfg.longrope else ()
-
     def project_qkv(self, cfg, p, b, h, lead):
         qkv = B.linear(p, b + "attn_qkv.weight", h)
         qkv = O.reshape(qkv, (*lead, qkv.shape[-1]))              # (*lead, q | k | v)
         return B.columns(qkv, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
-
-    def rope(self, cfg, p, i, x, positions):
-        factors = None
-        if cfg.longrope:
-            factors = p[LONG if cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx else SHORT]
-        return B.rope(x, positions, self.rope_params(cfg, i), factors)
 
 
 FAMILY = Phi3()
