@@ -317,7 +317,7 @@ NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4"
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 # graphs passing rope_freqs.weight to rope
-ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm")
+ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm", "arcee")
 
 
 def _rms_norm(x, w, eps):
@@ -442,7 +442,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     roped. granite: rope with
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale;
-    minicpm: granite's.
+    minicpm: granite's. arcee: llama's with
+    ffn_down(relu(ffn_up h)^2), no gate.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
     gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
     rope_orig_ctx, else rope_factors_short. lfm2: the
@@ -463,7 +464,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
-                    "minicpm"):
+                    "minicpm", "arcee"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -539,6 +540,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
+        elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate
+            ffn = np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
         else:
             ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                        _gelu if gemma else _silu)

@@ -75,6 +75,11 @@ CONFIGS = {
                                  rope_scaling="longrope", rope_orig_ctx=4096,
                                  embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
                                  arch="minicpm"),
+    # AFM-4.5B: relu(ffn_up h)^2 with no gate, YaRN (factor 20 over an original context of
+    # 16), rope factors
+    "arcee": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, rope_freqs=True,
+                         rope_scaling="yarn", rope_freq_scale=0.05, rope_orig_ctx=16,
+                         arch="arcee"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

@@ -75,6 +75,9 @@ FAMILIES = {
                            longrope=True, rope_scaling="longrope", rope_orig_ctx=8,
                            embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
                            arch="minicpm"),
+    # AFM-4.5B: a feed-forward of relu(ffn_up h)^2, no gate; YaRN (factor 20), untied
+    "arcee": ModelConfig(**BYTES, n_head=4, n_head_kv=1, n_layer=2, rope_scaling="yarn",
+                         rope_freq_scale=0.05, rope_orig_ctx=8, arch="arcee"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),

@@ -91,6 +91,8 @@ HUNYUAN = dataclasses.replace(QWEN3, arch="hunyuan-dense")
 MINICPM = dataclasses.replace(GQA, arch="minicpm", n_rot=None, longrope=True,
                               rope_scaling="longrope", rope_orig_ctx=4, embedding_scale=12.0,
                               residual_scale=0.99, logit_scale=0.5)
+# arcee: relu(ffn_up h)^2 with no gate
+ARCEE = dataclasses.replace(GQA, arch="arcee", n_rot=None, rope_freqs=True)
 # exaone4: post-norms only, per-head QK norms, rope factors
 EXAONE4 = dataclasses.replace(GQA, arch="exaone4", n_rot=None, rope_freqs=True)
 # ernie4_5: llama's block, heads wider than n_embd / n_head
@@ -123,6 +125,7 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "gemma3": GEMMA3, "olmo2": OLMO2, "olmo3": OLMO3, "olmo3-yarn": OLMO3_YARN,
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
             "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
+            "arcee": ARCEE,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35}

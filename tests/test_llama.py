@@ -71,6 +71,9 @@ MINICPM = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_
                       tied_embeddings=True, longrope=True, rope_scaling="longrope",
                       rope_orig_ctx=4, embedding_scale=12.0, residual_scale=0.99,
                       logit_scale=0.03125, arch="minicpm")
+# AFM-4.5B: relu(ffn_up h)^2 with no gate, rope factors, YaRN as its file has it
+ARCEE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
+                    rope_freqs=True, arch="arcee", **{**YARN, "rope_orig_ctx": 16})
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -108,7 +111,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3,
            "hunyuan-dense": HUNYUAN,
-           "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
+           "arcee": ARCEE, "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
