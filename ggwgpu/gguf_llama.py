@@ -2,8 +2,8 @@
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
-qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee) shares it: the
-keys are the same under the prefix "<arch>.", and each family's module adds its own keys and tensors
+qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4) shares it:
+the keys are the same under the prefix "<arch>.", and each family's module adds its own keys and tensors
 (docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
 (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 

@@ -126,6 +126,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **_names("grok-2", regexes="qwen2", clean_spaces=False),
     **_names("qwen35", regexes="qwen35", clean_spaces=False),
     **_names("chatglm-bpe", regexes="llama3", has_bos=False),
+    **_names("glm4 glm5", regexes="llama3", has_bos=False, ignore_merges=True),
     **_names("poro-chat", regexes="bloom", clean_spaces=False),
     **_names("bloom gpt3-finnish", regexes="bloom"),
     **_names("viking", regexes="viking", clean_spaces=False),

@@ -443,7 +443,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     frequency factors, inputs times embedding_scale, both branches times residual_scale,
     scores times attention_scale (1/sqrt(head_dim) when 0), logits divided by logit_scale;
     minicpm: granite's. arcee: llama's with
-    ffn_down(relu(ffn_up h)^2), no gate.
+    ffn_down(relu(ffn_up h)^2), no gate. glm4: Q/K/V biases, partial rope NORM, a norm
+    after each branch as well, phi3's fused gate | up.
     phi3: rope NEOX; Q, K and V from one fused attn_qkv (rows q | k | v); ffn_up's rows
     gate | up, silu(gate) * up; LongRoPE: rope_factors_long when n_ctx exceeds
     rope_orig_ctx, else rope_factors_short. lfm2: the
@@ -464,7 +465,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
-                    "minicpm", "arcee"):
+                    "minicpm", "arcee", "glm4"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -489,6 +490,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     elif granite and cfg.embedding_scale:
         x = x * cfg.embedding_scale
     post_only = arch in ("olmo2", "exaone4")            # no pre-norms, post-norms
+    post_norms = gemma or post_only or arch == "glm4"   # a norm after each branch
     exaone_swa = arch == "exaone4" and cfg.n_layer == 64  # the 32B: windows, global NoPE
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
@@ -533,11 +535,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             att = _attention(q * q_scale, k, v, kq_scale, cfg.sliding_window if local else 0,
                              cfg.attn_logit_softcap)
             att = att @ p("attn_output.weight").T
-            if gemma or post_only:
+            if post_norms:
                 att = _rms_norm(att, p("post_attention_norm.weight"), eps)
             x = x + branch * att
         h = x if post_only else _rms_norm(x, p("ffn_norm.weight"), eps)
-        if arch == "phi3":      # LLM_FFN_SWIGLU on ffn_up's halves
+        if arch in ("phi3", "glm4"):      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate
@@ -545,7 +547,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         else:
             ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                        _gelu if gemma else _silu)
-        if gemma or post_only:
+        if post_norms:
             ffn = _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         x = x + branch * ffn
     out = w.get("output.weight", w["token_embd.weight"])

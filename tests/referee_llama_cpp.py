@@ -80,6 +80,8 @@ CONFIGS = {
     "arcee": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, rope_freqs=True,
                          rope_scaling="yarn", rope_freq_scale=0.05, rope_orig_ctx=16,
                          arch="arcee"),
+    # GLM-4-0414: Q/K/V biases, half of each head roped, sandwich norms, gate | up fused
+    "glm4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=8, n_layer=2, arch="glm4"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

@@ -78,6 +78,9 @@ FAMILIES = {
     # AFM-4.5B: a feed-forward of relu(ffn_up h)^2, no gate; YaRN (factor 20), untied
     "arcee": ModelConfig(**BYTES, n_head=4, n_head_kv=1, n_layer=2, rope_scaling="yarn",
                          rope_freq_scale=0.05, rope_orig_ctx=8, arch="arcee"),
+    # GLM-4-9B-0414: Q/K/V biases, half of each head roped, sandwich norms, gate | up fused,
+    # untied
+    "glm4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_rot=4, n_layer=2, arch="glm4"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -112,7 +115,7 @@ FAMILIES = {
                            arch="granite"),
 }
 # the tensors only that family has (a file without one is refused)
-OWN_TENSORS = {"qwen2": "attn_q.bias", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
+OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
@@ -534,6 +537,21 @@ def test_a_minicpm_file_without_its_scales_takes_llama_cpp_s_and_ours_always_has
     reader = GGUFReader(tmp_path / "ones.gguf")
     assert all(reader.fields[f"minicpm.{name}"].contents() == 1.0
                for name in ("embedding_scale", "residual_scale", "logit_scale"))
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("glm4.rope.dimension_sections", ([8, 12, 12, 0], GGUFValueType.ARRAY), "no M-RoPE"),
+    ("glm4.nextn_predict_layers", (1, GGUFValueType.UINT32), "multi-token-prediction")])
+def test_glm4_files_of_the_vision_models_or_with_prediction_blocks_are_refused(key, value,
+                                                                              words, tmp_path):
+    cfg = FAMILIES["glm4"]
+    values = family_values(cfg)
+    path = family_file(tmp_path / "m.gguf", cfg, values, config_json=False)
+    meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
+    meta[key] = value
+    gguf_file.write_gguf(path, meta, values)
+    with pytest.raises(GGUFError, match=f"{key}.*{words}"):
+        load_model(path)
 
 
 def test_exaone4_windows_and_ropes_only_three_layers_of_four_of_its_64_layer_model():

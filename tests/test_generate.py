@@ -93,6 +93,8 @@ MINICPM = dataclasses.replace(GQA, arch="minicpm", n_rot=None, longrope=True,
                               residual_scale=0.99, logit_scale=0.5)
 # arcee: relu(ffn_up h)^2 with no gate
 ARCEE = dataclasses.replace(GQA, arch="arcee", n_rot=None, rope_freqs=True)
+# glm4: Q/K/V biases, partial rope, sandwich norms, fused gate | up
+GLM4 = dataclasses.replace(GQA, arch="glm4", n_rot=2)
 # exaone4: post-norms only, per-head QK norms, rope factors
 EXAONE4 = dataclasses.replace(GQA, arch="exaone4", n_rot=None, rope_freqs=True)
 # ernie4_5: llama's block, heads wider than n_embd / n_head
@@ -125,7 +127,7 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "gemma3": GEMMA3, "olmo2": OLMO2, "olmo3": OLMO3, "olmo3-yarn": OLMO3_YARN,
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
             "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
-            "arcee": ARCEE,
+            "arcee": ARCEE, "glm4": GLM4,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35}

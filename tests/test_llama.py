@@ -74,6 +74,10 @@ MINICPM = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_
 # AFM-4.5B: relu(ffn_up h)^2 with no gate, rope factors, YaRN as its file has it
 ARCEE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
                     rope_freqs=True, arch="arcee", **{**YARN, "rope_orig_ctx": 16})
+# GLM-4-0414: Q/K/V biases, half the head roped (normal), a norm after each branch too, the
+# gate and up as one product
+GLM4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2, n_layer=2, n_ff=12,
+                   n_ctx=5, arch="glm4")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -111,7 +115,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3,
            "hunyuan-dense": HUNYUAN,
-           "arcee": ARCEE, "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
+           "arcee": ARCEE, "glm4": GLM4, "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,

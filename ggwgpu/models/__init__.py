@@ -2,13 +2,13 @@
 of blocks.py on the base block of family.py; transformer.py makes their graphs.
 
 FAMILIES maps llama.cpp's general.architecture to its family."""
-from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, granite, hunyuan_dense, lfm2,
-               llama, minicpm, mistral3, olmo2, phi3, qwen2, qwen3, qwen35, smollm3)
+from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, glm4, granite, hunyuan_dense,
+               lfm2, llama, minicpm, mistral3, olmo2, phi3, qwen2, qwen3, qwen35, smollm3)
 
 FAMILIES = {m.FAMILY.arch: m.FAMILY
             for m in (llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2,
                        gemma4, qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan_dense,
-                       minicpm, arcee)}
+                       minicpm, arcee, glm4)}
 
 
 def arch_list() -> str:
