@@ -47,8 +47,8 @@ from gguf import GGUFValueType, Keys, LlamaFileType, RopeScalingType
 
 from .gguf_file import (K_ARCH, K_FILE_TYPE, K_NAME, K_TYPE, GGUFError, GGUFFile,
                         checked_tensor, typed_metadata, write_gguf)
-from .models import (FAMILIES, OUTPUT, ROPE_FREQS, ROPE_TABLES, ModelConfig, arch_list,
-                     parameter_shapes)
+from .models import (FAMILIES, MISSING, OUTPUT, ROPE_FREQS, ROPE_TABLES, ModelConfig,
+                     arch_list, parameter_shapes)
 from .models.blocks import ROPE_LONG, ROPE_SHORT
 from .quant import TYPES, Quantized
 from .tensor import ShapeError
@@ -228,7 +228,8 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     """(cfg, tokenizer) from a file's general.*, <arch>.* and tokenizer.* keys."""
     arch = f.str_key(K_ARCH)
     if arch not in FAMILIES:
-        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}; ggwgpu reads "
+        lacks = f" (ggwgpu does not compute its {MISSING[arch]} yet)" if arch in MISSING else ""
+        raise GGUFError(f"{f.path}: {K_ARCH} is {arch!r}{lacks}; ggwgpu reads "
                         f"{arch_list()} models only")
     k = arch_keys(arch)
     n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)

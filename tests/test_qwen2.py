@@ -107,8 +107,13 @@ def test_a_qwen2_file_without_a_bias_or_with_llama_keys_is_refused_naming_it(tmp
         load_model(tmp_path / "llama.gguf")
     meta[gguf_file.K_ARCH] = ("gpt2", meta[gguf_file.K_ARCH][1])
     gguf_file.write_gguf(tmp_path / "gpt2.gguf", meta, values)
-    with pytest.raises(GGUFError, match="'gpt2'; ggwgpu reads 'llama', 'qwen2'.* models only"):
+    with pytest.raises(GGUFError, match=r"'gpt2' \(ggwgpu does not compute its LayerNorm blocks "
+                                        r"yet\); ggwgpu reads 'llama', 'qwen2'.* models only"):
         load_model(tmp_path / "gpt2.gguf")
+    meta[gguf_file.K_ARCH] = ("t5", meta[gguf_file.K_ARCH][1])    # an arch of no known lack
+    gguf_file.write_gguf(tmp_path / "t5.gguf", meta, values)
+    with pytest.raises(GGUFError, match="'t5'; ggwgpu reads 'llama', 'qwen2'.* models only"):
+        load_model(tmp_path / "t5.gguf")
 
 
 def test_a_config_json_from_before_the_arch_field_loads_as_a_llama(tmp_path):

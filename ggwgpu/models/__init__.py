@@ -11,6 +11,23 @@ FAMILIES = {m.FAMILY.arch: m.FAMILY
                        minicpm, arcee, glm4)}
 
 
+# Archs of well-known models that ggwgpu does not compute yet, and what it lacks for them:
+# a file of one is refused saying so (gguf_llama.read_model), not only that it is unknown.
+MISSING = {
+    **dict.fromkeys(("qwen3moe", "qwen35moe", "lfm2moe", "gpt-oss", "olmoe", "granitemoe",
+                     "phimoe", "glm4moe", "ernie4_5-moe", "hunyuan-moe", "smallthinker",
+                     "bailingmoe2", "afmoe", "deepseek2", "mistral4", "llama4", "qwen3next"),
+                    "mixture-of-experts blocks"),
+    **dict.fromkeys(("granitehybrid", "falcon-h1", "nemotron_h", "mamba2", "jamba"),
+                    "Mamba2 layers (the dense Granite 4.0 models are arch 'granite')"),
+    "mamba": "Mamba layers", "rwkv7": "RWKV-7 layers",
+    **dict.fromkeys(("stablelm", "phi2", "gpt2", "starcoder2", "command-r", "cohere2", "jais",
+                     "nemotron"), "LayerNorm blocks"),
+    "gemma3n": "Gemma 3n's AltUp and LAuReL blocks", "apertus": "the xIELU activation",
+    "minicpm3": "MiniCPM3's latent attention", "bert": "encoder models",
+}
+
+
 def arch_list() -> str:
     """The archs ggwgpu reads, for messages: "'llama', 'qwen2' and 'qwen3'"."""
     names = [repr(a) for a in FAMILIES]
@@ -24,8 +41,8 @@ from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ROPE_TABLES,  # 
                           half_values, init_parameters, matrix_shapes, model_weights,
                           packed_inputs, parameter_shapes)
 
-__all__ = ["FAMILIES", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph", "build_train_graph",
-           "build_decode_graph", "init_parameters", "parameter_shapes", "matrix_shapes",
+__all__ = ["FAMILIES", "MISSING", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph",
+           "build_train_graph", "build_decode_graph", "init_parameters", "parameter_shapes", "matrix_shapes",
            "model_weights", "half_values", "packed_inputs", "attention", "FROZEN", "ROPE_TABLES",
            "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT",
            "ROPE_FREQS", "TOKEN_EMBD"]
