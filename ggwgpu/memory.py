@@ -96,9 +96,9 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
         # one layer's scores of the decoder's largest prefill chunk (generate.PREFILL_SIZES)
         need["prefill attention scores"] = value_bytes * cfg.n_head * min(
             PREFILL_CHUNK, cfg.n_ctx) * cfg.n_ctx * score_copies(cfg)
-        if cfg.recurrent_layers:    # qwen35's delta-net states, f32
-            need["recurrent states"] = F32 * len(cfg.recurrent_layers) * cfg.ssm_heads * \
-                cfg.ssm_state ** 2
+        if cfg.recurrent_layers:    # delta-net and Mamba2 states, f32
+            need["recurrent states"] = F32 * len(cfg.recurrent_layers) * \
+                family.state_size(cfg)
     return need
 
 

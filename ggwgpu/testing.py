@@ -623,20 +623,23 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
     return cap * np.tanh(logits / cap) if cap else logits
 
 
-def delta_rule_steps(q, k, v, g, beta, state=None):
+def delta_rule_steps(q, k, v, g, beta, state=None, delta=True, scale=None):
     """The gated delta rule token by token in float64 (llama.cpp's autoregressive form),
     independent of models.delta_net: q, k (B, T, H, S_k), v (B, T, H, S_v), g and beta
-    (B, T, H), state (B, H, S_v, S_k) or zeros. Returns o (B, T, H, S_v) and the last state."""
+    (B, T, H), state (B, H, S_v, S_k) or zeros. Returns o (B, T, H, S_v) and the last state.
+    `delta` False: S = exp(g) S + beta v k^T, Mamba2's scan (ggml_ssm_scan with dt = beta);
+    q is scaled by `scale` (default 1/sqrt(S_k))."""
     q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
     batch, t, heads, s_k = q.shape
+    scale = 1 / np.sqrt(s_k) if scale is None else scale
     s = (np.zeros((batch, heads, v.shape[-1], s_k)) if state is None
          else np.array(state, np.float64))
     out = np.zeros(v.shape)
     for i in range(t):
         s = s * np.exp(g[:, i])[..., None, None]
-        delta = (v[:, i] - np.einsum("bhjk,bhk->bhj", s, k[:, i])) * beta[:, i][..., None]
-        s = s + delta[..., :, None] * k[:, i][..., None, :]
-        out[:, i] = np.einsum("bhjk,bhk->bhj", s, q[:, i]) / np.sqrt(s_k)
+        write = v[:, i] - np.einsum("bhjk,bhk->bhj", s, k[:, i]) if delta else v[:, i]
+        s = s + (write * beta[:, i][..., None])[..., :, None] * k[:, i][..., None, :]
+        out[:, i] = np.einsum("bhjk,bhk->bhj", s, q[:, i]) * scale
     return out, s
 
 

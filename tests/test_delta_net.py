@@ -47,6 +47,37 @@ def test_the_chunked_rule_is_the_rule_token_by_token(t, chunk):
     np.testing.assert_allclose(zero, delta_rule_steps(*inputs)[0], rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("t,chunk", [(8, 4), (7, 3), (5, 16)])
+def test_without_the_delta_correction_it_is_mamba2_s_scan_token_by_token(t, chunk):
+    """delta=False, q unscaled, keys narrower than values (Mamba2: B and C of d_state, x of
+    the head size): from a state and from zeros, and its gradients."""
+    batch, heads, s_k, s_v = 2, 3, 3, 5
+    q, k, v, g, beta = rule_inputs(batch, t, heads, s_v)
+    q, k = q[..., :s_k], k[..., :s_k] * 2
+    inputs = q, k, v, g, beta
+    state = np.random.default_rng(2).standard_normal((heads, batch, s_v, s_k))
+    rule = {"delta": False, "scale": 1.0}
+    want, want_state = delta_rule_steps(*inputs, state.transpose(1, 0, 2, 3), **rule)
+    leaves = [constant(x) for x in inputs]
+    o, end = delta_rule(*leaves, constant(state.reshape(heads * batch, s_v, s_k)),
+                        chunk=chunk, final_state=True, **rule)
+    got, got_state = run([o, end])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got_state.reshape(heads, batch, s_v, s_k),
+                               want_state.transpose(1, 0, 2, 3), rtol=0, atol=1e-6)
+    (zero,) = run([delta_rule(*leaves, chunk=chunk, **rule)])
+    np.testing.assert_allclose(zero, delta_rule_steps(*inputs, **rule)[0], rtol=0, atol=1e-6)
+    params = [param(x.astype(np.float32), name=n) for x, n in zip(inputs, "qkvgb")]
+    o = delta_rule(*params, chunk=chunk, **rule)
+    weights = np.random.default_rng(6).uniform(-1, 1, o.shape)
+    loss = gg.ops.sum(gg.ops.mul(o, constant(weights.astype(np.float32))))
+    grads = gg.build_backward(loss, params)
+    plan = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    plan.run({})
+    spot_check_gradients(loss, {p: plan.read(d) for p, d in grads.items()}, {}, samples=10,
+                         atol=1e-7, rtol=1e-5)
+
+
 def test_segment_masks_keep_sequences_apart_within_and_across_chunks():
     same, carry = segment_masks([[0, 0, 0, 1, 1, 1, 1, 1, 1, 2]], chunk=4)
     assert same.shape == (1, 3, 4, 4) and carry.shape == (1, 3, 4, 1)

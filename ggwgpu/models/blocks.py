@@ -162,9 +162,10 @@ class Sequence:
     weight[c, j] over the earlier tokens of t's sequence); None where no block convolves.
     `layer_inputs[i]`: what block i reads beside its input (gemma4's per-layer embeddings,
     Family.prepare), rows shaped as the block's input; empty where the family has none.
-    `recur(layer, q, k, v, g, beta)` gives the gated delta rule's output (models.delta_net)
-    over the tokens, from the state the layer's sequence had before them: q, k, v
-    (*rows, heads, size), g and beta (*rows, heads), rows as the block's input rows.
+    `recur(layer, q, k, v, g, beta, **rule)` gives the gated delta rule's output
+    (models.delta_net; `rule`: its `delta` and `scale`) over the tokens, from the state the
+    layer's sequence had before them: q, k (*rows, heads, key size), v (*rows, heads, value
+    size), g and beta (*rows, heads), rows as the block's input rows.
     `temperature`: what q is multiplied by after rope, one value per position
     (attention_temperature), None for 1."""
     lead: tuple

@@ -112,21 +112,23 @@ def heads_first(x, padded: int):
 
 
 def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bool = False,
-               segments=None):
+               segments=None, delta: bool = True, scale: float | None = None):
     """The gated delta rule over a batch of sequences: q, k (B, T, H, S_k), v (B, T, H, S_v),
     g (log decay, <= 0) and beta (B, T, H); `state` (H * B, S_v, S_k) or None for zeros.
-    Returns o (B, T, H, S_v) (q scaled by 1/sqrt(S_k) inside), and with `final_state` the
-    state after the last token, (H * B, S_v, S_k). Rows that hold several sequences, each
-    from a zero state, take `segments`: the (same, carry) of `segment_masks`, as f32 tensors.
-    The rule runs in f32 whatever the activations (its cumulative decays, its state): f16
-    inputs are cast, and o comes back in v's type."""
+    Returns o (B, T, H, S_v) (q times `scale`, default 1/sqrt(S_k), inside), and with
+    `final_state` the state after the last token, (H * B, S_v, S_k). Rows that hold several
+    sequences, each from a zero state, take `segments`: the (same, carry) of
+    `segment_masks`, as f32 tensors. The rule runs in f32 whatever the activations (its
+    cumulative decays, its state): f16 inputs are cast, and o comes back in v's type.
+    `delta` False drops the delta rule's correction: S_t = a_t S_{t-1} + b_t v_t k_t^T, the
+    gated linear attention of Mamba2's state-space duality (W = I, V = U)."""
     dtype = v.dtype
     q, k, v, g, beta = (O.cast(t, "f32") if t.dtype == "f16" else t for t in (q, k, v, g, beta))
     batch, t, heads, s_k = q.shape
     s_v = v.shape[-1]
     c, n = chunking(t, chunk)
     bh, padded = batch * heads, n * c
-    q = O.scale(q, 1.0 / np.sqrt(s_k))
+    q = O.scale(q, 1.0 / np.sqrt(s_k) if scale is None else scale)
     q, k, v = (O.reshape(heads_first(x, padded), (bh, n, c, x.shape[-1])) for x in (q, k, v))
     g, beta = (heads_first(x, padded) for x in (g, beta))
     lower, strict, identity = masks(c)
@@ -140,10 +142,12 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
         same, carry = segments
         decay, grown = O.mul(decay, same), O.mul(grown, carry)
     b = O.reshape(beta, (bh, n, c, 1))
-    kk = O.mul(O.mul(O.mul_mat(k, k), decay), b)                          # b_i (k_i . k_j) D_ij
-    w = None if c == 1 else unit_lower_inverse(O.mul(kk, strict), identity, c)
+    w = None
+    if delta and c > 1:
+        kk = O.mul(O.mul(O.mul_mat(k, k), decay), b)                      # b_i (k_i . k_j) D_ij
+        w = unit_lower_inverse(O.mul(kk, strict), identity, c)
     writes = O.mul(v, b)
-    decayed_keys = O.mul(k, O.mul(b, grown))
+    decayed_keys = O.mul(k, O.mul(b, grown)) if delta else None
     if w is not None:
         writes, decayed_keys = matmul(w, writes), matmul(w, decayed_keys)
     queries = O.mul(q, grown)
@@ -164,7 +168,7 @@ def delta_rule(q, k, v, g, beta, state=None, chunk: int = CHUNK, final_state: bo
     outs = []
     for i in range(n):
         new = part(writes, i)
-        if state is not None:
+        if state is not None and delta:
             new = O.sub(new, O.mul_mat(state, part(decayed_keys, i)))
         o = matmul(part(scores, i), new)
         if state is not None:

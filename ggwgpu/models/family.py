@@ -151,6 +151,11 @@ class Family:
         """{layer: the channels of its causal convolution} of the blocks that convolve."""
         return {i: cfg.n_embd for i in cfg.conv_layers}
 
+    def state_size(self, cfg) -> int:
+        """The values of one recurrent layer's state (qwen35's delta-net: heads of
+        ssm_state x ssm_state)."""
+        return cfg.ssm_heads * cfg.ssm_state ** 2
+
     def attends(self, cfg, i: int) -> bool:
         """Whether block i's mixer is attention (a KV cache's layer)."""
         return i not in cfg.conv_layers

@@ -340,8 +340,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         segments = (input_tensor((batch, chunks, c, c), name="recurrent same sequence"),
                     input_tensor((batch, chunks, c, 1), name="recurrent carry"))
 
-    def recur(i, q, k, v, g, beta):     # each sequence from a zero state
-        return delta_rule(q, k, v, g, beta, segments=segments)
+    def recur(i, q, k, v, g, beta, **rule):     # each sequence from a zero state
+        return delta_rule(q, k, v, g, beta, segments=segments, **rule)
 
     seq = Sequence(lead, seq_positions, attend, convolve, recur,
                    temperature=attention_temperature(cfg, seq_positions, n, precision))
@@ -602,12 +602,13 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
              else None)
     carry = input_tensor((1, 1, 1), name="state carried") if cfg.recurrent_layers else None
 
-    def recur(i, q, k, v, g, beta):     # from the state the last run left, or zeros
+    def recur(i, q, k, v, g, beta, **rule):     # from the state the last run left, or zeros
         heads, size = v.shape[-2:]
-        leaf = kept(f"state {i}", (heads, size, size), "f32", f"state of layer {i}")
+        leaf = kept(f"state {i}", (heads, size, k.shape[-1]), "f32", f"state of layer {i}")
         one = lambda t: O.reshape(O.cont(t), (1,) + t.shape)     # noqa: E731 (a batch of 1)
         o, end = delta_rule(one(q), one(k), one(v), one(O.mul(g, valid)),
-                            one(O.mul(beta, valid)), O.mul(leaf, carry), final_state=True)
+                            one(O.mul(beta, valid)), O.mul(leaf, carry), final_state=True,
+                            **rule)
         states.append(leaf)
         state_writes.append(O.cpy(end, leaf))
         return O.reshape(O.cont(o), v.shape)
