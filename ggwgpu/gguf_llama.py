@@ -2,9 +2,9 @@
 the parameters as tensors under llama.cpp's names, general.file_type, and the model files
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
-qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4) shares it:
-the keys are the same under the prefix "<arch>.", and each family's module adds its own keys and tensors
-(docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
+qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4,
+granitehybrid) shares it: the keys are the same under the prefix "<arch>.", and each
+family's module adds its own keys and tensors (docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
 (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
 
 Model file
@@ -156,8 +156,9 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         k.rot: (cfg.rot, _T.UINT32), k.freq_base: (float(cfg.rope_freq_base), _T.FLOAT32),
         k.eps: (float(cfg.norm_eps), _T.FLOAT32), k.vocab: (cfg.n_vocab, _T.UINT32),
     }
-    if cfg.conv_layers:     # lfm2: K/V heads per layer, 0 for a convolution
-        keys[k.heads_kv] = ([0 if i in cfg.conv_layers else cfg.kv_heads
+    kv_free = cfg.family.kv_free_layers(cfg)
+    if kv_free:     # K/V heads per layer, 0 for lfm2's convolutions, granitehybrid's Mamba2
+        keys[k.heads_kv] = ([0 if i in kv_free else cfg.kv_heads
                              for i in range(cfg.n_layer)], _T.ARRAY)
     if cfg.n_head_kv_layers:    # per layer where layers differ (gemma4)
         keys[k.heads_kv] = (list(cfg.n_head_kv_layers), _T.ARRAY)

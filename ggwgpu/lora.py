@@ -55,7 +55,8 @@ K_BASE = "ggwgpu.lora.base"
 # lfm2's short-convolution projections; "pe_gate", "pe_proj": gemma4's per-layer embedding
 # gate and projection; "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out": qwen35's delta-net
 # output gate, decay and strength projections and output (its "wqkv" feeds the
-# convolution). A model gets the targets its blocks have.
+# convolution); "ssm_in", "ssm_out": a Mamba2 layer's input (z | x B C | dt) and output
+# projections (granitehybrid). A model gets the targets its blocks have.
 TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "wq": "attn_q.weight", "wk": "attn_k.weight", "wv": "attn_v.weight",
            "wqkv": "attn_qkv.weight", "wo": "attn_output.weight", "ffn_gate": "ffn_gate.weight",
@@ -63,7 +64,8 @@ TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "conv_in": "shortconv.in_proj.weight", "conv_out": "shortconv.out_proj.weight",
            "pe_gate": "inp_gate.weight", "pe_proj": "proj.weight",
            "attn_gate": "attn_gate.weight", "ssm_alpha": "ssm_alpha.weight",
-           "ssm_beta": "ssm_beta.weight", "ssm_out": "ssm_out.weight"}
+           "ssm_beta": "ssm_beta.weight", "ssm_out": "ssm_out.weight",
+           "ssm_in": "ssm_in.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
 

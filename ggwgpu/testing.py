@@ -461,6 +461,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
+    if arch == "granitehybrid":
+        return granitehybrid_reference_logits(cfg, values, tokens)
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -641,6 +643,62 @@ def delta_rule_steps(q, k, v, g, beta, state=None, delta=True, scale=None):
         s = s + (write * beta[:, i][..., None])[..., :, None] * k[:, i][..., None, :]
         out[:, i] = np.einsum("bhjk,bhk->bhj", s, q[:, i]) * scale
     return out, s
+
+
+def mamba2_steps(x, bs, cs, dt, a, d, groups):
+    """ggml_ssm_scan of Mamba2 token by token in float64: x (T, H, P), B and C (T, G, N), dt
+    (T, H) after its softplus, A and D (H,); head h reads group h // (H / G). Returns
+    y (T, H, P): S = exp(dt A) S + dt x B^T, y = S C + D x, from S = 0."""
+    t, heads, width = x.shape
+    group = np.arange(heads) // (heads // groups)
+    s = np.zeros((heads, width, bs.shape[-1]))
+    y = np.zeros(x.shape)
+    for i in range(t):
+        s = s * np.exp(dt[i] * a)[:, None, None] + \
+            (dt[i][:, None] * x[i])[:, :, None] * bs[i][group][:, None, :]
+        y[i] = np.einsum("hpn,hn->hp", s, cs[i][group]) + d[:, None] * x[i]
+    return y
+
+
+def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's granitehybrid graph (src/models/granite-hybrid.cpp, mamba-base.cpp's
+    build_mamba2_layer) in float64: granite's block and scales; on cfg.recurrent_layers a
+    Mamba2 mixer (ssm_in into z | xBC | dt, d_inner = 2 n_embd; xBC's causal convolution plus
+    its bias, silu, into x | B | C; `mamba2_steps` with dt = softplus(dt + ssm_dt.bias);
+    y * silu(z) RMS-normed in groups by ssm_norm; ssm_out), elsewhere attention, roped
+    (normal) unless cfg.no_rope."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    eps, n, hd = cfg.norm_eps, len(tokens), cfg.head_dim
+    positions = np.arange(n, dtype=np.float64)
+    d, heads, groups, state = 2 * cfg.n_embd, cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+    x = w["token_embd.weight"][tokens] * cfg.embedding_scale
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        if il in cfg.recurrent_layers:
+            z, xbc, dt = np.split(h @ p("ssm_in.weight").T, [d, 2 * d + 2 * groups * state],
+                                  axis=1)
+            xbc = _silu(_causal_conv(xbc, p("ssm_conv1d.weight")) + p("ssm_conv1d.bias"))
+            xs, bs, cs = np.split(xbc, [d, d + groups * state], axis=1)
+            dt = np.logaddexp(0, dt + p("ssm_dt.bias"))
+            y = mamba2_steps(xs.reshape(n, heads, -1), bs.reshape(n, groups, state),
+                             cs.reshape(n, groups, state), dt, p("ssm_a")[:, 0],
+                             p("ssm_d")[:, 0], groups).reshape(n, d)
+            y = _rms_norm((y * _silu(z)).reshape(n, groups, -1), p("ssm_norm.weight"), eps)
+            out = y.reshape(n, d) @ p("ssm_out.weight").T
+        else:
+            q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
+            if not cfg.no_rope:
+                q, k = (_rope(t, positions, cfg.rot, False, cfg.rope_freq_base,
+                              cfg.rope_freq_scale, np.ones(cfg.rot // 2)) for t in (q, k))
+            kq_scale = cfg.attention_scale or 1 / np.sqrt(hd)
+            out = _attention(q, k, v, kq_scale) @ p("attn_output.weight").T
+        x = x + cfg.residual_scale * out
+        ffn = _glu(_rms_norm(x, p("ffn_norm.weight"), eps), p("ffn_gate.weight"),
+                   p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+        x = x + cfg.residual_scale * ffn
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T / cfg.logit_scale
 
 
 def qwen35_reference_logits(cfg, values, tokens) -> np.ndarray:

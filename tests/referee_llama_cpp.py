@@ -82,6 +82,18 @@ CONFIGS = {
                          arch="arcee"),
     # GLM-4-0414: Q/K/V biases, half of each head roped, sandwich norms, gate | up fused
     "glm4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=8, n_layer=2, arch="glm4"),
+    # Granite 4.0 H: Mamba2 layers (8 heads of 16 over 1 group of B and C, state 16,
+    # convolution of 4) with attention on the third of four, no rope, granite's scales; and
+    # with rope and 2 groups
+    "granitehybrid": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4,
+                                 recurrent_layers=(0, 1, 3), conv_kernel=4, ssm_state=16,
+                                 ssm_heads=8, ssm_groups=1, embedding_scale=12.0,
+                                 residual_scale=0.25, attention_scale=0.0625, logit_scale=4.0,
+                                 no_rope=True, tied_embeddings=True, arch="granitehybrid"),
+    "granitehybrid-rope": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=3,
+                                      recurrent_layers=(0, 2), conv_kernel=3, ssm_state=8,
+                                      ssm_heads=4, ssm_groups=2, logit_scale=2.0,
+                                      arch="granitehybrid"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
@@ -155,7 +167,8 @@ CONFIGS = {
 
 def values_of(cfg, seed=1):
     rng = np.random.default_rng(seed)
-    v = {k: x if x.ndim > 1 else rng.uniform(0.5, 1.5, x.shape).astype(np.float32)
+    v = {k: x if x.ndim > 1 and x.shape[-1] > 1 and not k.endswith("_norm.weight")
+         else rng.uniform(0.5, 1.5, x.shape).astype(np.float32)       # vectors, norms
          for k, x in init_parameters(cfg, seed).items()}
     v["output.weight" if "output.weight" in v else "token_embd.weight"] *= 4
     for k in v:

@@ -81,6 +81,14 @@ FAMILIES = {
     # GLM-4-9B-0414: Q/K/V biases, half of each head roped, sandwich norms, gate | up fused,
     # untied
     "glm4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_rot=4, n_layer=2, arch="glm4"),
+    # Granite 4.0 H 1B: Mamba2 layers (8 heads over 1 group of B and C) with attention on the
+    # third of four without rope; granite's scales, tied
+    "granitehybrid": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4,
+                                 recurrent_layers=(0, 1, 3), conv_kernel=4, ssm_state=8,
+                                 ssm_heads=8, ssm_groups=1, embedding_scale=12.0,
+                                 residual_scale=0.25, attention_scale=0.0078125,
+                                 logit_scale=4.0, no_rope=True, tied_embeddings=True,
+                                 arch="granitehybrid"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),
@@ -115,7 +123,8 @@ FAMILIES = {
                            arch="granite"),
 }
 # the tensors only that family has (a file without one is refused)
-OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
+OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
+               "granitehybrid": "ssm_in.weight", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
@@ -127,7 +136,7 @@ def family_values(cfg, seed=1):
     """init_parameters with random norm weights and biases (init makes them 1 and 0), and
     qwen35's ssm_a negative, as -exp(A_log) is."""
     rng = np.random.default_rng(seed)
-    return {k: v if v.ndim > 1 else
+    return {k: v if v.ndim > 1 and v.shape[-1] > 1 and not k.endswith("_norm.weight") else
             rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if k.endswith("ssm_a") else 1)
             for k, v in init_parameters(cfg, seed).items()}
 

@@ -78,6 +78,12 @@ ARCEE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff
 # gate and up as one product
 GLM4 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2, n_layer=2, n_ff=12,
                    n_ctx=5, arch="glm4")
+# Granite 4.0 H: Mamba2 layers 0 and 2 (4 heads of 4 over 2 groups of B and C, state 3,
+# convolution of 4) around an attention layer without rope; granite's scales
+GRANITEH = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n_ff=12,
+                       n_ctx=5, recurrent_layers=(0, 2), conv_kernel=4, ssm_state=3,
+                       ssm_heads=4, ssm_groups=2, embedding_scale=3.0, residual_scale=0.5,
+                       logit_scale=2.0, no_rope=True, arch="granitehybrid")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -114,6 +120,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "olmo3-yarn": dataclasses.replace(OLMO3, **YARN),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3, "hunyuan-dense": HUNYUAN, "arcee": ARCEE, "glm4": GLM4,
+           "granitehybrid": GRANITEH,
+           "granitehybrid-rope": dataclasses.replace(GRANITEH, no_rope=False, ssm_groups=4),
            "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
            "smollm3": SMOLLM3,
            "granite": GRANITE, "phi3": PHI3,
@@ -129,7 +137,7 @@ def model_values(cfg):
     # random norm weights and biases too (init makes them 1 and 0), so their gradients
     # are generic
     # (qwen35's ssm_a negative, as -exp(A_log) is)
-    return {k: v if v.ndim > 1 else
+    return {k: v if v.ndim > 1 and v.shape[-1] > 1 and not k.endswith("_norm.weight") else
             rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else
                         (-1.5, -0.5) if k.endswith("ssm_a") else (0.5, 1.5),
                         v.shape).astype(np.float32)

@@ -2,13 +2,14 @@
 of blocks.py on the base block of family.py; transformer.py makes their graphs.
 
 FAMILIES maps llama.cpp's general.architecture to its family."""
-from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, glm4, granite, hunyuan_dense,
-               lfm2, llama, minicpm, mistral3, olmo2, phi3, qwen2, qwen3, qwen35, smollm3)
+from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, glm4, granite, granitehybrid,
+               hunyuan_dense, lfm2, llama, minicpm, mistral3, olmo2, phi3, qwen2, qwen3, qwen35,
+               smollm3)
 
 FAMILIES = {m.FAMILY.arch: m.FAMILY
             for m in (llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2,
                        gemma4, qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan_dense,
-                       minicpm, arcee, glm4)}
+                       minicpm, arcee, glm4, granitehybrid)}
 
 
 # Archs of well-known models that ggwgpu does not compute yet, and what it lacks for them:
@@ -18,8 +19,9 @@ MISSING = {
                      "phimoe", "glm4moe", "ernie4_5-moe", "hunyuan-moe", "smallthinker",
                      "bailingmoe2", "afmoe", "deepseek2", "mistral4", "llama4", "qwen3next"),
                     "mixture-of-experts blocks"),
-    **dict.fromkeys(("granitehybrid", "falcon-h1", "nemotron_h", "mamba2", "jamba"),
-                    "Mamba2 layers (the dense Granite 4.0 models are arch 'granite')"),
+    "falcon-h1": "Falcon-H1's parallel attention and Mamba2 mixers",
+    "nemotron_h": "Nemotron-H's separate Mamba2, attention and feed-forward blocks",
+    "mamba2": "Mamba2 models without attention", "jamba": "Jamba's Mamba and experts",
     "mamba": "Mamba layers", "rwkv7": "RWKV-7 layers",
     **dict.fromkeys(("stablelm", "phi2", "gpt2", "starcoder2", "command-r", "cohere2", "jais",
                      "nemotron"), "LayerNorm blocks"),

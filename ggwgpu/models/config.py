@@ -67,7 +67,8 @@ class ModelConfig:
     n_embd_per_layer: int = 0       # gemma4: width of the per-layer embeddings (0: none)
     layer_output_scale: bool = False  # gemma4: each block's output times its
                                       # layer_output_scale.weight (one value)
-    recurrent_layers: tuple = ()    # qwen35: the blocks whose mixer is a gated delta-net
+    recurrent_layers: tuple = ()    # qwen35, granitehybrid: the blocks whose mixer is a gated
+                                    # delta-net or a Mamba2
     ssm_state: int = 0              # qwen35: the delta-net's head size (ssm.state_size)
     ssm_heads: int = 0              # qwen35: its value heads (ssm.time_step_rank)
     ssm_groups: int = 0             # qwen35: its query/key heads (ssm.group_count)
@@ -80,6 +81,7 @@ class ModelConfig:
     yarn_beta_slow: float = 1.0     # many times in rope_orig_ctx, ends at this many
     yarn_log_mul: float = 0.0       # mistral3: rope.scaling.yarn_log_multiplier (transformers'
                                     # mscale_all_dim), YaRN's attn_factor over its mscale
+    no_rope: bool = False           # granitehybrid: rope.scaling.finetuned false, no layer ropes
     attn_temp_scale: float = 0.0    # mistral3: Q times ln(floor(pos / rope_orig_ctx) + 1) *
                                     # this + 1 (Llama 4's attention temperature; 0: none)
 
@@ -143,7 +145,8 @@ class ModelConfig:
                     "n_rot_swa", "shared_kv_layers", "n_embd_per_layer", "layer_output_scale",
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
                     "rope_sections", "attn_logit_softcap", "rope_scaling",
-                    "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale")
+                    "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
+                    "no_rope")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -160,6 +160,11 @@ class Family:
         """Whether block i's mixer is attention (a KV cache's layer)."""
         return i not in cfg.conv_layers
 
+    def kv_free_layers(self, cfg) -> tuple:
+        """The blocks a file gives 0 K/V heads (attention.head_count_kv per layer): lfm2's
+        convolutions."""
+        return cfg.conv_layers
+
     def kv_layer(self, cfg, i: int) -> int:
         """The layer whose keys and values layer i attends to (itself, unless it shares)."""
         return i

@@ -60,7 +60,8 @@ def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith(".bias"):
             values[name] = np.zeros(shape, np.float32)
-        elif len(shape) == 1:
+        elif len(shape) == 1 or shape[-1] == 1 or name.endswith("_norm.weight"):
+            # a vector, one stored as a column, a norm's weights in groups (Mamba2's)
             values[name] = np.full(shape, cfg.family.initial(name), np.float32)
         else:
             w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
@@ -393,8 +394,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
 
 def used_of(outputs, *inputs) -> list:
     """`inputs`, each None where `outputs` do not read it (a mask no layer takes: every
-    attention layer windowed, or none attending), so that no feed names a tensor the plan
-    lacks."""
+    attention layer windowed, or none attending; positions no layer ropes with), so that no
+    feed names a tensor the plan lacks."""
     used = {id(t) for t in topo_order(outputs)}
     return [t if t is not None and id(t) in used else None for t in inputs]
 
@@ -428,7 +429,7 @@ class DecodeGraph:
     n_tokens: int             # tokens per run (a run may use fewer: the rest is padding)
     max_ctx: int              # cache rows: positions 0 .. max_ctx - 1
     tokens: object            # i32 input (n_tokens,)
-    positions: object         # i32 input (n_tokens,)
+    positions: object         # i32 input (n_tokens,); None where no layer ropes
     writes: object            # i32 input (n_tokens,): the row of [cache | scratch] each token's
                               # K/V goes to (its position's, padding a scratch row)
     mask: object              # f32 input (n_tokens, span): 0 where a query sees a key, -inf
@@ -481,8 +482,9 @@ class DecodeGraph:
         rows = np.arange(self.n_tokens)
         writes = np.where(rows < n, past + rows, self.max_ctx + rows - 1).astype(np.int32)
         ahead = (past + rows)[:, None] - np.arange(self.span)[None, :]
-        feeds = {self.tokens: ids, self.positions: (past + rows).astype(np.int32),
-                 self.writes: writes, self.last: np.array([n - 1], np.int32)}
+        feeds = {self.tokens: ids, self.writes: writes, self.last: np.array([n - 1], np.int32)}
+        if self.positions is not None:
+            feeds[self.positions] = (past + rows).astype(np.int32)
         if self.mask is not None:
             feeds[self.mask] = additive(ahead >= 0)
         if self.window_mask is not None:
@@ -622,7 +624,8 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     x = rms_norm(cfg, O.get_rows(x, last), p[family.output_norm])
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
-    mask, window_mask = used_of([logits], mask, window_mask)
+    # positions: none where no layer ropes (granitehybrid's attention)
+    mask, window_mask, positions = used_of([logits], mask, window_mask, positions)
     return DecodeGraph(n_tokens, max_ctx, tokens, positions, writes, mask, last, logits,
                        tuple(caches), weights, window, window_mask, conv_rows, conv_positions,
                        tuple(states), tuple(state_writes), valid, carry, span)

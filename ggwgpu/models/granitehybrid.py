@@ -1,0 +1,160 @@
+"""granitehybrid (IBM Granite 4.0 H: 350M, 1B, micro; llama.cpp's src/models/granite-hybrid.cpp
+and mamba-base.cpp): granite's block and scales, with a Mamba2 mixer instead of attention on
+the layers whose attention.head_count_kv is 0. The attention layers rope only when
+rope.scaling.finetuned is true (the hybrids' files say false: no position encoding).
+
+A Mamba2 layer of h (its attn_norm): ssm_in h = z | xBC | dt (d_inner = 2 n_embd,
+xBC = x | B | C of d_inner, ssm.group_count x ssm.state_size each); xBC through the causal
+depthwise convolution ssm_conv1d of ssm.conv_kernel taps, its bias, silu; per head (of
+ssm.time_step_rank, each d_inner / heads wide, reading B and C of group head // (heads /
+groups)) and token the scan
+
+    S = exp(dt A) S + dt x B^T,   y = S C + D x,   dt = softplus(dt + ssm_dt.bias)
+
+(A = ssm_a, stored as -exp(A_log); D = ssm_d): delta_rule without the delta correction.
+Then y * silu(z), RMS-normed in groups of d_inner / groups by ssm_norm, and ssm_out; the
+branch times residual_scale, as attention's. The decoder keeps each layer's state and its
+convolution's inputs, as qwen35's. Mixture-of-experts blocks (H-tiny, H-small) are refused
+by name."""
+from gguf import GGUFValueType
+
+from .. import ops as O
+from ..gguf_file import GGUFError
+from ..tensor import ShapeError
+from . import blocks as B
+from .granite import Granite
+
+_T = GGUFValueType
+INNER_SIZE = "{arch}.ssm.inner_size"
+ROPE_FINETUNED = "{arch}.rope.scaling.finetuned"
+MOE = "mixture-of-experts blocks"
+
+
+class GraniteHybrid(Granite):
+    arch = "granitehybrid"
+    keys = {**Granite.keys, "conv_kernel": "{arch}.ssm.conv_kernel",
+            "ssm_state": "{arch}.ssm.state_size", "ssm_heads": "{arch}.ssm.time_step_rank",
+            "ssm_groups": "{arch}.ssm.group_count"}
+    required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
+    values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
+    unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
+                   "ffn_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
+                   "attn_output.bias": "an attention output bias",
+                   "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
+                   "ffn_gate.bias": "feed-forward biases"}
+
+    # -- the model's sizes -----------------------------------------------------------------
+
+    def inner(self, cfg) -> int:
+        return 2 * cfg.n_embd      # llama.cpp supports an expansion factor of 2 only
+
+    def conv_widths(self, cfg):
+        width = self.inner(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
+        return {i: width for i in cfg.recurrent_layers}
+
+    def state_size(self, cfg):
+        return self.inner(cfg) * cfg.ssm_state
+
+    def check(self, cfg):
+        if min(cfg.ssm_state, cfg.ssm_heads, cfg.ssm_groups) < 1 or cfg.conv_kernel < 2:
+            raise ShapeError("a granitehybrid needs ssm_state, ssm_heads, ssm_groups and a "
+                             f"conv_kernel of at least 2, got {cfg.ssm_state}, "
+                             f"{cfg.ssm_heads}, {cfg.ssm_groups}, {cfg.conv_kernel}")
+        if cfg.no_rope and not cfg.recurrent_layers:   # the converter makes those 'granite'
+            raise ShapeError("a granitehybrid without rope needs Mamba2 layers (their "
+                             "convolutions take the positions)")
+        if cfg.ssm_heads % cfg.ssm_groups or self.inner(cfg) % cfg.ssm_heads:
+            raise ShapeError(f"ssm_heads {cfg.ssm_heads} must be a multiple of ssm_groups "
+                             f"{cfg.ssm_groups} and divide the inner size {self.inner(cfg)}")
+
+    def attends(self, cfg, i):
+        return i not in cfg.recurrent_layers
+
+    def ropes(self, cfg, i):
+        return not cfg.no_rope
+
+    def layers_alike(self, cfg):
+        return False
+
+    def kv_free_layers(self, cfg):
+        return cfg.recurrent_layers
+
+    def initial(self, name):
+        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
+
+    # -- files -----------------------------------------------------------------------------
+
+    def more_keys(self, cfg):
+        return {INNER_SIZE.format(arch=self.arch): (self.inner(cfg), _T.UINT32),
+                ROPE_FINETUNED.format(arch=self.arch): (not cfg.no_rope, _T.BOOL)}
+
+    def read_more_keys(self, f, hp):
+        key = INNER_SIZE.format(arch=self.arch)
+        if f.int_key(key) != 2 * hp["n_embd"]:
+            raise GGUFError(f"{f.path}: {key} = {f.meta[key]} is not twice the embedding "
+                            f"length {hp['n_embd']}, the one Mamba2 expansion llama.cpp has")
+        finetuned = f.meta.get(ROPE_FINETUNED.format(arch=self.arch), True)
+        # the layers of no K/V heads (read as lfm2's convolutions) are the Mamba2 layers
+        return {"recurrent_layers": hp.get("conv_layers", ()), "conv_layers": (),
+                "no_rope": not finetuned}
+
+    # -- tensors ---------------------------------------------------------------------------
+
+    def block_shapes(self, cfg, i):
+        shapes = super().block_shapes(cfg, i)
+        if i not in cfg.recurrent_layers:
+            return shapes
+        e, d, heads = cfg.n_embd, self.inner(cfg), cfg.ssm_heads
+        width = self.conv_widths(cfg)[i]
+        mamba = {"attn_norm.weight": (e,), "ssm_in.weight": (d + width + heads, e),
+                 "ssm_conv1d.weight": (width, cfg.conv_kernel), "ssm_conv1d.bias": (width,),
+                 "ssm_dt.bias": (heads,), "ssm_a": (heads, 1), "ssm_d": (heads, 1),
+                 "ssm_norm.weight": (cfg.ssm_groups, d // cfg.ssm_groups),
+                 "ssm_out.weight": (e, d)}
+        return {**mamba, **{n: s for n, s in shapes.items()
+                            if n.startswith("ffn_")}}
+
+    # -- the graph -------------------------------------------------------------------------
+
+    def mix(self, cfg, p, i, x, seq):
+        if i not in cfg.recurrent_layers:
+            return super().mix(cfg, p, i, x, seq)
+        b = f"blk.{i}."
+        h = B.rms_norm(cfg, x, p[b + "attn_norm.weight"])
+        return B.linear(p, b + "ssm_out.weight", self.mamba2(cfg, p, b, i, h, seq),
+                        residual=x, alpha=cfg.residual_scale)
+
+    def mamba2(self, cfg, p, b, i, h, seq):
+        """Block b's Mamba2 mixer of h (module docstring), before ssm_out: (*rows, d_inner)."""
+        rows, d = h.shape[:-1], self.inner(cfg)
+        heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+        z, xbc, dt = B.columns(B.linear(p, b + "ssm_in.weight", h),
+                               (d, d + 2 * groups * n, heads))
+        conv = seq.convolve(i, O.cont(xbc), p[b + "ssm_conv1d.weight"])
+        conv = O.silu(O.add(conv, p[b + "ssm_conv1d.bias"]))
+        x, bs, cs = B.columns(conv, (d, groups * n, groups * n))
+        x = O.reshape(O.cont(x), rows + (heads, d // heads))
+        bs, cs = (self.per_head(cfg, t, rows) for t in (bs, cs))
+        dt = O.softplus(O.add(O.cont(dt), p[b + "ssm_dt.bias"]))               # (*rows, heads)
+        decay = O.mul(dt, O.reshape(p[b + "ssm_a"], (heads,)))
+        y = seq.recur(i, cs, bs, x, decay, dt, delta=False, scale=1.0)       # (*rows, heads, p)
+        y = O.add(y, O.mul(x, p[b + "ssm_d"]))
+        y = O.mul(y, O.silu(O.reshape(O.cont(z), rows + (heads, d // heads))))
+        y = B.rms_norm(cfg, O.reshape(y, rows + (groups, d // groups)), p[b + "ssm_norm.weight"])
+        return O.reshape(y, rows + (d,))
+
+    def per_head(self, cfg, t, rows):
+        """B or C (*rows, groups * state) as (*rows, heads, state): head h reads group
+        h // (heads / groups) (ggml_ssm_scan's repeat_interleave)."""
+        heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+        t = O.cont(t)
+        if heads == groups:
+            return O.reshape(t, rows + (heads, n))
+        r = 1
+        for s in rows:
+            r *= s
+        t = O.repeat(O.reshape(t, (r, groups, 1, n)), (r, groups, heads // groups, n))
+        return O.reshape(t, rows + (heads, n))
+
+
+FAMILY = GraniteHybrid()
