@@ -124,7 +124,8 @@ FAMILIES = {
 }
 # the tensors only that family has (a file without one is refused)
 OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
-               "granitehybrid": "ssm_in.weight", "qwen3": "attn_k_norm.weight", "gemma3": "post_ffw_norm.weight",
+               "granitehybrid": "ssm_in.weight", "qwen3": "attn_k_norm.weight",
+               "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",

@@ -44,7 +44,7 @@ from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ROPE_TABLES,  # 
                           packed_inputs, parameter_shapes)
 
 __all__ = ["FAMILIES", "MISSING", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph",
-           "build_train_graph", "build_decode_graph", "init_parameters", "parameter_shapes", "matrix_shapes",
-           "model_weights", "half_values", "packed_inputs", "attention", "FROZEN", "ROPE_TABLES",
+           "build_train_graph", "build_decode_graph", "init_parameters", "parameter_shapes",
+           "matrix_shapes", "model_weights", "half_values", "packed_inputs", "attention", "FROZEN", "ROPE_TABLES",
            "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT",
            "ROPE_FREQS", "TOKEN_EMBD"]
