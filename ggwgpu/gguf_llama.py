@@ -3,9 +3,10 @@ the parameters as tensors under llama.cpp's names, general.file_type, and the mo
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
 qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4,
-granitehybrid) shares it: the keys are the same under the prefix "<arch>.", and each
-family's module adds its own keys and tensors (docs/families.md). Built on the container, ggwgpu.gguf_file; checkpoints
-(ggwgpu.checkpoint) and adapters (ggwgpu.lora) are model files with more.
+granitehybrid, nemotron_h) shares it: the keys are the same under the prefix "<arch>.",
+and each family's module adds its own keys and tensors (docs/families.md). Built on the
+container, ggwgpu.gguf_file; checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are
+model files with more.
 
 Model file
     general.architecture, the family (<arch> below), general.name, general.type "model",
@@ -61,7 +62,8 @@ ARCH_KEY_TEMPLATES = dict(
     ff=Keys.LLM.FEED_FORWARD_LENGTH, vocab=Keys.LLM.VOCAB_SIZE,
     heads=Keys.Attention.HEAD_COUNT, heads_kv=Keys.Attention.HEAD_COUNT_KV,
     key_length=Keys.Attention.KEY_LENGTH, value_length=Keys.Attention.VALUE_LENGTH,
-    eps=Keys.Attention.LAYERNORM_RMS_EPS, rot=Keys.Rope.DIMENSION_COUNT,
+    eps=Keys.Attention.LAYERNORM_RMS_EPS, layer_norm_eps=Keys.Attention.LAYERNORM_EPS,
+    rot=Keys.Rope.DIMENSION_COUNT,
     freq_base=Keys.Rope.FREQ_BASE, scaling_type=Keys.Rope.SCALING_TYPE,
     scaling_factor=Keys.Rope.SCALING_FACTOR, orig_ctx=Keys.Rope.SCALING_ORIG_CTX_LEN,
     attn_factor=Keys.Rope.SCALING_ATTN_FACTOR,
@@ -164,6 +166,9 @@ def _hparams(cfg: ModelConfig) -> dict[str, tuple[object, GGUFValueType]]:
         keys[k.heads_kv] = (list(cfg.n_head_kv_layers), _T.ARRAY)
     if cfg.n_ff_layers:
         keys[k.ff] = (list(cfg.n_ff_layers), _T.ARRAY)
+    if cfg.family.ff_free:
+        keys[k.ff] = ([cfg.n_ff if i in cfg.mlp_layers else 0 for i in range(cfg.n_layer)],
+                      _T.ARRAY)
     if cfg.n_embd_head is not None:
         keys[k.key_length] = keys[k.value_length] = (cfg.head_dim, _T.UINT32)
     if cfg.rope_freq_scale != 1.0 or cfg.rope_scaling != "linear":
@@ -235,11 +240,20 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     k = arch_keys(arch)
     n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)
     n_layer = f.int_key(k.layers, minimum=0)
+    # nemotron_h's files may hold only the layer norm's epsilon, which llama.cpp then takes
+    eps = k.eps if k.eps in f.meta or not FAMILIES[arch].ff_free else k.layer_norm_eps
     hp = dict(arch=arch, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
-              n_ctx=f.int_key(k.ctx), norm_eps=f.float_key(k.eps),
+              n_ctx=f.int_key(k.ctx), norm_eps=f.float_key(eps),
               rope_freq_base=f.float_key(k.freq_base, default=10000.0))
     n_ff = f.meta.get(k.ff)
-    if isinstance(n_ff, list):      # per layer (gemma4's double-wide layers)
+    if isinstance(n_ff, list) and FAMILIES[arch].ff_free:   # nemotron_h: 0 where no feed-forward
+        n_ff = per_layer(f, k.ff, n_ff, n_layer, 0)
+        hp["n_ff"] = max(n_ff)
+        hp["mlp_layers"] = tuple(i for i, v in enumerate(n_ff) if v)
+        if len(set(n_ff) - {0}) > 1:
+            raise GGUFError(f"{f.path}: {k.ff} must hold 0 or one other value per layer, got "
+                            f"{n_ff[:8]}")
+    elif isinstance(n_ff, list):      # per layer (gemma4's double-wide layers)
         n_ff = per_layer(f, k.ff, n_ff, n_layer, 1)
         hp["n_ff"] = max(n_ff)
         hp["n_ff_layers"] = n_ff if len(set(n_ff)) > 1 else ()
@@ -248,11 +262,11 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     n_head_kv = f.meta.get(k.heads_kv, n_head)
     if isinstance(n_head_kv, list) and 0 in n_head_kv:   # lfm2: 0 where a block convolves
         kinds = set(per_layer(f, k.heads_kv, n_head_kv, n_layer, 0)) - {0}
-        if len(kinds) != 1:
+        if len(kinds) > 1:
             raise GGUFError(f"{f.path}: {k.heads_kv} must hold 0 or one other value per "
                             f"layer, got {n_head_kv[:8]}")
         hp["conv_layers"] = tuple(i for i, v in enumerate(n_head_kv) if v == 0)
-        n_head_kv = kinds.pop()
+        n_head_kv = kinds.pop() if kinds else n_head    # no layer attends: the family says
     elif isinstance(n_head_kv, list):   # per layer (gemma4's sliding and global layers)
         n_head_kv = per_layer(f, k.heads_kv, n_head_kv, n_layer, 1)
         if any(n_head % h for h in n_head_kv):

@@ -461,7 +461,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
-    if arch == "granitehybrid":
+    if arch in ("granitehybrid", "nemotron_h"):
         return granitehybrid_reference_logits(cfg, values, tokens)
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
@@ -666,11 +666,15 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
     Mamba2 mixer (ssm_in into z | xBC | dt, d_inner = 2 n_embd; xBC's causal convolution plus
     its bias, silu, into x | B | C; `mamba2_steps` with dt = softplus(dt + ssm_dt.bias);
     y * silu(z) RMS-normed in groups by ssm_norm; ssm_out), elsewhere attention, roped
-    (normal) unless cfg.no_rope."""
+    (normal) unless cfg.no_rope. nemotron_h (src/models/nemotron-h.cpp): each block x +
+    one mixer of attn_norm(x): that Mamba2 (d_inner ssm_inner), ffn_down(relu(ffn_up h)^2)
+    on cfg.mlp_layers, else attention without rope."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     eps, n, hd = cfg.norm_eps, len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
-    d, heads, groups, state = 2 * cfg.n_embd, cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+    nemotron = cfg.arch == "nemotron_h"
+    d = cfg.ssm_inner or 2 * cfg.n_embd
+    heads, groups, state = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
     x = w["token_embd.weight"][tokens] * cfg.embedding_scale
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
@@ -686,14 +690,19 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
                              p("ssm_d")[:, 0], groups).reshape(n, d)
             y = _rms_norm((y * _silu(z)).reshape(n, groups, -1), p("ssm_norm.weight"), eps)
             out = y.reshape(n, d) @ p("ssm_out.weight").T
+        elif il in cfg.mlp_layers:      # nemotron_h's feed-forward blocks
+            x = x + np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
+            continue
         else:
             q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
-            if not cfg.no_rope:
+            if not (cfg.no_rope or nemotron):
                 q, k = (_rope(t, positions, cfg.rot, False, cfg.rope_freq_base,
                               cfg.rope_freq_scale, np.ones(cfg.rot // 2)) for t in (q, k))
             kq_scale = cfg.attention_scale or 1 / np.sqrt(hd)
             out = _attention(q, k, v, kq_scale) @ p("attn_output.weight").T
         x = x + cfg.residual_scale * out
+        if nemotron:        # a block is its mixer alone
+            continue
         ffn = _glu(_rms_norm(x, p("ffn_norm.weight"), eps), p("ffn_gate.weight"),
                    p("ffn_up.weight"), p("ffn_down.weight"), _silu)
         x = x + cfg.residual_scale * ffn

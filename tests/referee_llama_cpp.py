@@ -94,6 +94,12 @@ CONFIGS = {
                                       recurrent_layers=(0, 2), conv_kernel=3, ssm_state=8,
                                       ssm_heads=4, ssm_groups=2, logit_scale=2.0,
                                       arch="granitehybrid"),
+    # Nemotron-H: Mamba2 blocks (16 heads of 8 over 2 groups, state 16), feed-forward
+    # blocks of relu(up)^2, an attention block without rope
+    "nemotron_h": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=6,
+                              recurrent_layers=(0, 3, 5), mlp_layers=(1, 4), conv_kernel=4,
+                              ssm_state=16, ssm_heads=16, ssm_groups=2, ssm_inner=128,
+                              arch="nemotron_h"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

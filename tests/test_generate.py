@@ -101,6 +101,10 @@ GRANITEH = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n
                        recurrent_layers=(0, 1, 3), conv_kernel=4, ssm_state=3, ssm_heads=4,
                        ssm_groups=2, embedding_scale=3.0, residual_scale=0.5, logit_scale=2.0,
                        no_rope=True, tied_embeddings=True, arch="granitehybrid")
+# nemotron_h: Mamba2, feed-forward and attention blocks, each its mixer alone
+NEMOTRON = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=5, n_ff=12, n_ctx=8,
+                       recurrent_layers=(0, 2, 4), mlp_layers=(1,), conv_kernel=4, ssm_state=3,
+                       ssm_heads=4, ssm_groups=1, ssm_inner=12, arch="nemotron_h")
 # exaone4: post-norms only, per-head QK norms, rope factors
 EXAONE4 = dataclasses.replace(GQA, arch="exaone4", n_rot=None, rope_freqs=True)
 # ernie4_5: llama's block, heads wider than n_embd / n_head
@@ -134,6 +138,7 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
             "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
             "arcee": ARCEE, "glm4": GLM4, "granitehybrid": GRANITEH,
+            "nemotron_h": NEMOTRON,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35}

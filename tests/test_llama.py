@@ -84,6 +84,12 @@ GRANITEH = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n
                        n_ctx=5, recurrent_layers=(0, 2), conv_kernel=4, ssm_state=3,
                        ssm_heads=4, ssm_groups=2, embedding_scale=3.0, residual_scale=0.5,
                        logit_scale=2.0, no_rope=True, arch="granitehybrid")
+# Nemotron-H: single-mixer blocks, Mamba2 (an inner size of its own, 6 heads over 3 groups),
+# a feed-forward relu(up)^2, attention without rope
+NEMOTRON = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12,
+                       n_ctx=5, recurrent_layers=(0, 2), mlp_layers=(1,), conv_kernel=3,
+                       ssm_state=3, ssm_heads=6, ssm_groups=3, ssm_inner=12,
+                       arch="nemotron_h")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -120,7 +126,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "olmo3-yarn": dataclasses.replace(OLMO3, **YARN),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3, "hunyuan-dense": HUNYUAN, "arcee": ARCEE, "glm4": GLM4,
-           "granitehybrid": GRANITEH,
+           "granitehybrid": GRANITEH, "nemotron_h": NEMOTRON,
            "granitehybrid-rope": dataclasses.replace(GRANITEH, no_rope=False, ssm_groups=4),
            "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
            "smollm3": SMOLLM3,

@@ -3,13 +3,13 @@ of blocks.py on the base block of family.py; transformer.py makes their graphs.
 
 FAMILIES maps llama.cpp's general.architecture to its family."""
 from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, glm4, granite, granitehybrid,
-               hunyuan_dense, lfm2, llama, minicpm, mistral3, olmo2, phi3, qwen2, qwen3, qwen35,
-               smollm3)
+               hunyuan_dense, lfm2, llama, minicpm, mistral3, nemotron_h, olmo2, phi3, qwen2,
+               qwen3, qwen35, smollm3)
 
 FAMILIES = {m.FAMILY.arch: m.FAMILY
             for m in (llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2,
                        gemma4, qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan_dense,
-                       minicpm, arcee, glm4, granitehybrid)}
+                       minicpm, arcee, glm4, granitehybrid, nemotron_h)}
 
 
 # Archs of well-known models that ggwgpu does not compute yet, and what it lacks for them:
@@ -20,7 +20,7 @@ MISSING = {
                      "bailingmoe2", "afmoe", "deepseek2", "mistral4", "llama4", "qwen3next"),
                     "mixture-of-experts blocks"),
     "falcon-h1": "Falcon-H1's parallel attention and Mamba2 mixers",
-    "nemotron_h": "Nemotron-H's separate Mamba2, attention and feed-forward blocks",
+    "nemotron_h_moe": "mixture-of-experts blocks",
     "mamba2": "Mamba2 models without attention", "jamba": "Jamba's Mamba and experts",
     "mamba": "Mamba layers", "rwkv7": "RWKV-7 layers",
     **dict.fromkeys(("stablelm", "phi2", "gpt2", "starcoder2", "command-r", "cohere2", "jais",
@@ -45,6 +45,6 @@ from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ROPE_TABLES,  # 
 
 __all__ = ["FAMILIES", "MISSING", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph",
            "build_train_graph", "build_decode_graph", "init_parameters", "parameter_shapes",
-           "matrix_shapes", "model_weights", "half_values", "packed_inputs", "attention", "FROZEN", "ROPE_TABLES",
-           "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B", "OUTPUT",
-           "ROPE_FREQS", "TOKEN_EMBD"]
+           "matrix_shapes", "model_weights", "half_values", "packed_inputs", "attention", "FROZEN",
+           "ROPE_TABLES", "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B",
+           "OUTPUT", "ROPE_FREQS", "TOKEN_EMBD"]

@@ -73,6 +73,9 @@ class ModelConfig:
     ssm_heads: int = 0              # qwen35: its value heads (ssm.time_step_rank)
     ssm_groups: int = 0             # qwen35: its query/key heads (ssm.group_count)
     rope_sections: tuple = ()       # qwen35: rope.dimension_sections (imrope's t, h, w, e)
+    ssm_inner: int = 0              # nemotron_h: a Mamba2 layer's d_inner (ssm.inner_size;
+                                    # 0: granitehybrid's 2 n_embd)
+    mlp_layers: tuple = ()          # nemotron_h: the blocks that are a feed-forward alone
     rope_scaling: str = "linear"    # rope.scaling.type: "linear" (rope_freq_scale scales
                                     # every angle), "yarn" (YaRN: the fast pairs less, and
                                     # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1) or
@@ -115,7 +118,7 @@ class ModelConfig:
         if any(self.n_head % h for h in self.n_head_kv_layers):
             raise ShapeError(f"n_head {self.n_head} is not a multiple of every layer's K/V "
                              f"heads {self.n_head_kv_layers}")
-        for name in ("swa_layers", "recurrent_layers"):
+        for name in ("swa_layers", "recurrent_layers", "mlp_layers"):
             layers = tuple(int(i) for i in getattr(self, name))
             object.__setattr__(self, name, layers)
             if any(not 0 <= i < self.n_layer for i in layers):
@@ -146,7 +149,7 @@ class ModelConfig:
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
                     "rope_sections", "attn_logit_softcap", "rope_scaling",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
-                    "no_rope")
+                    "no_rope", "ssm_inner", "mlp_layers")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -60,6 +60,9 @@ class Family:
     # taps): read as f32 even from a block type (an F16 file stores them so), where other
     # matrices may stay in theirs (gguf_llama.load_model's keep_quantized)
     values_only: tuple = ()
+    # Whether the blocks may lack a feed-forward (nemotron_h: feed_forward_length per layer,
+    # 0 where a block is a mixer alone; ModelConfig.mlp_layers the others)
+    ff_free = False
 
     def __repr__(self):
         return f"<family {self.arch}>"

@@ -30,6 +30,64 @@ ROPE_FINETUNED = "{arch}.rope.scaling.finetuned"
 MOE = "mixture-of-experts blocks"
 
 
+def inner_size(cfg) -> int:
+    """A Mamba2 layer's d_inner: ssm_inner, or granitehybrid's 2 n_embd."""
+    return cfg.ssm_inner or 2 * cfg.n_embd
+
+
+def mamba2_shapes(cfg, width: int) -> dict:
+    """A Mamba2 mixer's tensors (block-relative name -> shape), its convolution `width`."""
+    e, d, heads = cfg.n_embd, inner_size(cfg), cfg.ssm_heads
+    return {"ssm_in.weight": (d + width + heads, e),
+            "ssm_conv1d.weight": (width, cfg.conv_kernel), "ssm_conv1d.bias": (width,),
+            "ssm_dt.bias": (heads,), "ssm_a": (heads, 1), "ssm_d": (heads, 1),
+            "ssm_norm.weight": (cfg.ssm_groups, d // cfg.ssm_groups), "ssm_out.weight": (e, d)}
+
+
+def mamba2(cfg, p, b, i, h, seq):
+    """Block b's Mamba2 mixer of h (module docstring), before ssm_out: (*rows, d_inner)."""
+    rows, d = h.shape[:-1], inner_size(cfg)
+    heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+    z, xbc, dt = B.columns(B.linear(p, b + "ssm_in.weight", h), (d, d + 2 * groups * n, heads))
+    conv = seq.convolve(i, O.cont(xbc), p[b + "ssm_conv1d.weight"])
+    conv = O.silu(O.add(conv, p[b + "ssm_conv1d.bias"]))
+    x, bs, cs = B.columns(conv, (d, groups * n, groups * n))
+    x = O.reshape(O.cont(x), rows + (heads, d // heads))
+    bs, cs = (per_head(cfg, t, rows) for t in (bs, cs))
+    dt = O.softplus(O.add(O.cont(dt), p[b + "ssm_dt.bias"]))                   # (*rows, heads)
+    decay = O.mul(dt, O.reshape(p[b + "ssm_a"], (heads,)))
+    y = seq.recur(i, cs, bs, x, decay, dt, delta=False, scale=1.0)           # (*rows, heads, p)
+    y = O.add(y, O.mul(x, p[b + "ssm_d"]))
+    y = O.mul(y, O.silu(O.reshape(O.cont(z), rows + (heads, d // heads))))
+    y = B.rms_norm(cfg, O.reshape(y, rows + (groups, d // groups)), p[b + "ssm_norm.weight"])
+    return O.reshape(y, rows + (d,))
+
+
+def per_head(cfg, t, rows):
+    """B or C (*rows, groups * state) as (*rows, heads, state): head h reads group
+    h // (heads / groups) (ggml_ssm_scan's repeat_interleave)."""
+    heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
+    t = O.cont(t)
+    if heads == groups:
+        return O.reshape(t, rows + (heads, n))
+    r = 1
+    for s in rows:
+        r *= s
+    t = O.repeat(O.reshape(t, (r, groups, 1, n)), (r, groups, heads // groups, n))
+    return O.reshape(t, rows + (heads, n))
+
+
+def check_mamba2(cfg):
+    """A ShapeError where cfg's Mamba2 sizes do not fit together."""
+    if min(cfg.ssm_state, cfg.ssm_heads, cfg.ssm_groups) < 1 or cfg.conv_kernel < 2:
+        raise ShapeError(f"a {cfg.arch} needs ssm_state, ssm_heads, ssm_groups and a "
+                         f"conv_kernel of at least 2, got {cfg.ssm_state}, {cfg.ssm_heads}, "
+                         f"{cfg.ssm_groups}, {cfg.conv_kernel}")
+    if cfg.ssm_heads % cfg.ssm_groups or inner_size(cfg) % cfg.ssm_heads:
+        raise ShapeError(f"ssm_heads {cfg.ssm_heads} must be a multiple of ssm_groups "
+                         f"{cfg.ssm_groups} and divide the inner size {inner_size(cfg)}")
+
+
 class GraniteHybrid(Granite):
     arch = "granitehybrid"
     keys = {**Granite.keys, "conv_kernel": "{arch}.ssm.conv_kernel",
@@ -45,27 +103,21 @@ class GraniteHybrid(Granite):
 
     # -- the model's sizes -----------------------------------------------------------------
 
-    def inner(self, cfg) -> int:
-        return 2 * cfg.n_embd      # llama.cpp supports an expansion factor of 2 only
-
     def conv_widths(self, cfg):
-        width = self.inner(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
+        width = inner_size(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
         return {i: width for i in cfg.recurrent_layers}
 
     def state_size(self, cfg):
-        return self.inner(cfg) * cfg.ssm_state
+        return inner_size(cfg) * cfg.ssm_state
 
     def check(self, cfg):
-        if min(cfg.ssm_state, cfg.ssm_heads, cfg.ssm_groups) < 1 or cfg.conv_kernel < 2:
-            raise ShapeError("a granitehybrid needs ssm_state, ssm_heads, ssm_groups and a "
-                             f"conv_kernel of at least 2, got {cfg.ssm_state}, "
-                             f"{cfg.ssm_heads}, {cfg.ssm_groups}, {cfg.conv_kernel}")
+        check_mamba2(cfg)
+        if cfg.ssm_inner not in (0, 2 * cfg.n_embd):    # llama.cpp asserts it
+            raise ShapeError(f"a granitehybrid's ssm_inner {cfg.ssm_inner} must be twice "
+                             f"n_embd {cfg.n_embd}")
         if cfg.no_rope and not cfg.recurrent_layers:   # the converter makes those 'granite'
             raise ShapeError("a granitehybrid without rope needs Mamba2 layers (their "
                              "convolutions take the positions)")
-        if cfg.ssm_heads % cfg.ssm_groups or self.inner(cfg) % cfg.ssm_heads:
-            raise ShapeError(f"ssm_heads {cfg.ssm_heads} must be a multiple of ssm_groups "
-                             f"{cfg.ssm_groups} and divide the inner size {self.inner(cfg)}")
 
     def attends(self, cfg, i):
         return i not in cfg.recurrent_layers
@@ -85,7 +137,7 @@ class GraniteHybrid(Granite):
     # -- files -----------------------------------------------------------------------------
 
     def more_keys(self, cfg):
-        return {INNER_SIZE.format(arch=self.arch): (self.inner(cfg), _T.UINT32),
+        return {INNER_SIZE.format(arch=self.arch): (inner_size(cfg), _T.UINT32),
                 ROPE_FINETUNED.format(arch=self.arch): (not cfg.no_rope, _T.BOOL)}
 
     def read_more_keys(self, f, hp):
@@ -104,15 +156,9 @@ class GraniteHybrid(Granite):
         shapes = super().block_shapes(cfg, i)
         if i not in cfg.recurrent_layers:
             return shapes
-        e, d, heads = cfg.n_embd, self.inner(cfg), cfg.ssm_heads
-        width = self.conv_widths(cfg)[i]
-        mamba = {"attn_norm.weight": (e,), "ssm_in.weight": (d + width + heads, e),
-                 "ssm_conv1d.weight": (width, cfg.conv_kernel), "ssm_conv1d.bias": (width,),
-                 "ssm_dt.bias": (heads,), "ssm_a": (heads, 1), "ssm_d": (heads, 1),
-                 "ssm_norm.weight": (cfg.ssm_groups, d // cfg.ssm_groups),
-                 "ssm_out.weight": (e, d)}
-        return {**mamba, **{n: s for n, s in shapes.items()
-                            if n.startswith("ffn_")}}
+        mamba = {"attn_norm.weight": (cfg.n_embd,),
+                 **mamba2_shapes(cfg, self.conv_widths(cfg)[i])}
+        return {**mamba, **{n: s for n, s in shapes.items() if n.startswith("ffn_")}}
 
     # -- the graph -------------------------------------------------------------------------
 
@@ -121,40 +167,9 @@ class GraniteHybrid(Granite):
             return super().mix(cfg, p, i, x, seq)
         b = f"blk.{i}."
         h = B.rms_norm(cfg, x, p[b + "attn_norm.weight"])
-        return B.linear(p, b + "ssm_out.weight", self.mamba2(cfg, p, b, i, h, seq),
+        return B.linear(p, b + "ssm_out.weight", mamba2(cfg, p, b, i, h, seq),
                         residual=x, alpha=cfg.residual_scale)
 
-    def mamba2(self, cfg, p, b, i, h, seq):
-        """Block b's Mamba2 mixer of h (module docstring), before ssm_out: (*rows, d_inner)."""
-        rows, d = h.shape[:-1], self.inner(cfg)
-        heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
-        z, xbc, dt = B.columns(B.linear(p, b + "ssm_in.weight", h),
-                               (d, d + 2 * groups * n, heads))
-        conv = seq.convolve(i, O.cont(xbc), p[b + "ssm_conv1d.weight"])
-        conv = O.silu(O.add(conv, p[b + "ssm_conv1d.bias"]))
-        x, bs, cs = B.columns(conv, (d, groups * n, groups * n))
-        x = O.reshape(O.cont(x), rows + (heads, d // heads))
-        bs, cs = (self.per_head(cfg, t, rows) for t in (bs, cs))
-        dt = O.softplus(O.add(O.cont(dt), p[b + "ssm_dt.bias"]))               # (*rows, heads)
-        decay = O.mul(dt, O.reshape(p[b + "ssm_a"], (heads,)))
-        y = seq.recur(i, cs, bs, x, decay, dt, delta=False, scale=1.0)       # (*rows, heads, p)
-        y = O.add(y, O.mul(x, p[b + "ssm_d"]))
-        y = O.mul(y, O.silu(O.reshape(O.cont(z), rows + (heads, d // heads))))
-        y = B.rms_norm(cfg, O.reshape(y, rows + (groups, d // groups)), p[b + "ssm_norm.weight"])
-        return O.reshape(y, rows + (d,))
-
-    def per_head(self, cfg, t, rows):
-        """B or C (*rows, groups * state) as (*rows, heads, state): head h reads group
-        h // (heads / groups) (ggml_ssm_scan's repeat_interleave)."""
-        heads, groups, n = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
-        t = O.cont(t)
-        if heads == groups:
-            return O.reshape(t, rows + (heads, n))
-        r = 1
-        for s in rows:
-            r *= s
-        t = O.repeat(O.reshape(t, (r, groups, 1, n)), (r, groups, heads // groups, n))
-        return O.reshape(t, rows + (heads, n))
 
 
 FAMILY = GraniteHybrid()
