@@ -3,7 +3,7 @@ the parameters as tensors under llama.cpp's names, general.file_type, and the mo
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
 qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4,
-granitehybrid, nemotron_h) shares it: the keys are the same under the prefix "<arch>.",
+granitehybrid, nemotron_h, falcon-h1) shares it: the keys are the same under the prefix "<arch>.",
 and each family's module adds its own keys and tensors (docs/families.md). Built on the
 container, ggwgpu.gguf_file; checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are
 model files with more.

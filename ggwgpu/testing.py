@@ -461,7 +461,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
-    if arch in ("granitehybrid", "nemotron_h"):
+    if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
     if arch == "qwen35":
         return qwen35_reference_logits(cfg, values, tokens)
@@ -668,7 +668,9 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
     y * silu(z) RMS-normed in groups by ssm_norm; ssm_out), elsewhere attention, roped
     (normal) unless cfg.no_rope. nemotron_h (src/models/nemotron-h.cpp): each block x +
     one mixer of attn_norm(x): that Mamba2 (d_inner ssm_inner), ffn_down(relu(ffn_up h)^2)
-    on cfg.mlp_layers, else attention without rope."""
+    on cfg.mlp_layers, else attention without rope. falcon-h1 (src/models/falcon-h1.cpp):
+    attention (neox rope) and the Mamba2 side by side in every block, then the SwiGLU
+    feed-forward normed by ffn_norm."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     eps, n, hd = cfg.norm_eps, len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
@@ -676,35 +678,44 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
     d = cfg.ssm_inner or 2 * cfg.n_embd
     heads, groups, state = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
     x = w["token_embd.weight"][tokens] * cfg.embedding_scale
+    falcon = cfg.arch == "falcon-h1"
+
+    def mamba(p, h):
+        z, xbc, dt = np.split(h @ p("ssm_in.weight").T, [d, 2 * d + 2 * groups * state], axis=1)
+        xbc = _silu(_causal_conv(xbc, p("ssm_conv1d.weight")) + p("ssm_conv1d.bias"))
+        xs, bs, cs = np.split(xbc, [d, d + groups * state], axis=1)
+        dt = np.logaddexp(0, dt + p("ssm_dt.bias"))
+        y = mamba2_steps(xs.reshape(n, heads, -1), bs.reshape(n, groups, state),
+                         cs.reshape(n, groups, state), dt, p("ssm_a")[:, 0], p("ssm_d")[:, 0],
+                         groups).reshape(n, d) * _silu(z)
+        if cfg.mamba_norm:
+            y = _rms_norm(y.reshape(n, groups, -1), p("ssm_norm.weight"), eps).reshape(n, d)
+        return y @ p("ssm_out.weight").T
+
+    def attention(p, h):
+        q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
+        if not (cfg.no_rope or nemotron):
+            q, k = (_rope(t, positions, cfg.rot, falcon, cfg.rope_freq_base,
+                          cfg.rope_freq_scale, np.ones(cfg.rot // 2)) for t in (q, k))
+        kq_scale = cfg.attention_scale or 1 / np.sqrt(hd)
+        return _attention(q, k, v, kq_scale) @ p("attn_output.weight").T
+
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
         h = _rms_norm(x, p("attn_norm.weight"), eps)
-        if il in cfg.recurrent_layers:
-            z, xbc, dt = np.split(h @ p("ssm_in.weight").T, [d, 2 * d + 2 * groups * state],
-                                  axis=1)
-            xbc = _silu(_causal_conv(xbc, p("ssm_conv1d.weight")) + p("ssm_conv1d.bias"))
-            xs, bs, cs = np.split(xbc, [d, d + groups * state], axis=1)
-            dt = np.logaddexp(0, dt + p("ssm_dt.bias"))
-            y = mamba2_steps(xs.reshape(n, heads, -1), bs.reshape(n, groups, state),
-                             cs.reshape(n, groups, state), dt, p("ssm_a")[:, 0],
-                             p("ssm_d")[:, 0], groups).reshape(n, d)
-            y = _rms_norm((y * _silu(z)).reshape(n, groups, -1), p("ssm_norm.weight"), eps)
-            out = y.reshape(n, d) @ p("ssm_out.weight").T
+        if falcon:      # attention and Mamba2 side by side
+            out = attention(p, h) + mamba(p, h)
+        elif il in cfg.recurrent_layers:
+            out = mamba(p, h)
         elif il in cfg.mlp_layers:      # nemotron_h's feed-forward blocks
-            x = x + np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
-            continue
+            out = np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
         else:
-            q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
-            if not (cfg.no_rope or nemotron):
-                q, k = (_rope(t, positions, cfg.rot, False, cfg.rope_freq_base,
-                              cfg.rope_freq_scale, np.ones(cfg.rot // 2)) for t in (q, k))
-            kq_scale = cfg.attention_scale or 1 / np.sqrt(hd)
-            out = _attention(q, k, v, kq_scale) @ p("attn_output.weight").T
+            out = attention(p, h)
         x = x + cfg.residual_scale * out
         if nemotron:        # a block is its mixer alone
             continue
-        ffn = _glu(_rms_norm(x, p("ffn_norm.weight"), eps), p("ffn_gate.weight"),
-                   p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+        ffn = _glu(_rms_norm(x, p("ffn_norm" if falcon else "ffn_norm.weight"), eps),
+                   p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
         x = x + cfg.residual_scale * ffn
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T / cfg.logit_scale

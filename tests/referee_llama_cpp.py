@@ -100,6 +100,16 @@ CONFIGS = {
                               recurrent_layers=(0, 3, 5), mlp_layers=(1, 4), conv_kernel=4,
                               ssm_state=16, ssm_heads=16, ssm_groups=2, ssm_inner=128,
                               arch="nemotron_h"),
+    # Falcon-H1: attention (neox rope) and a Mamba2 (8 heads over 2 groups, state 16) side by
+    # side in every block; and without ssm_norm
+    "falcon-h1": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=3,
+                             recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=16,
+                             ssm_heads=8, ssm_groups=2, ssm_inner=96, rope_freq_base=1e11,
+                             arch="falcon-h1"),
+    "falcon-h1-plain": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_layer=2,
+                                   recurrent_layers=(0, 1), conv_kernel=4, ssm_state=8,
+                                   ssm_heads=4, ssm_groups=1, ssm_inner=64, mamba_norm=False,
+                                   tied_embeddings=True, arch="falcon-h1"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,

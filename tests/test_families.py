@@ -95,6 +95,11 @@ FAMILIES = {
                               recurrent_layers=(0, 3), mlp_layers=(1,), conv_kernel=4,
                               ssm_state=4, ssm_heads=8, ssm_groups=2, ssm_inner=32,
                               arch="nemotron_h"),
+    # Falcon-H1-0.5B: attention and a Mamba2 in every block, the feed-forward's norm named
+    # blk.N.ffn_norm, tied
+    "falcon-h1": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, recurrent_layers=(0, 1),
+                             conv_kernel=4, ssm_state=4, ssm_heads=4, ssm_groups=1,
+                             ssm_inner=24, tied_embeddings=True, arch="falcon-h1"),
     # SmolLM3-3B: no rope on every fourth layer
     "smollm3": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, tied_embeddings=True,
                            rope_freq_base=5e6, arch="smollm3"),

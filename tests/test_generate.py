@@ -105,6 +105,10 @@ GRANITEH = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n
 NEMOTRON = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=5, n_ff=12, n_ctx=8,
                        recurrent_layers=(0, 2, 4), mlp_layers=(1,), conv_kernel=4, ssm_state=3,
                        ssm_heads=4, ssm_groups=1, ssm_inner=12, arch="nemotron_h")
+# falcon-h1: attention and a Mamba2 side by side in every block (a KV cache and a state each)
+FALCON_H1 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=3, n_ff=12, n_ctx=8,
+                        recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=3, ssm_heads=4,
+                        ssm_groups=2, ssm_inner=16, arch="falcon-h1")
 # exaone4: post-norms only, per-head QK norms, rope factors
 EXAONE4 = dataclasses.replace(GQA, arch="exaone4", n_rot=None, rope_freqs=True)
 # ernie4_5: llama's block, heads wider than n_embd / n_head
@@ -138,7 +142,7 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
             "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
             "arcee": ARCEE, "glm4": GLM4, "granitehybrid": GRANITEH,
-            "nemotron_h": NEMOTRON,
+            "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35}

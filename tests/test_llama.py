@@ -90,6 +90,12 @@ NEMOTRON = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n
                        n_ctx=5, recurrent_layers=(0, 2), mlp_layers=(1,), conv_kernel=3,
                        ssm_state=3, ssm_heads=6, ssm_groups=3, ssm_inner=12,
                        arch="nemotron_h")
+# Falcon-H1: attention (neox rope, heads wider than n_embd / n_head) and a Mamba2 (without
+# ssm_norm, as some files) side by side in every block
+FALCON_H1 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
+                        n_ff=12, n_ctx=5, recurrent_layers=(0, 1), conv_kernel=3, ssm_state=3,
+                        ssm_heads=4, ssm_groups=1, ssm_inner=8, mamba_norm=False,
+                        arch="falcon-h1")
 # SmolLM3: the fourth layer without rope
 SMOLLM3 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12, n_ctx=5,
                       arch="smollm3")
@@ -126,7 +132,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "olmo3-yarn": dataclasses.replace(OLMO3, **YARN),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3, "hunyuan-dense": HUNYUAN, "arcee": ARCEE, "glm4": GLM4,
-           "granitehybrid": GRANITEH, "nemotron_h": NEMOTRON,
+           "granitehybrid": GRANITEH, "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,
+           "falcon-h1-norm": dataclasses.replace(FALCON_H1, mamba_norm=True, ssm_groups=2),
            "granitehybrid-rope": dataclasses.replace(GRANITEH, no_rope=False, ssm_groups=4),
            "minicpm": MINICPM, "minicpm-short": dataclasses.replace(MINICPM, rope_orig_ctx=8),
            "smollm3": SMOLLM3,

@@ -2,14 +2,14 @@
 of blocks.py on the base block of family.py; transformer.py makes their graphs.
 
 FAMILIES maps llama.cpp's general.architecture to its family."""
-from . import (arcee, ernie4_5, exaone4, gemma2, gemma3, gemma4, glm4, granite, granitehybrid,
-               hunyuan_dense, lfm2, llama, minicpm, mistral3, nemotron_h, olmo2, phi3, qwen2,
-               qwen3, qwen35, smollm3)
+from . import (arcee, ernie4_5, exaone4, falcon_h1, gemma2, gemma3, gemma4, glm4, granite,
+               granitehybrid, hunyuan_dense, lfm2, llama, minicpm, mistral3, nemotron_h, olmo2,
+               phi3, qwen2, qwen3, qwen35, smollm3)
 
 FAMILIES = {m.FAMILY.arch: m.FAMILY
             for m in (llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2,
                        gemma4, qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan_dense,
-                       minicpm, arcee, glm4, granitehybrid, nemotron_h)}
+                       minicpm, arcee, glm4, granitehybrid, nemotron_h, falcon_h1)}
 
 
 # Archs of well-known models that ggwgpu does not compute yet, and what it lacks for them:
@@ -19,7 +19,6 @@ MISSING = {
                      "phimoe", "glm4moe", "ernie4_5-moe", "hunyuan-moe", "smallthinker",
                      "bailingmoe2", "afmoe", "deepseek2", "mistral4", "llama4", "qwen3next"),
                     "mixture-of-experts blocks"),
-    "falcon-h1": "Falcon-H1's parallel attention and Mamba2 mixers",
     "nemotron_h_moe": "mixture-of-experts blocks",
     "mamba2": "Mamba2 models without attention", "jamba": "Jamba's Mamba and experts",
     "mamba": "Mamba layers", "rwkv7": "RWKV-7 layers",

@@ -76,6 +76,8 @@ class ModelConfig:
     ssm_inner: int = 0              # nemotron_h: a Mamba2 layer's d_inner (ssm.inner_size;
                                     # 0: granitehybrid's 2 n_embd)
     mlp_layers: tuple = ()          # nemotron_h: the blocks that are a feed-forward alone
+    mamba_norm: bool = True         # whether the Mamba2 layers RMS-norm their output in groups
+                                    # (ssm_norm.weight; falcon-h1 files may have none)
     rope_scaling: str = "linear"    # rope.scaling.type: "linear" (rope_freq_scale scales
                                     # every angle), "yarn" (YaRN: the fast pairs less, and
                                     # cos and sin times 0.1 ln(1 / rope_freq_scale) + 1) or
@@ -149,7 +151,7 @@ class ModelConfig:
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
                     "rope_sections", "attn_logit_softcap", "rope_scaling",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
-                    "no_rope", "ssm_inner", "mlp_layers")
+                    "no_rope", "ssm_inner", "mlp_layers", "mamba_norm")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -38,10 +38,13 @@ def inner_size(cfg) -> int:
 def mamba2_shapes(cfg, width: int) -> dict:
     """A Mamba2 mixer's tensors (block-relative name -> shape), its convolution `width`."""
     e, d, heads = cfg.n_embd, inner_size(cfg), cfg.ssm_heads
-    return {"ssm_in.weight": (d + width + heads, e),
-            "ssm_conv1d.weight": (width, cfg.conv_kernel), "ssm_conv1d.bias": (width,),
-            "ssm_dt.bias": (heads,), "ssm_a": (heads, 1), "ssm_d": (heads, 1),
-            "ssm_norm.weight": (cfg.ssm_groups, d // cfg.ssm_groups), "ssm_out.weight": (e, d)}
+    shapes = {"ssm_in.weight": (d + width + heads, e),
+              "ssm_conv1d.weight": (width, cfg.conv_kernel), "ssm_conv1d.bias": (width,),
+              "ssm_dt.bias": (heads,), "ssm_a": (heads, 1), "ssm_d": (heads, 1),
+              "ssm_norm.weight": (cfg.ssm_groups, d // cfg.ssm_groups), "ssm_out.weight": (e, d)}
+    if not cfg.mamba_norm:
+        del shapes["ssm_norm.weight"]
+    return shapes
 
 
 def mamba2(cfg, p, b, i, h, seq):
@@ -59,7 +62,8 @@ def mamba2(cfg, p, b, i, h, seq):
     y = seq.recur(i, cs, bs, x, decay, dt, delta=False, scale=1.0)           # (*rows, heads, p)
     y = O.add(y, O.mul(x, p[b + "ssm_d"]))
     y = O.mul(y, O.silu(O.reshape(O.cont(z), rows + (heads, d // heads))))
-    y = B.rms_norm(cfg, O.reshape(y, rows + (groups, d // groups)), p[b + "ssm_norm.weight"])
+    if cfg.mamba_norm:
+        y = B.rms_norm(cfg, O.reshape(y, rows + (groups, d // groups)), p[b + "ssm_norm.weight"])
     return O.reshape(y, rows + (d,))
 
 
