@@ -23,6 +23,17 @@ def rule_inputs(batch, t, heads, size, seed=0):
     return q, k, v, g, beta
 
 
+def check_gradients(o, params):
+    """The gradients of a random weighted sum of o against finite differences."""
+    weights = np.random.default_rng(6).uniform(-1, 1, o.shape)
+    loss = gg.ops.sum(gg.ops.mul(o, constant(weights.astype(np.float32))))
+    grads = gg.build_backward(loss, params)
+    plan = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    plan.run({})
+    spot_check_gradients(loss, {p: plan.read(d) for p, d in grads.items()}, {}, samples=10,
+                         atol=1e-7, rtol=1e-5)
+
+
 def run(outputs, backend=None, feeds=None):
     plan = (backend or NumpyBackend(np.float64)).plan(outputs)
     plan.run(feeds or {})
@@ -69,13 +80,7 @@ def test_without_the_delta_correction_it_is_mamba2_s_scan_token_by_token(t, chun
     np.testing.assert_allclose(zero, delta_rule_steps(*inputs, **rule)[0], rtol=0, atol=1e-6)
     params = [param(x.astype(np.float32), name=n) for x, n in zip(inputs, "qkvgb")]
     o = delta_rule(*params, chunk=chunk, **rule)
-    weights = np.random.default_rng(6).uniform(-1, 1, o.shape)
-    loss = gg.ops.sum(gg.ops.mul(o, constant(weights.astype(np.float32))))
-    grads = gg.build_backward(loss, params)
-    plan = NumpyBackend(np.float64).plan([loss, *grads.values()])
-    plan.run({})
-    spot_check_gradients(loss, {p: plan.read(d) for p, d in grads.items()}, {}, samples=10,
-                         atol=1e-7, rtol=1e-5)
+    check_gradients(o, params)
 
 
 def test_segment_masks_keep_sequences_apart_within_and_across_chunks():
@@ -117,13 +122,7 @@ def test_the_chunked_rule_s_gradients_are_its_finite_differences(packed):
     if packed:
         masks = tuple(constant(m) for m in segment_masks([[0] * 4 + [1] * 3, [0] * 7], 3))
     o = delta_rule(*leaves, chunk=3, segments=masks)
-    weights = np.random.default_rng(6).uniform(-1, 1, o.shape)
-    loss = gg.ops.sum(gg.ops.mul(o, constant(weights.astype(np.float32))))
-    grads = gg.build_backward(loss, leaves)
-    plan = NumpyBackend(np.float64).plan([loss, *grads.values()])
-    plan.run({})
-    spot_check_gradients(loss, {p: plan.read(d) for p, d in grads.items()}, {}, samples=10,
-                         atol=1e-7, rtol=1e-5)
+    check_gradients(o, leaves)
 
 
 def test_the_chunked_rule_and_its_gradients_on_the_device_equal_numpy(wgpu):

@@ -9,19 +9,17 @@ from gguf import GGUFValueType
 from ..tensor import ShapeError
 from . import blocks as B
 from .family import Family
-from .granitehybrid import INNER_SIZE, check_mamba2, inner_size, mamba2, mamba2_shapes
+from .granitehybrid import (INNER_SIZE, MAMBA2_KEYS, Mamba2Layers, check_mamba2,
+                            inner_size, mamba2, mamba2_shapes)
 
 _T = GGUFValueType
 FFN_NORM = "ffn_norm"
 
 
-class FalconH1(Family):
+class FalconH1(Mamba2Layers, Family):
     arch = "falcon-h1"
     rope_mode = "neox"
-    keys = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm.state_size",
-            "ssm_heads": "{arch}.ssm.time_step_rank", "ssm_groups": "{arch}.ssm.group_count"}
-    required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
-    values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
+    keys = MAMBA2_KEYS
     unsupported = {"attn_output.bias": "an attention output bias",
                    "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
                    "ffn_gate.bias": "feed-forward biases"}
@@ -31,16 +29,6 @@ class FalconH1(Family):
         if cfg.recurrent_layers != tuple(range(cfg.n_layer)):
             raise ShapeError(f"every falcon-h1 block has a Mamba2: recurrent_layers must be "
                              f"0 .. {cfg.n_layer - 1}")
-
-    def conv_widths(self, cfg):
-        width = inner_size(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
-        return {i: width for i in cfg.recurrent_layers}
-
-    def state_size(self, cfg):
-        return inner_size(cfg) * cfg.ssm_state
-
-    def initial(self, name):
-        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
 
     # -- files -----------------------------------------------------------------------------
 

@@ -92,20 +92,16 @@ def check_mamba2(cfg):
                          f"{cfg.ssm_groups} and divide the inner size {inner_size(cfg)}")
 
 
-class GraniteHybrid(Granite):
-    arch = "granitehybrid"
-    keys = {**Granite.keys, "conv_kernel": "{arch}.ssm.conv_kernel",
-            "ssm_state": "{arch}.ssm.state_size", "ssm_heads": "{arch}.ssm.time_step_rank",
-            "ssm_groups": "{arch}.ssm.group_count"}
-    required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
-    values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
-    unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
-                   "ffn_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
-                   "attn_output.bias": "an attention output bias",
-                   "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
-                   "ffn_gate.bias": "feed-forward biases"}
+MAMBA2_KEYS = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm.state_size",
+               "ssm_heads": "{arch}.ssm.time_step_rank", "ssm_groups": "{arch}.ssm.group_count"}
 
-    # -- the model's sizes -----------------------------------------------------------------
+
+class Mamba2Layers:
+    """What the families with Mamba2 layers (cfg.recurrent_layers) share: the sizes' keys
+    (llama.cpp requires them), the values stored 2-D, the convolutions' widths, the states'
+    sizes, ssm_a's start. Listed before the family's base class."""
+    required = tuple(MAMBA2_KEYS)
+    values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
 
     def conv_widths(self, cfg):
         width = inner_size(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
@@ -113,6 +109,21 @@ class GraniteHybrid(Granite):
 
     def state_size(self, cfg):
         return inner_size(cfg) * cfg.ssm_state
+
+    def initial(self, name):
+        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
+
+
+class GraniteHybrid(Mamba2Layers, Granite):
+    arch = "granitehybrid"
+    keys = {**Granite.keys, **MAMBA2_KEYS}
+    unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
+                   "ffn_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
+                   "attn_output.bias": "an attention output bias",
+                   "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
+                   "ffn_gate.bias": "feed-forward biases"}
+
+    # -- the model's sizes -----------------------------------------------------------------
 
     def check(self, cfg):
         check_mamba2(cfg)
@@ -134,9 +145,6 @@ class GraniteHybrid(Granite):
 
     def kv_free_layers(self, cfg):
         return cfg.recurrent_layers
-
-    def initial(self, name):
-        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
 
     # -- files -----------------------------------------------------------------------------
 

@@ -12,20 +12,17 @@ from ..tensor import ShapeError
 from . import blocks as B
 from .arcee import relu_squared
 from .family import Family
-from .granitehybrid import INNER_SIZE, check_mamba2, inner_size, mamba2, mamba2_shapes
+from .granitehybrid import (INNER_SIZE, MAMBA2_KEYS, Mamba2Layers, check_mamba2,
+                            inner_size, mamba2, mamba2_shapes)
 
 _T = GGUFValueType
 MOE = "mixture-of-experts blocks"
 
 
-class NemotronH(Family):
+class NemotronH(Mamba2Layers, Family):
     arch = "nemotron_h"
     ff_free = True
-    keys = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm.state_size",
-            "ssm_heads": "{arch}.ssm.time_step_rank", "ssm_groups": "{arch}.ssm.group_count",
-            "attention_scale": Keys.Attention.SCALE}
-    required = ("conv_kernel", "ssm_state", "ssm_heads", "ssm_groups")
-    values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
+    keys = {**MAMBA2_KEYS, "attention_scale": Keys.Attention.SCALE}
     unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
                    "ffn_up_exps.weight": MOE, "attn_output.bias": "an attention output bias",
                    "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases"}
@@ -50,16 +47,6 @@ class NemotronH(Family):
 
     def kv_free_layers(self, cfg):
         return tuple(sorted(cfg.recurrent_layers + cfg.mlp_layers))
-
-    def conv_widths(self, cfg):
-        width = inner_size(cfg) + 2 * cfg.ssm_groups * cfg.ssm_state
-        return {i: width for i in cfg.recurrent_layers}
-
-    def state_size(self, cfg):
-        return inner_size(cfg) * cfg.ssm_state
-
-    def initial(self, name):
-        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
 
     # -- files -----------------------------------------------------------------------------
 
