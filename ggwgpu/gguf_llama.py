@@ -3,10 +3,10 @@ the parameters as tensors under llama.cpp's names, general.file_type, and the mo
 that llama.cpp loads (`save_model` / `load_model`). Every family (ModelConfig.arch, one of
 models.FAMILIES: llama, qwen2, qwen3, gemma2, gemma3, smollm3, phi3, granite, lfm2, gemma4,
 qwen35, olmo2, ernie4_5, exaone4, mistral3, hunyuan-dense, minicpm, arcee, glm4,
-granitehybrid, nemotron_h, falcon-h1) shares it: the keys are the same under the prefix "<arch>.",
-and each family's module adds its own keys and tensors (docs/families.md). Built on the
-container, ggwgpu.gguf_file; checkpoints (ggwgpu.checkpoint) and adapters (ggwgpu.lora) are
-model files with more.
+granitehybrid, nemotron_h, falcon-h1) shares it: the keys are the same under the prefix
+"<arch>.", and each family's module adds its own keys and tensors (docs/families.md). Built
+on the container, ggwgpu.gguf_file; checkpoints (ggwgpu.checkpoint) and adapters
+(ggwgpu.lora) are model files with more.
 
 Model file
     general.architecture, the family (<arch> below), general.name, general.type "model",
@@ -19,11 +19,12 @@ Model file
     .attention.key_length and .value_length (only when the head size is not
     embedding_length / head_count), .rope.dimension_count, .rope.freq_base,
     .attention.layer_norm_rms_epsilon, .vocab_size, and, when
-    rope_freq_scale != 1 or YaRN, .rope.scaling.type ("linear" or "yarn") with
-    .rope.scaling.factor = 1 / rope_freq_scale (llama.cpp reads freq_scale = 1 / factor),
-    .rope.scaling.original_context_length and .rope.scaling.attn_factor where set; the
-    tokenizer's tokenizer.ggml.* keys; ggwgpu.config_json, the ModelConfig as JSON, so that float
-    hyper-parameters come back exactly rather than rounded to float32. Tensors: the
+    rope_freq_scale != 1 or YaRN or LongRoPE, .rope.scaling.type ("linear", "yarn" or
+    "longrope") with .rope.scaling.factor = 1 / rope_freq_scale (llama.cpp reads
+    freq_scale = 1 / factor), .rope.scaling.original_context_length and
+    .rope.scaling.attn_factor where set; the tokenizer's tokenizer.ggml.* keys;
+    ggwgpu.config_json, the ModelConfig as JSON, so that float hyper-parameters come back
+    exactly rather than rounded to float32. Tensors: the
     parameters under llama.cpp's names (`parameter_shapes`: no output.weight when the
     embeddings are tied, rope_freqs.weight for Llama 3's frequency factors, the Q/K/V biases
     of qwen2), shapes in NumPy order (gguf-py writes them reversed, as ggml's ne); f32, or a
@@ -89,7 +90,7 @@ OPTIMIZER_TENSOR_PREFIX = "optimizer."
 
 MIN_ROPE_FACTOR, MAX_ROPE_FACTOR = 1e-3, 1e4   # published files use 2 .. 64
 # rope.scaling.type values read ("none": linear at factor 1); YaRN's own keys
-# (rope.scaling.yarn_*) are not read, as llama.cpp reads them for none of these families
+# (rope.scaling.yarn_*) are read by mistral3 alone, as llama.cpp reads them
 ROPE_SCALING_TYPES = ("linear", "none", "yarn", "longrope")
 MIN_BLOCK_TENSORS = 6       # no family's block has fewer (phi3's, fused)
 FIELD_DEFAULTS = {f.name: f.default for f in dataclasses.fields(ModelConfig)}

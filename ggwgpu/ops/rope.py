@@ -1,7 +1,7 @@
 """Rotary position embedding: rope and its backward rope_back (the inverse rotation), and
 rope_ff / rope_ff_back, the same with per-pair frequency factors (Llama 3's rope_freqs).
 
-Shader: shaders/rope.wgsl, one body for all four (p.f.z = +1 forward, -1 backward, as
+Shader: shaders/rope.wgsl, one body for all four (p.f.z's sign +1 forward, -1 backward, as
 ggml flips the sign of sin for the backward; the rope_ff entry point also reads the
 factors). Positions are int32 and factors a fixed table: neither takes a gradient.
 
