@@ -242,7 +242,8 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     n_embd, n_head = f.int_key(k.embd), f.int_key(k.heads)
     n_layer = f.int_key(k.layers, minimum=0)
     # nemotron_h's files may hold only the layer norm's epsilon, which llama.cpp then takes
-    eps = k.eps if k.eps in f.meta or not FAMILIES[arch].ff_free else k.layer_norm_eps
+    eps = k.eps if k.eps in f.meta or not FAMILIES[arch].layer_norm_eps_fallback \
+        else k.layer_norm_eps
     hp = dict(arch=arch, n_embd=n_embd, n_head=n_head, n_layer=n_layer,
               n_ctx=f.int_key(k.ctx), norm_eps=f.float_key(eps),
               rope_freq_base=f.float_key(k.freq_base, default=10000.0))
@@ -261,12 +262,13 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
     else:
         hp["n_ff"] = f.int_key(k.ff)
     n_head_kv = f.meta.get(k.heads_kv, n_head)
-    if isinstance(n_head_kv, list) and 0 in n_head_kv:   # lfm2: 0 where a block convolves
+    if isinstance(n_head_kv, list) and 0 in n_head_kv:   # 0 where a block does not attend
         kinds = set(per_layer(f, k.heads_kv, n_head_kv, n_layer, 0)) - {0}
         if len(kinds) > 1:
             raise GGUFError(f"{f.path}: {k.heads_kv} must hold 0 or one other value per "
                             f"layer, got {n_head_kv[:8]}")
-        hp["conv_layers"] = tuple(i for i, v in enumerate(n_head_kv) if v == 0)
+        hp.update(FAMILIES[arch].kv_free_fields(
+            tuple(i for i, v in enumerate(n_head_kv) if v == 0), hp))
         n_head_kv = kinds.pop() if kinds else n_head    # no layer attends: the family says
     elif isinstance(n_head_kv, list):   # per layer (gemma4's sliding and global layers)
         n_head_kv = per_layer(f, k.heads_kv, n_head_kv, n_layer, 1)

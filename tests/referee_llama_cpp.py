@@ -24,7 +24,7 @@ import llama_cpp
 from ggwgpu import gguf_file, gguf_llama, lora
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.generate import Decoder
-from ggwgpu.models import ModelConfig, build_train_graph, init_parameters
+from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, vector_like
 from ggwgpu.testing import reference_logits
 from ggwgpu.tokenizer import ByteTokenizer
 
@@ -183,9 +183,8 @@ CONFIGS = {
 
 def values_of(cfg, seed=1):
     rng = np.random.default_rng(seed)
-    v = {k: x if x.ndim > 1 and x.shape[-1] > 1 and not k.endswith("_norm.weight")
-         else rng.uniform(0.5, 1.5, x.shape).astype(np.float32)       # vectors, norms
-         for k, x in init_parameters(cfg, seed).items()}
+    v = {k: rng.uniform(0.5, 1.5, x.shape).astype(np.float32) if vector_like(k, x.shape)
+         else x for k, x in init_parameters(cfg, seed).items()}
     v["output.weight" if "output.weight" in v else "token_embd.weight"] *= 4
     for k in v:
         if k.endswith(".bias"):

@@ -19,7 +19,8 @@ from ggwgpu.training.checkpoint import load_checkpoint, save_checkpoint
 from ggwgpu.gguf_file import GGUFError
 from ggwgpu.tensor import ShapeError
 from ggwgpu.gguf_llama import load_model, save_model
-from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
+from ggwgpu.models import (ModelConfig, build_train_graph, init_parameters, parameter_shapes,
+                           vector_like)
 from ggwgpu.tokenizer import ByteTokenizer
 from ggwgpu_cli.main import cli
 from conftest import train_state
@@ -148,7 +149,7 @@ def family_values(cfg, seed=1):
     """init_parameters with random norm weights and biases (init makes them 1 and 0), and
     qwen35's ssm_a negative, as -exp(A_log) is."""
     rng = np.random.default_rng(seed)
-    return {k: v if v.ndim > 1 and v.shape[-1] > 1 and not k.endswith("_norm.weight") else
+    return {k: v if not vector_like(k, v.shape) else
             rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if k.endswith("ssm_a") else 1)
             for k, v in init_parameters(cfg, seed).items()}
 

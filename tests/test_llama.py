@@ -9,7 +9,8 @@ import pytest
 
 import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
-from ggwgpu.models import ModelConfig, build_train_graph, init_parameters, parameter_shapes
+from ggwgpu.models import (ModelConfig, build_train_graph, init_parameters, parameter_shapes,
+                           vector_like)
 from ggwgpu.testing import reference_logits, spot_check_gradients
 
 TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
@@ -148,7 +149,7 @@ def model_values(cfg):
     # random norm weights and biases too (init makes them 1 and 0), so their gradients
     # are generic
     # (qwen35's ssm_a negative, as -exp(A_log) is)
-    return {k: v if v.ndim > 1 and v.shape[-1] > 1 and not k.endswith("_norm.weight") else
+    return {k: v if not vector_like(k, v.shape) else
             rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else
                         (-1.5, -0.5) if k.endswith("ssm_a") else (0.5, 1.5),
                         v.shape).astype(np.float32)

@@ -40,10 +40,10 @@ from .config import ModelConfig  # noqa: E402
 from .transformer import (FROZEN, MAX_LOGITS_BYTES, PRECISIONS, ROPE_TABLES,  # noqa: E402
                           DecodeGraph, TrainGraph, build_decode_graph, build_train_graph, frozen,
                           half_values, init_parameters, matrix_shapes, model_weights,
-                          packed_inputs, parameter_shapes)
+                          packed_inputs, parameter_shapes, vector_like)
 
 __all__ = ["FAMILIES", "MISSING", "arch_list", "ModelConfig", "TrainGraph", "DecodeGraph",
            "build_train_graph", "build_decode_graph", "init_parameters", "parameter_shapes",
            "matrix_shapes", "model_weights", "half_values", "packed_inputs", "attention", "FROZEN",
            "ROPE_TABLES", "frozen", "MAX_LOGITS_BYTES", "PRECISIONS", "LORA", "LORA_A", "LORA_B",
-           "OUTPUT", "ROPE_FREQS", "TOKEN_EMBD"]
+           "OUTPUT", "ROPE_FREQS", "TOKEN_EMBD", "vector_like"]

@@ -16,6 +16,7 @@ rows become E[t] + scale * B A[t]. p[name + LORA] lists the pairs (a, b, scale) 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import zlib
 from dataclasses import dataclass
@@ -133,11 +134,19 @@ def attention_temperature(cfg, positions, n_positions: int, dtype: str):
     all of them (below rope_orig_ctx)."""
     if not cfg.attn_temp_scale or n_positions <= cfg.rope_orig_ctx:
         return None
-    pos = np.arange(n_positions)
-    table = np.log(np.floor(pos / cfg.rope_orig_ctx) + 1) * cfg.attn_temp_scale + 1
-    scales = O.get_rows(constant(table[:, None], dtype, name="attention temperature"),
-                        positions)
+    table = temperature_table(n_positions, cfg.rope_orig_ctx, cfg.attn_temp_scale)
+    scales = O.get_rows(constant(table, dtype, name="attention temperature"), positions)
     return O.reshape(scales, (scales.shape[0], 1, 1))
+
+
+@functools.cache
+def temperature_table(n_positions: int, orig_ctx: int, scale: float) -> np.ndarray:
+    """attention_temperature's table (n_positions, 1), made once: the decoder's graphs of one
+    context share one upload of it (base.SharedConstants keys on the array)."""
+    pos = np.arange(n_positions)
+    table = (np.log(np.floor(pos / orig_ctx) + 1) * scale + 1)[:, None]
+    table.flags.writeable = False
+    return table
 
 
 def rope(x, positions, params: dict, factors=None):

@@ -63,6 +63,8 @@ class Family:
     # Whether the blocks may lack a feed-forward (nemotron_h: feed_forward_length per layer,
     # 0 where a block is a mixer alone; ModelConfig.mlp_layers the others)
     ff_free = False
+    # Whether llama.cpp takes attention.layer_norm_epsilon where the RMS norm's is absent
+    layer_norm_eps_fallback = False
 
     def __repr__(self):
         return f"<family {self.arch}>"
@@ -132,8 +134,9 @@ class Family:
         return False
 
     def initial(self, name: str) -> float:
-        """The value a fresh model's vector `name` (not a bias) starts at: 1, a norm's."""
-        return 1.0
+        """The value a fresh model's vector `name` (not a bias) starts at: 1, a norm's; -1
+        for a recurrent layer's ssm_a (-exp(A_log), A_log = 0: a decay)."""
+        return -1.0 if name.endswith("ssm_a") else 1.0
 
     def check(self, cfg):
         """Raise a ShapeError where cfg's hyper-parameters do not make a model of the family."""
@@ -167,6 +170,11 @@ class Family:
         """The blocks a file gives 0 K/V heads (attention.head_count_kv per layer): lfm2's
         convolutions."""
         return cfg.conv_layers
+
+    def kv_free_fields(self, layers: tuple, hp: dict) -> dict:
+        """The ModelConfig fields of the blocks a file gives 0 K/V heads (kv_free_layers'
+        inverse), from the fields read so far, `hp`."""
+        return {"conv_layers": layers}
 
     def kv_layer(self, cfg, i: int) -> int:
         """The layer whose keys and values layer i attends to (itself, unless it shares)."""

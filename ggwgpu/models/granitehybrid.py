@@ -16,6 +16,8 @@ Then y * silu(z), RMS-normed in groups of d_inner / groups by ssm_norm, and ssm_
 branch times residual_scale, as attention's. The decoder keeps each layer's state and its
 convolution's inputs, as qwen35's. Mixture-of-experts blocks (H-tiny, H-small) are refused
 by name."""
+import math
+
 from gguf import GGUFValueType
 
 from .. import ops as O
@@ -74,9 +76,7 @@ def per_head(cfg, t, rows):
     t = O.cont(t)
     if heads == groups:
         return O.reshape(t, rows + (heads, n))
-    r = 1
-    for s in rows:
-        r *= s
+    r = math.prod(rows)
     t = O.repeat(O.reshape(t, (r, groups, 1, n)), (r, groups, heads // groups, n))
     return O.reshape(t, rows + (heads, n))
 
@@ -99,7 +99,7 @@ MAMBA2_KEYS = {"conv_kernel": "{arch}.ssm.conv_kernel", "ssm_state": "{arch}.ssm
 class Mamba2Layers:
     """What the families with Mamba2 layers (cfg.recurrent_layers) share: the sizes' keys
     (llama.cpp requires them), the values stored 2-D, the convolutions' widths, the states'
-    sizes, ssm_a's start. Listed before the family's base class."""
+    sizes. Listed before the family's base class."""
     required = tuple(MAMBA2_KEYS)
     values_only = ("ssm_conv1d.weight", "ssm_a", "ssm_d", "ssm_norm.weight")
 
@@ -109,9 +109,6 @@ class Mamba2Layers:
 
     def state_size(self, cfg):
         return inner_size(cfg) * cfg.ssm_state
-
-    def initial(self, name):
-        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
 
 
 class GraniteHybrid(Mamba2Layers, Granite):
@@ -146,6 +143,9 @@ class GraniteHybrid(Mamba2Layers, Granite):
     def kv_free_layers(self, cfg):
         return cfg.recurrent_layers
 
+    def kv_free_fields(self, layers, hp):
+        return {"recurrent_layers": layers}
+
     # -- files -----------------------------------------------------------------------------
 
     def more_keys(self, cfg):
@@ -157,10 +157,7 @@ class GraniteHybrid(Mamba2Layers, Granite):
         if f.int_key(key) != 2 * hp["n_embd"]:
             raise GGUFError(f"{f.path}: {key} = {f.meta[key]} is not twice the embedding "
                             f"length {hp['n_embd']}, the one Mamba2 expansion llama.cpp has")
-        finetuned = f.meta.get(ROPE_FINETUNED.format(arch=self.arch), True)
-        # the layers of no K/V heads (read as lfm2's convolutions) are the Mamba2 layers
-        return {"recurrent_layers": hp.get("conv_layers", ()), "conv_layers": (),
-                "no_rope": not finetuned}
+        return {"no_rope": not f.meta.get(ROPE_FINETUNED.format(arch=self.arch), True)}
 
     # -- tensors ---------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ MOE = "mixture-of-experts blocks"
 class NemotronH(Mamba2Layers, Family):
     arch = "nemotron_h"
     ff_free = True
+    layer_norm_eps_fallback = True
     keys = {**MAMBA2_KEYS, "attention_scale": Keys.Attention.SCALE}
     unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
                    "ffn_up_exps.weight": MOE, "attn_output.bias": "an attention output bias",
@@ -55,13 +56,13 @@ class NemotronH(Mamba2Layers, Family):
                 Keys.Attention.LAYERNORM_EPS.format(arch=self.arch): (float(cfg.norm_eps),
                                                                       _T.FLOAT32)}
 
-    def read_more_keys(self, f, hp):
-        # the blocks of no K/V heads (read as lfm2's convolutions) but the feed-forward ones
-        # are the Mamba2 blocks
+    def kv_free_fields(self, layers, hp):
+        # the blocks of no K/V heads but the feed-forward ones are the Mamba2 blocks
         mlp = hp.get("mlp_layers", ())
-        return {"ssm_inner": f.int_key(INNER_SIZE.format(arch=self.arch), minimum=1),
-                "recurrent_layers": tuple(i for i in hp.get("conv_layers", ()) if i not in mlp),
-                "conv_layers": ()}
+        return {"recurrent_layers": tuple(i for i in layers if i not in mlp)}
+
+    def read_more_keys(self, f, hp):
+        return {"ssm_inner": f.int_key(INNER_SIZE.format(arch=self.arch), minimum=1)}
 
     # -- tensors ---------------------------------------------------------------------------
 

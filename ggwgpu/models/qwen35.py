@@ -99,9 +99,6 @@ class Qwen35(Family):
             raise ShapeError(f"rope_sections {cfg.rope_sections} leave rotated pairs "
                              f"{still[:4]} to the fourth position component: not supported")
 
-    def initial(self, name: str) -> float:
-        return -1.0 if name.endswith("ssm_a") else 1.0     # -exp(A_log), A_log = 0
-
     def attends(self, cfg, i: int) -> bool:
         return i not in cfg.recurrent_layers
 

@@ -51,6 +51,13 @@ def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
     return shapes
 
 
+def vector_like(name: str, shape: tuple) -> bool:
+    """Whether parameter `name` holds a vector's values rather than a matrix's: 1-D, stored
+    as a column (Mamba2's ssm_a and ssm_d, (heads, 1)), or a norm's weights in groups
+    (Mamba2's ssm_norm)."""
+    return len(shape) == 1 or shape[-1] == 1 or name.endswith("_norm.weight")
+
+
 def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     """train-text-from-scratch's initialisation for matrices: normal(0, 1) clamped to
     [-1, 1], scaled by 1/sqrt(ne0 + ne1); norm weights start at 1, biases at 0, other
@@ -60,8 +67,7 @@ def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith(".bias"):
             values[name] = np.zeros(shape, np.float32)
-        elif len(shape) == 1 or shape[-1] == 1 or name.endswith("_norm.weight"):
-            # a vector, one stored as a column, a norm's weights in groups (Mamba2's)
+        elif vector_like(name, shape):
             values[name] = np.full(shape, cfg.family.initial(name), np.float32)
         else:
             w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
