@@ -259,9 +259,12 @@ def build_backward(loss: Tensor, params=None, checkpoints=None,
     params = list(params)
     wanted = {id(p) for p in params}
 
-    # Only tensors between a param and the loss need a gradient.
+    # Only tensors between a param and the loss need a gradient; integer tensors (the
+    # experts a router picked) carry none, whatever they were computed from.
     needs = set()
     for t in order:
+        if t.dtype == "i32":
+            continue
         if id(t) in wanted or any(id(s) in needs for s in t.srcs):
             needs.add(id(t))
 

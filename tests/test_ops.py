@@ -154,7 +154,7 @@ def test_an_f16_dispatch_without_shader_f16_names_the_op_and_feature(wgpu, monke
 
 
 # ops whose backward is zero by definition, which finite differences contradict
-ZERO_BACKWARD = {"detach"}
+ZERO_BACKWARD = {"detach", "top_k"}
 
 
 def test_detach_passes_its_value_and_no_gradient():
@@ -165,6 +165,54 @@ def test_detach_passes_its_value_and_no_gradient():
     plan.run({x: np.array([1.0, 2.0, 3.0])})
     assert plan.read(y)[0] == 28.0
     np.testing.assert_array_equal(plan.read(grad), [2.0, 4.0, 6.0])   # of x * x alone
+
+
+def test_top_k_breaks_ties_by_column_and_puts_nan_last_as_the_reference(wgpu):
+    x = gg.input_tensor((4, 6), name="x")
+    values = np.array([[1, 3, 3, 0, 3, -1], [0, 0, 0, 0, 0, 0],
+                       [2, np.nan, 5, np.nan, -np.inf, 5], [-0.0, 0.0, 1, -0.0, 7, 7]],
+                      np.float32)
+    for k in (1, 3, 6):
+        node = gg.top_k(x, k)
+        plan = wgpu.plan([node])
+        plan.run({x: values})
+        expected = OPS["top_k"].reference(values, k)
+        np.testing.assert_array_equal(plan.read(node), expected)
+    assert OPS["top_k"].reference(values, 6)[2].tolist() == [2, 5, 0, 4, 1, 3]
+
+
+def test_a_router_learns_through_the_probabilities_of_the_experts_it_took():
+    """Routing as a mixture of experts does it: ids from top_k (an integer tensor: no
+    gradient, though computed from the loss's inputs), the weights they pick as a product
+    with one_hot, against finite differences of the whole routed sum."""
+    logits = gg.input_tensor((5, 4), name="logits")
+    experts = gg.input_tensor((4, 3, 2), name="experts")
+    x = gg.input_tensor((5, 1, 2), name="x")
+    probs = gg.soft_max(logits, 1.0)
+    ids = gg.top_k(probs, 2)
+    weights = gg.mul_mat(gg.reshape(probs, (5, 1, 4)), gg.one_hot(ids, 4))      # (5, 2, 1)
+    routed = gg.mul_mat_id(experts, x, ids)                                      # (5, 2, 3)
+    mixed = gg.mul_mat(gg.transpose(routed), gg.reshape(weights, (5, 1, 2)))     # (5, 1, 3)
+    loss = gg.sum(gg.mul(mixed, mixed))
+    params = [logits, experts, x]
+    grads = build_backward(loss, params)
+    rng = np.random.default_rng(0)
+    feeds = {t: rng.uniform(-1, 1, t.shape) for t in params}
+    plan = NumpyBackend(np.float64).plan([loss, *grads.values()])
+    plan.run(feeds)
+    forward = NumpyBackend(np.float64).plan([loss])
+    for t in params:
+        numeric = np.zeros(t.shape)
+        for i in np.ndindex(t.shape):
+            ends = []
+            for step in (1e-6, -1e-6):
+                moved = feeds[t].copy()
+                moved[i] += step
+                forward.run({**feeds, t: moved})
+                ends.append(forward.read(loss)[0])
+            numeric[i] = (ends[0] - ends[1]) / 2e-6
+        np.testing.assert_allclose(plan.read(grads[t]), numeric, atol=1e-6)
+        assert np.abs(numeric).max() > 1e-3         # every input moves the loss
 
 
 @pytest.mark.parametrize("name", sorted(OPS))

@@ -13,6 +13,7 @@ from .softmax import *  # noqa: F401,F403
 from .attention import *  # noqa: F401,F403
 from .quant import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
+from .experts import *  # noqa: F401,F403
 
 # `from ggwgpu.ops import *` (as ggwgpu itself does) gives the op constructors, one per
 # registry entry, and the registry's names; not the family modules, whose names (quant, ...)
