@@ -219,8 +219,9 @@ def load_model(path, keep_quantized: bool = False) -> tuple[ModelConfig, dict, T
     """Read a GGUF of a family ggwgpu builds (ours, a checkpoint, or llama.cpp's files in F32
     and the block types of ggwgpu.quant's TYPES) and return (cfg, params, tokenizer): params as float32
     arrays that own their memory (block types dequantized), tokenizer from
-    `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors stored in a block
-    type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K) come back as `Quantized`
+    `tokenizer.tokenizer_from_metadata`. With keep_quantized, 2-D tensors and stacks of
+    experts' matrices (3-D) stored in a block type (F16, BF16, Q4_0 .. Q8_0, Q2_K .. Q6_K)
+    come back as `Quantized`
     values in their storage type instead (frozen weights for `constant()`; 1-D ones, the
     norms, and the family's values_only, convolution taps, are still converted). A file without output.weight has tied embeddings
     (cfg.tied_embeddings: the output projection reads token_embd.weight, as in llama.cpp).
@@ -432,7 +433,7 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
             raise GGUFError(f"{f.path}: vocabulary size mismatch: tensor {name} has {got[0]} "
                             f"rows but the vocabulary ({K_TOKENS}) has {cfg.n_vocab} tokens")
         block = re.fullmatch(r"blk\.\d+\.(.*)", name)
-        matrix = len(shape) == 2 and not (block and block[1] in family.values_only)
+        matrix = len(shape) in (2, 3) and not (block and block[1] in family.values_only)
         params[name] = f.tensor_value(name, shape, keep_quantized and matrix)
     for name in ROPE_TABLES:     # the rope frequency factors
         if name in params and not np.all(params[name] > 0):    # they divide angles

@@ -313,7 +313,8 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 # ggwgpu's: an independent float64 reference for the logits of every family.
 
 # llama_model_rope_type NEOX; others NORM
-NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4", "hunyuan-dense")
+NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4", "hunyuan-dense",
+        "qwen3moe", "qwen2moe", "olmoe")
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 # graphs passing rope_freqs.weight to rope
@@ -421,11 +422,31 @@ def _glu(h, gate, up, down, act):
     return (act(h @ gate.T) * (h @ up.T)) @ down.T
 
 
+def _experts(cfg, p, h, normalize: bool):
+    """llama.cpp's build_moe_ffn (softmax gating, SwiGLU experts), token by token: the
+    cfg.n_expert_used most probable experts (ties: the lower index), their outputs weighted
+    by their probabilities (divided by their sum where `normalize`)."""
+    logits = h @ p("ffn_gate_inp.weight").T
+    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+    probs /= probs.sum(axis=1, keepdims=True)
+    out = np.zeros_like(h)
+    for t in range(len(h)):
+        taken = np.argsort(-probs[t], kind="stable")[:cfg.n_expert_used]
+        weights = probs[t, taken] / (probs[t, taken].sum() if normalize else 1.0)
+        for e, weight in zip(taken, weights):
+            out[t] += weight * _glu(h[t], p("ffn_gate_exps.weight")[e], p("ffn_up_exps.weight")[e],
+                                    p("ffn_down_exps.weight")[e], _silu)
+    return out
+
+
 def reference_logits(cfg, values, tokens) -> np.ndarray:
     """The logits (T, n_vocab) of one token sequence at positions 0..T-1, in float64 and
     plain NumPy, independent of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch
     written out. All: RMS norms, grouped-query causal attention, SwiGLU, Q/K/V biases where
-    given, output.weight or else token_embd.weight. llama: rope NORM with Llama 3's
+    given, output.weight or else token_embd.weight; with cfg.n_expert a mixture of experts
+    for the feed-forward (`_experts`; normalized weights but for qwen2moe and olmoe, and
+    qwen2moe's shared expert times the sigmoid of its gate). qwen3moe: qwen3's attention.
+    olmoe: Q and K normed as olmo2's, pre-norms. llama: rope NORM with Llama 3's
     frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
     gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
     forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
@@ -467,7 +488,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
-                    "minicpm", "arcee", "glm4"):
+                    "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe"):
         raise ValueError(f"no reference for arch {arch!r}")
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
@@ -520,11 +541,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             else:
                 q, k, v = (h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0)
                            for m in "qkv")
-            if arch == "olmo2":
+            if arch in ("olmo2", "olmoe"):
                 q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
                     k, p("attn_k_norm.weight"), eps)
             q, k, v = (y.reshape(n, -1, hd) for y in (q, k, v))
-            if arch in ("qwen3", "gemma3", "lfm2", "exaone4"):
+            if arch in ("qwen3", "gemma3", "lfm2", "exaone4", "qwen3moe"):
                 q = _rms_norm(q, p("attn_q_norm.weight"), eps)
                 k = _rms_norm(k, p("attn_k_norm.weight"), eps)
             if not (arch == "smollm3" and (il + 1) % 4 == 0 or exaone_swa and il % 4 == 3):
@@ -544,6 +565,12 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         if arch in ("phi3", "glm4"):      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
+        elif cfg.n_expert:
+            ffn = _experts(cfg, p, h, arch not in ("qwen2moe", "olmoe"))
+            if arch == "qwen2moe":
+                gate = 1 / (1 + np.exp(-(h @ p("ffn_gate_inp_shexp.weight"))))
+                ffn = ffn + gate[:, None] * _glu(h, p("ffn_gate_shexp.weight"), p(
+                    "ffn_up_shexp.weight"), p("ffn_down_shexp.weight"), _silu)
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate
             ffn = np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
         else:

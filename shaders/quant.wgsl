@@ -92,3 +92,49 @@ fn k_get_rows_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgrou
     var v = quad(p.u.x, e - e % 4u);
     dst[at_d(idx)] = to_TD(v[e % 4u]);
 }
+
+// The int32 view of src2: mul_mat_id_q's ids.
+@group(0) @binding(4) var<storage, read_write> src2_i32: array<i32>;
+
+// The expert of slot (j, t) of ids [k, T] (src2_i32), clamped to the E experts.
+fn expert_of(j: u32, t: u32, n_expert: u32) -> u32 {
+    return u32(clamp(src2_i32[at_2(vec4u(j, t, 0u, 0u))], 0, i32(n_expert) - 1));
+}
+
+// mul_mat_id_q: src0 w [K, M, E] frozen, src1 x [K, nb, T] (any strides), src2_i32 ids
+// [k, T] -> dst [M, k, T], dst[m, j, t] = w[:, m, ids[j, t]] . x[:, j % nb, t]. One
+// invocation per element of dst, a quad of its weight row dequantized at a time.
+@compute @workgroup_size(WG)
+fn k_mul_mat_id_q(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i, p.ne_d);                       // (m, slot j, token t)
+    let K = p.ne_0.x;
+    let row = (expert_of(idx.y, idx.z, p.ne_0.z) * p.ne_0.y + idx.x) * K;
+    let x = vec4u(0u, idx.y % p.ne_1.y, idx.z, 0u);
+    var acc = 0.0;
+    for (var k = 0u; k < K; k += 4u) {
+        let xv = vec4f(f32(src1[at_1(x + vec4u(k, 0u, 0u, 0u))]),
+                       f32(src1[at_1(x + vec4u(k + 1u, 0u, 0u, 0u))]),
+                       f32(src1[at_1(x + vec4u(k + 2u, 0u, 0u, 0u))]),
+                       f32(src1[at_1(x + vec4u(k + 3u, 0u, 0u, 0u))]));
+        acc += dot(quad(p.u.x, row + k), xv);
+    }
+    dst[at_d(idx)] = to_TD(acc);
+}
+
+// mul_mat_id_q_back: src0 w [K, M, E] frozen, src1 g [M, k, T] (any strides), src2_i32 ids
+// [k, T] -> dst [K, k, T], dst[:, j, t] = sum_m g[m, j, t] w[:, m, ids[j, t]]. One
+// invocation per quad of dst along K (K is a multiple of 4: check_frozen).
+@compute @workgroup_size(WG)
+fn k_mul_mat_id_q_back(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
+    let i = flat_id(gid, nwg); if (i >= p.n) { return; }
+    let idx = unravel(i * 4u, p.ne_d);                  // (k0, slot j, token t)
+    let K = p.ne_0.x;
+    let M = p.ne_0.y;
+    let base = expert_of(idx.y, idx.z, p.ne_0.z) * M * K + idx.x;
+    var acc = vec4f(0.0);
+    for (var m = 0u; m < M; m++) {
+        acc += f32(src1[at_1(vec4u(m, idx.y, idx.z, 0u))]) * quad(p.u.x, base + m * K);
+    }
+    for (var c = 0u; c < 4u; c++) { dst[at_d(idx + vec4u(c, 0u, 0u, 0u))] = to_TD(acc[c]); }
+}

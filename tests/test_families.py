@@ -129,6 +129,21 @@ FAMILIES = {
                           recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=4, ssm_heads=4,
                           ssm_groups=2, rope_sections=(1, 1, 0, 0), tied_embeddings=True,
                           rope_freq_base=1e7, arch="qwen35"),
+    # Qwen3-30B-A3B: a mixture of experts (4, 2 taken, weights normalized) after qwen3's
+    # attention, untied
+    "qwen3moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
+                            n_expert=4, n_expert_used=2, n_ff_exp=32, rope_freq_base=1e6,
+                            arch="qwen3moe"),
+    # Qwen1.5-MoE-A2.7B: qwen2's biases, experts unnormalized and a gated shared expert
+    "qwen2moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, n_expert=4,
+                            n_expert_used=2, n_ff_exp=32, n_ff_shexp=24, tied_embeddings=True,
+                            arch="qwen2moe"),
+    # OLMoE-1B-7B: olmo2's full-width QK norms with pre-norms, unnormalized experts, untied
+    "olmoe": ModelConfig(**BYTES, n_head=2, n_layer=2, n_expert=4, n_expert_used=2,
+                         arch="olmoe"),
+    # Mixtral: a llama whose file has expert_count (8 experts, 2 taken)
+    "mixtral": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, n_expert=8,
+                           n_expert_used=2, rope_freq_base=1e6),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -139,7 +154,9 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "granitehybrid": "ssm_in.weight", "qwen3": "attn_k_norm.weight",
                "gemma3": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
-               "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight"}
+               "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight",
+               "qwen3moe": "ffn_down_exps.weight", "qwen2moe": "ffn_gate_inp_shexp.weight",
+               "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight"}
@@ -276,7 +293,8 @@ def test_a_family_finetunes_with_lora_and_merges_and_quantizes_keeping_its_arch(
     loaded = lora.load_adapter(adapter, cfg)
     assert any(np.abs(t).max() > 0 for n, t in loaded.tensors.items() if n.endswith(".lora_b"))
     assert not any(n.endswith(".bias.lora_a") for n in loaded.tensors)   # matrices only
-    other = "qwen3" if cfg.arch == "llama" else "llama"   # llama.cpp refuses it as well
+    # llama.cpp refuses it as well
+    other = ("qwen3moe" if cfg.n_expert else "qwen3") if cfg.arch == "llama" else "llama"
     with pytest.raises(GGUFError, match=f"is '{cfg.arch}', but the base model is a '{other}'"):
         lora.load_adapter(adapter, dataclasses.replace(cfg, arch=other))
     merged = tmp_path / "merged.gguf"
@@ -292,7 +310,7 @@ def test_a_family_finetunes_with_lora_and_merges_and_quantizes_keeping_its_arch(
     r = invoke("quantize", str(merged), str(quantized), "--type", "q8_0")
     assert r.exit_code == 0, r.output
     q_cfg, q_values, _ = load_model(quantized, keep_quantized=True)
-    down = next(n for n in q_values if n.endswith("ffn_down.weight"))
+    down = next(n for n in q_values if "ffn_down" in n)          # or the experts' stack
     assert q_cfg == cfg and q_values[down].dtype == "q8_0"   # rows of 32
 
 
@@ -380,6 +398,39 @@ def test_every_family_trains_on_the_device_as_on_numpy_in_f32_and_f16_rows_and_p
     for name, g in grads32.items():
         assert nmse(grads_dev[name], g) < 1e-8, name
         assert nmse(grads16_dev[name], grads16[name]) < 1e-3, name
+
+
+@pytest.mark.parametrize("base_type", ["q8_0", "q4_0"])
+def test_lora_on_quantized_experts_trains_on_the_device_as_on_numpy(wgpu, base_type):
+    """A LoRA step on a mixture of experts whose stacks stay in their block type (as
+    `finetune` loads a quantized base): the experts' products read the blocks in the kernel
+    (mul_mat_id_q), their inputs' gradients too (mul_mat_id_q_back), on both backends."""
+    import ggwgpu as gg
+    from ggwgpu.quant import quantize_model
+    from ggwgpu.testing import nmse
+    cfg = ModelConfig(**{**BYTES, "n_embd": 32}, n_head=2,
+                      n_layer=1, n_expert=4, n_expert_used=2, n_ff_exp=32, arch="qwen3moe")
+    base = quantize_model(family_values(cfg), base_type)
+    assert base["blk.0.ffn_up_exps.weight"].dtype == base_type
+    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0, seed=3)
+    rng = np.random.default_rng(4)      # lora_b not 0
+    adapter.tensors = {n: t + rng.uniform(-0.1, 0.1, t.shape).astype(np.float32)
+                       for n, t in adapter.tensors.items()}
+    results = []
+    for backend in (NumpyBackend(), wgpu):
+        g = build_train_graph(cfg, base, 2, lora=adapter)
+        grads = gg.build_backward(g.loss, list(g.params.values()))
+        assert {"mul_mat_id_q", "mul_mat_id_q_back"} <= {
+            n.op for n in topo_order(list(grads.values()))}
+        plan = backend.plan([g.loss, *grads.values()])
+        tokens = np.random.default_rng(0).integers(0, cfg.n_vocab, (2, cfg.n_ctx + 1))
+        plan.write(g.positions, np.arange(cfg.n_ctx, dtype=np.int32))
+        plan.run(g.feeds(tokens[:, :-1], tokens[:, 1:]))
+        results.append((plan.read(g.loss)[0], {p.name: plan.read(d) for p, d in grads.items()}))
+    (loss, grads), (loss_dev, grads_dev) = results
+    assert abs(loss_dev - loss) <= 1e-5 * loss
+    for name, g in grads.items():
+        assert nmse(grads_dev[name], g) < 1e-8, name
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

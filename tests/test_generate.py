@@ -137,6 +137,9 @@ QWEN35 = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      n_layer=4, n_ff=12, n_ctx=8, recurrent_layers=(0, 1, 2), conv_kernel=3,
                      ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
                      tied_embeddings=True, arch="qwen35")
+# qwen3moe: each token through its 2 of 4 experts, in a prompt as one at a time
+QWEN3MOE = ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=8,
+                       n_expert=4, n_expert_used=2, n_ff_exp=6, arch="qwen3moe")
 FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2,
             "gemma3": GEMMA3, "olmo2": OLMO2, "olmo3": OLMO3, "olmo3-yarn": OLMO3_YARN,
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
@@ -145,7 +148,7 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
-            "qwen35": QWEN35}
+            "qwen35": QWEN35, "qwen3moe": QWEN3MOE}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

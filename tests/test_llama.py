@@ -127,6 +127,13 @@ QWEN35 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                      n_layer=3, n_ff=12, n_ctx=5, recurrent_layers=(0, 1), conv_kernel=3,
                      ssm_state=3, ssm_heads=4, ssm_groups=2, rope_sections=(1, 0, 0, 0),
                      tied_embeddings=True, arch="qwen35")
+# Qwen3-30B-A3B: 4 experts, 2 taken, their weights normalized, per-head QK norms;
+# Qwen1.5-MoE: unnormalized, with a shared expert behind a sigmoid gate, Q/K/V biases
+QWEN3MOE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n_ff=12, n_ctx=5,
+                       n_expert=4, n_expert_used=2, n_ff_exp=6, arch="qwen3moe")
+QWEN2MOE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5,
+                       n_expert=3, n_expert_used=2, n_ff_exp=4, n_ff_shexp=10,
+                       tied_embeddings=True, arch="qwen2moe")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
@@ -139,7 +146,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
-           "gemma4": GEMMA4, "qwen35": QWEN35}
+           "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE}
 BATCH = 2
 
 

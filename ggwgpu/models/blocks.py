@@ -247,3 +247,31 @@ def swiglu(p: dict, b: str, h):
 def geglu(p: dict, b: str, h):
     """Gemma's feed-forward gate on h: gelu(ffn_gate h) * ffn_up h (gelu with tanh)."""
     return O.geglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
+
+
+def experts(cfg, p: dict, b: str, h, normalize: bool):
+    """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, softmax gating, SwiGLU
+    experts): the router ffn_gate_inp gives each token a probability per expert, the token
+    takes the cfg.n_expert_used most probable (top_k), and its output is the sum of their
+    feed-forwards (ffn_{gate,up,down}_exps, one matrix per expert) weighted by their
+    probabilities, divided by the sum of those where `normalize` (llama.cpp's norm_w)."""
+    rows, e = h.shape[:-1], h.shape[-1]
+    n, k = cfg.n_expert, cfg.n_expert_used
+    t = int(np.prod(rows))
+    x = O.reshape(h, (t, e))
+    # the router in f32 whatever the graph's precision: halves would tie experts, and pick
+    # by their rounding
+    router_input = x if x.dtype == "f32" else O.cast(x, "f32")
+    probs = O.soft_max(linear(p, b + "ffn_gate_inp.weight", router_input), 1.0)   # (t, n)
+    taken = O.top_k(probs, k)                                                 # (t, k) ids
+    weights = O.reshape(O.mul_mat(O.reshape(probs, (t, 1, n)), O.one_hot(taken, n)),
+                        (t, 1, k))                    # each taken expert's probability
+    if normalize:
+        weights = O.div(weights, O.sum_rows(weights))
+    x = O.reshape(x, (t, 1, e))
+    gated = O.swiglu(O.mul_mat_id(p[b + "ffn_gate_exps.weight"], x, taken),
+                     O.mul_mat_id(p[b + "ffn_up_exps.weight"], x, taken))      # (t, k, ff)
+    out = O.mul_mat_id(p[b + "ffn_down_exps.weight"], gated, taken)           # (t, k, e)
+    y = O.reshape(O.mul_mat(O.transpose(out), weights), rows + (e,))
+    return y if y.dtype == h.dtype else O.cast(y, h.dtype)
+

@@ -89,6 +89,13 @@ class ModelConfig:
     no_rope: bool = False           # granitehybrid: rope.scaling.finetuned false, no layer ropes
     attn_temp_scale: float = 0.0    # mistral3: Q times ln(floor(pos / rope_orig_ctx) + 1) *
                                     # this + 1 (Llama 4's attention temperature; 0: none)
+    n_expert: int = 0               # mixture of experts: each block's feed-forward is this
+                                    # many experts (expert_count; 0: one dense feed-forward)
+    n_expert_used: int = 0          # the experts each token takes (expert_used_count)
+    n_ff_exp: int = 0               # one expert's width (expert_feed_forward_length; 0: the
+                                    # family's rule, Family.expert_ff)
+    n_ff_shexp: int = 0             # qwen2moe: the shared expert's width
+                                    # (expert_shared_feed_forward_length; 0: n_ff)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -132,6 +139,13 @@ class ModelConfig:
         if (self.rope_scaling == "yarn" or self.attn_temp_scale) and self.rope_orig_ctx < 1:
             raise ShapeError("rope_scaling 'yarn' and attn_temp_scale need rope_orig_ctx, the "
                              "context the model was trained at before scaling")
+        if self.n_expert and not 1 <= self.n_expert_used <= self.n_expert or \
+                not self.n_expert and self.n_expert_used:
+            raise ShapeError(f"n_expert_used {self.n_expert_used} must be 1 .. n_expert "
+                             f"{self.n_expert} (0 without experts)")
+        if self.n_expert and not self.family.experts:
+            raise ShapeError(f"llama.cpp's {self.arch} has no mixture of experts (n_expert "
+                             f"{self.n_expert})")
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
@@ -151,7 +165,8 @@ class ModelConfig:
                     "recurrent_layers", "ssm_state", "ssm_heads", "ssm_groups",
                     "rope_sections", "attn_logit_softcap", "rope_scaling",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
-                    "no_rope", "ssm_inner", "mlp_layers", "mamba_norm")
+                    "no_rope", "ssm_inner", "mlp_layers", "mamba_norm", "n_expert",
+                    "n_expert_used", "n_ff_exp", "n_ff_shexp")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

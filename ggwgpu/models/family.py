@@ -19,9 +19,13 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from gguf import Keys
 
 from .. import ops as O
 from . import blocks as B
+
+# The hyper-parameters of a mixture of experts (the keys of a family with `experts`)
+EXPERT_KEYS = {"n_expert": Keys.LLM.EXPERT_COUNT, "n_expert_used": Keys.LLM.EXPERT_USED_COUNT}
 
 
 class Family:
@@ -65,6 +69,13 @@ class Family:
     ff_free = False
     # Whether llama.cpp takes attention.layer_norm_epsilon where the RMS norm's is absent
     layer_norm_eps_fallback = False
+    # Whether llama.cpp's graph of the family makes the feed-forward a mixture of experts
+    # where a file has expert_count (blocks.experts); then whether it divides the taken
+    # experts' weights by their sum (norm_w), and whether a shared expert, gated by a
+    # sigmoid, adds to them (qwen2moe)
+    experts = False
+    expert_norm = True
+    shared_expert = False
 
     def __repr__(self):
         return f"<family {self.arch}>"
@@ -85,7 +96,7 @@ class Family:
     def block_shapes(self, cfg, i: int) -> dict[str, tuple[int, ...]]:
         """The tensors of block i, name within the block ("attn_q.weight") -> shape."""
         c = self.layer(cfg, i)
-        e, f, q, kv, hd = c.n_embd, c.n_ff, c.q_dim, c.kv_dim, c.head_dim
+        e, q, kv, hd = c.n_embd, c.q_dim, c.kv_dim, c.head_dim
         shapes = {"attn_norm.weight": (e,)} if self.pre_norms else {}
         shapes.update({"attn_q.weight": (q, e), "attn_k.weight": (kv, e),
                        "attn_v.weight": (kv, e), "attn_output.weight": (e, q)})
@@ -97,11 +108,30 @@ class Family:
             shapes["post_attention_norm.weight"] = (e,)
         if self.pre_norms:
             shapes["ffn_norm.weight"] = (e,)
-        shapes.update({"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f),
-                       "ffn_up.weight": (f, e)})
+        shapes.update(self.ffn_shapes(c))
         if self.post_norms:
             shapes["post_ffw_norm.weight"] = (e,)
         return shapes
+
+    def ffn_shapes(self, cfg) -> dict[str, tuple[int, ...]]:
+        """The feed-forward's tensors of a block with hyper-parameters cfg (a layer's): SwiGLU's
+        three matrices, or a mixture of experts: the router, a stack of each matrix with one
+        per expert, and the shared expert and its gate where the family has one."""
+        e, f = cfg.n_embd, cfg.n_ff
+        if not cfg.n_expert:
+            return {"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f), "ffn_up.weight": (f, e)}
+        n, x = cfg.n_expert, self.expert_ff(cfg)
+        shapes = {"ffn_gate_inp.weight": (n, e), "ffn_gate_exps.weight": (n, x, e),
+                  "ffn_down_exps.weight": (n, e, x), "ffn_up_exps.weight": (n, x, e)}
+        if self.shared_expert:
+            s = cfg.n_ff_shexp or f
+            shapes.update({"ffn_gate_inp_shexp.weight": (e,), "ffn_gate_shexp.weight": (s, e),
+                           "ffn_down_shexp.weight": (e, s), "ffn_up_shexp.weight": (s, e)})
+        return shapes
+
+    def expert_ff(self, cfg) -> int:
+        """One expert's feed-forward width: n_ff (llama's, olmoe's files give it there)."""
+        return cfg.n_ff
 
     def rope_tables(self, cfg) -> tuple[str, ...]:
         """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
@@ -217,8 +247,25 @@ class Family:
         feed-forward, each with its residual."""
         b = f"blk.{i}."
         x = self.mix(cfg, p, i, x, seq)
-        gated = self.gate(p, b, self.pre_norm(cfg, p, b + "ffn_norm.weight", x))
-        return self.residual(cfg, p, b, "ffn_down.weight", gated, x, "post_ffw_norm.weight")
+        h = self.pre_norm(cfg, p, b + "ffn_norm.weight", x)
+        if cfg.n_expert:
+            y = self.mixture(cfg, p, b, h)
+            if self.post_norms:
+                y = B.rms_norm(cfg, y, p[b + "post_ffw_norm.weight"])
+            return O.add(x, y if cfg.residual_scale == 1.0 else O.scale(y, cfg.residual_scale))
+        return self.residual(cfg, p, b, "ffn_down.weight", self.gate(p, b, h), x,
+                             "post_ffw_norm.weight")
+
+    def mixture(self, cfg, p: dict, b: str, h):
+        """Block b's mixture of experts on h (its ffn_norm), with the shared expert, times
+        the sigmoid of its gate, added where the family has one (qwen2moe)."""
+        y = B.experts(cfg, p, b, h, self.expert_norm)
+        if not self.shared_expert:
+            return y
+        gate = O.mul_mat(O.reshape(p[b + "ffn_gate_inp_shexp.weight"], (1, cfg.n_embd)), h)
+        shared = B.linear(p, b + "ffn_down_shexp.weight", O.swiglu(
+            B.linear(p, b + "ffn_gate_shexp.weight", h), B.linear(p, b + "ffn_up_shexp.weight", h)))
+        return O.add(y, O.mul(shared, O.sigmoid(gate)))
 
     def mix(self, cfg, p: dict, i: int, x, seq: B.Sequence):
         """x + block i's token mixer (self-attention) of attn_norm(x)."""

@@ -70,7 +70,8 @@ def init_parameters(cfg: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
         elif vector_like(name, shape):
             values[name] = np.full(shape, cfg.family.initial(name), np.float32)
         else:
-            w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape))
+            # a stack of matrices (experts): each scaled as one matrix
+            w = np.clip(rng.standard_normal(shape), -1.0, 1.0) / np.sqrt(sum(shape[-2:]))
             values[name] = w.astype(np.float32)
     return values
 

@@ -153,7 +153,7 @@ def mul_mat_id_backward(node, g):
 mul_mat_id = register(
     "mul_mat_id", n_srcs=3, shape=mul_mat_id_shape, shader="experts",
     reference=mul_mat_id_ref, fast=mul_mat_id_into, no_grad=(2,),
-    backward=mul_mat_id_backward,
+    backward=mul_mat_id_backward, frozen_variant="mul_mat_id_q",
     cases=lambda: [
         Case((Input((1, 1, 1)), Input((1, 1, 1)), Input((1, 1), 0, 1, dtype="i32"))),
         Case((Input((4, 3, 5)), Input((6, 1, 5)), Input((6, 2), 0, 4, dtype="i32"))),
@@ -167,7 +167,7 @@ mul_mat_id = register(
     doc="The products of each token with the experts it took: a [E, M, K] (E matrices), b "
         "[T, nb, K], int32 ids [T, k] -> [T, k, M], out[t, j] = a[ids[t, j]] @ b[t, j % nb] "
         "(nb 1 or k; ggml_mul_mat_id). Ids out of range raise IndexError in the reference; "
-        "the shader clamps them.")
+        "the shader clamps them. Frozen experts in a block type: mul_mat_id_q.")
 
 
 # -- out_prod_id -----------------------------------------------------------------------------

@@ -36,7 +36,8 @@ from ..tensor import ShapeError, Tensor
 from .matmul import (mul_mat_into, mul_mat_ref, product_of, product_shape, tiled_layouts,
                      tuned_choice, vec4_ready)
 from .registry import Case, Dispatch, Input, need_float, register
-from .rows import get_rows_ref, rows_shape
+from .experts import check_routed, mul_mat_id_into, mul_mat_id_ref, sum_slots
+from .rows import check_ids, get_rows_ref, rows_shape
 
 
 
@@ -246,6 +247,68 @@ get_rows_q = register(
         "ids of shape S -> S + (n_cols,) f32, dequantized in the kernel (token embeddings "
         "of a quantized base). get_rows(table, ids) becomes this when the table is frozen.")
 
+# -- mul_mat_id_q, mul_mat_id_q_back ---------------------------------------------------------
+
+def mul_mat_id_q_shape(srcs):
+    w, x, ids = srcs
+    need_float(x)
+    check_frozen(w)
+    check_routed(w.shape, x, ids, "mul_mat_id")
+    return ids.shape + w.shape[1:2], "f32", {}
+
+
+def mul_mat_id_q_back_shape(srcs):
+    w, g, ids = srcs
+    need_float(g)
+    check_frozen(w)
+    check_ids(ids)
+    if w.ndim != 3 or ids.ndim != 2 or g.ndim != 3 or g.shape[:2] != ids.shape \
+            or g.shape[2] != w.shape[1]:
+        raise ShapeError(f"takes experts w [E, M, K], g [T, k, M] and ids [T, k]; got w "
+                         f"{w.shape}, g {g.shape}, ids {ids.shape}")
+    return ids.shape + w.shape[2:], "f32", {}
+
+
+def expert_cases(grad_limit=200):
+    """One case per block type for each (experts, other operand, ids) triple whose rows fit
+    the type; finite differences for the sample types where the operand is small."""
+    triples = [((4, 5, 32), (6, 1, 32), (6, 2), 4),        # a token's row for every slot
+               ((3, 2, 32), (5, 3, 32), (5, 3), 3),        # a row per slot
+               ((3, 6, 256), (4, 1, 256), (4, 2), 3)]      # k-quants
+    return [Case((Input(w, dtype=dtype), Input(other), Input(ids, 0, n, dtype="i32")),
+                 grad=dtype in SAMPLE_TYPES and int(np.prod(other)) <= grad_limit)
+            for dtype in QUANT_TYPES for w, other, ids, n in triples
+            if w[-1] % max(4, TYPES[dtype].block) == 0]
+
+
+mul_mat_id_q = register(
+    "mul_mat_id_q", n_srcs=3, shape=mul_mat_id_q_shape, shader="quant",
+    reference=lambda w, x, ids: mul_mat_id_ref(values(w).astype(x.dtype), x, ids),
+    fast=mul_mat_id_into,   # the NumPy backend passes w dequantized
+    uniforms=lambda n: {"u": (TYPE_CODE[n.srcs[0].dtype],)}, no_grad=(0, 2),
+    backward=lambda n, g: (None, sum_slots(O.mul_mat_id_q_back(n.srcs[0], g, n.srcs[2]),
+                                           n.srcs[1].shape), None),
+    cases=expert_cases,
+    doc="mul_mat_id with frozen experts: w [E, M, K] in a block type, x [T, nb, K], int32 "
+        "ids [T, k] -> [T, k, M], dequantized inside the kernel. mul_mat_id(w, x, ids) "
+        "becomes this when w is frozen.")
+
+
+mul_mat_id_q_back = register(
+    "mul_mat_id_q_back", n_srcs=3, shape=mul_mat_id_q_back_shape, shader="quant",
+    reference=lambda w, g, ids: mul_mat_id_ref(np.swapaxes(values(w), -1, -2).astype(g.dtype),
+                                               g, ids),
+    fast=lambda out, w, g, ids: mul_mat_id_into(out, np.swapaxes(w, -1, -2), g, ids),
+    dispatches=lambda n: [Dispatch("mul_mat_id_q_back", n, n.srcs, n=n.nelements // 4,
+                                   u=(TYPE_CODE[n.srcs[0].dtype],))],
+    no_grad=(0, 2),
+    backward=lambda n, g: (None, O.mul_mat_id_q(n.srcs[0], g, n.srcs[2]), None),
+    cases=lambda: [Case((c.inputs[0], Input(c.inputs[2].shape + c.inputs[0].shape[1:2]),
+                         c.inputs[2]), grad=c.grad) for c in expert_cases()],
+    doc="The gradient of mul_mat_id_q w.r.t. x, one row per slot: w [E, M, K] frozen, g "
+        "[T, k, M] -> [T, k, K], out[t, j] = g[t, j] @ w[ids[t, j]], dequantized inside "
+        "the kernel.")
+
 # The WGSL the quantized shaders include: the type codes, and quant_subgroup.wgsl's entry
 # points, one per kernel and type (the type a constant the compiler folds away).
 wgsl.add_part("quant_type_codes", wgsl.type_codes)
@@ -253,4 +316,4 @@ wgsl.add_part("mul_mat_q_tile_entries", partial(wgsl.tile_entries, "mul_mat_q"))
 for _kernel in ("mul_mat_q_subgroup", "mul_mat_q_back_subgroup"):
     wgsl.add_part(f"{_kernel}_entries", partial(wgsl.subgroup_entries, _kernel))
 
-__all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q"]
+__all__ = ["mul_mat_q", "mul_mat_q_back", "get_rows_q", "mul_mat_id_q", "mul_mat_id_q_back"]

@@ -1,0 +1,29 @@
+"""qwen2moe (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B; llama.cpp's src/models/qwen2moe.cpp):
+qwen2's attention (Q, K, V biases), each block's feed-forward a mixture of experts whose
+weights are the router's probabilities as they are (not normalized), plus a shared expert,
+a SwiGLU of expert_shared_feed_forward_length (else n_ff) every token takes, times the
+sigmoid of its gate ffn_gate_inp_shexp (one value per token)."""
+from gguf import Keys
+
+from .family import EXPERT_KEYS
+from .qwen2 import Qwen2
+from .qwen3moe import Qwen3Moe
+
+
+class Qwen2Moe(Qwen2):
+    arch = "qwen2moe"
+    experts = True
+    expert_norm = False
+    shared_expert = True
+    keys = {**EXPERT_KEYS, "n_ff_exp": Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
+            "n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
+    required = Qwen3Moe.required
+    check = Qwen3Moe.check
+    expert_ff = Qwen3Moe.expert_ff
+
+    def initial(self, name):
+        """The shared expert's gate starts at 0: a sigmoid of one half."""
+        return 0.0 if name.endswith("ffn_gate_inp_shexp.weight") else super().initial(name)
+
+
+FAMILY = Qwen2Moe()
