@@ -422,16 +422,20 @@ def _glu(h, gate, up, down, act):
     return (act(h @ gate.T) * (h @ up.T)) @ down.T
 
 
-def _experts(cfg, p, h, normalize: bool):
-    """llama.cpp's build_moe_ffn (softmax gating, SwiGLU experts), token by token: the
-    cfg.n_expert_used most probable experts (ties: the lower index), their outputs weighted
-    by their probabilities (divided by their sum where `normalize`)."""
+def _experts(cfg, p, h, normalize: bool, bias=0.0):
+    """llama.cpp's build_moe_ffn (SwiGLU experts), token by token: the router's softmax, or
+    its sigmoids (cfg.expert_gating 2), as the probabilities; the cfg.n_expert_used most
+    probable experts (ranked with `bias` added; ties: the lower index), their outputs
+    weighted by their probabilities (divided by their sum where `normalize`)."""
     logits = h @ p("ffn_gate_inp.weight").T
-    probs = np.exp(logits - logits.max(axis=1, keepdims=True))
-    probs /= probs.sum(axis=1, keepdims=True)
+    if cfg.expert_gating == 2:
+        probs = 1 / (1 + np.exp(-logits))
+    else:
+        probs = np.exp(logits - logits.max(axis=1, keepdims=True))
+        probs /= probs.sum(axis=1, keepdims=True)
     out = np.zeros_like(h)
     for t in range(len(h)):
-        taken = np.argsort(-probs[t], kind="stable")[:cfg.n_expert_used]
+        taken = np.argsort(-(probs[t] + bias), kind="stable")[:cfg.n_expert_used]
         weights = probs[t, taken] / (probs[t, taken].sum() if normalize else 1.0)
         for e, weight in zip(taken, weights):
             out[t] += weight * _glu(h[t], p("ffn_gate_exps.weight")[e], p("ffn_up_exps.weight")[e],
@@ -444,9 +448,10 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     plain NumPy, independent of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch
     written out. All: RMS norms, grouped-query causal attention, SwiGLU, Q/K/V biases where
     given, output.weight or else token_embd.weight; with cfg.n_expert a mixture of experts
-    for the feed-forward (`_experts`; normalized weights but for qwen2moe and olmoe, and
-    qwen2moe's shared expert times the sigmoid of its gate). qwen3moe: qwen3's attention.
-    olmoe: Q and K normed as olmo2's, pre-norms. llama: rope NORM with Llama 3's
+    for the feed-forward past the first cfg.n_dense_lead blocks (`_experts`; normalized
+    weights but for qwen2moe and olmoe, lfm2moe's ranking bias exp_probs_b; qwen2moe's shared
+    expert times the sigmoid of its gate, granite's as it is). qwen3moe: qwen3's attention.
+    olmoe: Q and K normed as olmo2's, pre-norms. lfm2moe: lfm2's. granitemoe: granite's. llama: rope NORM with Llama 3's
     frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
     gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
     forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
@@ -488,8 +493,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
-                    "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe"):
+                    "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
+                    "granitemoe"):
         raise ValueError(f"no reference for arch {arch!r}")
+    normalize = arch not in ("qwen2moe", "olmoe")       # the experts' weights (norm_w)
+    arch = {"lfm2moe": "lfm2", "granitemoe": "granite"}.get(arch, arch)   # their blocks
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd = len(tokens), cfg.head_dim
@@ -565,10 +573,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         if arch in ("phi3", "glm4"):      # LLM_FFN_SWIGLU on ffn_up's halves
             gate, up = np.split(h @ p("ffn_up.weight").T, 2, axis=1)
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
-        elif cfg.n_expert:
-            ffn = _experts(cfg, p, h, arch not in ("qwen2moe", "olmoe"))
-            if arch == "qwen2moe":
-                gate = 1 / (1 + np.exp(-(h @ p("ffn_gate_inp_shexp.weight"))))
+        elif cfg.n_expert and il >= cfg.n_dense_lead:
+            ffn = _experts(cfg, p, h, normalize, w.get(f"blk.{il}.exp_probs_b.bias", 0.0))
+            if arch == "qwen2moe" or arch == "granite" and cfg.n_ff_shexp:
+                gate = 1 / (1 + np.exp(-(h @ p("ffn_gate_inp_shexp.weight")))) \
+                    if arch == "qwen2moe" else np.ones(n)
                 ffn = ffn + gate[:, None] * _glu(h, p("ffn_gate_shexp.weight"), p(
                     "ffn_up_shexp.weight"), p("ffn_down_shexp.weight"), _silu)
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate
@@ -741,8 +750,14 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x + cfg.residual_scale * out
         if nemotron:        # a block is its mixer alone
             continue
-        ffn = _glu(_rms_norm(x, p("ffn_norm" if falcon else "ffn_norm.weight"), eps),
-                   p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+        h = _rms_norm(x, p("ffn_norm" if falcon else "ffn_norm.weight"), eps)
+        if cfg.n_expert:    # granite's mixture of experts, its shared expert added as it is
+            ffn = _experts(cfg, p, h, True)
+            if cfg.n_ff_shexp:
+                ffn = ffn + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
+                                 p("ffn_down_shexp.weight"), _silu)
+        else:
+            ffn = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
         x = x + cfg.residual_scale * ffn
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T / cfg.logit_scale

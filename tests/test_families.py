@@ -144,6 +144,17 @@ FAMILIES = {
     # Mixtral: a llama whose file has expert_count (8 experts, 2 taken)
     "mixtral": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, n_expert=8,
                            n_expert_used=2, rope_freq_base=1e6),
+    # LFM2-8B-A1B: lfm2's blocks, the first feed-forward dense, then experts chosen by
+    # sigmoids ranked with a balancing bias, tied
+    "lfm2moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=3, conv_layers=(0, 1),
+                           conv_kernel=3, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                           expert_gating=2, n_dense_lead=1, tied_embeddings=True,
+                           arch="lfm2moe"),
+    # Granite 3.1 1B-A400M: granite's scales, experts and a shared expert, tied
+    "granitemoe": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, n_expert=4,
+                              n_expert_used=2, n_ff_shexp=32, embedding_scale=12.0,
+                              residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
+                              tied_embeddings=True, arch="granitemoe"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -156,10 +167,11 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "phi3": "attn_qkv.weight", "lfm2": "shortconv.conv.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight",
                "qwen3moe": "ffn_down_exps.weight", "qwen2moe": "ffn_gate_inp_shexp.weight",
-               "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight"}
+               "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
+               "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
-          "gemma4": "rope_freqs.weight"}
+          "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias"}
 
 
 def family_values(cfg, seed=1):
@@ -431,6 +443,26 @@ def test_lora_on_quantized_experts_trains_on_the_device_as_on_numpy(wgpu, base_t
     assert abs(loss_dev - loss) <= 1e-5 * loss
     for name, g in grads.items():
         assert nmse(grads_dev[name], g) < 1e-8, name
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"n_expert_used": 5}, "n_expert_used 5 must be 1 .. n_expert 4"),
+    ({"n_expert_used": 0}, "n_expert_used 0 must be 1 .. n_expert 4"),
+    ({"expert_gating": 3}, "expert_gating 3 is not one of"),
+    ({"arch": "qwen3"}, "llama.cpp's qwen3 has no mixture of experts"),
+    ({"n_expert": 0, "n_expert_used": 0}, "qwen3moe needs n_expert > 0")])
+def test_expert_hyper_parameters_that_make_no_model_are_refused(changes, words):
+    with pytest.raises(ShapeError, match=words):
+        dataclasses.replace(FAMILIES["qwen3moe"], **changes)
+
+
+def test_a_mixture_of_experts_file_without_its_expert_count_is_refused(tmp_path):
+    cfg = FAMILIES["qwen3moe"]
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON], meta["qwen3moe.expert_count"]
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    with pytest.raises(GGUFError, match="qwen3moe.expert_count"):
+        load_model(tmp_path / "m.gguf")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

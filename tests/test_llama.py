@@ -134,6 +134,9 @@ QWEN3MOE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=2, n
 QWEN2MOE = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5,
                        n_expert=3, n_expert_used=2, n_ff_exp=4, n_ff_shexp=10,
                        tied_embeddings=True, arch="qwen2moe")
+# LFM2-8B-A1B: sigmoid gating, a ranking bias, the first block dense
+LFM2MOE = dataclasses.replace(LFM2, arch="lfm2moe", n_expert=3, n_expert_used=2, n_ff_exp=4,
+                              expert_gating=2, n_dense_lead=1)
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
@@ -146,7 +149,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "granite": GRANITE, "phi3": PHI3,
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
-           "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE}
+           "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE,
+           "lfm2moe": LFM2MOE}
 BATCH = 2
 
 

@@ -250,11 +250,13 @@ def geglu(p: dict, b: str, h):
 
 
 def experts(cfg, p: dict, b: str, h, normalize: bool):
-    """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, softmax gating, SwiGLU
-    experts): the router ffn_gate_inp gives each token a probability per expert, the token
-    takes the cfg.n_expert_used most probable (top_k), and its output is the sum of their
-    feed-forwards (ffn_{gate,up,down}_exps, one matrix per expert) weighted by their
-    probabilities, divided by the sum of those where `normalize` (llama.cpp's norm_w)."""
+    """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, SwiGLU experts): the
+    router ffn_gate_inp gives each token a probability per expert (its softmax, or with
+    cfg.expert_gating 2 each logit's sigmoid), the token takes the cfg.n_expert_used most
+    probable (top_k; ranked with exp_probs_b.bias added where the block has one, DeepSeek
+    V3's balancing bias), and its output is the sum of their feed-forwards
+    (ffn_{gate,up,down}_exps, one matrix per expert) weighted by their probabilities,
+    divided by the sum of those where `normalize` (llama.cpp's norm_w)."""
     rows, e = h.shape[:-1], h.shape[-1]
     n, k = cfg.n_expert, cfg.n_expert_used
     t = int(np.prod(rows))
@@ -262,8 +264,10 @@ def experts(cfg, p: dict, b: str, h, normalize: bool):
     # the router in f32 whatever the graph's precision: halves would tie experts, and pick
     # by their rounding
     router_input = x if x.dtype == "f32" else O.cast(x, "f32")
-    probs = O.soft_max(linear(p, b + "ffn_gate_inp.weight", router_input), 1.0)   # (t, n)
-    taken = O.top_k(probs, k)                                                 # (t, k) ids
+    logits = linear(p, b + "ffn_gate_inp.weight", router_input)              # (t, n)
+    probs = O.sigmoid(logits) if cfg.expert_gating == 2 else O.soft_max(logits, 1.0)
+    bias = p.get(b + "exp_probs_b.bias")
+    taken = O.top_k(probs if bias is None else O.add(probs, bias), k)        # (t, k) ids
     weights = O.reshape(O.mul_mat(O.reshape(probs, (t, 1, n)), O.one_hot(taken, n)),
                         (t, 1, k))                    # each taken expert's probability
     if normalize:

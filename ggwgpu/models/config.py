@@ -14,6 +14,9 @@ from ..tensor import ShapeError
 # rope.scaling.type: llama.cpp's "none" is linear at scale 1; "longrope" (minicpm's files say
 # so) is rope_factors_long/short.weight's
 ROPE_SCALINGS = ("linear", "yarn", "longrope")
+# expert_gating_func: what makes the router's logits the experts' probabilities (llama.cpp's
+# llama_expert_gating_func_type; 3 and 4, DeepSeek's and others', are not computed)
+GATINGS = {0: "the family's: softmax", 1: "softmax", 2: "sigmoid"}
 
 
 @dataclass(frozen=True)
@@ -94,8 +97,12 @@ class ModelConfig:
     n_expert_used: int = 0          # the experts each token takes (expert_used_count)
     n_ff_exp: int = 0               # one expert's width (expert_feed_forward_length; 0: the
                                     # family's rule, Family.expert_ff)
-    n_ff_shexp: int = 0             # qwen2moe: the shared expert's width
-                                    # (expert_shared_feed_forward_length; 0: n_ff)
+    n_ff_shexp: int = 0             # the shared expert's width (expert_shared_feed_forward_
+                                    # length; 0: qwen2moe's n_ff, granite's no shared expert)
+    expert_gating: int = 0          # expert_gating_func: 2 the router's sigmoids (lfm2moe), 1
+                                    # or 0 (the family's, softmax) its softmax
+    n_dense_lead: int = 0           # lfm2moe: the first blocks' feed-forward is dense
+                                    # (leading_dense_block_count)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -143,6 +150,12 @@ class ModelConfig:
                 not self.n_expert and self.n_expert_used:
             raise ShapeError(f"n_expert_used {self.n_expert_used} must be 1 .. n_expert "
                              f"{self.n_expert} (0 without experts)")
+        if self.expert_gating not in GATINGS:
+            raise ShapeError(f"expert_gating {self.expert_gating} is not one of "
+                             f"{', '.join(f'{k} ({v})' for k, v in GATINGS.items())}")
+        if not 0 <= self.n_dense_lead <= self.n_layer:
+            raise ShapeError(f"n_dense_lead {self.n_dense_lead} must be 0 .. n_layer "
+                             f"{self.n_layer}")
         if self.n_expert and not self.family.experts:
             raise ShapeError(f"llama.cpp's {self.arch} has no mixture of experts (n_expert "
                              f"{self.n_expert})")
@@ -166,7 +179,8 @@ class ModelConfig:
                     "rope_sections", "attn_logit_softcap", "rope_scaling",
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
                     "no_rope", "ssm_inner", "mlp_layers", "mamba_norm", "n_expert",
-                    "n_expert_used", "n_ff_exp", "n_ff_shexp")
+                    "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
+                    "n_dense_lead")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

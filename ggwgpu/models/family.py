@@ -26,6 +26,8 @@ from . import blocks as B
 
 # The hyper-parameters of a mixture of experts (the keys of a family with `experts`)
 EXPERT_KEYS = {"n_expert": Keys.LLM.EXPERT_COUNT, "n_expert_used": Keys.LLM.EXPERT_USED_COUNT}
+EXPERT_FF = {"n_ff_exp": Keys.LLM.EXPERT_FEED_FORWARD_LENGTH}
+SHARED_FF = {"n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
 
 
 class Family:
@@ -71,11 +73,14 @@ class Family:
     layer_norm_eps_fallback = False
     # Whether llama.cpp's graph of the family makes the feed-forward a mixture of experts
     # where a file has expert_count (blocks.experts); then whether it divides the taken
-    # experts' weights by their sum (norm_w), and whether a shared expert, gated by a
-    # sigmoid, adds to them (qwen2moe)
+    # experts' weights by their sum (norm_w), whether a shared expert every token takes adds
+    # to them ("gated": times the sigmoid of its gate ffn_gate_inp_shexp, qwen2moe's; "plain":
+    # as it is, where n_ff_shexp is set, granite's), and whether the experts are ranked with
+    # a bias added (exp_probs_b.bias, lfm2moe)
     experts = False
     expert_norm = True
-    shared_expert = False
+    shared_expert = None
+    selection_bias = False
 
     def __repr__(self):
         return f"<family {self.arch}>"
@@ -123,15 +128,25 @@ class Family:
         n, x = cfg.n_expert, self.expert_ff(cfg)
         shapes = {"ffn_gate_inp.weight": (n, e), "ffn_gate_exps.weight": (n, x, e),
                   "ffn_down_exps.weight": (n, e, x), "ffn_up_exps.weight": (n, x, e)}
-        if self.shared_expert:
-            s = cfg.n_ff_shexp or f
-            shapes.update({"ffn_gate_inp_shexp.weight": (e,), "ffn_gate_shexp.weight": (s, e),
-                           "ffn_down_shexp.weight": (e, s), "ffn_up_shexp.weight": (s, e)})
+        if self.selection_bias:
+            shapes["exp_probs_b.bias"] = (n,)
+        if self.shared_expert == "gated":
+            shapes["ffn_gate_inp_shexp.weight"] = (e,)
+        s = self.shared_ff(cfg)
+        if s:
+            shapes.update({"ffn_gate_shexp.weight": (s, e), "ffn_down_shexp.weight": (e, s),
+                           "ffn_up_shexp.weight": (s, e)})
         return shapes
 
     def expert_ff(self, cfg) -> int:
         """One expert's feed-forward width: n_ff (llama's, olmoe's files give it there)."""
         return cfg.n_ff
+
+    def shared_ff(self, cfg) -> int:
+        """The shared expert's width (0: none): n_ff_shexp, else qwen2moe's n_ff."""
+        if self.shared_expert == "gated":
+            return cfg.n_ff_shexp or cfg.n_ff
+        return cfg.n_ff_shexp if self.shared_expert else 0
 
     def rope_tables(self, cfg) -> tuple[str, ...]:
         """The rope frequency-factor tensors of the model (n_rot / 2 values each, frozen)."""
@@ -175,7 +190,10 @@ class Family:
 
     def layer(self, cfg, i: int):
         """The hyper-parameters of layer i: cfg, with its own K/V heads and feed-forward width
-        where those differ per layer (ModelConfig.n_head_kv_layers, n_ff_layers)."""
+        where those differ per layer (ModelConfig.n_head_kv_layers, n_ff_layers), and no
+        experts in the leading dense blocks (n_dense_lead)."""
+        if i < cfg.n_dense_lead:        # lfm2moe's first blocks: a dense feed-forward
+            cfg = dataclasses.replace(cfg, n_dense_lead=0, n_expert=0, n_expert_used=0)
         if not (cfg.n_head_kv_layers or cfg.n_ff_layers):
             return cfg
         return dataclasses.replace(
@@ -212,7 +230,8 @@ class Family:
 
     def layers_alike(self, cfg) -> bool:
         """Whether every block has the same tensors (the memory estimate counts one)."""
-        return not (cfg.conv_layers or cfg.n_head_kv_layers or cfg.n_ff_layers)
+        return not (cfg.conv_layers or cfg.n_head_kv_layers or cfg.n_ff_layers or
+                    cfg.n_dense_lead)
 
     def ropes(self, cfg, i: int) -> bool:
         """Whether layer i ropes its Q and K."""
@@ -248,7 +267,7 @@ class Family:
         b = f"blk.{i}."
         x = self.mix(cfg, p, i, x, seq)
         h = self.pre_norm(cfg, p, b + "ffn_norm.weight", x)
-        if cfg.n_expert:
+        if self.layer(cfg, i).n_expert:
             y = self.mixture(cfg, p, b, h)
             if self.post_norms:
                 y = B.rms_norm(cfg, y, p[b + "post_ffw_norm.weight"])
@@ -257,15 +276,17 @@ class Family:
                              "post_ffw_norm.weight")
 
     def mixture(self, cfg, p: dict, b: str, h):
-        """Block b's mixture of experts on h (its ffn_norm), with the shared expert, times
-        the sigmoid of its gate, added where the family has one (qwen2moe)."""
+        """Block b's mixture of experts on h (its ffn_norm), with the shared expert added
+        where the model has one (times the sigmoid of its gate where it is "gated")."""
         y = B.experts(cfg, p, b, h, self.expert_norm)
-        if not self.shared_expert:
+        if not self.shared_ff(cfg):
             return y
-        gate = O.mul_mat(O.reshape(p[b + "ffn_gate_inp_shexp.weight"], (1, cfg.n_embd)), h)
         shared = B.linear(p, b + "ffn_down_shexp.weight", O.swiglu(
             B.linear(p, b + "ffn_gate_shexp.weight", h), B.linear(p, b + "ffn_up_shexp.weight", h)))
-        return O.add(y, O.mul(shared, O.sigmoid(gate)))
+        if self.shared_expert == "gated":
+            gate = O.mul_mat(O.reshape(p[b + "ffn_gate_inp_shexp.weight"], (1, cfg.n_embd)), h)
+            shared = O.mul(shared, O.sigmoid(gate))
+        return O.add(y, shared)
 
     def mix(self, cfg, p: dict, i: int, x, seq: B.Sequence):
         """x + block i's token mixer (self-attention) of attn_norm(x)."""

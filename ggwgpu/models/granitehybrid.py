@@ -14,8 +14,8 @@ groups)) and token the scan
 (A = ssm_a, stored as -exp(A_log); D = ssm_d): delta_rule without the delta correction.
 Then y * silu(z), RMS-normed in groups of d_inner / groups by ssm_norm, and ssm_out; the
 branch times residual_scale, as attention's. The decoder keeps each layer's state and its
-convolution's inputs, as qwen35's. Mixture-of-experts blocks (H-tiny, H-small) are refused
-by name."""
+convolution's inputs, as qwen35's. With expert_count (H-tiny, H-small) the feed-forwards are
+granite's mixture of experts with its shared expert."""
 import math
 
 from gguf import GGUFValueType
@@ -29,7 +29,6 @@ from .granite import Granite
 _T = GGUFValueType
 INNER_SIZE = "{arch}.ssm.inner_size"
 ROPE_FINETUNED = "{arch}.rope.scaling.finetuned"
-MOE = "mixture-of-experts blocks"
 
 
 def inner_size(cfg) -> int:
@@ -114,9 +113,7 @@ class Mamba2Layers:
 class GraniteHybrid(Mamba2Layers, Granite):
     arch = "granitehybrid"
     keys = {**Granite.keys, **MAMBA2_KEYS}
-    unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
-                   "ffn_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
-                   "attn_output.bias": "an attention output bias",
+    unsupported = {"attn_output.bias": "an attention output bias",
                    "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
                    "ffn_gate.bias": "feed-forward biases"}
 

@@ -31,11 +31,10 @@ class LFM2(Family):
     def block_shapes(self, cfg, i):
         if i not in cfg.conv_layers:
             return super().block_shapes(cfg, i)
-        e, f = cfg.n_embd, cfg.n_ff
+        e = cfg.n_embd
         return {"attn_norm.weight": (e,), "shortconv.conv.weight": (e, cfg.conv_kernel),
                 "shortconv.in_proj.weight": (3 * e, e), "shortconv.out_proj.weight": (e, e),
-                "ffn_norm.weight": (e,), "ffn_gate.weight": (f, e), "ffn_down.weight": (e, f),
-                "ffn_up.weight": (f, e)}
+                "ffn_norm.weight": (e,), **self.ffn_shapes(self.layer(cfg, i))}
 
     def mix(self, cfg, p, i, x, seq):
         if i not in cfg.conv_layers:

@@ -27,6 +27,7 @@ def absent_scales(n_layer: int, n_embd: int) -> dict:
 class MiniCPM(Granite):
     arch = "minicpm"
     reads_longrope = True
+    experts = False
     # the scales' keys: read with llama.cpp's defaults, which depend on the model's size,
     # and always written (read_more_keys, more_keys), so llama.cpp never takes a default
     keys = {}

@@ -3,9 +3,7 @@ qwen2's attention (Q, K, V biases), each block's feed-forward a mixture of exper
 weights are the router's probabilities as they are (not normalized), plus a shared expert,
 a SwiGLU of expert_shared_feed_forward_length (else n_ff) every token takes, times the
 sigmoid of its gate ffn_gate_inp_shexp (one value per token)."""
-from gguf import Keys
-
-from .family import EXPERT_KEYS
+from .family import EXPERT_FF, EXPERT_KEYS, SHARED_FF
 from .qwen2 import Qwen2
 from .qwen3moe import Qwen3Moe
 
@@ -14,9 +12,8 @@ class Qwen2Moe(Qwen2):
     arch = "qwen2moe"
     experts = True
     expert_norm = False
-    shared_expert = True
-    keys = {**EXPERT_KEYS, "n_ff_exp": Keys.LLM.EXPERT_FEED_FORWARD_LENGTH,
-            "n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
+    shared_expert = "gated"
+    keys = {**EXPERT_KEYS, **EXPERT_FF, **SHARED_FF}
     required = Qwen3Moe.required
     check = Qwen3Moe.check
     expert_ff = Qwen3Moe.expert_ff

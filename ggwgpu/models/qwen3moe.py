@@ -4,17 +4,15 @@ src/models/qwen3moe.cpp): qwen3's attention, each block's feed-forward a mixture
 expert_used_count most probable, their outputs weighted by their probabilities divided by
 the sum of those. An expert's width is expert_feed_forward_length (else n_ff over the
 experts a token takes, as llama.cpp falls back)."""
-from gguf import Keys
-
 from ..tensor import ShapeError
-from .family import EXPERT_KEYS
+from .family import EXPERT_FF, EXPERT_KEYS
 from .qwen3 import Qwen3
 
 
 class Qwen3Moe(Qwen3):
     arch = "qwen3moe"
     experts = True
-    keys = {**EXPERT_KEYS, "n_ff_exp": Keys.LLM.EXPERT_FEED_FORWARD_LENGTH}
+    keys = {**EXPERT_KEYS, **EXPERT_FF}
     required = ("n_expert", "n_expert_used")
 
     def check(self, cfg):

@@ -28,7 +28,9 @@ from .delta_net import chunking, delta_rule, segment_masks
 ROPE_TABLES = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # name suffixes of the values never trained, even in a full finetune: the rope tables, and
 # gemma4's layer output scales (buffers of the model in its own code, not parameters)
-FROZEN = ROPE_TABLES + ("layer_output_scale.weight",)
+# (exp_probs_b.bias: the experts' balancing bias, set by counting how often each is taken, as
+# DeepSeek V3 and LFM2 train it: it ranks experts and takes no gradient)
+FROZEN = ROPE_TABLES + ("layer_output_scale.weight", "exp_probs_b.bias")
 
 
 def frozen(name: str) -> bool:
