@@ -6,10 +6,12 @@ An adapter is alpha and, per adapted weight, a pair of f32 matrices under llama.
 llama.cpp's adapter loader validates them:
 
     weight W (n_out, n_in):             lora_a (r, n_in)      lora_b (n_out, r)
+    experts W (n_expert, n_out, n_in):  lora_a (n_expert, r, n_in)   lora_b (n_expert, n_out, r)
     token_embd.weight (n_vocab, n_embd): lora_a (n_vocab, r)   lora_b (n_embd, r)
 
 The layer computes W x + scale * B (A x); the embedding of token t is E[t] + scale * B A[t]
-(models/blocks.py). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
+(models/blocks.py); a stack of experts' matrices has a pair per expert, and a token's
+product with expert e adds scale * B[e] (A[e] x) (llama.cpp's build_lora_mm_id). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
 alpha 0 means scale 1), so pairs of different ranks in one adapter each have their own.
 
 Initialisation as llama.cpp's old finetune: A normal(0, 1) clamped to [-1, 1] and scaled by
@@ -51,6 +53,9 @@ K_ALPHA = "adapter.lora.alpha"
 K_BASE = "ggwgpu.lora.base"
 
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
+# "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps": the experts' stacks of a mixture of
+# experts (a pair per expert); "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp": its
+# shared expert.
 # "wqkv": the fused Q/K/V matrix of families that have one (phi3); "conv_in", "conv_out":
 # lfm2's short-convolution projections; "pe_gate", "pe_proj": gemma4's per-layer embedding
 # gate and projection; "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out": qwen35's delta-net
@@ -65,7 +70,10 @@ TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "pe_gate": "inp_gate.weight", "pe_proj": "proj.weight",
            "attn_gate": "attn_gate.weight", "ssm_alpha": "ssm_alpha.weight",
            "ssm_beta": "ssm_beta.weight", "ssm_out": "ssm_out.weight",
-           "ssm_in": "ssm_in.weight"}
+           "ssm_in": "ssm_in.weight",
+           "ffn_gate_exps": "ffn_gate_exps.weight", "ffn_up_exps": "ffn_up_exps.weight",
+           "ffn_down_exps": "ffn_down_exps.weight", "ffn_gate_shexp": "ffn_gate_shexp.weight",
+           "ffn_up_shexp": "ffn_up_shexp.weight", "ffn_down_shexp": "ffn_down_shexp.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
 
@@ -81,7 +89,7 @@ class Adapter:
         return [n[:-len(LORA_A)] for n in self.tensors if n.endswith(LORA_A)]
 
     def rank(self, weight: str) -> int:
-        return self.tensors[weight + LORA_B].shape[1]
+        return self.tensors[weight + LORA_B].shape[-1]      # lora_b: (.., n_out, r)
 
     def scale(self, weight: str) -> float:
         """llama.cpp's scale of a pair: alpha / rank, or 1 when alpha is 0."""
@@ -90,10 +98,10 @@ class Adapter:
 
 def pair_shapes(cfg: ModelConfig, weight: str, rank: int) -> tuple[tuple, tuple]:
     """(lora_a shape, lora_b shape) of a rank-`rank` pair on `weight` (module docstring)."""
-    n_out, n_in = matrix_shapes(cfg)[weight]
+    *experts, n_out, n_in = matrix_shapes(cfg)[weight]
     if weight == TOKEN_EMBD:
         return (n_out, rank), (n_in, rank)
-    return (rank, n_in), (n_out, rank)
+    return (*experts, rank, n_in), (*experts, n_out, rank)
 
 
 def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
@@ -139,7 +147,7 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
         names = [TARGETS[kind]] if kind in GLOBAL_TARGETS else \
             [n for n in (f"blk.{i}.{TARGETS[kind]}" for i in layers) if n in shapes]
         for name in names:  # a rank above the matrix's smaller side adds nothing but memory
-            n_out, n_in = shapes[name]
+            *_, n_out, n_in = shapes[name]
             if rank > min(n_out, n_in) and (kind in asked or min(n_out, n_in) >= cfg.n_embd):
                 raise ValueError(f"rank {rank} of {kind} is more than {name} "
                                  f"({n_out} x {n_in}) can use: at most {min(n_out, n_in)}")
@@ -164,7 +172,7 @@ def init_adapter(cfg: ModelConfig, ranks: dict[str, int], alpha: float,
         if weight not in ranks:
             continue
         a_shape, b_shape = pair_shapes(cfg, weight, ranks[weight])
-        a = np.clip(rng.standard_normal(a_shape), -1.0, 1.0) / np.sqrt(sum(a_shape))
+        a = np.clip(rng.standard_normal(a_shape), -1.0, 1.0) / np.sqrt(sum(a_shape[-2:]))
         tensors[weight + LORA_A] = a.astype(np.float32)
         tensors[weight + LORA_B] = np.zeros(b_shape, np.float32)
     return Adapter(float(alpha), tensors)
@@ -187,7 +195,7 @@ def check_adapter(adapter: Adapter, cfg: ModelConfig, where) -> None:
                             f"matrix of this base model (wrong base?)")
     for weight in adapter.weights():
         a, b = adapter.tensors[weight + LORA_A], adapter.tensors[weight + LORA_B]
-        rank = b.shape[1] if b.ndim == 2 else 0
+        rank = b.shape[-1] if b.ndim >= 2 else 0
         if (a.shape, b.shape) != pair_shapes(cfg, weight, rank) or rank < 1:
             want_a, want_b = pair_shapes(cfg, weight, max(rank, 1))
             raise GGUFError(f"{where}: LoRA pair of {weight} has shapes {a.shape} and "
@@ -302,8 +310,8 @@ MERGE_TYPES = ("auto", "f32") + QUANTIZABLE
 
 def merge(cfg: ModelConfig, values: dict, adapters, dtype: str = "auto"
           ) -> tuple[ModelConfig, dict]:
-    """(cfg, values) of the base with every adapter's pairs added: W + scale * B A, and
-    E + scale * A B^T for the token embedding (sums in float64 over the dequantized
+    """(cfg, values) of the base with every adapter's pairs added: W + scale * B A (per
+    expert for a stack of experts), and E + scale * A B^T for the token embedding (sums in float64 over the dequantized
     weight), stored as `dtype` (one of MERGE_TYPES) says. A pair on either side of tied
     embeddings unties them: the merged model gets its own output.weight (the base's
     token_embd plus the output's pairs)."""

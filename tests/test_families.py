@@ -535,6 +535,35 @@ def test_lora_targets_are_the_matrices_each_block_has():
                                        "ffn_down", "ffn_up")}
 
 
+def test_lora_pairs_on_the_experts_add_alpha_over_r_times_b_a_to_each_expert():
+    """The experts' stacks take a pair per expert (llama.cpp's build_lora_mm_id), the router
+    none; a token through expert e computes W[e] x + alpha / r * B[e] (A[e] x): the logits
+    of the base whose stacks hold W[e] + alpha / r * B[e] A[e], computed here by hand."""
+    from ggwgpu.testing import reference_logits
+    cfg = dataclasses.replace(FAMILIES["qwen2moe"], n_ctx=8)
+    ranks = lora.lora_ranks(cfg, 2)
+    assert {n for n in ranks if n.startswith("blk.0.ffn")} == {
+        f"blk.0.ffn_{w}.weight" for w in ("gate_exps", "up_exps", "down_exps", "gate_shexp",
+                                          "up_shexp", "down_shexp")}
+    adapter = lora.init_adapter(cfg, ranks, 6.0, seed=3)
+    rng = np.random.default_rng(4)
+    adapter.tensors = {n: t if n.endswith(".lora_a") else
+                       rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
+                       for n, t in adapter.tensors.items()}
+    a, b = (adapter.tensors["blk.1.ffn_down_exps.weight" + s] for s in (".lora_a", ".lora_b"))
+    assert a.shape == (4, 2, 32) and b.shape == (4, 16, 2)      # (experts, r, in), (.., out, r)
+    values = family_values(cfg)
+    by_hand = {n: v + 3.0 * np.matmul(adapter.tensors[n + ".lora_b"],
+                                      adapter.tensors[n + ".lora_a"])
+               if n + ".lora_a" in adapter.tensors else v for n, v in values.items()}
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    g = build_train_graph(cfg, values, 1, adapters=(adapter,), frozen=True)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, by_hand, tokens[0]),
+                               rtol=1e-6, atol=1e-7)
+
+
 def write_tensors(path, cfg, values):
     meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
     del meta[gguf_llama.K_CONFIG_JSON]

@@ -62,6 +62,17 @@ def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
     return y if residual is None or fused else O.add(residual, y)
 
 
+def routed(p: dict, name: str, x, taken):
+    """x (tokens, 1 or k, n_in) times the experts `taken` (tokens, k) of the stack `name`
+    (mul_mat_id), plus scale * B[e] (A[e] x) for each LoRA pair on it (llama.cpp's
+    build_lora_mm_id): (tokens, k, n_out)."""
+    y = O.mul_mat_id(p[name], x, taken)
+    for k, (a, b, scale) in enumerate(p.get(name + LORA, ())):
+        ax = O.mul_mat_id(a, lora_input(p, name, k, x), taken)
+        y = O.add(y, O.scale(O.mul_mat_id(b, ax, taken), scale))
+    return y
+
+
 def lora_input(p: dict, name: str, k: int, x):
     """What pair k on weight `name` reads: x, or in a training graph with LoRA dropout
     (p[LORA_DROPOUT]) x dropped as PEFT's lora_dropout drops it, by draws of the pair's own
@@ -273,9 +284,9 @@ def experts(cfg, p: dict, b: str, h, normalize: bool):
     if normalize:
         weights = O.div(weights, O.sum_rows(weights))
     x = O.reshape(x, (t, 1, e))
-    gated = O.swiglu(O.mul_mat_id(p[b + "ffn_gate_exps.weight"], x, taken),
-                     O.mul_mat_id(p[b + "ffn_up_exps.weight"], x, taken))      # (t, k, ff)
-    out = O.mul_mat_id(p[b + "ffn_down_exps.weight"], gated, taken)           # (t, k, e)
+    gated = O.swiglu(routed(p, b + "ffn_gate_exps.weight", x, taken),
+                     routed(p, b + "ffn_up_exps.weight", x, taken))           # (t, k, ff)
+    out = routed(p, b + "ffn_down_exps.weight", gated, taken)                # (t, k, e)
     y = O.reshape(O.mul_mat(O.transpose(out), weights), rows + (e,))
     return y if y.dtype == h.dtype else O.cast(y, h.dtype)
 

@@ -44,11 +44,12 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return cfg.family.shapes(cfg)
 
 
-def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """The matrices a LoRA pair can adapt, name -> (n_out, n_in), in file order: every 2-D
-    weight, and output.weight also when the embeddings are tied (token_embd read as the
-    output matrix: a pair on it adapts the output projection alone)."""
-    shapes = {n: s for n, s in parameter_shapes(cfg).items() if len(s) == 2}
+def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The matrices a LoRA pair can adapt, name -> (n_out, n_in), or (n_expert, n_out, n_in)
+    for a stack of experts' matrices (a pair per expert), in file order: every 2-D weight
+    and every stack, and output.weight also when the embeddings are tied (token_embd read as
+    the output matrix: a pair on it adapts the output projection alone)."""
+    shapes = {n: s for n, s in parameter_shapes(cfg).items() if len(s) in (2, 3)}
     shapes.setdefault(OUTPUT, (cfg.n_vocab, cfg.n_embd))
     return shapes
 
