@@ -443,6 +443,15 @@ def _experts(cfg, p, h, normalize: bool, bias=0.0):
     return out
 
 
+def _shared_experts(cfg, p, h, normalize=True):
+    """`_experts` plus the shared expert times the sigmoid of its gate (qwen2moe's and
+    qwen35moe's)."""
+    gate = 1 / (1 + np.exp(-(h @ p("ffn_gate_inp_shexp.weight"))))
+    return _experts(cfg, p, h, normalize) + gate[:, None] * _glu(
+        h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"), p("ffn_down_shexp.weight"),
+        _silu)
+
+
 def reference_logits(cfg, values, tokens) -> np.ndarray:
     """The logits (T, n_vocab) of one token sequence at positions 0..T-1, in float64 and
     plain NumPy, independent of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch
@@ -489,7 +498,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch == "qwen35":
+    if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
@@ -575,11 +584,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             ffn = (_silu(gate) * up) @ p("ffn_down.weight").T
         elif cfg.n_expert and il >= cfg.n_dense_lead:
             ffn = _experts(cfg, p, h, normalize, w.get(f"blk.{il}.exp_probs_b.bias", 0.0))
-            if arch == "qwen2moe" or arch == "granite" and cfg.n_ff_shexp:
-                gate = 1 / (1 + np.exp(-(h @ p("ffn_gate_inp_shexp.weight")))) \
-                    if arch == "qwen2moe" else np.ones(n)
-                ffn = ffn + gate[:, None] * _glu(h, p("ffn_gate_shexp.weight"), p(
-                    "ffn_up_shexp.weight"), p("ffn_down_shexp.weight"), _silu)
+            if arch == "qwen2moe":
+                ffn = _shared_experts(cfg, p, h, normalize=False)
+            elif arch == "granite" and cfg.n_ff_shexp:
+                ffn = ffn + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
+                                 p("ffn_down_shexp.weight"), _silu)
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate
             ffn = np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
         else:
@@ -808,7 +817,8 @@ def qwen35_reference_logits(cfg, values, tokens) -> np.ndarray:
             att = _attention(q, k, v, 1 / np.sqrt(hd)) * sigmoid(gate.reshape(n, -1))
             x = x + att @ p("attn_output.weight").T
         h = _rms_norm(x, p("post_attention_norm.weight"), eps)
-        x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+        x = x + (_shared_experts(cfg, p, h) if cfg.n_expert else
+                 _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu))
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 

@@ -163,6 +163,12 @@ CONFIGS = {
                           recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=16, ssm_heads=4,
                           ssm_groups=4, rope_sections=(2, 1, 1, 0), tied_embeddings=True,
                           rope_freq_base=1e7, arch="qwen35"),
+    # 35B-A3B-shaped: qwen35's blocks, 8 experts of 32 (2 taken), a gated shared expert
+    "qwen35moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_rot=8, n_layer=4,
+                             recurrent_layers=(0, 1, 2), conv_kernel=4, ssm_state=16,
+                             ssm_heads=4, ssm_groups=4, rope_sections=(2, 1, 1, 0),
+                             n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=48,
+                             tied_embeddings=True, rope_freq_base=1e7, arch="qwen35moe"),
     # 9B-shaped: twice as many value heads as query/key heads, untied, eight layers
     "qwen35-groups": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=16, n_rot=4,
                                  n_layer=8, recurrent_layers=(0, 1, 2, 4, 5, 6), conv_kernel=4,

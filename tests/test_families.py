@@ -155,6 +155,12 @@ FAMILIES = {
                               n_expert_used=2, n_ff_shexp=32, embedding_scale=12.0,
                               residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
                               tied_embeddings=True, arch="granitemoe"),
+    # Qwen3.5-35B-A3B: qwen35's blocks, 4 experts (2 taken) and a gated shared expert, tied
+    "qwen35moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_rot=4, n_layer=2,
+                             recurrent_layers=(0,), conv_kernel=4, ssm_state=4, ssm_heads=4,
+                             ssm_groups=2, rope_sections=(1, 1, 0, 0), n_expert=4,
+                             n_expert_used=2, n_ff_exp=32, n_ff_shexp=16, tied_embeddings=True,
+                             rope_freq_base=1e7, arch="qwen35moe"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -168,7 +174,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "gemma4": "inp_gate.weight", "qwen35": "ssm_conv1d.weight",
                "qwen3moe": "ffn_down_exps.weight", "qwen2moe": "ffn_gate_inp_shexp.weight",
                "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
-               "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight"}
+               "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
+               "qwen35moe": "ffn_gate_inp_shexp.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias"}
@@ -463,6 +470,16 @@ def test_a_mixture_of_experts_file_without_its_expert_count_is_refused(tmp_path)
     gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
     with pytest.raises(GGUFError, match="qwen3moe.expert_count"):
         load_model(tmp_path / "m.gguf")
+
+
+def test_a_file_with_fused_gate_and_up_expert_stacks_is_refused_saying_how_to_convert(tmp_path):
+    cfg = FAMILIES["qwen3moe"]
+    values = family_values(cfg)
+    values["blk.0.ffn_gate_up_exps.weight"] = np.concatenate(
+        [values["blk.0.ffn_gate_exps.weight"], values.pop("blk.0.ffn_up_exps.weight")], axis=1)
+    del values["blk.0.ffn_gate_exps.weight"]
+    with pytest.raises(GGUFError, match="blk.0.ffn_gate_up_exps.weight: .* convert without it"):
+        load_model(write_tensors(tmp_path / "m.gguf", cfg, values))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

@@ -148,7 +148,9 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
-            "qwen35": QWEN35, "qwen3moe": QWEN3MOE}
+            "qwen35": QWEN35, "qwen3moe": QWEN3MOE,
+            "qwen35moe": dataclasses.replace(QWEN35, arch="qwen35moe", n_expert=3, n_expert_used=2,
+                                             n_ff_exp=4, n_ff_shexp=6)}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

@@ -61,7 +61,8 @@ class Family:
     absent: dict = {}
     # Tensors of files of the arch that ggwgpu cannot compute with: block tensor name ->
     # the feature they belong to (a file with one is refused, naming it).
-    unsupported: dict = {}
+    unsupported: dict = {"ffn_gate_up_exps.weight": "experts' gate and up stacks fused into one "
+                         "(convert_hf_to_gguf.py --fuse-gate-up-exps: convert without it)"}
     # 2-D block tensors the graph reads as values, not as a product's weight (a convolution's
     # taps): read as f32 even from a block type (an F16 file stores them so), where other
     # matrices may stay in theirs (gguf_llama.load_model's keep_quantized)
@@ -180,7 +181,10 @@ class Family:
 
     def initial(self, name: str) -> float:
         """The value a fresh model's vector `name` (not a bias) starts at: 1, a norm's; -1
-        for a recurrent layer's ssm_a (-exp(A_log), A_log = 0: a decay)."""
+        for a recurrent layer's ssm_a (-exp(A_log), A_log = 0: a decay); 0 for a shared
+        expert's gate (a sigmoid of one half)."""
+        if name.endswith("ffn_gate_inp_shexp.weight"):
+            return 0.0
         return -1.0 if name.endswith("ssm_a") else 1.0
 
     def check(self, cfg):

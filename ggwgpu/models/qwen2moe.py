@@ -18,9 +18,5 @@ class Qwen2Moe(Qwen2):
     check = Qwen3Moe.check
     expert_ff = Qwen3Moe.expert_ff
 
-    def initial(self, name):
-        """The shared expert's gate starts at 0: a sigmoid of one half."""
-        return 0.0 if name.endswith("ffn_gate_inp_shexp.weight") else super().initial(name)
-
 
 FAMILY = Qwen2Moe()

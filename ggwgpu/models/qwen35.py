@@ -155,7 +155,7 @@ class Qwen35(Family):
     # -- tensors ---------------------------------------------------------------------------
 
     def block_shapes(self, cfg, i):
-        e, f = cfg.n_embd, cfg.n_ff
+        e = cfg.n_embd
         shapes = {"attn_norm.weight": (e,), "post_attention_norm.weight": (e,)}
         if i in cfg.recurrent_layers:
             heads, values = cfg.ssm_heads, self.value_dim(cfg)
@@ -171,8 +171,7 @@ class Qwen35(Family):
             shapes.update({"attn_q.weight": (2 * cfg.q_dim, e), "attn_k.weight": (cfg.kv_dim, e),
                            "attn_v.weight": (cfg.kv_dim, e), "attn_output.weight": (e, cfg.q_dim),
                            "attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
-        shapes.update({"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f),
-                       "ffn_up.weight": (f, e)})
+        shapes.update(self.ffn_shapes(cfg))
         return shapes
 
     # -- the graph -------------------------------------------------------------------------
@@ -180,8 +179,10 @@ class Qwen35(Family):
     def block(self, cfg, p, i, x, seq):
         b = f"blk.{i}."
         x = self.mix(cfg, p, i, x, seq)
-        gated = self.gate(p, b, B.rms_norm(cfg, x, p[b + "post_attention_norm.weight"]))
-        return B.linear(p, b + "ffn_down.weight", gated, residual=x)
+        h = B.rms_norm(cfg, x, p[b + "post_attention_norm.weight"])
+        if cfg.n_expert:
+            return O.add(x, self.mixture(cfg, p, b, h))
+        return B.linear(p, b + "ffn_down.weight", self.gate(p, b, h), residual=x)
 
     def mix(self, cfg, p, i, x, seq):
         b = f"blk.{i}."
