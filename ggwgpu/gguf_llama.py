@@ -300,6 +300,7 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
         raise GGUFError(f"{f.path}: {k.rot} = {hp['n_rot']} must be even and at most the head "
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
+    hp["fused_gate_up"] = any(name.endswith(".ffn_gate_up_exps.weight") for name in f.tensors)
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
     hp["longrope"] = ROPE_LONG in f.tensors or ROPE_SHORT in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
@@ -395,7 +396,8 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
-    told = ("arch", "tied_embeddings", "rope_freqs", "longrope", "head_dim", "swa_layers",
+    told = ("arch", "tied_embeddings", "fused_gate_up", "rope_freqs", "longrope", "head_dim",
+            "swa_layers",
             "layer_output_scale", "n_head_kv_layers", "n_ff_layers", "rope_scaling",
             "rope_orig_ctx")
     if any(getattr(exact, n) != getattr(cfg, n) for n in told):

@@ -54,8 +54,8 @@ K_BASE = "ggwgpu.lora.base"
 
 # llama.cpp's old finetune options (--rank-wq ...) -> the weight they name in each block.
 # "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps": the experts' stacks of a mixture of
-# experts (a pair per expert); "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp": its
-# shared expert.
+# experts (a pair per expert; "ffn_gate_up_exps" where gate and up are one stack);
+# "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp": its shared expert.
 # "wqkv": the fused Q/K/V matrix of families that have one (phi3); "conv_in", "conv_out":
 # lfm2's short-convolution projections; "pe_gate", "pe_proj": gemma4's per-layer embedding
 # gate and projection; "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out": qwen35's delta-net
@@ -72,7 +72,8 @@ TARGETS = {"tok_embd": TOKEN_EMBD, "out": OUTPUT,
            "ssm_beta": "ssm_beta.weight", "ssm_out": "ssm_out.weight",
            "ssm_in": "ssm_in.weight",
            "ffn_gate_exps": "ffn_gate_exps.weight", "ffn_up_exps": "ffn_up_exps.weight",
-           "ffn_down_exps": "ffn_down_exps.weight", "ffn_gate_shexp": "ffn_gate_shexp.weight",
+           "ffn_down_exps": "ffn_down_exps.weight", "ffn_gate_up_exps": "ffn_gate_up_exps.weight",
+           "ffn_gate_shexp": "ffn_gate_shexp.weight",
            "ffn_up_shexp": "ffn_up_shexp.weight", "ffn_down_shexp": "ffn_down_shexp.weight"}
 GLOBAL_TARGETS = ("tok_embd", "out")      # not in a block: adapted whatever the layers
 _T = GGUFValueType
@@ -311,7 +312,8 @@ MERGE_TYPES = ("auto", "f32") + QUANTIZABLE
 def merge(cfg: ModelConfig, values: dict, adapters, dtype: str = "auto"
           ) -> tuple[ModelConfig, dict]:
     """(cfg, values) of the base with every adapter's pairs added: W + scale * B A (per
-    expert for a stack of experts), and E + scale * A B^T for the token embedding (sums in float64 over the dequantized
+    expert for a stack of experts, over its per-expert output scale where it has one), and
+    E + scale * A B^T for the token embedding (sums in float64 over the dequantized
     weight), stored as `dtype` (one of MERGE_TYPES) says. A pair on either side of tied
     embeddings unties them: the merged model gets its own output.weight (the base's
     token_embd plus the output's pairs)."""
@@ -328,6 +330,7 @@ def merge(cfg: ModelConfig, values: dict, adapters, dtype: str = "auto"
             a = adapter.tensors[weight + LORA_A].astype(np.float64)
             b = adapter.tensors[weight + LORA_B].astype(np.float64)
             delta = a @ b.T if weight == TOKEN_EMBD else b @ a
+            delta = unscaled(stored, weight, delta)
             before = changed.get(weight, stored[weight])
             before = dequantize(before) if isinstance(before, Quantized) else before
             changed[weight] = (np.asarray(before, np.float32) + adapter.scale(weight) * delta
@@ -340,6 +343,21 @@ def merge(cfg: ModelConfig, values: dict, adapters, dtype: str = "auto"
     merged = {n: (dequantize(v) if isinstance(v, Quantized) else np.asarray(v, np.float32))
               for n, v in {**stored, **changed}.items() if n not in kept}
     return cfg, merged if dtype == "f32" else {**quantize_model(merged, dtype), **kept}
+
+
+def unscaled(values: dict, weight: str, delta: np.ndarray) -> np.ndarray:
+    """A stack of experts' change `delta` over the per-expert scales the stack's output is
+    multiplied by (gemma4's ffn_down_exps.scale), which a pair's term escapes at run time
+    (llama.cpp's build_lora_mm_id scales before it adds the pairs): merged, the change then
+    gives the pair's term."""
+    name = weight.removesuffix(".weight") + ".scale"
+    if delta.ndim != 3 or name not in values:
+        return delta
+    scales = np.asarray(values[name], np.float64)
+    if np.any(scales == 0):
+        raise ValueError(f"cannot merge the pairs on {weight}: {name} is 0 for expert "
+                         f"{int(np.flatnonzero(scales == 0)[0])}, whose output it zeroes")
+    return delta / scales[:, None, None]
 
 
 def model_digest(cfg: ModelConfig, values: dict) -> str:

@@ -422,12 +422,14 @@ def _glu(h, gate, up, down, act):
     return (act(h @ gate.T) * (h @ up.T)) @ down.T
 
 
-def _experts(cfg, p, h, normalize: bool, bias=0.0):
-    """llama.cpp's build_moe_ffn (SwiGLU experts), token by token: the router's softmax, or
-    its sigmoids (cfg.expert_gating 2), as the probabilities; the cfg.n_expert_used most
-    probable experts (ranked with `bias` added; ties: the lower index), their outputs
-    weighted by their probabilities (divided by their sum where `normalize`)."""
-    logits = h @ p("ffn_gate_inp.weight").T
+def _experts(cfg, p, h, normalize: bool, bias=0.0, act=_silu, router=None, scales=None):
+    """llama.cpp's build_moe_ffn (`act`-gated experts, SwiGLU by default; gate and up one
+    stack where cfg.fused_gate_up), token by token: the router (reading `router` where
+    given, else h)'s softmax, or its sigmoids (cfg.expert_gating 2), as the
+    probabilities; the cfg.n_expert_used most probable experts (ranked with `bias` added;
+    ties: the lower index), their outputs times their `scales` where given, weighted by
+    their probabilities (divided by their sum where `normalize`)."""
+    logits = (h if router is None else router) @ p("ffn_gate_inp.weight").T
     if cfg.expert_gating == 2:
         probs = 1 / (1 + np.exp(-logits))
     else:
@@ -438,8 +440,12 @@ def _experts(cfg, p, h, normalize: bool, bias=0.0):
         taken = np.argsort(-(probs[t] + bias), kind="stable")[:cfg.n_expert_used]
         weights = probs[t, taken] / (probs[t, taken].sum() if normalize else 1.0)
         for e, weight in zip(taken, weights):
-            out[t] += weight * _glu(h[t], p("ffn_gate_exps.weight")[e], p("ffn_up_exps.weight")[e],
-                                    p("ffn_down_exps.weight")[e], _silu)
+            if cfg.fused_gate_up:
+                gate, up = np.split(p("ffn_gate_up_exps.weight")[e], 2)
+            else:
+                gate, up = p("ffn_gate_exps.weight")[e], p("ffn_up_exps.weight")[e]
+            y = _glu(h[t], gate, up, p("ffn_down_exps.weight")[e], act)
+            out[t] += weight * (y if scales is None else scales[e] * y)
     return out
 
 
@@ -658,6 +664,12 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x + _rms_norm(att @ p("attn_output.weight").T, p("post_attention_norm.weight"), eps)
         ffn = _glu(_rms_norm(x, p("ffn_norm.weight"), eps), p("ffn_gate.weight"),
                    p("ffn_up.weight"), p("ffn_down.weight"), _gelu)
+        if cfg.n_expert:    # the dense GeGLU and the experts side by side, each normed
+            router = _rms_norm(x, 1.0, eps) / np.sqrt(cfg.n_embd) * p("ffn_gate_inp.scale")
+            mixed = _experts(cfg, p, _rms_norm(x, p("pre_ffw_norm_2.weight"), eps), True,
+                             act=_gelu, router=router, scales=p("ffn_down_exps.scale"))
+            ffn = _rms_norm(ffn, p("post_ffw_norm_1.weight"), eps) + _rms_norm(
+                mixed, p("post_ffw_norm_2.weight"), eps)
         x = x + _rms_norm(ffn, p("post_ffw_norm.weight"), eps)
         if n_pl:
             gated = _gelu(x @ p("inp_gate.weight").T) * layer_inputs[:, il]

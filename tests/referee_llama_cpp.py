@@ -156,6 +156,14 @@ CONFIGS = {
                                   head_dim_swa=16, n_rot_swa=16, sliding_window=16,
                                   rope_freqs=True, rope_freq_base=1e6, final_logit_softcap=3.0,
                                   arch="gemma4"),
+    # 26B-A4B-shaped: the dense GeGLU beside 8 GeGLU experts of 32 (2 taken, gate | up one
+    # stack), tied, a final softcap
+    "gemma4-moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=4,
+                              n_head_kv_layers=(1, 1, 1, 2), swa_layers=(0, 1, 2),
+                              head_dim_swa=16, n_rot_swa=16, sliding_window=16, n_expert=8,
+                              n_expert_used=2, n_ff_exp=32, fused_gate_up=True,
+                              rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
+                              final_logit_softcap=3.0, arch="gemma4"),
     # Qwen3.5 0.8B-shaped: three gated delta-net layers of four (as many query/key heads as
     # value heads), gated attention with heads wider than n_embd / n_head and a quarter of
     # each rotated (IMROPE's sections), tied

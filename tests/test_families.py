@@ -161,6 +161,13 @@ FAMILIES = {
                              ssm_groups=2, rope_sections=(1, 1, 0, 0), n_expert=4,
                              n_expert_used=2, n_ff_exp=32, n_ff_shexp=16, tied_embeddings=True,
                              rope_freq_base=1e7, arch="qwen35moe"),
+    # Gemma 4 26B-A4B: the dense GeGLU beside GeGLU experts (gate | up one stack, 4 experts,
+    # 2 taken) with the router's and the experts' scales, sliding layers, tied
+    "gemma4-moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=3,
+                              swa_layers=(0, 1), head_dim_swa=8, n_rot_swa=8, sliding_window=4,
+                              n_expert=4, n_expert_used=2, n_ff_exp=32, fused_gate_up=True,
+                              rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
+                              rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma4"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -175,10 +182,11 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "qwen3moe": "ffn_down_exps.weight", "qwen2moe": "ffn_gate_inp_shexp.weight",
                "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
-               "qwen35moe": "ffn_gate_inp_shexp.weight"}
+               "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
-          "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias"}
+          "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
+          "gemma4-moe": "rope_freqs.weight"}
 
 
 def family_values(cfg, seed=1):
@@ -472,14 +480,30 @@ def test_a_mixture_of_experts_file_without_its_expert_count_is_refused(tmp_path)
         load_model(tmp_path / "m.gguf")
 
 
-def test_a_file_with_fused_gate_and_up_expert_stacks_is_refused_saying_how_to_convert(tmp_path):
-    cfg = FAMILIES["qwen3moe"]
+def test_fused_gate_and_up_expert_stacks_read_as_the_two_they_hold(tmp_path):
+    """A file whose experts' gate and up are one stack (gemma4's, the converter's
+    --fuse-gate-up-exps) reads as such (fused_gate_up) and gives the logits of the file
+    with the two stacks; one with both kinds is refused."""
+    from ggwgpu.testing import reference_logits
+    cfg = dataclasses.replace(FAMILIES["qwen3moe"], n_ctx=8)
     values = family_values(cfg)
-    values["blk.0.ffn_gate_up_exps.weight"] = np.concatenate(
-        [values["blk.0.ffn_gate_exps.weight"], values.pop("blk.0.ffn_up_exps.weight")], axis=1)
-    del values["blk.0.ffn_gate_exps.weight"]
-    with pytest.raises(GGUFError, match="blk.0.ffn_gate_up_exps.weight: .* convert without it"):
-        load_model(write_tensors(tmp_path / "m.gguf", cfg, values))
+    fused = dict(values)
+    for i in range(cfg.n_layer):
+        b = f"blk.{i}."
+        fused[b + "ffn_gate_up_exps.weight"] = np.concatenate(
+            [fused.pop(b + "ffn_gate_exps.weight"), fused.pop(b + "ffn_up_exps.weight")], axis=1)
+    fused_cfg = dataclasses.replace(cfg, fused_gate_up=True)
+    got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", fused_cfg, fused))
+    assert float32_fields(got_cfg) == float32_fields(fused_cfg) and got.keys() == fused.keys()
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    g = build_train_graph(got_cfg, got, 1, frozen=True)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
+                               rtol=1e-6, atol=1e-7)
+    fused["blk.1.ffn_gate_exps.weight"] = values["blk.1.ffn_gate_exps.weight"]
+    with pytest.raises(GGUFError, match="unexpected tensor blk.1.ffn_gate_exps.weight"):
+        load_model(write_tensors(tmp_path / "both.gguf", fused_cfg, fused))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -581,6 +605,28 @@ def test_lora_pairs_on_the_experts_add_alpha_over_r_times_b_a_to_each_expert():
                                rtol=1e-6, atol=1e-7)
 
 
+def test_a_merge_gives_the_adapted_logits_where_experts_scale_their_outputs():
+    """gemma4's experts' outputs are times ffn_down_exps.scale, which a pair's term escapes
+    (llama.cpp's order): merged, the change is divided by it, so the merged model computes
+    what the adapter does."""
+    cfg = dataclasses.replace(FAMILIES["gemma4-moe"], n_ctx=8)
+    values = family_values(cfg)
+    assert not np.allclose(values["blk.0.ffn_down_exps.scale"], 1.0)
+    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0, seed=3)
+    rng = np.random.default_rng(4)
+    adapter.tensors = {n: t if n.endswith(".lora_a") else
+                       rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
+                       for n, t in adapter.tensors.items()}
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    logits = []
+    for c, v, adapters in ((cfg, values, (adapter,)), (*lora.merge(cfg, values, [adapter]), ())):
+        g = build_train_graph(c, v, 1, adapters=adapters, frozen=True)
+        plan = NumpyBackend(np.float64).plan(g.logits)
+        plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+        logits.append(g.read_logits(plan)[0])
+    np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-6)
+
+
 def write_tensors(path, cfg, values):
     meta = gguf_llama.model_metadata(path, cfg, ByteTokenizer(), None)
     del meta[gguf_llama.K_CONFIG_JSON]
@@ -588,22 +634,24 @@ def write_tensors(path, cfg, values):
     return path
 
 
-def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_experts_refused(tmp_path):
+def test_a_gemma4_file_s_unused_shared_kv_weights_are_dropped_and_its_fused_qkv_refused(
+        tmp_path):
     """A shared-KV layer's own attn_k / attn_v / attn_k_norm (llama.cpp loads them where a
-    file has them, and never reads them) are left out; mixture-of-experts layers and a
-    fused attn_qkv are refused by name."""
+    file has them, and never reads them) are left out; a fused attn_qkv is refused by name,
+    an expert's tensor in a file without expert_count as one the model lacks."""
     cfg = FAMILIES["gemma4"]
     values = family_values(cfg)
     unused = {f"blk.5.attn_{n}.weight": np.ones(s, np.float32)
               for n, s in (("k", (24, 16)), ("v", (24, 16)), ("k_norm", (12,)))}
     got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", cfg, values | unused))
     assert float32_fields(got_cfg) == float32_fields(cfg) and got.keys() == values.keys()
-    for name, what in (("ffn_gate_inp", "mixture-of-experts layers"),
-                       ("attn_qkv", "a fused attn_qkv")):
+    for name, what in (("ffn_gate_inp", "unexpected tensor blk.1.ffn_gate_inp.weight: a gemma4 "
+                                         "with these hyper-parameters has no such parameter"),
+                       ("attn_qkv", "tensor blk.1.attn_qkv.weight: ggwgpu's gemma4 does not "
+                                    "support a fused attn_qkv")):
         path = write_tensors(tmp_path / f"{name}.gguf", cfg,
                              values | {f"blk.1.{name}.weight": np.ones((4, 16), np.float32)})
-        with pytest.raises(GGUFError, match=f"tensor blk.1.{name}.weight: ggwgpu's gemma4 does "
-                                            f"not support {what}"):
+        with pytest.raises(GGUFError, match=what):
             load_model(path)
     # the layer a shared one reads must be of its kind (llama.cpp's reuse takes the last
     # sliding and the last global layer before the shared ones)

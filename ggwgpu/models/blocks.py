@@ -62,11 +62,13 @@ def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
     return y if residual is None or fused else O.add(residual, y)
 
 
-def routed(p: dict, name: str, x, taken):
+def routed(p: dict, name: str, x, taken, scales=None):
     """x (tokens, 1 or k, n_in) times the experts `taken` (tokens, k) of the stack `name`
-    (mul_mat_id), plus scale * B[e] (A[e] x) for each LoRA pair on it (llama.cpp's
-    build_lora_mm_id): (tokens, k, n_out)."""
+    (mul_mat_id), times `scales` (tokens, k, 1) where given, plus scale * B[e] (A[e] x)
+    for each LoRA pair on it (llama.cpp's build_lora_mm_id): (tokens, k, n_out)."""
     y = O.mul_mat_id(p[name], x, taken)
+    if scales is not None:
+        y = O.mul(y, scales)
     for k, (a, b, scale) in enumerate(p.get(name + LORA, ())):
         ax = O.mul_mat_id(a, lora_input(p, name, k, x), taken)
         y = O.add(y, O.scale(O.mul_mat_id(b, ax, taken), scale))
@@ -260,33 +262,46 @@ def geglu(p: dict, b: str, h):
     return O.geglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
 
 
-def experts(cfg, p: dict, b: str, h, normalize: bool):
+def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.swiglu):
     """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, SwiGLU experts): the
     router ffn_gate_inp gives each token a probability per expert (its softmax, or with
     cfg.expert_gating 2 each logit's sigmoid), the token takes the cfg.n_expert_used most
     probable (top_k; ranked with exp_probs_b.bias added where the block has one, DeepSeek
     V3's balancing bias), and its output is the sum of their feed-forwards
-    (ffn_{gate,up,down}_exps, one matrix per expert) weighted by their probabilities,
-    divided by the sum of those where `normalize` (llama.cpp's norm_w)."""
+    (ffn_{gate,up,down}_exps, one matrix per expert; gate and up as one ffn_gate_up_exps
+    where cfg.fused_gate_up; `act` of gate and up, SwiGLU or gemma4's GeGLU) weighted by
+    their probabilities, divided by the sum of those where `normalize` (llama.cpp's norm_w).
+    The router reads `router_input` where given (gemma4's), else h. Where the block has
+    ffn_down_exps.scale, each expert's output is times its value (before its LoRA pairs'
+    terms, as llama.cpp scales it)."""
     rows, e = h.shape[:-1], h.shape[-1]
     n, k = cfg.n_expert, cfg.n_expert_used
     t = int(np.prod(rows))
     x = O.reshape(h, (t, e))
     # the router in f32 whatever the graph's precision: halves would tie experts, and pick
     # by their rounding
-    router_input = x if x.dtype == "f32" else O.cast(x, "f32")
+    router_input = x if router_input is None else O.reshape(router_input, (t, e))
+    if router_input.dtype != "f32":
+        router_input = O.cast(router_input, "f32")
     logits = linear(p, b + "ffn_gate_inp.weight", router_input)              # (t, n)
     probs = O.sigmoid(logits) if cfg.expert_gating == 2 else O.soft_max(logits, 1.0)
     bias = p.get(b + "exp_probs_b.bias")
     taken = O.top_k(probs if bias is None else O.add(probs, bias), k)        # (t, k) ids
-    weights = O.reshape(O.mul_mat(O.reshape(probs, (t, 1, n)), O.one_hot(taken, n)),
+    picks = O.one_hot(taken, n)                                              # (t, k, n)
+    weights = O.reshape(O.mul_mat(O.reshape(probs, (t, 1, n)), picks),
                         (t, 1, k))                    # each taken expert's probability
     if normalize:
         weights = O.div(weights, O.sum_rows(weights))
     x = O.reshape(x, (t, 1, e))
-    gated = O.swiglu(routed(p, b + "ffn_gate_exps.weight", x, taken),
-                     routed(p, b + "ffn_up_exps.weight", x, taken))           # (t, k, ff)
-    out = routed(p, b + "ffn_down_exps.weight", gated, taken)                # (t, k, e)
+    if cfg.fused_gate_up:
+        gated = act(*columns(routed(p, b + "ffn_gate_up_exps.weight", x, taken), 2))
+    else:
+        gated = act(routed(p, b + "ffn_gate_exps.weight", x, taken),
+                    routed(p, b + "ffn_up_exps.weight", x, taken))            # (t, k, ff)
+    scales = p.get(b + "ffn_down_exps.scale")
+    if scales is not None:      # each slot's expert's scale, (t, k, 1)
+        scales = O.mul_mat(O.reshape(scales, (1, n)), picks)
+    out = routed(p, b + "ffn_down_exps.weight", gated, taken, scales)        # (t, k, e)
     y = O.reshape(O.mul_mat(O.transpose(out), weights), rows + (e,))
     return y if y.dtype == h.dtype else O.cast(y, h.dtype)
 

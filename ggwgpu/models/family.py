@@ -61,8 +61,7 @@ class Family:
     absent: dict = {}
     # Tensors of files of the arch that ggwgpu cannot compute with: block tensor name ->
     # the feature they belong to (a file with one is refused, naming it).
-    unsupported: dict = {"ffn_gate_up_exps.weight": "experts' gate and up stacks fused into one "
-                         "(convert_hf_to_gguf.py --fuse-gate-up-exps: convert without it)"}
+    unsupported: dict = {}
     # 2-D block tensors the graph reads as values, not as a product's weight (a convolution's
     # taps): read as f32 even from a block type (an F16 file stores them so), where other
     # matrices may stay in theirs (gguf_llama.load_model's keep_quantized)
@@ -122,13 +121,17 @@ class Family:
     def ffn_shapes(self, cfg) -> dict[str, tuple[int, ...]]:
         """The feed-forward's tensors of a block with hyper-parameters cfg (a layer's): SwiGLU's
         three matrices, or a mixture of experts: the router, a stack of each matrix with one
-        per expert, and the shared expert and its gate where the family has one."""
+        per expert (gate and up as one where cfg.fused_gate_up), and the shared expert and its
+        gate where the family has one."""
         e, f = cfg.n_embd, cfg.n_ff
         if not cfg.n_expert:
             return {"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f), "ffn_up.weight": (f, e)}
         n, x = cfg.n_expert, self.expert_ff(cfg)
         shapes = {"ffn_gate_inp.weight": (n, e), "ffn_gate_exps.weight": (n, x, e),
                   "ffn_down_exps.weight": (n, e, x), "ffn_up_exps.weight": (n, x, e)}
+        if cfg.fused_gate_up:
+            del shapes["ffn_gate_exps.weight"], shapes["ffn_up_exps.weight"]
+            shapes["ffn_gate_up_exps.weight"] = (n, 2 * x, e)
         if self.selection_bias:
             shapes["exp_probs_b.bias"] = (n,)
         if self.shared_expert == "gated":
@@ -268,8 +271,11 @@ class Family:
     def block(self, cfg, p: dict, i: int, x, seq: B.Sequence):
         """Block i applied to x (rows of n_embd): its mixer (attention), then the
         feed-forward, each with its residual."""
+        return self.feed_forward(cfg, p, i, self.mix(cfg, p, i, x, seq))
+
+    def feed_forward(self, cfg, p: dict, i: int, x):
+        """x + block i's feed-forward of ffn_norm(x): the gate's, or a mixture of experts."""
         b = f"blk.{i}."
-        x = self.mix(cfg, p, i, x, seq)
         h = self.pre_norm(cfg, p, b + "ffn_norm.weight", x)
         if self.layer(cfg, i).n_expert:
             y = self.mixture(cfg, p, b, h)

@@ -21,8 +21,14 @@ llama.cpp reads it, 0 for none) with these differences:
   a buffer, not a parameter, in the model's own code).
 The feed-forward width may differ per layer (feed_forward_length per layer: the double-wide
 shared-KV layers). Norm weights are stored as they multiply (the converter adds no 1).
-Not supported, and refused by name: mixture-of-experts layers (26B-A4B), a fused attn_qkv,
-and layers without attn_v (attention_k_eq_v: V taken from K)."""
+With expert_count (26B-A4B) each block's feed-forward is two side by side on its input x:
+the dense GeGLU on ffn_norm(x), normed by post_ffw_norm_1, plus a mixture of GeGLU experts
+(blocks.experts; gate and up one stack, ffn_gate_up_exps, as the converter writes them) on
+pre_ffw_norm_2(x), normed by post_ffw_norm_2, whose router reads x RMS-normed without a
+weight, times 1/sqrt(n_embd) and ffn_gate_inp.scale, and whose experts' outputs are times
+ffn_down_exps.scale (the per-expert scale); their sum through post_ffw_norm.
+Not supported, and refused by name: a fused attn_qkv, and layers without attn_v
+(attention_k_eq_v: V taken from K)."""
 import dataclasses
 import math
 import re
@@ -33,14 +39,13 @@ from .. import ops as O
 from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from . import blocks as B
-from .family import Family
+from .family import EXPERT_FF, EXPERT_KEYS, Family
 
 SWA_FREQ_BASE = 10000.0     # llama.cpp's rope_freq_base_train_swa when the file has none
 PER_LAYER_TOKEN_EMBD = "per_layer_token_embd.weight"
 PER_LAYER_MODEL_PROJ = "per_layer_model_proj.weight"
 PER_LAYER_PROJ_NORM = "per_layer_proj_norm.weight"
 OUT_SCALE = "layer_output_scale.weight"
-MOE = "mixture-of-experts layers"
 
 
 # Gemma 4's keys, as llama.cpp's converter writes them (gguf.Keys names them only in gguf
@@ -62,7 +67,8 @@ class Gemma4(Family):
     post_norms = True
     reads_rope_freqs = True
     gate = staticmethod(B.geglu)
-    keys = {"sliding_window": Keys.Attention.SLIDING_WINDOW,
+    experts = True
+    keys = {**EXPERT_KEYS, **EXPERT_FF, "sliding_window": Keys.Attention.SLIDING_WINDOW,
             "head_dim_swa": KEY_LENGTH_SWA,
             "n_rot_swa": DIMENSION_COUNT_SWA,
             "rope_freq_base_swa": FREQ_BASE_SWA,
@@ -71,9 +77,7 @@ class Gemma4(Family):
             "final_logit_softcap": Keys.LLM.FINAL_LOGIT_SOFTCAPPING}
     required = ("sliding_window", "head_dim_swa", "n_rot_swa", "n_embd_per_layer")
     absent = {"final_logit_softcap": 30.0}     # llama.cpp's default: no key, a softcap of 30
-    unsupported = {"ffn_gate_inp.weight": MOE, "ffn_down_exps.weight": MOE,
-                   "ffn_gate_up_exps.weight": MOE, "ffn_gate_exps.weight": MOE,
-                   "ffn_up_exps.weight": MOE, "attn_qkv.weight": "a fused attn_qkv"}
+    unsupported = {"attn_qkv.weight": "a fused attn_qkv"}
 
     def check(self, cfg):
         if cfg.head_dim_swa < 1 or cfg.n_rot_swa < 1:
@@ -82,6 +86,9 @@ class Gemma4(Family):
         if cfg.n_rot_swa % 2 or cfg.n_rot_swa > cfg.head_dim_swa:
             raise ShapeError(f"n_rot_swa {cfg.n_rot_swa} must be even and <= head_dim_swa "
                              f"{cfg.head_dim_swa}")
+        if cfg.n_expert and not cfg.n_ff_exp:
+            raise ShapeError("a gemma4 with experts needs n_ff_exp "
+                             "(expert_feed_forward_length)")
         first = cfg.n_layer - cfg.shared_kv_layers
         if cfg.shared_kv_layers and first < 2:
             raise ShapeError(f"shared_kv_layers {cfg.shared_kv_layers} leaves {first} layers "
@@ -143,6 +150,19 @@ class Gemma4(Family):
         if cfg.layer_output_scale:
             shapes[OUT_SCALE] = (1,)
         return shapes
+
+    def ffn_shapes(self, cfg):
+        """The dense GeGLU's matrices, and with experts the mixture's tensors beside them."""
+        e, f = cfg.n_embd, cfg.n_ff
+        dense = {"ffn_gate.weight": (f, e), "ffn_down.weight": (e, f), "ffn_up.weight": (f, e)}
+        if not cfg.n_expert:
+            return dense
+        return {**dense, "pre_ffw_norm_2.weight": (e,), "post_ffw_norm_1.weight": (e,),
+                "post_ffw_norm_2.weight": (e,), "ffn_gate_inp.scale": (e,),
+                **super().ffn_shapes(cfg), "ffn_down_exps.scale": (cfg.n_expert,)}
+
+    def expert_ff(self, cfg):
+        return cfg.n_ff_exp
 
     def ignored(self, cfg, name):
         """A shared-KV layer's own K/V weights: llama.cpp loads them where a file has them
@@ -216,6 +236,20 @@ class Gemma4(Family):
         if cfg.layer_output_scale:
             x = O.mul(x, p[b + OUT_SCALE])
         return x
+
+    def feed_forward(self, cfg, p, i, x):
+        if not cfg.n_expert:
+            return super().feed_forward(cfg, p, i, x)
+        b, c = f"blk.{i}.", self.layer(cfg, i)
+        dense = B.linear(p, b + "ffn_down.weight",
+                         self.gate(p, b, B.rms_norm(c, x, p[b + "ffn_norm.weight"])))
+        router = O.mul(O.scale(O.rms_norm(x, c.norm_eps), 1.0 / math.sqrt(c.n_embd)),
+                       p[b + "ffn_gate_inp.scale"])
+        mixed = B.experts(c, p, b, B.rms_norm(c, x, p[b + "pre_ffw_norm_2.weight"]), True,
+                          router_input=router, act=O.geglu)
+        y = O.add(B.rms_norm(c, dense, p[b + "post_ffw_norm_1.weight"]),
+                  B.rms_norm(c, mixed, p[b + "post_ffw_norm_2.weight"]))
+        return O.add(x, B.rms_norm(c, y, p[b + "post_ffw_norm.weight"]))
 
     def attend(self, cfg, p, i, h, seq):
         b, c = f"blk.{i}.", self.layer(cfg, i)

@@ -113,7 +113,7 @@ class Mamba2Layers:
 class GraniteHybrid(Mamba2Layers, Granite):
     arch = "granitehybrid"
     keys = {**Granite.keys, **MAMBA2_KEYS}
-    unsupported = {**Granite.unsupported, "attn_output.bias": "an attention output bias",
+    unsupported = {"attn_output.bias": "an attention output bias",
                    "ffn_up.bias": "feed-forward biases", "ffn_down.bias": "feed-forward biases",
                    "ffn_gate.bias": "feed-forward biases"}
 
