@@ -67,6 +67,10 @@ BENCH_TRAIN_CONFIGS = {
                              n_ctx=64), batch=8),
     "small": BenchConfig(dict(n_vocab=2048, n_embd=256, n_head=8, n_layer=8, n_ff=704,
                               n_ctx=128), batch=8),
+    # tiny as a mixture of experts (Mixtral's llama): 8 experts of 176, 2 taken, so a token
+    # goes through as wide a feed-forward as tiny's
+    "tiny-moe": BenchConfig(dict(n_vocab=256, n_embd=128, n_head=4, n_layer=4, n_ff=176,
+                                 n_ctx=64, n_expert=8, n_expert_used=2), batch=8),
     "smollm-135m": BenchConfig(SMOLLM2_135M, base="q4_0", shape_of="SmolLM2-135M",
                                **PUBLISHED_FINETUNE),
     "smollm-135m-q8": BenchConfig(SMOLLM2_135M, base="q8_0", shape_of="SmolLM2-135M",

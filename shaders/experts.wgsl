@@ -52,37 +52,57 @@ fn k_one_hot(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups)
 }
 
 // mul_mat_id: src0 a [K, M, E], src1 b [K, nb, T], src2_i32 ids [k, T]; dst [M, k, T].
-// One invocation per element of dst: a dot product of length K.
+// One invocation per 4 consecutive m of one slot (p.n of them): the slot's row of b is read
+// once for the 4 rows of its expert, each a dot product of length K.
 @compute @workgroup_size(WG)
 fn k_mul_mat_id(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
-    let idx = unravel(i, p.ne_d);                       // (m, slot j, token t)
-    let e = clamp_expert(src2_i32[at_2(vec4u(idx.y, idx.z, 0u, 0u))], p.ne_0.z);
-    let row = idx.y % p.ne_1.y;
-    var acc = 0.0;
+    let M = p.ne_d.x;
+    let quads = (M + 3u) / 4u;
+    let m0 = (i % quads) * 4u;
+    let slot = unravel((i / quads) * M, p.ne_d);        // (0, slot j, token t)
+    let e = clamp_expert(src2_i32[at_2(vec4u(slot.y, slot.z, 0u, 0u))], p.ne_0.z);
+    let b0 = at_1(vec4u(0u, slot.y % p.ne_1.y, slot.z, 0u));
+    var a0: vec4u;
+    for (var r = 0u; r < 4u; r++) { a0[r] = at_0(vec4u(0u, min(m0 + r, M - 1u), e, 0u)); }
+    var acc = vec4f(0.0);
     for (var c = 0u; c < p.ne_0.x; c++) {
-        acc = fma(f32(src0[at_0(vec4u(c, idx.x, e, 0u))]),
-                  f32(src1[at_1(vec4u(c, row, idx.z, 0u))]), acc);
+        let bv = f32(src1[b0 + c * p.nb_1.x]);
+        let at = a0 + vec4u(c * p.nb_0.x);
+        acc = fma(vec4f(f32(src0[at.x]), f32(src0[at.y]), f32(src0[at.z]), f32(src0[at.w])),
+                  vec4f(bv), acc);
     }
-    dst[at_d(idx)] = to_TD(acc);
+    for (var r = 0u; r < min(4u, M - m0); r++) {
+        dst[at_d(vec4u(m0 + r, slot.y, slot.z, 0u))] = to_TD(acc[r]);
+    }
 }
 
 // out_prod_id: src0 b [K, nb, T], src1 g [M, k, T], src2_i32 links (p.u.x = E experts: the
 // head of each expert's slots, then the next slot of each slot t * k + j); dst [K, M, E].
-// One invocation per element of dst: the sum over its expert's slots, in slot order.
+// One invocation per 4 consecutive c of one (m, expert) (p.n of them): the sum over its
+// expert's slots, in slot order, each slot's g read once for the 4.
 @compute @workgroup_size(WG)
 fn k_out_prod_id(@builtin(global_invocation_id) gid: vec3u, @builtin(num_workgroups) nwg: vec3u) {
     let i = flat_id(gid, nwg); if (i >= p.n) { return; }
-    let idx = unravel(i, p.ne_d);                       // (c, m, expert)
+    let K = p.ne_d.x;
+    let quads = (K + 3u) / 4u;
+    let c0 = (i % quads) * 4u;
+    let me = unravel((i / quads) * K, p.ne_d);          // (0, m, expert)
     let k = p.ne_1.y;
-    var s = src2_i32[p.off.w + idx.z];
-    var acc = 0.0;
+    var cs: vec4u;
+    for (var r = 0u; r < 4u; r++) { cs[r] = min(c0 + r, K - 1u) * p.nb_0.x; }
+    var s = src2_i32[p.off.w + me.z];
+    var acc = vec4f(0.0);
     while (s >= 0) {
         let j = u32(s) % k;
         let t = u32(s) / k;
-        acc = fma(f32(src1[at_1(vec4u(idx.y, j, t, 0u))]),
-                  f32(src0[at_0(vec4u(idx.x, j % p.ne_0.y, t, 0u))]), acc);
+        let gv = f32(src1[at_1(vec4u(me.y, j, t, 0u))]);
+        let at = vec4u(at_0(vec4u(0u, j % p.ne_0.y, t, 0u))) + cs;
+        acc = fma(vec4f(f32(src0[at.x]), f32(src0[at.y]), f32(src0[at.z]), f32(src0[at.w])),
+                  vec4f(gv), acc);
         s = src2_i32[p.off.w + p.u.x + u32(s)];
     }
-    dst[at_d(idx)] = to_TD(acc);
+    for (var r = 0u; r < min(4u, K - c0); r++) {
+        dst[at_d(vec4u(c0 + r, me.y, me.z, 0u))] = to_TD(acc[r]);
+    }
 }

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, Tensor
+from ..tensor import ShapeError, Tensor, constant
 from .registry import Case, Dispatch, Input, need_float, register
 from .rows import check_ids, check_range
 
@@ -138,10 +138,12 @@ def mul_mat_id_ref(a, b, ids):
 
 def sum_slots(x, b_shape):
     """x [T, k, K], a gradient per slot, as b's [T, nb, K]: summed over the slots where b
-    gives one row to all of them."""
+    gives one row to all of them (a product with a row of ones: rows of k alone would be
+    T * K rows for a row kernel)."""
     if x.shape == tuple(b_shape):
         return x
-    return O.reshape(O.sum_rows(O.permute(x, (0, 2, 1))), b_shape)
+    ones = constant(np.ones((1, x.shape[1]), np.float32), name="ones")
+    return O.reshape(O.mul_mat(ones, O.permute(x, (0, 2, 1))), b_shape)
 
 
 def mul_mat_id_backward(node, g):
@@ -152,6 +154,8 @@ def mul_mat_id_backward(node, g):
 
 mul_mat_id = register(
     "mul_mat_id", n_srcs=3, shape=mul_mat_id_shape, shader="experts",
+    dispatches=lambda n: [Dispatch("mul_mat_id", n, n.srcs,
+                                   n=-(-n.shape[-1] // 4) * (n.nelements // n.shape[-1]))],
     reference=mul_mat_id_ref, fast=mul_mat_id_into, no_grad=(2,),
     backward=mul_mat_id_backward, frozen_variant="mul_mat_id_q",
     cases=lambda: [
@@ -199,12 +203,16 @@ def out_prod_id_ref(b, g, ids, n_expert):
 
 
 def out_prod_id_dispatch(node):
+    """The expert lists (rows.wgsl's two passes), then one invocation per 4 consecutive
+    elements of each row of the result."""
     b, g, ids = node.srcs
     n_expert = node.shape[0]
     links = Tensor((n_expert + ids.nelements,), "i32", name=f"{node} links")  # private scratch
     return [Dispatch("rows_clear", links, (), n=n_expert, shader="rows"),
             Dispatch("rows_link", links, (ids,), n=ids.nelements, u=(n_expert,), shader="rows"),
-            Dispatch("out_prod_id", node, (b, g, links), n=node.nelements, u=(n_expert,))]
+            Dispatch("out_prod_id", node, (b, g, links),
+                     n=-(-node.shape[-1] // 4) * (node.nelements // node.shape[-1]),
+                     u=(n_expert,))]
 
 
 def out_prod_id_backward(node, d):
