@@ -36,7 +36,13 @@ from .training import (ProgressBar, across_ranks, existing_directory, guard_outp
 @click.option("--tie-embeddings", is_flag=True,
               help="No output matrix: the output projection reads the token embedding.")
 @click.option("--n-layer", default=4, show_default=True, type=positive())
-@click.option("--n-ff", default=352, show_default=True, type=positive())
+@click.option("--n-ff", default=352, show_default=True, type=positive(),
+              help="The feed-forward's width; with --n-expert, each expert's.")
+@click.option("--n-expert", default=0, show_default=True, type=click.IntRange(min=0),
+              help="A mixture of experts: each block's feed-forward is this many experts "
+                   "(Mixtral's llama; 0: one dense feed-forward).")
+@click.option("--n-expert-used", default=2, show_default=True, type=positive(),
+              help="With --n-expert: the experts each token takes.")
 @click.option("--n-ctx", default=64, show_default=True, type=positive(), help="Tokens per sample.")
 @click.option("--n-rot", type=positive(),
               help="Rotated dims per head: the head dim, the only value llama.cpp loads.")
@@ -49,8 +55,9 @@ from .training import (ProgressBar, across_ranks, existing_directory, guard_outp
                    "text's first line; generate's default sampling, --seed).")
 @click.pass_context
 @across_ranks
-def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_layer, n_ff, n_ctx,
-          n_rot, rope_freq_base, rope_freq_scale, norm_eps, predict, **kw):
+def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_layer, n_ff,
+          n_expert, n_expert_used, n_ctx, n_rot, rope_freq_base, rope_freq_scale, norm_eps,
+          predict, **kw):
     """Train a llama from scratch on text files (default: the bundled Shakespeare corpus).
 
     The model is exported as a llama GGUF that llama.cpp loads. Defaults are a small model
@@ -79,6 +86,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             raise click.ClickException(str(e)) from None
         shape = dict(n_embd=cfg.n_embd, n_head=cfg.n_head, n_head_kv=cfg.kv_heads,
                      tie_embeddings=cfg.tied_embeddings, n_layer=cfg.n_layer, n_ff=cfg.n_ff,
+                     n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used or ...,
                      n_ctx=cfg.n_ctx, n_rot=cfg.rot, rope_freq_base=cfg.rope_freq_base,
                      rope_freq_scale=cfg.rope_freq_scale, norm_eps=cfg.norm_eps,
                      vocab_model=...)
@@ -96,6 +104,7 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
             cfg = ModelConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
                               n_head_kv=n_head_kv, tied_embeddings=tie_embeddings,
                               n_layer=n_layer, n_ff=n_ff, n_ctx=n_ctx, n_rot=n_rot,
+                              n_expert=n_expert, n_expert_used=n_expert_used if n_expert else 0,
                               norm_eps=norm_eps, rope_freq_base=rope_freq_base,
                               rope_freq_scale=rope_freq_scale)
         except ShapeError as e:
@@ -136,7 +145,9 @@ def train(ctx, out, vocab_model, n_embd, n_head, n_head_kv, tie_embeddings, n_la
                f"{cfg.n_ctx}; unigram entropy {entropy:.3f} nats/token")
     n_params = sum(v.size for v in values.values())
     click.echo(f"model: {n_params / 1e6:.2f} M parameters, {cfg.n_layer} layers, embd "
-               f"{cfg.n_embd}, {cfg.n_head} heads, ff {cfg.n_ff}; {steps} steps of "
+               f"{cfg.n_embd}, {cfg.n_head} heads, ff {cfg.n_ff}" +
+               (f" in {cfg.n_expert} experts, {cfg.n_expert_used} a token" if cfg.n_expert
+                else "") + f"; {steps} steps of "
                f"{options.batch * options.grad_accum} x {cfg.n_ctx} tokens; "
                f"{planned_memory(trainer.plan)}" +
                (f", resuming at step {step}" if step else ""))

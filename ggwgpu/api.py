@@ -106,18 +106,22 @@ def _reporter(reporter):
 
 def train(texts=(), *, out: str = "model.gguf", steps: int = 300, corpus: str = "shakespeare",
           n_embd: int = 128, n_head: int = 4, n_head_kv: int | None = None, n_layer: int = 4,
-          n_ff: int = 352, n_ctx: int = 64, tie_embeddings: bool = False, tokenizer=None,
+          n_ff: int = 352, n_ctx: int = 64, tie_embeddings: bool = False, n_expert: int = 0,
+          n_expert_used: int = 2, tokenizer=None,
           samples_after_nl: bool = False, checkpoint: str | None = None,
           save_every: int = 100, log: str | None = None, on_nan: str = "stop",
           backend=None, reporter=None, **options) -> RunResult:
     """Train a llama from scratch on text files (default: the bundled corpus) and write it
-    to `out`; `tokenizer` (default bytes) gives the vocabulary. A checkpoint is written to
+    to `out`; `tokenizer` (default bytes) gives the vocabulary; with `n_expert` each
+    feed-forward is that many experts of `n_ff`, `n_expert_used` a token (Mixtral's llama).
+    A checkpoint is written to
     `checkpoint` every `save_every` steps and at the end when given, and, when the run stops
     early, there or next to `out`."""
     tokenizer = tokenizer or ByteTokenizer()
     cfg = ModelConfig(n_vocab=tokenizer.n_vocab, n_embd=n_embd, n_head=n_head,
                       n_head_kv=n_head_kv, tied_embeddings=tie_embeddings, n_layer=n_layer,
-                      n_ff=n_ff, n_ctx=n_ctx)
+                      n_ff=n_ff, n_ctx=n_ctx, n_expert=n_expert,
+                      n_expert_used=n_expert_used if n_expert else 0)
     options = TrainOptions(**{**TRAIN_DEFAULTS, **options})
     text, _ = inputs.training_text(texts, corpus)
     _, digest, samples = inputs.text_samples(text, tokenizer, cfg.n_ctx, options,

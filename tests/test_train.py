@@ -8,6 +8,7 @@ import types
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from gguf import GGUFReader
 
 from ggwgpu import data, gguf_llama
 from ggwgpu.backends.numpy_backend import NumpyBackend
@@ -288,6 +289,30 @@ def test_train_command_resumes_from_its_checkpoint(tmp_path):
     other.write_text(TEXT[::-1])
     r = train_cli(tmp_path, str(other), "--steps", "1", "--checkpoint-in", str(ckpt))
     assert r.exit_code == 2 and "other text" in r.output
+
+
+def test_train_command_trains_a_mixture_of_experts_and_resumes_it(tmp_path):
+    """--n-expert makes each feed-forward that many experts of --n-ff (Mixtral's llama, as
+    llama.cpp loads it); a resumed run keeps them, and refuses another count."""
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    ckpt, out = tmp_path / "ckpt.gguf", tmp_path / "moe.gguf"
+    r = train_cli(tmp_path, str(text), "--n-expert", "4", "--n-expert-used", "2", "--steps", "8",
+                  "--checkpoint-out", str(ckpt), "--out", str(out))
+    assert r.exit_code == 0, r.output
+    assert "in 4 experts, 2 a token" in r.output
+    cfg, values, _ = gguf_llama.load_model(out)
+    assert cfg.arch == "llama" and (cfg.n_expert, cfg.n_expert_used) == (4, 2)
+    assert values["blk.0.ffn_up_exps.weight"].shape == (4, TINY["n_ff"], TINY["n_embd"])
+    assert GGUFReader(out).fields["llama.expert_count"].contents() == 4
+    r = train_cli(tmp_path, str(text), "--steps", "2", "--checkpoint-in", str(ckpt),
+                  "--out", str(tmp_path / "more.gguf"))
+    assert r.exit_code == 0, r.output
+    r = train_cli(tmp_path, str(text), "--n-expert", "8", "--steps", "2", "--checkpoint-in",
+                  str(ckpt))
+    assert r.exit_code == 2 and "--n-expert 4 (given: 8)" in r.output
+    r = train_cli(tmp_path, str(text), "--n-expert", "2", "--n-expert-used", "3")
+    assert r.exit_code == 2 and "n_expert_used 3 must be 1 .. n_expert 2" in r.output
 
 
 def test_train_command_takes_the_vocabulary_of_a_gguf(tmp_path):
