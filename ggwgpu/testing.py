@@ -504,6 +504,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
+    if arch == "phi2":
+        return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -611,6 +613,35 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if gemma and cfg.final_logit_softcap:
         logits = cfg.final_logit_softcap * np.tanh(logits / cfg.final_logit_softcap)
     return logits
+
+
+def _layer_norm(x, w, b, eps):
+    mean = np.mean(x, axis=-1, keepdims=True)
+    var = np.mean((x - mean) ** 2, axis=-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * w + b
+
+
+def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's phi2 graph: per block h = LayerNorm(x) (weight and bias), x + attention(h)
+    + ffn_down(gelu(ffn_up h + b)) + b; attention with Q/K/V and output biases and partial
+    neox rope; the final LayerNorm, the output matrix and its bias."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _layer_norm(x, p("attn_norm.weight"), p("attn_norm.bias"), eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T + p(f"attn_{m}.bias")).reshape(n, -1, hd)
+                   for m in "qkv")
+        q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
+                      np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
+        att = _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T
+        up = _gelu(h @ p("ffn_up.weight").T + p("ffn_up.bias"))
+        x = x + att + p("attn_output.bias") + up @ p("ffn_down.weight").T + p("ffn_down.bias")
+    h = _layer_norm(x, w["output_norm.weight"], w["output_norm.bias"], eps)
+    return h @ w["output.weight"].T + w["output.bias"]
 
 
 def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:

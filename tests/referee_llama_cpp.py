@@ -189,6 +189,9 @@ CONFIGS = {
                                  ssm_state=16, ssm_heads=2, ssm_groups=2,
                                  rope_sections=(3, 3, 2, 0), tied_embeddings=True,
                                  arch="qwen35"),
+    # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, 16 of the
+    # head's 32 dims roped
+    "phi2": ModelConfig(**BASE, n_head=2, n_rot=16, n_layer=2, arch="phi2"),
     # mixtures of experts: 8 experts, 2 (qwen2moe 4) taken; qwen2moe's shared expert
     "qwen3moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             n_expert=8, n_expert_used=2, n_ff_exp=32, rope_freq_base=1e6,

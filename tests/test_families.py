@@ -168,6 +168,9 @@ FAMILIES = {
                               n_expert=4, n_expert_used=2, n_ff_exp=32, fused_gate_up=True,
                               rope_freqs=True, tied_embeddings=True, rope_freq_base=1e6,
                               rope_freq_base_swa=1e4, final_logit_softcap=30.0, arch="gemma4"),
+    # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, partial
+    # neox rope, an output bias
+    "phi2": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="phi2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -182,7 +185,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "qwen3moe": "ffn_down_exps.weight", "qwen2moe": "ffn_gate_inp_shexp.weight",
                "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
-               "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight"}
+               "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
+               "phi2": "attn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",

@@ -149,6 +149,8 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
             "lfm2-window": dataclasses.replace(LFM2, sliding_window=3), "gemma4": GEMMA4,
             "qwen35": QWEN35, "qwen3moe": QWEN3MOE,
+            "phi2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12,
+                                n_ctx=8, arch="phi2"),
             "qwen35moe": dataclasses.replace(QWEN35, arch="qwen35moe", n_expert=3, n_expert_used=2,
                                              n_ff_exp=4, n_ff_shexp=6)}
 

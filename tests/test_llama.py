@@ -140,6 +140,9 @@ LFM2MOE = dataclasses.replace(LFM2, arch="lfm2moe", n_expert=3, n_expert_used=2,
 # Gemma 4 26B-A4B: the dense GeGLU beside GeGLU experts, gate | up one stack, scaled
 GEMMA4MOE = dataclasses.replace(GEMMA4, n_expert=3, n_expert_used=2, n_ff_exp=4,
                                 fused_gate_up=True)
+# Phi-2: LayerNorm blocks with biases, side by side, partial rope, an output bias
+PHI2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12, n_ctx=5,
+                   arch="phi2")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
@@ -153,7 +156,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
            "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE,
-           "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE}
+           "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE, "phi2": PHI2}
 BATCH = 2
 
 

@@ -29,6 +29,7 @@ from ..tensor import constant
 
 TOKEN_EMBD = "token_embd.weight"
 OUTPUT = "output.weight"
+OUTPUT_BIAS = "output.bias"
 OUTPUT_NORM = "output_norm.weight"
 ROPE_FREQS = "rope_freqs.weight"
 ROPE_LONG, ROPE_SHORT = "rope_factors_long.weight", "rope_factors_short.weight"   # LongRoPE
@@ -90,6 +91,12 @@ def rms_norm(cfg, x, weight):
     return O.rms_norm_mul(x, weight, cfg.norm_eps)
 
 
+def layer_norm(cfg, x, weight, bias):
+    """(x - mean) / sqrt(var + eps) * weight + bias over x's last dim: llama.cpp's
+    LLM_NORM (ggml_norm) with its weight and bias."""
+    return O.add(O.mul(O.norm(x, cfg.norm_eps), weight), bias)
+
+
 def embed(p: dict, tokens, precision: str = "f32", scale: float = 1.0):
     """The token embeddings of `tokens`, plus scale * B A[t] for each LoRA pair on them (and
     in a training graph with NEFTune, p[EMBEDDING_NOISE], uniform noise), in `precision`
@@ -109,10 +116,13 @@ def embed(p: dict, tokens, precision: str = "f32", scale: float = 1.0):
 def output(cfg, p: dict, x):
     """The logits of x (after the final norm): the output matrix, or with tied embeddings
     the token embedding (as llama.cpp does; LoRA pairs on output.weight apply either way),
-    divided by logit_scale (granite) and soft-capped (final_logit_softcap, gemma)."""
+    plus output.bias where the model has one (phi2), divided by logit_scale (granite) and
+    soft-capped (final_logit_softcap, gemma)."""
     leaves = p if OUTPUT in p else {**p, OUTPUT: p[TOKEN_EMBD]}
     cap = cfg.final_logit_softcap
     y = linear(leaves, OUTPUT, x, alpha=1.0 / cfg.logit_scale / (cap or 1.0))
+    if OUTPUT_BIAS in p:
+        y = O.add(y, p[OUTPUT_BIAS])
     return O.scale(O.tanh(y), cap) if cap else y
 
 

@@ -304,6 +304,10 @@ class Family:
         att = self.attend(cfg, p, i, self.pre_norm(cfg, p, b + "attn_norm.weight", x), seq)
         return self.residual(cfg, p, b, "attn_output.weight", att, x, "post_attention_norm.weight")
 
+    def final_norm(self, cfg, p: dict, x):
+        """The norm after the last block (output_norm's RMS norm)."""
+        return B.rms_norm(cfg, x, p[self.output_norm])
+
     def pre_norm(self, cfg, p: dict, name: str, x):
         """A branch's input: x through its norm `name`, or x itself without pre_norms."""
         return B.rms_norm(cfg, x, p[name]) if self.pre_norms else x

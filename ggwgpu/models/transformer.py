@@ -19,8 +19,7 @@ from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
 from .blocks import (EMBEDDING_NOISE, LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence,
-                     attention, attention_scores, attention_temperature, embed, output,
-                     rms_norm)
+                     attention, attention_scores, attention_temperature, embed, output)
 from .config import ModelConfig
 from .delta_net import chunking, delta_rule, segment_masks
 
@@ -363,7 +362,7 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
         x = family.block(cfg, p, i, x, seq)
         checkpoints.append(x)
     rows = batch * n
-    h = O.reshape(rms_norm(cfg, x, p[family.output_norm]), (rows, cfg.n_embd))
+    h = O.reshape(family.final_norm(cfg, p, x), (rows, cfg.n_embd))
     ids, w = O.reshape(targets, (rows,)), O.reshape(weights, (rows,))
     logits, loss, recompute = [], None, []
     seq_rows = None
@@ -631,7 +630,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
     seq = family.prepare(cfg, p, tokens, x, seq)
     for i in range(cfg.n_layer):
         x = family.block(cfg, p, i, x, seq)
-    x = rms_norm(cfg, O.get_rows(x, last), p[family.output_norm])
+    x = family.final_norm(cfg, p, O.get_rows(x, last))
     logits = output(cfg, p, x)                                    # (1, n_vocab)
     weights = {k: p[k] for k in values}
     # positions: none where no layer ropes (granitehybrid's attention)
