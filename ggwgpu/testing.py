@@ -504,7 +504,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch == "phi2":
+    if arch in ("phi2", "starcoder2"):
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
@@ -624,7 +624,9 @@ def _layer_norm(x, w, b, eps):
 def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     """llama.cpp's phi2 graph: per block h = LayerNorm(x) (weight and bias), x + attention(h)
     + ffn_down(gelu(ffn_up h + b)) + b; attention with Q/K/V and output biases and partial
-    neox rope; the final LayerNorm, the output matrix and its bias."""
+    neox rope; the final LayerNorm, the output matrix and its bias. starcoder2: the
+    feed-forward after attention, on its own LayerNorm (ffn_norm), no logits' bias, tied
+    embeddings where there is no output.weight."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
     positions = np.arange(n, dtype=np.float64)
@@ -637,11 +639,14 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
                    for m in "qkv")
         q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
                       np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
-        att = _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T
+        x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T + \
+            p("attn_output.bias")
+        if cfg.arch == "starcoder2":
+            h = _layer_norm(x, p("ffn_norm.weight"), p("ffn_norm.bias"), eps)
         up = _gelu(h @ p("ffn_up.weight").T + p("ffn_up.bias"))
-        x = x + att + p("attn_output.bias") + up @ p("ffn_down.weight").T + p("ffn_down.bias")
+        x = x + up @ p("ffn_down.weight").T + p("ffn_down.bias")
     h = _layer_norm(x, w["output_norm.weight"], w["output_norm.bias"], eps)
-    return h @ w["output.weight"].T + w["output.bias"]
+    return h @ w.get("output.weight", w["token_embd.weight"]).T + w.get("output.bias", 0.0)
 
 
 def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:

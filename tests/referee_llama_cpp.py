@@ -192,6 +192,9 @@ CONFIGS = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, 16 of the
     # head's 32 dims roped
     "phi2": ModelConfig(**BASE, n_head=2, n_rot=16, n_layer=2, arch="phi2"),
+    # StarCoder2-3B: the same pieces one after the other, grouped-query attention, tied
+    "starcoder2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                              rope_freq_base=1e5, arch="starcoder2"),
     # mixtures of experts: 8 experts, 2 (qwen2moe 4) taken; qwen2moe's shared expert
     "qwen3moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             n_expert=8, n_expert_used=2, n_ff_exp=32, rope_freq_base=1e6,

@@ -171,6 +171,9 @@ FAMILIES = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, partial
     # neox rope, an output bias
     "phi2": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="phi2"),
+    # StarCoder2-3B: the same one branch after the other, grouped-query attention, tied
+    "starcoder2": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                              arch="starcoder2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -186,7 +189,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
                "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
-               "phi2": "attn_norm.bias"}
+               "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",

@@ -156,7 +156,9 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "phi3-short": dataclasses.replace(PHI3, rope_orig_ctx=8, n_rot=None), "lfm2": LFM2,
            "lfm2-window": dataclasses.replace(LFM2, conv_layers=(0,), sliding_window=2),
            "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE,
-           "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE, "phi2": PHI2}
+           "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE, "phi2": PHI2,
+           "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
+                                             tied_embeddings=True)}
 BATCH = 2
 
 

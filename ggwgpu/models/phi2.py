@@ -22,10 +22,14 @@ class Phi2(Family):
     qkv_bias = True
     layer_norm_eps_fallback = True
     unsupported = {"attn_qkv.weight": "a fused attn_qkv (the older Phi-2 checkpoints' Wqkv)"}
+    # attention and the feed-forward side by side on one norm (else one after the other,
+    # the feed-forward on its own ffn_norm: starcoder2), and the logits' bias
+    parallel = True
+    output_bias = True
 
     def check(self, cfg):
-        if cfg.tied_embeddings:
-            raise ShapeError("llama.cpp's phi2 needs its own output matrix (and bias)")
+        if self.output_bias and cfg.tied_embeddings:
+            raise ShapeError(f"llama.cpp's {self.arch} needs its own output matrix (and bias)")
 
     def more_keys(self, cfg):
         return {Keys.Attention.LAYERNORM_EPS.format(arch=self.arch):
@@ -34,7 +38,8 @@ class Phi2(Family):
     def shapes(self, cfg):
         shapes = super().shapes(cfg)
         shapes[B.OUTPUT_NORM.replace(".weight", ".bias")] = (cfg.n_embd,)
-        shapes[B.OUTPUT_BIAS] = (cfg.n_vocab,)
+        if self.output_bias:
+            shapes[B.OUTPUT_BIAS] = (cfg.n_vocab,)
         return shapes
 
     def block_shapes(self, cfg, i):
@@ -43,6 +48,7 @@ class Phi2(Family):
                 "attn_q.weight": (q, e), "attn_q.bias": (q,), "attn_k.weight": (kv, e),
                 "attn_k.bias": (kv,), "attn_v.weight": (kv, e), "attn_v.bias": (kv,),
                 "attn_output.weight": (e, q), "attn_output.bias": (e,),
+                **({} if self.parallel else {"ffn_norm.weight": (e,), "ffn_norm.bias": (e,)}),
                 "ffn_up.weight": (f, e), "ffn_up.bias": (f,), "ffn_down.weight": (e, f),
                 "ffn_down.bias": (e,)}
 
@@ -54,9 +60,11 @@ class Phi2(Family):
         h = B.layer_norm(cfg, x, p[b + "attn_norm.weight"], p[b + "attn_norm.bias"])
         att = O.add(B.linear(p, b + "attn_output.weight", self.attend(cfg, p, i, h, seq)),
                     p[b + "attn_output.bias"])
+        x = O.add(x, att)
+        if not self.parallel:
+            h = B.layer_norm(cfg, x, p[b + "ffn_norm.weight"], p[b + "ffn_norm.bias"])
         up = O.gelu(O.add(B.linear(p, b + "ffn_up.weight", h), p[b + "ffn_up.bias"]))
-        ffn = O.add(B.linear(p, b + "ffn_down.weight", up), p[b + "ffn_down.bias"])
-        return O.add(O.add(x, att), ffn)
+        return O.add(x, O.add(B.linear(p, b + "ffn_down.weight", up), p[b + "ffn_down.bias"]))
 
 
 FAMILY = Phi2()
