@@ -396,7 +396,8 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
-    told = ("arch", "tied_embeddings", "fused_gate_up", "rope_freqs", "longrope", "head_dim",
+    told = ("arch", "tied_embeddings", "fused_gate_up", "qkv_bias", "rope_freqs", "longrope",
+            "head_dim",
             "swa_layers",
             "layer_output_scale", "n_head_kv_layers", "n_ff_layers", "rope_scaling",
             "rope_orig_ctx")

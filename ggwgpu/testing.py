@@ -504,7 +504,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch in ("phi2", "starcoder2"):
+    if arch in ("phi2", "starcoder2", "stablelm"):
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
@@ -626,7 +626,8 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     + ffn_down(gelu(ffn_up h + b)) + b; attention with Q/K/V and output biases and partial
     neox rope; the final LayerNorm, the output matrix and its bias. starcoder2: the
     feed-forward after attention, on its own LayerNorm (ffn_norm), no logits' bias, tied
-    embeddings where there is no output.weight."""
+    embeddings where there is no output.weight. stablelm: starcoder2's order, SwiGLU without
+    biases, no attention output bias, Q/K/V biases where given."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
     positions = np.arange(n, dtype=np.float64)
@@ -634,15 +635,20 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     x = w["token_embd.weight"][tokens]
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        bias = lambda name: w.get(f"blk.{il}.{name}.bias", 0.0)    # noqa: E731
         h = _layer_norm(x, p("attn_norm.weight"), p("attn_norm.bias"), eps)
-        q, k, v = ((h @ p(f"attn_{m}.weight").T + p(f"attn_{m}.bias")).reshape(n, -1, hd)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T + bias(f"attn_{m}")).reshape(n, -1, hd)
                    for m in "qkv")
         q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
                       np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
         x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T + \
-            p("attn_output.bias")
-        if cfg.arch == "starcoder2":
+            bias("attn_output")
+        if cfg.arch != "phi2":
             h = _layer_norm(x, p("ffn_norm.weight"), p("ffn_norm.bias"), eps)
+        if cfg.arch == "stablelm":
+            x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
+                         _silu)
+            continue
         up = _gelu(h @ p("ffn_up.weight").T + p("ffn_up.bias"))
         x = x + up @ p("ffn_down.weight").T + p("ffn_down.bias")
     h = _layer_norm(x, w["output_norm.weight"], w["output_norm.bias"], eps)

@@ -192,6 +192,11 @@ CONFIGS = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, 16 of the
     # head's 32 dims roped
     "phi2": ModelConfig(**BASE, n_head=2, n_rot=16, n_layer=2, arch="phi2"),
+    # StableLM 2 1.6B: LayerNorms, Q/K/V biases, a quarter of the head roped, SwiGLU; StableLM
+    # 3B 4E1T without the biases
+    "stablelm": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, qkv_bias=True,
+                            arch="stablelm"),
+    "stablelm-3b": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, arch="stablelm"),
     # StarCoder2-3B: the same pieces one after the other, grouped-query attention, tied
     "starcoder2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                               rope_freq_base=1e5, arch="starcoder2"),

@@ -171,6 +171,9 @@ FAMILIES = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, partial
     # neox rope, an output bias
     "phi2": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="phi2"),
+    # StableLM 2 1.6B: LayerNorms, Q/K/V biases (read from the file), partial rope, SwiGLU
+    "stablelm": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, qkv_bias=True,
+                            arch="stablelm"),
     # StarCoder2-3B: the same one branch after the other, grouped-query attention, tied
     "starcoder2": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                               arch="starcoder2"),
@@ -189,7 +192,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "olmoe": "ffn_gate_inp.weight", "mixtral": "ffn_up_exps.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
                "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
-               "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias"}
+               "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
+               "stablelm": "attn_k.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -632,6 +636,23 @@ def test_a_merge_gives_the_adapted_logits_where_experts_scale_their_outputs():
         plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
         logits.append(g.read_logits(plan)[0])
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-6)
+
+
+def test_a_stablelm_file_says_by_its_tensors_whether_q_k_v_have_biases(tmp_path):
+    """StableLM 2's files have attn_q/k/v.bias, StableLM 3B's not: either reads as written
+    (ModelConfig.qkv_bias), with and without ggwgpu's own key; the per-head QK LayerNorms of
+    StableLM 2 12B are refused by name."""
+    for biased in (True, False):
+        cfg = dataclasses.replace(FAMILIES["stablelm"], qkv_bias=biased)
+        values = family_values(cfg)
+        assert ("blk.0.attn_q.bias" in values) == biased
+        for config_json in (True, False):
+            got_cfg, got, _ = load_model(family_file(tmp_path / f"{biased}{config_json}.gguf",
+                                                     cfg, values, config_json))
+            assert got_cfg.qkv_bias == biased and got.keys() == values.keys()
+    norms = values | {"blk.0.attn_q_norm.weight": np.ones((2, 8), np.float32)}
+    with pytest.raises(GGUFError, match="per-head LayerNorms of Q and K"):
+        load_model(write_tensors(tmp_path / "norms.gguf", cfg, norms))
 
 
 def write_tensors(path, cfg, values):

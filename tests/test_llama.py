@@ -158,7 +158,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "gemma4": GEMMA4, "qwen35": QWEN35, "qwen3moe": QWEN3MOE, "qwen2moe": QWEN2MOE,
            "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE, "phi2": PHI2,
            "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
-                                             tied_embeddings=True)}
+                                             tied_embeddings=True),
+           "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True)}
 BATCH = 2
 
 

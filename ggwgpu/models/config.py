@@ -103,6 +103,8 @@ class ModelConfig:
                                     # or 0 (the family's, softmax) its softmax
     n_dense_lead: int = 0           # lfm2moe: the first blocks' feed-forward is dense
                                     # (leading_dense_block_count)
+    qkv_bias: bool = False          # stablelm: attn_q/k/v.bias, where the file has them (the
+                                    # families that always have them say so: Family.qkv_bias)
     fused_gate_up: bool = False     # the experts' gate and up stacks are one, gate | up
                                     # (ffn_gate_up_exps: gemma4's files, the converter's
                                     # --fuse-gate-up-exps)
@@ -183,7 +185,7 @@ class ModelConfig:
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
                     "no_rope", "ssm_inner", "mlp_layers", "mamba_norm", "n_expert",
                     "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
-                    "n_dense_lead", "fused_gate_up")
+                    "n_dense_lead", "fused_gate_up", "qkv_bias")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

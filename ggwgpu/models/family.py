@@ -33,7 +33,8 @@ SHARED_FF = {"n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
 class Family:
     arch = "llama"
     rope_mode = "normal"      # llama.cpp's rope type of the arch: "normal" or "neox"
-    qkv_bias = False          # attn_q/k/v.bias added to the products, before rope (qwen2)
+    qkv_bias = False          # attn_q/k/v.bias added to the products, before rope (qwen2;
+                              # ModelConfig.qkv_bias where a file may have them or not)
     qk_norm = False           # attn_q_norm / attn_k_norm: RMS norms of each head, before rope
     qk_norm_after_rope = False    # those norms after rope instead (hunyuan-dense)
     post_norms = False        # post_attention_norm / post_ffw_norm on each branch's output
@@ -105,7 +106,7 @@ class Family:
         shapes = {"attn_norm.weight": (e,)} if self.pre_norms else {}
         shapes.update({"attn_q.weight": (q, e), "attn_k.weight": (kv, e),
                        "attn_v.weight": (kv, e), "attn_output.weight": (e, q)})
-        if self.qkv_bias:
+        if self.qkv_bias or cfg.qkv_bias:
             shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         if self.qk_norm:
             shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
@@ -348,7 +349,7 @@ class Family:
         with their biases where the family has them."""
         def project(n, heads):
             y = B.linear(p, b + f"attn_{n}.weight", h)
-            if self.qkv_bias:
+            if self.qkv_bias or cfg.qkv_bias:
                 y = O.add(y, p[b + f"attn_{n}.bias"])
             return B.split_heads(y, lead, heads, cfg.head_dim)
         return tuple(project(n, heads)

@@ -1,0 +1,43 @@
+"""stablelm (StableLM 2 1.6B and Zephyr, StableLM 3B 4E1T; llama.cpp's src/models/stablelm.cpp):
+llama's pre-norm block with LayerNorms (weight and bias, attention.layer_norm_epsilon)
+before attention and the feed-forward and after the last block, biases on Q, K and V where
+the file has them (StableLM 2; qkv_bias), partial neox rope (a quarter of the head), SwiGLU,
+an untied output matrix. StableLM 2 12B's per-head QK LayerNorms and parallel blocks are
+refused by name."""
+from ..tensor import ShapeError
+from . import blocks as B
+from .family import Family
+from .phi2 import Phi2
+
+
+class StableLM(Phi2):
+    arch = "stablelm"
+    qkv_bias = False
+    parallel = False
+    output_bias = False
+    unsupported = {"attn_q_norm.weight": "per-head LayerNorms of Q and K (StableLM 2 12B)",
+                   "attn_qkv.weight": "a fused attn_qkv"}
+
+    def check(self, cfg):
+        if cfg.tied_embeddings:
+            raise ShapeError("llama.cpp's stablelm needs its own output matrix")
+
+    def read_more_keys(self, f, hp):
+        return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors}
+
+    def block_shapes(self, cfg, i):
+        e = cfg.n_embd
+        return {"attn_norm.weight": (e,), "attn_norm.bias": (e,),
+                **{n: s for n, s in Family.block_shapes(self, cfg, i).items()
+                   if not n.endswith("_norm.weight")},
+                "ffn_norm.weight": (e,), "ffn_norm.bias": (e,)}
+
+    def block(self, cfg, p, i, x, seq):
+        b = f"blk.{i}."
+        h = B.layer_norm(cfg, x, p[b + "attn_norm.weight"], p[b + "attn_norm.bias"])
+        x = B.linear(p, b + "attn_output.weight", self.attend(cfg, p, i, h, seq), residual=x)
+        h = B.layer_norm(cfg, x, p[b + "ffn_norm.weight"], p[b + "ffn_norm.bias"])
+        return B.linear(p, b + "ffn_down.weight", self.gate(p, b, h), residual=x)
+
+
+FAMILY = StableLM()
