@@ -397,10 +397,8 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
     told = ("arch", "tied_embeddings", "fused_gate_up", "qkv_bias", "rope_freqs", "longrope",
-            "head_dim",
-            "swa_layers",
-            "layer_output_scale", "n_head_kv_layers", "n_ff_layers", "rope_scaling",
-            "rope_orig_ctx")
+            "head_dim", "swa_layers", "layer_output_scale", "n_head_kv_layers", "n_ff_layers",
+            "rope_scaling", "rope_orig_ctx")
     if any(getattr(exact, n) != getattr(cfg, n) for n in told):
         return cfg
     if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)

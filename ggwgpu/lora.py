@@ -11,8 +11,9 @@ llama.cpp's adapter loader validates them:
 
 The layer computes W x + scale * B (A x); the embedding of token t is E[t] + scale * B A[t]
 (models/blocks.py); a stack of experts' matrices has a pair per expert, and a token's
-product with expert e adds scale * B[e] (A[e] x) (llama.cpp's build_lora_mm_id). scale = alpha / r with r the rank of that pair (llama.cpp's get_scale;
-alpha 0 means scale 1), so pairs of different ranks in one adapter each have their own.
+product with expert e adds scale * B[e] (A[e] x) (llama.cpp's build_lora_mm_id).
+scale = alpha / r with r the rank of that pair (llama.cpp's get_scale; alpha 0 means
+scale 1), so pairs of different ranks in one adapter each have their own.
 
 Initialisation as llama.cpp's old finetune: A normal(0, 1) clamped to [-1, 1] and scaled by
 1 / sqrt(ne0 + ne1) of A, B zero, so an untrained adapter changes nothing.
