@@ -26,7 +26,7 @@ from ggwgpu.bench import (BENCH_MAX_REL_ERR, BENCH_SIZES, BENCH_TRAIN_CONFIGS,
                           torch_peer_refusal, train_step_stats)
 from ggwgpu.backends.tuning import summary as tuning_summary, tuning_report
 
-from .common import (backend_choice, describe_backend, human_bytes, positive_ints,
+from .common import (backend_choice, check_memory, describe_backend, human_bytes, positive_ints,
                      wgpu_or_reason)
 from .outputs import check_writable
 
@@ -222,6 +222,10 @@ def bench_train(ctx, config_name, steps, n_layer, use_torch, torch_device, json_
     changes = {"n_layer": n_layer} if n_layer else {}
     steps = steps or config.steps
     cfg, options = bench_model(config_name, **changes)
+    # before any weight exists: a huge --layers is refused, not built until memory runs out
+    from ggwgpu import memory
+    check_memory(ctx, f"bench train --config {config_name}", cfg, batch=options.batch,
+                 trained=0 if config.lora else memory.parameter_count(cfg))
     wgpu_backend, why = wgpu_for(ctx, "bench train")
     click.echo(f"bench train {describe_config(config_name, **changes)}; 1 warm-up + {steps} "
                f"timed step{'s' if steps > 1 else ''} per backend")
