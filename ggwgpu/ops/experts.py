@@ -16,8 +16,11 @@ A token's probability of each expert it took is one_hot(ids) times its row of pr
 gradient, and integer tensors never carry one (graph.build_backward).
 
 out_prod_id adds its slots in slot order without atomics: rows.wgsl's two passes link each
-expert's slots into a list (get_rows_back's), then each element of the result walks its
-expert's list, the work a dense product would do and no more.
+expert's slots into a list (get_rows_back's), then each invocation walks its expert's list
+for 4 consecutive elements of the result, the work a dense product would do and no more.
+The kernels make 4 outputs an invocation, sharing their loads; they read an expert's
+matrix once per slot that took it (a kernel tiled over the slots grouped by expert would
+read it once per tile).
 """
 from __future__ import annotations
 
