@@ -209,6 +209,17 @@ def family_values(cfg, seed=1):
             for k, v in init_parameters(cfg, seed).items()}
 
 
+def trained_adapter(cfg, ranks, alpha):
+    """A fresh adapter (seed 3) with random B (uniform in [-0.3, 0.3)) in place of zeros, as
+    a trained one has: its pairs move the logits."""
+    adapter = lora.init_adapter(cfg, ranks, alpha, seed=3)
+    rng = np.random.default_rng(4)
+    adapter.tensors = {n: t if n.endswith(".lora_a") else
+                       rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
+                       for n, t in adapter.tensors.items()}
+    return adapter
+
+
 def family_file(path, cfg, values=None, config_json=True):
     """A model file of `cfg`; without config_json as llama.cpp's converter writes it."""
     values = family_values(cfg) if values is None else values
@@ -597,11 +608,7 @@ def test_lora_pairs_on_the_experts_add_alpha_over_r_times_b_a_to_each_expert():
     assert {n for n in ranks if n.startswith("blk.0.ffn")} == {
         f"blk.0.ffn_{w}.weight" for w in ("gate_exps", "up_exps", "down_exps", "gate_shexp",
                                           "up_shexp", "down_shexp")}
-    adapter = lora.init_adapter(cfg, ranks, 6.0, seed=3)
-    rng = np.random.default_rng(4)
-    adapter.tensors = {n: t if n.endswith(".lora_a") else
-                       rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
-                       for n, t in adapter.tensors.items()}
+    adapter = trained_adapter(cfg, ranks, 6.0)
     a, b = (adapter.tensors["blk.1.ffn_down_exps.weight" + s] for s in (".lora_a", ".lora_b"))
     assert a.shape == (4, 2, 32) and b.shape == (4, 16, 2)      # (experts, r, in), (.., out, r)
     values = family_values(cfg)
@@ -623,11 +630,7 @@ def test_a_merge_gives_the_adapted_logits_where_experts_scale_their_outputs():
     cfg = dataclasses.replace(FAMILIES["gemma4-moe"], n_ctx=8)
     values = family_values(cfg)
     assert not np.allclose(values["blk.0.ffn_down_exps.scale"], 1.0)
-    adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0, seed=3)
-    rng = np.random.default_rng(4)
-    adapter.tensors = {n: t if n.endswith(".lora_a") else
-                       rng.uniform(-0.3, 0.3, t.shape).astype(np.float32)
-                       for n, t in adapter.tensors.items()}
+    adapter = trained_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0)
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
     logits = []
     for c, v, adapters in ((cfg, values, (adapter,)), (*lora.merge(cfg, values, [adapter]), ())):

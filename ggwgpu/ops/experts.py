@@ -27,9 +27,9 @@ from __future__ import annotations
 import numpy as np
 
 from .. import ops as O
-from ..tensor import ShapeError, Tensor, constant
+from ..tensor import ShapeError, constant
 from .registry import Case, Dispatch, Input, need_float, register
-from .rows import check_ids, check_range
+from .rows import check_ids, check_range, id_lists
 
 
 # -- top_k -----------------------------------------------------------------------------------
@@ -210,10 +210,8 @@ def out_prod_id_dispatch(node):
     elements of each row of the result."""
     b, g, ids = node.srcs
     n_expert = node.shape[0]
-    links = Tensor((n_expert + ids.nelements,), "i32", name=f"{node} links")  # private scratch
-    return [Dispatch("rows_clear", links, (), n=n_expert, shader="rows"),
-            Dispatch("rows_link", links, (ids,), n=ids.nelements, u=(n_expert,), shader="rows"),
-            Dispatch("out_prod_id", node, (b, g, links),
+    links, passes = id_lists(node, ids, n_expert)
+    return [*passes, Dispatch("out_prod_id", node, (b, g, links),
                      n=-(-node.shape[-1] // 4) * (node.nelements // node.shape[-1]),
                      u=(n_expert,))]
 

@@ -114,13 +114,22 @@ def get_rows_back_into(out, g, ids, like_rows):
     out[ordered[starts]] = np.add.reduceat(rows[order], starts, axis=0)
 
 
+def id_lists(node, ids, n_rows: int):
+    """(links, the two dispatches that fill it): a private int32 scratch of node's that lists,
+    for each of n_rows rows, the positions of `ids` naming it, in id order (the module
+    docstring's clear and link passes; out_prod_id's expert lists too)."""
+    links = Tensor((n_rows + ids.nelements,), "i32", name=f"{node} links")
+    return links, [Dispatch("rows_clear", links, (), n=n_rows, shader="rows"),
+                   Dispatch("rows_link", links, (ids,), n=ids.nelements, u=(n_rows,),
+                            shader="rows")]
+
+
 def get_rows_back_dispatch(node):
     g, ids = node.srcs
     n_rows, n_cols = node.shape
-    links = Tensor((n_rows + ids.nelements,), "i32", name=f"{node} links")  # private scratch
-    return [Dispatch("rows_clear", links, (), n=n_rows),
-            Dispatch("rows_link", links, (ids,), n=ids.nelements, u=(n_rows,)),
-            Dispatch("get_rows_back", node, (g, links), n=n_rows * n_cols, u=(n_rows,))]
+    links, passes = id_lists(node, ids, n_rows)
+    return [*passes, Dispatch("get_rows_back", node, (g, links), n=n_rows * n_cols,
+                              u=(n_rows,))]
 
 
 get_rows_back = register(
