@@ -14,6 +14,7 @@ kernels (ops/quant.py, shaders/quant_blocks.wgsl, whose type codes are the table
     q5_0     32   22    d, qh (u32: bit j is bit 4 of q_j), qs[16] -> d * (q_j - 16)
     q5_1     32   24    d, m, qh, qs[16] -> d * q_j + m
     q8_0     32   34    d, int8 q[32] -> d * q_j
+    mxfp4    32   17    e (u8), qs[16] as q4_0's -> 2^(e - 128) * E2M1_DOUBLED[n_j] (OCP MX FP4)
     q2_k    256   84    16 sub-blocks of 16 values, 2-bit q, 4-bit scale and min each
     q3_k    256  110    16 of 16, 3-bit q (2 low bits + a high-bit mask), 6-bit scales
     q4_k    256  144    8 of 32, 4-bit q, 6-bit scale and min each
@@ -53,6 +54,7 @@ TYPES = {
     "q5_0": BlockType(32, 22, _G.Q5_0, _F.MOSTLY_Q5_0, (0,), True),
     "q5_1": BlockType(32, 24, _G.Q5_1, _F.MOSTLY_Q5_1, (0, 2), True),
     "q8_0": BlockType(32, 34, _G.Q8_0, _F.MOSTLY_Q8_0, (0,), True),
+    "mxfp4": BlockType(32, 17, _G.MXFP4, _F.MOSTLY_MXFP4_MOE, (), True),
     "q2_k": BlockType(256, 84, _G.Q2_K, _F.MOSTLY_Q2_K, (80, 82), False),
     "q3_k": BlockType(256, 110, _G.Q3_K, _F.MOSTLY_Q3_K_M, (108,), False),
     "q4_k": BlockType(256, 144, _G.Q4_K, _F.MOSTLY_Q4_K_M, (0, 2), False),
@@ -63,6 +65,12 @@ assert all(GGML_QUANT_SIZES[t.ggml] == (t.block, t.size) for t in TYPES.values()
 QUANT_TYPES = tuple(TYPES)
 QUANTIZABLE = tuple(name for name, t in TYPES.items() if t.quantizable)
 QK = 32   # values per block of the 32-value types
+# mxfp4's codes: an E2M1 float (sign, 2 exponent bits, 1 mantissa bit) doubled, so that the
+# block's power of two scale is 2^(e - 128) (ggml's e8m0 "half")
+E2M1_DOUBLED = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+# the larger magnitude of the two codes in each byte value
+BYTE_LARGEST_E2M1 = np.abs(np.array(E2M1_DOUBLED, np.int8))[np.arange(256)[:, None] >> [0, 4] & 15
+                                                           ].max(axis=1).astype(np.uint8)
 
 
 def type_of_ggml(ggml_type) -> str | None:
@@ -76,6 +84,11 @@ def is_finite(q: "Quantized") -> bool:
     t = TYPES[q.dtype]
     if q.dtype == "bf16":
         return not np.any((q.data.view(np.uint16) & 0x7F80) == 0x7F80)
+    if q.dtype == "mxfp4":     # the largest code of each block times its scale, in range
+        blocks = q.data.reshape(-1, t.size)
+        largest = BYTE_LARGEST_E2M1[blocks[:, 1:]].max(axis=1)
+        return bool(np.all(largest * np.exp2(blocks[:, 0].astype(np.float64) - 128)
+                           <= np.finfo(np.float32).max))
     if q.dtype == "f16":
         halves = q.data.view(np.uint16)
     else:

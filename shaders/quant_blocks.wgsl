@@ -1,8 +1,8 @@
 // The block types of frozen weights (ggwgpu/quant.py's table TYPES), dequantized 4 values at
 // a time. Included by quant.wgsl and quant_subgroup.wgsl. src0 holds the weight's raw blocks,
 // bound as u32 words: p.off.y is where they start, in words. Blocks of 18, 22, 34, 110 and
-// 210 bytes are only 2-byte aligned, so bytes come out of words by shifts, and f16 scales
-// through unpack2x16float: no shader-f16 feature needed.
+// 210 bytes are only 2-byte aligned (mxfp4's 17 not even that), so bytes come out of words
+// by shifts, and f16 scales through unpack2x16float: no shader-f16 feature needed.
 // #include common
 
 @group(0) @binding(2) var<storage, read_write> src0_u32: array<u32>;
@@ -30,11 +30,12 @@ fn src0_word(i: u32) -> u32 {
 // Type codes (const F16: u32 = 0u; ...): generated from ggwgpu/kernels.py's TYPE_CODE.
 // #include quant_type_codes
 
-// The 4 bytes of src0 from byte b on (b even), little-endian.
+// The 4 bytes of src0 from byte b on, little-endian.
 fn word_at(b: u32) -> u32 {
     let w = src0_word(b / 4u);
-    if ((b & 2u) == 0u) { return w; }
-    return (w >> 16u) | (src0_word(b / 4u + 1u) << 16u);
+    let shift = (b & 3u) * 8u;
+    if (shift == 0u) { return w; }
+    return (w >> shift) | (src0_word(b / 4u + 1u) << (32u - shift));
 }
 
 // The f16 at byte b (b even) of src0.
@@ -84,7 +85,8 @@ fn quad(t: u32, e: u32) -> vec4f {
 
 // The byte where value e's block starts.
 fn block_at(t: u32, e: u32) -> u32 {
-    let sizes = array<u32, 12>(2u, 2u, 18u, 20u, 22u, 24u, 34u, 84u, 110u, 144u, 176u, 210u);
+    let sizes = array<u32, 13>(2u, 2u, 18u, 20u, 22u, 24u, 34u, 17u, 84u, 110u, 144u, 176u,
+                               210u);
     return p.off.y * 4u + (e / select(32u, 256u, t >= Q2_K)) * sizes[t];
 }
 
@@ -99,6 +101,10 @@ fn coef(t: u32, e: u32) -> vec2f {
             return vec2f(d, select(select(-8.0, -16.0, t == Q5_0), -128.0, t == Q8_0) * d);
         }
         case Q4_1, Q5_1: { return unpack2x16float(src0_word(b / 4u)); }   // d, m
+        case MXFP4: {       // e: 2^(e - 128), as ggml's e8m0 "half" (subnormal below e = 2)
+            let e8 = byte_at(b);
+            return vec2f(bitcast<f32>(select(0x00200000u << e8, (e8 - 1u) << 23u, e8 >= 2u)), 0.0);
+        }
         case Q2_K: {        // scales[16] at 0 (scale low nibble, min high), d and dmin at 80
             let sc = byte_at(b + (e % 256u) / 16u);
             let dm = unpack2x16float(src0_word((b + 80u) / 4u));
@@ -127,6 +133,14 @@ fn coef(t: u32, e: u32) -> vec2f {
 // The codes (small unsigned ints) of values e .. e + 3 of a block type, as floats.
 fn codes(t: u32, e: u32) -> vec4f {
     let b = block_at(t, e);
+    if (t == MXFP4) {       // q4_0's nibbles from byte 1, each an index into E2M1 doubled
+        let j = e % 32u;
+        let n = (word_at(b + 1u + j % 16u) >> ((j / 16u) * 4u)) & 0x0F0F0F0Fu;
+        let e2m1 = array<f32, 16>(0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0,
+                                  0.0, -1.0, -2.0, -3.0, -4.0, -6.0, -8.0, -12.0);
+        return vec4f(e2m1[n & 0xFu], e2m1[(n >> 8u) & 0xFu], e2m1[(n >> 16u) & 0xFu],
+                     e2m1[n >> 24u]);
+    }
     if (t <= Q8_0) {                                   // 32-value blocks
         let j = e % 32u;                               // place in the block
         if (t == Q8_0) { return bytes4(word_at(b + 2u + j) ^ 0x80808080u); }   // int8 + 128

@@ -731,10 +731,11 @@ def test_deeply_nested_train_state_is_an_error(tmp_path):
     raises_naming(tmp_path / "c.gguf", "training.state_json", "JSON", loader=load_checkpoint)
 
 
-@pytest.mark.parametrize("dtype", [None, "f16", "bf16", "q4_1", "q8_0", "q4_k"])
+@pytest.mark.parametrize("dtype", [None, "f16", "bf16", "q4_1", "q8_0", "q4_k", "mxfp4"])
 def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtype):
-    """A NaN or infinity in a weight (an f32 value, or an f16/bf16 scale of a block type)
-    would only show later as a NaN loss: loading refuses it."""
+    """A NaN or infinity in a weight (an f32 value, an f16/bf16 scale of a block type, or
+    an mxfp4 scale that overflows its block's codes) would only show later as a NaN loss:
+    loading refuses it."""
     from ggwgpu.quant import TYPES, Quantized, quantize, random_blocks
     cfg = ModelConfig(n_vocab=11, n_embd=256, n_head=2, n_layer=1, n_ff=12, n_ctx=5)
     name = "blk.0.attn_q.weight"
@@ -747,7 +748,10 @@ def test_non_finite_weights_are_refused_at_load_naming_the_tensor(tmp_path, dtyp
         data = q.data.copy()
         at = TYPES[dtype].halves[-1] if TYPES[dtype].halves else 0
         nan = 0x7FC0 if dtype == "bf16" else 0x7E00
-        data[at:at + 2] = np.array([nan], np.uint16).view(np.uint8)
+        if dtype == "mxfp4":
+            data[0] = 255       # 2^127 times the block's codes, the largest of them 8 or 12
+        else:
+            data[at:at + 2] = np.array([nan], np.uint16).view(np.uint8)
         bad = Quantized(dtype, q.shape, data)
     path = forge(tmp_path / "m.gguf", cfg=cfg, tensors={name: bad})
     for keep in (False, True):

@@ -47,7 +47,10 @@ def awkward_rows(rng):
 # the symmetric 4- and 5-bit grids), plus the f16 scales' rounding
 ROUND_TRIP = {"f16": (640, 2 ** -11), "bf16": (640, 2 ** -8), "q4_0": (180, 1 / 8 + 2e-3),
               "q4_1": (200, 1 / 15 + 2e-3), "q5_0": (220, 1 / 16 + 2e-3),
-              "q5_1": (240, 1 / 31 + 2e-3), "q8_0": (340, 1 / 254 + 2e-3)}
+              "q5_1": (240, 1 / 31 + 2e-3), "q8_0": (340, 1 / 254 + 2e-3),
+              # the largest value is 8 to 16 steps of the scale and the codes are 0, 1, 2, 3,
+              # 4, 6, 8, 12 steps: up to 2 steps from one (between 8 and 12), or clipped to 12
+              "mxfp4": (170, 1 / 4 + 1e-6)}
 
 
 @pytest.mark.parametrize("dtype", QUANTIZABLE)
