@@ -17,6 +17,18 @@ fn silu_grad(x: f32, dy: f32) -> f32 {
     return dy * s * (1.0 + x * (1.0 - s));
 }
 
+// gpt-oss's gate: g * sigmoid(alpha * g), g = min(x, limit) (swiglu_oai).
+fn oai_gate(x: f32, alpha: f32, limit: f32) -> f32 {
+    let g = min(x, limit);
+    return g / (1.0 + exp(-alpha * g));
+}
+
+// oai_gate's derivative in x: 0 above the limit.
+fn oai_gate_grad(x: f32, alpha: f32, limit: f32) -> f32 {
+    let s = 1.0 / (1.0 + exp(-alpha * x));
+    return select(0.0, s * (1.0 + alpha * x * (1.0 - s)), x <= limit);
+}
+
 const GELU_A: f32 = 0.044715;
 const SQRT_2_OVER_PI: f32 = 0.7978845608028654;
 

@@ -363,9 +363,66 @@ geglu_back = register(
     cases=lambda: gate_cases(3),
     doc="da of geglu: dy * b * gelu'(a). Inputs a, b, dy.")
 
+# gpt-oss's gate (ggml_swiglu_oai): the gate clipped from above, the linear part clipped both
+# ways and offset by one, the gate's sigmoid sharpened by alpha. Its backward is two ops, one
+# for each input (each linear in dy; a and b take no second gradient): at the clip bounds
+# the gradient passes, as torch's clamp passes it.
+def oai_parts(a, b, alpha, limit):
+    """(g, u + 1, sigmoid(alpha g)): the clipped gate, the offset linear part, the sigmoid."""
+    g = np.minimum(a, a.dtype.type(limit))
+    u = np.clip(b, b.dtype.type(-limit), b.dtype.type(limit)) + 1
+    return g, u, 1 / (1 + np.exp(-alpha * g))
+
+
+def swiglu_oai_ref(a, b, alpha, limit):
+    g, u, s = oai_parts(a, b, alpha, limit)
+    return g * s * u
+
+
+def swiglu_oai_back_ref(a, b, dy, alpha, limit):
+    g, u, s = oai_parts(a, b, alpha, limit)
+    return dy * u * (a <= limit) * s * (1 + alpha * g * (1 - s))
+
+
+def swiglu_oai_back_up_ref(a, b, dy, alpha, limit):
+    g, _, s = oai_parts(a, b, alpha, limit)
+    return dy * g * s * (np.abs(b) <= limit)
+
+
+def oai_cases(n_srcs):
+    """gate_cases with a limit inside the inputs' range, so both clips are taken."""
+    return [Case(c.inputs, {"alpha": 1.702, "limit": 1.5}, c.grad) for c in gate_cases(n_srcs)]
+
+
+def oai_uniforms(n):
+    return {"f": (float(n.params["alpha"]), float(n.params["limit"]))}
+
+
+OAI = dict(params=("alpha", "limit"), shape=gate_shape, shader="elementwise",
+           split=split_rows(), uniforms=oai_uniforms, defaults={"alpha": 1.702, "limit": 7.0})
+swiglu_oai = register(
+    "swiglu_oai", n_srcs=2, reference=swiglu_oai_ref, **OAI,
+    backward=lambda n, g: (O.swiglu_oai_back(*n.srcs, g, **n.params),
+                           O.swiglu_oai_back_up(*n.srcs, g, **n.params)),
+    cases=lambda: oai_cases(2),
+    doc="gpt-oss's gate, ggml_swiglu_oai: g * sigmoid(alpha * g) * (u + 1) with g = min(a, "
+        "limit), u = clamp(b, -limit, limit); alpha 1.702 and limit 7 by default.")
+swiglu_oai_back = register(
+    "swiglu_oai_back", n_srcs=3, reference=swiglu_oai_back_ref, no_grad=(0, 1), **OAI,
+    backward=lambda n, g: (None, None, O.swiglu_oai_back(*n.srcs[:2], g, **n.params)),
+    cases=lambda: oai_cases(3),
+    doc="da of swiglu_oai: dy times its derivative in a (0 where a > limit). Inputs a, b, dy.")
+swiglu_oai_back_up = register(
+    "swiglu_oai_back_up", n_srcs=3, reference=swiglu_oai_back_up_ref, no_grad=(0, 1), **OAI,
+    backward=lambda n, g: (None, None, O.swiglu_oai_back_up(*n.srcs[:2], g, **n.params)),
+    cases=lambda: oai_cases(3),
+    doc="db of swiglu_oai: dy * g * sigmoid(alpha * g) where |b| <= limit, else 0. Inputs a, "
+        "b, dy.")
+
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
            "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "sigmoid", "softplus",
-           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back", "geglu", "geglu_back"]
+           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back", "geglu", "geglu_back", "swiglu_oai",
+           "swiglu_oai_back", "swiglu_oai_back_up"]
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
@@ -385,7 +442,11 @@ WGSL = {"add": "a + b", "sub": "a - b", "mul": "a * b", "div": "a / b",
         "swiglu": "silu(a) * b",
         "swiglu_back": "silu_grad(a, c * b)",    # a, b, c = dy
         "geglu": "gelu(a) * b",
-        "geglu_back": "c * b * gelu_grad(a)"}
+        "geglu_back": "c * b * gelu_grad(a)",
+        # p.f: alpha, limit
+        "swiglu_oai": "oai_gate(a, p.f.x, p.f.y) * (clamp(b, -p.f.y, p.f.y) + 1.0)",
+        "swiglu_oai_back": "c * (clamp(b, -p.f.y, p.f.y) + 1.0) * oai_gate_grad(a, p.f.x, p.f.y)",
+        "swiglu_oai_back_up": "select(0.0, c * oai_gate(a, p.f.x, p.f.y), abs(b) <= p.f.y)"}
 
 wgsl.add_part("elementwise_kernels", lambda: wgsl.elementwise_kernels(
     (OPS[name].entry, OPS[name].n_srcs, value) for name, value in WGSL.items()))
