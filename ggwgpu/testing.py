@@ -382,12 +382,13 @@ def _attention_temperature(cfg, positions):
             + 1)[:, None, None]
 
 
-def _attention(q, k, v, kq_scale, window=0, softcap=0.0):
+def _attention(q, k, v, kq_scale, window=0, softcap=0.0, sinks=None):
     """softmax(q k^T * kq_scale + mask) v, heads concatenated: q (T, n_head, d), k and v
     (T, n_kv, d), query head j reading K/V head j // (n_head / n_kv). Query p_q masks key p_k
     when p_k > p_q, and with a window when p_q - p_k >= window (is_masked_swa, STANDARD).
     With `softcap` c, the scores q k^T are c * tanh(q k^T / c) first (llama.cpp's
-    attn_soft_cap)."""
+    attn_soft_cap). With `sinks` (n_head,), head j's softmax has one more logit, sinks[j],
+    whose share goes nowhere (ggml_soft_max_add_sinks)."""
     ahead = np.arange(len(q))[:, None] - np.arange(len(k))[None, :]           # p_q - p_k
     masked = (ahead < 0) | (ahead >= window if window else False)
     group = q.shape[1] // k.shape[1]
@@ -396,8 +397,14 @@ def _attention(q, k, v, kq_scale, window=0, softcap=0.0):
     if softcap:
         s = softcap * np.tanh(s / softcap)
     s = np.where(masked, -np.inf, s * kq_scale)
-    p = np.exp(s - s.max(axis=-1, keepdims=True))
-    return np.einsum("hqk,khd->qhd", p / p.sum(axis=-1, keepdims=True), v).reshape(len(q), -1)
+    top = s.max(axis=-1, keepdims=True)
+    if sinks is not None:
+        top = np.maximum(top, sinks[:, None, None])
+    p = np.exp(s - top)
+    total = p.sum(axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + np.exp(sinks[:, None, None] - top)
+    return np.einsum("hqk,khd->qhd", p / total, v).reshape(len(q), -1)
 
 
 def _causal_conv(x, w):
@@ -495,7 +502,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     mistral3: llama's, YaRN with the file's betas and log multiplier, Q times the attention
     temperature of its position after rope (`_attention_temperature`). hunyuan-dense: neox rope,
     per-head RMS norms of Q and K after it.
-    gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. Every rope's cos
+    gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. gpt-oss:
+    `gpt_oss_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
     first)."""
@@ -508,6 +516,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
+    if arch == "gpt-oss":
+        return gpt_oss_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
@@ -722,6 +732,48 @@ def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:
     logits = _rms_norm(x, w["output_norm.weight"], eps) @ out.T
     cap = cfg.final_logit_softcap
     return cap * np.tanh(logits / cap) if cap else logits
+
+
+def gpt_oss_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's gpt-oss graph (src/models/openai-moe.cpp) in float64: per block, attention
+    on attn_norm(x) with Q/K/V biases, neox rope (YaRN as the context gives it), the even
+    layers within the sliding window (roped at rope_freq_base_swa where set), each head's
+    sink in its softmax, attn_output with its bias; then on post_attention_norm(x) the
+    experts: the router's logits plus its bias, the n_expert_used largest taken, weighted by
+    the softmax of those logits; each expert down(oai(gate h + b, up h + b)) + b with
+    oai(g, u) = min(g, 7) sigmoid(1.702 min(g, 7)) (clip(u, -7, 7) + 1)."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
+    positions = np.arange(n, dtype=np.float64)
+    context_rope = _context_rope(cfg)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        local = cfg.sliding_window > 0 and il % 2 == 0
+        base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa else cfg.rope_freq_base
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T + p(f"attn_{m}.bias")).reshape(n, -1, hd)
+                   for m in "qkv")
+        q, k = (_rope(y, positions, cfg.rot, True, base, cfg.rope_freq_scale,
+                      np.ones(cfg.rot // 2), *context_rope) for y in (q, k))
+        att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0,
+                         sinks=p("attn_sinks.weight"))
+        x = x + att @ p("attn_output.weight").T + p("attn_output.bias")
+        h = _rms_norm(x, p("post_attention_norm.weight"), eps)
+        logits = h @ p("ffn_gate_inp.weight").T + p("ffn_gate_inp.bias")
+        ffn = np.zeros_like(h)
+        for t in range(n):
+            taken = np.argsort(-logits[t], kind="stable")[:cfg.n_expert_used]
+            weights = np.exp(logits[t, taken] - logits[t, taken].max())
+            for e, weight in zip(taken, weights / weights.sum()):
+                def expert(m):
+                    return p(f"ffn_{m}_exps.weight")[e] @ h[t] + p(f"ffn_{m}_exps.bias")[e]
+                g, u = np.minimum(expert("gate"), 7.0), np.clip(expert("up"), -7.0, 7.0)
+                y = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+                ffn[t] += weight * (p("ffn_down_exps.weight")[e] @ y + p("ffn_down_exps.bias")[e])
+        x = x + ffn
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 
 
 def delta_rule_steps(q, k, v, g, beta, state=None, delta=True, scale=None):

@@ -177,6 +177,13 @@ FAMILIES = {
     # StarCoder2-3B: the same one branch after the other, grouped-query attention, tied
     "starcoder2": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                               arch="starcoder2"),
+    # gpt-oss-20b: Q/K/V and output biases, heads wider than n_embd / n_head, the even
+    # layers windowed, attention sinks, YaRN (factor 32 there), experts with biases whose
+    # weights are the softmax of the taken logits, swiglu_oai, untied
+    "gpt-oss": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
+                           sliding_window=4, rope_freq_base=1.5e5, rope_scaling="yarn",
+                           rope_freq_scale=0.125, rope_orig_ctx=8, n_expert=4, n_expert_used=2,
+                           n_ff_exp=32, arch="gpt-oss"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -193,7 +200,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
                "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
-               "stablelm": "attn_k.bias"}
+               "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -201,10 +208,10 @@ TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
 
 
 def family_values(cfg, seed=1):
-    """init_parameters with random norm weights and biases (init makes them 1 and 0), and
-    qwen35's ssm_a negative, as -exp(A_log) is."""
+    """init_parameters with random norm weights and biases (init makes them 1 and 0; gpt-oss's
+    stacks of the experts' biases too), and qwen35's ssm_a negative, as -exp(A_log) is."""
     rng = np.random.default_rng(seed)
-    return {k: v if not vector_like(k, v.shape) else
+    return {k: v if not (vector_like(k, v.shape) or k.endswith(".bias")) else
             rng.uniform(0.5, 1.5, v.shape).astype(np.float32) * (-1 if k.endswith("ssm_a") else 1)
             for k, v in init_parameters(cfg, seed).items()}
 

@@ -152,7 +152,11 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "phi2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12,
                                 n_ctx=8, arch="phi2"),
             "qwen35moe": dataclasses.replace(QWEN35, arch="qwen35moe", n_expert=3, n_expert_used=2,
-                                             n_ff_exp=4, n_ff_shexp=6)}
+                                             n_ff_exp=4, n_ff_shexp=6),
+            # gpt-oss: sinks in the decoder's softmax, the even layers windowed
+            "gpt-oss": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
+                                   n_layer=2, n_ff=12, n_ctx=8, sliding_window=3, n_expert=3,
+                                   n_expert_used=2, n_ff_exp=4, arch="gpt-oss")}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

@@ -143,6 +143,11 @@ GEMMA4MOE = dataclasses.replace(GEMMA4, n_expert=3, n_expert_used=2, n_ff_exp=4,
 # Phi-2: LayerNorm blocks with biases, side by side, partial rope, an output bias
 PHI2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12, n_ctx=5,
                    arch="phi2")
+# gpt-oss: biases everywhere (the experts' stacks of them too), sinks, the even layer
+# windowed, YaRN, the taken logits' softmax as weights, swiglu_oai
+GPT_OSS = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
+                      n_ff=12, n_ctx=5, sliding_window=3, n_expert=3, n_expert_used=2,
+                      n_ff_exp=4, **YARN, arch="gpt-oss")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
@@ -159,7 +164,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "lfm2moe": LFM2MOE, "gemma4-moe": GEMMA4MOE, "phi2": PHI2,
            "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
                                              tied_embeddings=True),
-           "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True)}
+           "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
+           "gpt-oss": GPT_OSS}
 BATCH = 2
 
 
@@ -169,7 +175,7 @@ def model_values(cfg):
     # random norm weights and biases too (init makes them 1 and 0), so their gradients
     # are generic
     # (qwen35's ssm_a negative, as -exp(A_log) is)
-    return {k: v if not vector_like(k, v.shape) else
+    return {k: v if not (vector_like(k, v.shape) or k.endswith(".bias")) else
             rng.uniform(*(-0.5, 0.5) if k.endswith(".bias") else
                         (-1.5, -0.5) if k.endswith("ssm_a") else (0.5, 1.5),
                         v.shape).astype(np.float32)

@@ -66,13 +66,18 @@ def linear(p: dict, name: str, x, residual=None, alpha: float = 1.0):
 def routed(p: dict, name: str, x, taken, scales=None):
     """x (tokens, 1 or k, n_in) times the experts `taken` (tokens, k) of the stack `name`
     (mul_mat_id), times `scales` (tokens, k, 1) where given, plus scale * B[e] (A[e] x)
-    for each LoRA pair on it (llama.cpp's build_lora_mm_id): (tokens, k, n_out)."""
+    for each LoRA pair on it (llama.cpp's build_lora_mm_id), plus each expert's row of the
+    stack's bias (n_expert, n_out) where the model has one (ggml_add_id): (tokens, k,
+    n_out)."""
     y = O.mul_mat_id(p[name], x, taken)
     if scales is not None:
         y = O.mul(y, scales)
     for k, (a, b, scale) in enumerate(p.get(name + LORA, ())):
         ax = O.mul_mat_id(a, lora_input(p, name, k, x), taken)
         y = O.add(y, O.scale(O.mul_mat_id(b, ax, taken), scale))
+    bias = p.get(name.removesuffix(".weight") + ".bias")
+    if bias is not None:
+        y = O.add(y, O.get_rows(bias, taken))
     return y
 
 
@@ -185,8 +190,9 @@ def rope(x, positions, params: dict, factors=None):
 class Sequence:
     """The tokens a block's mixer sees: a training batch or one run of a decoder.
     q, k and v are made with leading shape `lead` (the rows rope takes, one `positions`
-    entry each); `attend(layer, q, k, v, scale, window)` gives attention's output, one row
-    of q's heads * head size per token, shaped as the block's input rows; with k and v None,
+    entry each); `attend(layer, q, k, v, scale, window, sinks=None)` gives attention's
+    output (with `sinks`: `sink_probs`'), one row of q's heads * head size per token,
+    shaped as the block's input rows; with k and v None,
     q attends to the keys and values that `layer` attended with in this run (gemma4's
     shared KV: an earlier layer's). `convolve(layer, x, weight)` gives
     the causal depthwise convolution of x (rows of C channels, one per token) with weight
@@ -209,25 +215,51 @@ class Sequence:
     temperature: object = None
 
 
-def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None):
+def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None, sinks=None):
     """Causal self-attention of q (batch, n_ctx, n_head, head_dim) over k, v (batch, n_ctx,
     n_head_kv, head_dim): query head h reads K/V head h // (n_head / n_head_kv), which is how
     mul_mat and flash_attn broadcast the narrower operand (grouped-query attention). A
     `mask` (f32, 0 or -inf; (n_ctx, n_ctx) or (batch, 1, n_ctx, n_ctx)) replaces the
     causal rule and is added to the scores (document masks of packed rows, sliding
     windows). The scores are scaled by `scale` (default 1/sqrt(head_dim)), and soft-capped
-    where cfg.attn_logit_softcap is set (`attention_scores`; the fused kernels have no cap,
-    so those scores take the unfused path even with `flash`)."""
+    where cfg.attn_logit_softcap is set (`attention_scores`); with `sinks` (n_head,) each
+    head's softmax has one more logit no value reads (`sink_probs`). The fused kernels have
+    neither cap nor sinks, so those scores take the unfused path even with `flash`."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim) if scale is None else scale
-    if flash and not cfg.attn_logit_softcap:
+    if flash and not cfg.attn_logit_softcap and sinks is None:
         out = (O.flash_attn(q, k, v, scale, True) if mask is None
                else O.flash_attn_ext(q, k, v, mask, scale))
     else:   # causal without a mask: the scale in the product's epilogue, n_past 0
-        kq, scale = attention_scores(cfg, k, q, scale, folded=mask is None)  # (b, h, q, k)
-        probs = O.soft_max(kq, scale, 0) if mask is None else O.soft_max_ext(kq, mask, scale)
+        if sinks is not None:
+            probs = sink_probs(*attention_scores(cfg, k, q, scale, folded=True), mask, sinks)
+        else:
+            kq, scale = attention_scores(cfg, k, q, scale, folded=mask is None)  # (b, h, q, k)
+            probs = O.soft_max(kq, scale, 0) if mask is None else O.soft_max_ext(kq, mask,
+                                                                                 scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
+
+
+def sink_probs(kq, scale: float, mask, sinks):
+    """softmax(kq * scale + mask) with attention sinks (gpt-oss; ggml_soft_max_add_sinks):
+    each head's sink, a logit (not scaled) in every row of the head's scores (b, head, q,
+    k), takes its share of the row's softmax and passes on nothing. The sinks are a first
+    column of the scores, which no mask hides (without a mask: the causal rule one column
+    further on); the probabilities of the keys are the other columns, a view."""
+    b, heads, n_q, n_k = kq.shape
+    column = O.repeat(O.reshape(sinks, (1, heads, 1, 1)), (b, heads, n_q, 1))
+    if scale != 1.0:
+        column = O.scale(column, 1.0 / scale)
+    if column.dtype != kq.dtype:
+        column = O.cast(column, kq.dtype)
+    scores = O.concat(column, kq, 3)
+    if mask is None:
+        probs = O.soft_max(scores, scale, 1)
+    else:
+        open_column = constant(np.zeros(mask.shape[:-1] + (1,)), mask.dtype, name="sink mask")
+        probs = O.soft_max_ext(scores, O.concat(open_column, mask, -1), scale)
+    return columns(probs, (1, n_k))[1]
 
 
 def attention_scores(cfg, k, q, scale: float, folded: bool = False):
@@ -272,18 +304,22 @@ def geglu(p: dict, b: str, h):
     return O.geglu(linear(p, b + "ffn_gate.weight", h), linear(p, b + "ffn_up.weight", h))
 
 
-def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.swiglu):
+def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.swiglu,
+            gating: str | None = None):
     """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, SwiGLU experts): the
-    router ffn_gate_inp gives each token a probability per expert (its softmax, or with
-    cfg.expert_gating 2 each logit's sigmoid), the token takes the cfg.n_expert_used most
-    probable (top_k; ranked with exp_probs_b.bias added where the block has one, DeepSeek
-    V3's balancing bias), and its output is the sum of their feed-forwards
-    (ffn_{gate,up,down}_exps, one matrix per expert; gate and up as one ffn_gate_up_exps
-    where cfg.fused_gate_up; `act` of gate and up, SwiGLU or gemma4's GeGLU) weighted by
-    their probabilities, divided by the sum of those where `normalize` (llama.cpp's norm_w).
-    The router reads `router_input` where given (gemma4's), else h. Where the block has
-    ffn_down_exps.scale, each expert's output is times its value (before its LoRA pairs'
-    terms, as llama.cpp scales it)."""
+    router ffn_gate_inp (plus its bias where the block has one) gives each token a
+    probability per expert (its softmax, or with cfg.expert_gating 2 each logit's sigmoid),
+    the token takes the cfg.n_expert_used most probable (top_k; ranked with exp_probs_b.bias
+    added where the block has one, DeepSeek V3's balancing bias), and its output is the sum
+    of their feed-forwards (ffn_{gate,up,down}_exps, one matrix per expert, each with its
+    row of the stack's bias where there is one; gate and up as one ffn_gate_up_exps where
+    cfg.fused_gate_up; `act` of gate and up, SwiGLU, gemma4's GeGLU or gpt-oss's
+    swiglu_oai) weighted by their probabilities, divided by the sum of those where
+    `normalize` (llama.cpp's norm_w). With `gating` "softmax_taken" (gpt-oss's
+    SOFTMAX_WEIGHT) the largest logits are taken and their weights are the softmax of those
+    alone. The router reads `router_input` where given (gemma4's), else h. Where the block
+    has ffn_down_exps.scale, each expert's output is times its value (before its LoRA
+    pairs' terms, as llama.cpp scales it)."""
     rows, e = h.shape[:-1], h.shape[-1]
     n, k = cfg.n_expert, cfg.n_expert_used
     t = int(np.prod(rows))
@@ -294,12 +330,19 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     if router_input.dtype != "f32":
         router_input = O.cast(router_input, "f32")
     logits = linear(p, b + "ffn_gate_inp.weight", router_input)              # (t, n)
-    probs = O.sigmoid(logits) if cfg.expert_gating == 2 else O.soft_max(logits, 1.0)
+    if b + "ffn_gate_inp.bias" in p:
+        logits = O.add(logits, p[b + "ffn_gate_inp.bias"])
+    if gating == "softmax_taken":
+        probs = logits
+    else:
+        probs = O.sigmoid(logits) if cfg.expert_gating == 2 else O.soft_max(logits, 1.0)
     bias = p.get(b + "exp_probs_b.bias")
     taken = O.top_k(probs if bias is None else O.add(probs, bias), k)        # (t, k) ids
     picks = O.one_hot(taken, n)                                              # (t, k, n)
     weights = O.reshape(O.mul_mat(O.reshape(probs, (t, 1, n)), picks),
                         (t, 1, k))                    # each taken expert's probability
+    if gating == "softmax_taken":
+        weights = O.soft_max(weights, 1.0)
     if normalize:
         weights = O.div(weights, O.sum_rows(weights))
     x = O.reshape(x, (t, 1, e))

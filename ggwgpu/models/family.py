@@ -342,7 +342,8 @@ class Family:
             q, k = norm(q, k)
         if seq.temperature is not None:
             q = O.mul(q, seq.temperature)
-        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i))
+        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i),
+                          p.get(b + "attn_sinks.weight"))
 
     def project_qkv(self, cfg, p: dict, b: str, h, lead):
         """Block b's q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim) of h,

@@ -19,7 +19,8 @@ from ..graph import topo_order
 from ..quant import Quantized
 from ..tensor import DTYPES, ShapeError, constant, input_tensor, param
 from .blocks import (EMBEDDING_NOISE, LORA, LORA_A, LORA_B, LORA_DROPOUT, OUTPUT, Sequence,
-                     attention, attention_scores, attention_temperature, embed, output)
+                     attention, attention_scores, attention_temperature, embed, output,
+                     sink_probs)
 from .config import ModelConfig
 from .delta_net import chunking, delta_rule, segment_masks
 
@@ -46,9 +47,11 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 def matrix_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The matrices a LoRA pair can adapt, name -> (n_out, n_in), or (n_expert, n_out, n_in)
     for a stack of experts' matrices (a pair per expert), in file order: every 2-D weight
-    and every stack, and output.weight also when the embeddings are tied (token_embd read as
-    the output matrix: a pair on it adapts the output projection alone)."""
-    shapes = {n: s for n, s in parameter_shapes(cfg).items() if len(s) in (2, 3)}
+    and every stack (not a stack's biases, gpt-oss's (n_expert, n_out)), and output.weight
+    also when the embeddings are tied (token_embd read as the output matrix: a pair on it
+    adapts the output projection alone)."""
+    shapes = {n: s for n, s in parameter_shapes(cfg).items()
+              if len(s) in (2, 3) and not n.endswith(".bias")}
     shapes.setdefault(OUTPUT, (cfg.n_vocab, cfg.n_embd))
     return shapes
 
@@ -329,7 +332,7 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
 
     attended = {}       # layer -> the k and v it attended with (shared KV reads them)
 
-    def attend(i, q, k, v, scale, layer_window):
+    def attend(i, q, k, v, scale, layer_window, sinks=None):
         if packed:  # roped as one run of tokens, each at its own position; back to rows
             q, k, v = (t if t is None else
                        O.reshape(t if t.is_contiguous() else O.cont(t), (batch, n) + t.shape[1:])
@@ -338,7 +341,8 @@ def build_train_graph(cfg: ModelConfig, values: dict, batch: int, flash: bool = 
             k, v = attended[i]
         else:
             attended[i] = k, v
-        out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale)
+        out = attention(cfg, q, k, v, flash, window_mask if layer_window else mask, scale,
+                        sinks)
         return O.reshape(O.cont(out), (batch, n, q.shape[-2] * q.shape[-1]))
 
     def convolve(i, x, weight):     # each token at its position in its sequence
@@ -579,7 +583,7 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
                    else None)
     attended = {}       # layer -> its updated K and V cache rows (shared KV reads them)
 
-    def attend(i, q, k, v, scale, layer_window):
+    def attend(i, q, k, v, scale, layer_window, sinks=None):
         if k is None:
             k, v = attended[i]
         else:
@@ -590,7 +594,9 @@ def build_decode_graph(cfg: ModelConfig, values: dict, n_tokens: int, max_ctx: i
             attended[i] = k, v
         q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))
         kq, scale = attention_scores(cfg, k, q, scale)           # (1, head, n_tokens, span)
-        probs = O.soft_max_ext(kq, window_mask if layer_window else mask, scale)
+        seen = window_mask if layer_window else mask
+        probs = (O.soft_max_ext(kq, seen, scale) if sinks is None
+                 else sink_probs(kq, scale, seen, sinks))
         att = O.permute(O.mul_mat(O.transpose(v), probs), (0, 2, 1, 3))
         return O.reshape(O.cont(att), (n_tokens, q.shape[1] * q.shape[3]))
 
