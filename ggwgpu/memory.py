@@ -103,9 +103,10 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
 
 
 def score_copies(cfg: ModelConfig) -> int:
-    """Score-sized tensors a layer's attention holds: 1, or with gemma2's soft cap 3 (the
-    product, its tanh and the capped scores)."""
-    return 3 if cfg.attn_logit_softcap else 1
+    """Score-sized tensors a layer's attention holds: 1, with gemma2's soft cap 3 (the
+    product, its tanh and the capped scores), with gpt-oss's sinks 2 (the product and the
+    scores with their column of sinks)."""
+    return 3 if cfg.attn_logit_softcap else 2 if cfg.family.attention_sinks else 1
 
 
 HOST_ROLES = ("weights", "gradients and optimizer moments")   # on the host with any device

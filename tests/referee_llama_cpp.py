@@ -226,6 +226,12 @@ CONFIGS = {
                            conv_kernel=3, n_expert=8, n_expert_used=2, n_ff_exp=32,
                            expert_gating=2, n_dense_lead=1, tied_embeddings=True,
                            rope_freq_base=1e6, arch="lfm2moe"),
+    # gpt-oss-20b's pieces: biases, sinks, the even layer windowed, YaRN (factor 32 over
+    # an original context of 16), 8 experts with biases (2 taken), swiglu_oai
+    "gpt-oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
+                           sliding_window=16, rope_freq_base=1.5e5, rope_scaling="yarn",
+                           rope_freq_scale=1 / 32, rope_orig_ctx=16, n_expert=8,
+                           n_expert_used=2, n_ff_exp=32, arch="gpt-oss"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),
@@ -242,6 +248,10 @@ def values_of(cfg, seed=1):
             v[k] = rng.uniform(-0.5, 0.5, v[k].shape).astype(np.float32)
         if k.endswith("ssm_a"):     # -exp(A_log)
             v[k] = -v[k]
+    if cfg.arch == "gpt-oss":   # gates and ups past swiglu_oai's clips at +-7
+        for k in v:
+            if k.endswith(("ffn_gate_exps.weight", "ffn_up_exps.weight")):
+                v[k] *= 16
     if cfg.arch == "gemma4" and cfg.rope_freqs:     # the converter's proportional rope
         turning = len(v["rope_freqs.weight"]) // 4
         v["rope_freqs.weight"][:] = 1e30

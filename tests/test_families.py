@@ -456,16 +456,19 @@ def test_every_family_trains_on_the_device_as_on_numpy_in_f32_and_f16_rows_and_p
         assert nmse(grads16_dev[name], grads16[name]) < 1e-3, name
 
 
-@pytest.mark.parametrize("base_type", ["q8_0", "q4_0"])
-def test_lora_on_quantized_experts_trains_on_the_device_as_on_numpy(wgpu, base_type):
+@pytest.mark.parametrize("arch, base_type", [("qwen3moe", "q8_0"), ("qwen3moe", "q4_0"),
+                                             ("gpt-oss", "mxfp4")])
+def test_lora_on_quantized_experts_trains_on_the_device_as_on_numpy(wgpu, arch, base_type):
     """A LoRA step on a mixture of experts whose stacks stay in their block type (as
-    `finetune` loads a quantized base): the experts' products read the blocks in the kernel
-    (mul_mat_id_q), their inputs' gradients too (mul_mat_id_q_back), on both backends."""
+    `finetune` loads a quantized base; gpt-oss's published MXFP4): the experts' products
+    read the blocks in the kernel (mul_mat_id_q), their inputs' gradients too
+    (mul_mat_id_q_back), on both backends."""
     import ggwgpu as gg
     from ggwgpu.quant import quantize_model
     from ggwgpu.testing import nmse
-    cfg = ModelConfig(**{**BYTES, "n_embd": 32}, n_head=2,
-                      n_layer=1, n_expert=4, n_expert_used=2, n_ff_exp=32, arch="qwen3moe")
+    cfg = ModelConfig(**{**BYTES, "n_embd": 32}, n_head=2, n_layer=1 if arch == "qwen3moe" else 2,
+                      n_expert=4, n_expert_used=2, n_ff_exp=32, arch=arch,
+                      sliding_window=4 if arch == "gpt-oss" else 0)
     base = quantize_model(family_values(cfg), base_type)
     assert base["blk.0.ffn_up_exps.weight"].dtype == base_type
     adapter = lora.init_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0, seed=3)
@@ -552,6 +555,29 @@ def test_packed_sequences_each_get_the_reference_logits_of_their_own(arch):
     for part in (slice(0, 7), slice(7, cfg.n_ctx)):     # (phi3's factors: by n_ctx, not
         want = reference_logits(cfg, values, tokens[0, part])   # by the sequence's length)
         np.testing.assert_allclose(got[part], want, rtol=1e-6, atol=1e-7)   # phi3: an f32 1.19
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+@pytest.mark.parametrize("flash", [False, True], ids=["unfused", "flash"])
+def test_attention_sinks_give_the_reference_logits_fused_or_not(flash, packed):
+    """gpt-oss's sinks: a first column of the scores (unfused), or a first key that only
+    each head's sink, put in an extra element of q, reaches (fused); windowed layers and
+    packed sequences keep it in sight."""
+    from ggwgpu.testing import reference_logits
+    cfg = FAMILIES["gpt-oss"]
+    values = family_values(cfg)
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    g = build_train_graph(cfg, values, 1, flash=flash, packed=packed, frozen=True)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    segments = np.repeat([0, 1], [7, cfg.n_ctx - 7])[None] if packed else None
+    feeds = g.feeds(tokens, tokens, segments)
+    if not packed:
+        feeds[g.positions] = np.arange(cfg.n_ctx, dtype=np.int32)
+    plan.run({k: v for k, v in feeds.items() if k is not g.targets and k is not g.weights})
+    got = g.read_logits(plan)[0]
+    for part in (slice(0, 7), slice(7, cfg.n_ctx)) if packed else (slice(0, cfg.n_ctx),):
+        np.testing.assert_allclose(got[part], reference_logits(cfg, values, tokens[0, part]),
+                                   rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("full", [False, True], ids=["lora", "full"])

@@ -223,13 +223,18 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None, 
     causal rule and is added to the scores (document masks of packed rows, sliding
     windows). The scores are scaled by `scale` (default 1/sqrt(head_dim)), and soft-capped
     where cfg.attn_logit_softcap is set (`attention_scores`); with `sinks` (n_head,) each
-    head's softmax has one more logit no value reads (`sink_probs`). The fused kernels have
-    neither cap nor sinks, so those scores take the unfused path even with `flash`."""
+    head's softmax has one more logit no value reads (`sink_probs`; fused: `sink_key`). The
+    fused kernels have no cap, so capped scores take the unfused path even with `flash`."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim) if scale is None else scale
-    if flash and not cfg.attn_logit_softcap and sinks is None:
+    if flash and not cfg.attn_logit_softcap:
+        if sinks is not None:
+            (q, k, v), mask, dim = sink_key(q, k, v, mask, scale, sinks), first_open(mask), \
+                q.shape[-1]
         out = (O.flash_attn(q, k, v, scale, True) if mask is None
                else O.flash_attn_ext(q, k, v, mask, scale))
+        if sinks is not None:
+            out = columns(out, (dim, 1))[0]
     else:   # causal without a mask: the scale in the product's epilogue, n_past 0
         if sinks is not None:
             probs = sink_probs(*attention_scores(cfg, k, q, scale, folded=True), mask, sinks)
@@ -239,6 +244,41 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None, 
                                                                                  scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
+
+
+def sink_key(q, k, v, mask, scale: float, sinks):
+    """q, k, v (batch, head, ctx, dim) made one longer in dim, with one key and value more
+    at the start, so that fused attention over them is attention with `sinks`: each query
+    head's extra element is its sink / scale, the extra key is (0, .., 0, 1) for every K/V
+    head, so its score is the sink, and its value is zeros; the other keys' and values'
+    extra element is 0. With the causal rule the extra key is seen by every query (n_kv is
+    one more than n_q); a mask needs `first_open`. The output's last element is 0: drop
+    it."""
+    def widened(t, extra):
+        return O.concat(t, extra, 3)
+
+    def zeros(shape, dtype):
+        return constant(np.zeros(shape), dtype, name="sink zeros")
+    b, heads, n_q, _ = q.shape
+    column = O.repeat(O.reshape(O.scale(sinks, 1.0 / scale), (1, heads, 1, 1)), (b, heads, n_q, 1))
+    q = widened(q, column if column.dtype == q.dtype else O.cast(column, q.dtype))
+    bk, kv_heads, n_kv, d = k.shape
+    key = np.zeros((bk, kv_heads, 1, d + 1))
+    key[..., d] = 1.0
+    k = O.concat(constant(key, k.dtype, name="sink key"),
+                 widened(k, zeros((bk, kv_heads, n_kv, 1), k.dtype)), 2)
+    v = O.concat(zeros((bk, kv_heads, 1, d + 1), v.dtype),
+                 widened(v, zeros((bk, kv_heads, n_kv, 1), v.dtype)), 2)
+    return q, k, v
+
+
+def first_open(mask):
+    """`mask` (.., n_q, n_kv) with a first column of zeros: a key every query sees (the
+    sinks'); None stays None."""
+    if mask is None:
+        return None
+    return O.concat(constant(np.zeros(mask.shape[:-1] + (1,)), mask.dtype, name="sink mask"),
+                    mask, -1)
 
 
 def sink_probs(kq, scale: float, mask, sinks):
@@ -254,11 +294,8 @@ def sink_probs(kq, scale: float, mask, sinks):
     if column.dtype != kq.dtype:
         column = O.cast(column, kq.dtype)
     scores = O.concat(column, kq, 3)
-    if mask is None:
-        probs = O.soft_max(scores, scale, 1)
-    else:
-        open_column = constant(np.zeros(mask.shape[:-1] + (1,)), mask.dtype, name="sink mask")
-        probs = O.soft_max_ext(scores, O.concat(open_column, mask, -1), scale)
+    probs = (O.soft_max(scores, scale, 1) if mask is None
+             else O.soft_max_ext(scores, first_open(mask), scale))
     return columns(probs, (1, n_k))[1]
 
 

@@ -78,6 +78,9 @@ class Family:
     # to them ("gated": times the sigmoid of its gate ffn_gate_inp_shexp, qwen2moe's; "plain":
     # as it is, where n_ff_shexp is set, granite's), and whether the experts are ranked with
     # a bias added (exp_probs_b.bias, lfm2moe)
+    # Whether the attention has sinks (attn_sinks.weight, gpt-oss): a logit per head in
+    # every softmax (one more score-sized tensor where the scores are unfused)
+    attention_sinks = False
     experts = False
     expert_norm = True
     shared_expert = None
@@ -342,8 +345,8 @@ class Family:
             q, k = norm(q, k)
         if seq.temperature is not None:
             q = O.mul(q, seq.temperature)
-        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i),
-                          p.get(b + "attn_sinks.weight"))
+        sinks = {"sinks": p[b + "attn_sinks.weight"]} if self.attention_sinks else {}
+        return seq.attend(i, q, k, v, self.attention_scale(cfg), self.window(cfg, i), **sinks)
 
     def project_qkv(self, cfg, p: dict, b: str, h, lead):
         """Block b's q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim) of h,

@@ -23,6 +23,7 @@ class GptOss(Family):
     rope_mode = "neox"
     qkv_bias = True
     swa_pattern = 2           # llama.cpp's load_swa_pattern(ml, 2): even layers windowed
+    attention_sinks = True
     experts = True
     expert_norm = False
     keys = {**EXPERT_KEYS, **EXPERT_FF, "sliding_window": Keys.Attention.SLIDING_WINDOW,
