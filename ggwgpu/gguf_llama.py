@@ -292,7 +292,7 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
         head_dim = n_embd // n_head
     elif head_dim != n_embd // n_head or n_embd % n_head:
         hp["n_embd_head"] = head_dim
-    if f.int_key(k.value_length, default=head_dim) != head_dim:
+    if f.int_key(k.value_length, default=head_dim) != head_dim and not FAMILIES[arch].mla:
         raise GGUFError(f"{f.path}: {k.value_length} = {f.meta[k.value_length]} differs from "
                         f"{k.key_length} = {head_dim}: ggwgpu's llama needs one head size")
     hp["n_rot"] = f.int_key(k.rot, default=head_dim)

@@ -123,7 +123,8 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
     shapes = matrix_shapes(cfg)
     blocks = {name.split(".", 2)[2] for name in shapes if name.startswith("blk.")}
     present = {kind for kind, weight in TARGETS.items()
-               if weight in shapes or weight in blocks or cfg.n_layer == 0}
+               if (weight in shapes or weight in blocks or cfg.n_layer == 0)
+               and weight not in cfg.family.unadapted}
     defaults = {kind: 0 if (cfg.tied_embeddings and kind in GLOBAL_TARGETS)
                 or kind not in present else r for kind in TARGETS}
     asked = {k: v for k, v in (ranks or {}).items() if v is not None}
@@ -131,6 +132,10 @@ def lora_ranks(cfg: ModelConfig, r: int = 4, ranks: dict | None = None,
     if unknown:
         raise ValueError(f"unknown LoRA targets {sorted(unknown)}; known: {', '.join(TARGETS)}")
     absent = [k for k, v in asked.items() if v and k not in present]
+    if absent and TARGETS[absent[0]] in cfg.family.unadapted:
+        raise ValueError(f"llama.cpp's {cfg.arch} applies no LoRA pair to "
+                         f"{TARGETS[absent[0]]} ({absent[0]}); its targets: "
+                         f"{', '.join(sorted(present))}")
     if absent:
         raise ValueError(f"a {cfg.arch} has no {TARGETS[absent[0]]} for a LoRA pair "
                          f"({absent[0]}); its targets: {', '.join(sorted(present))}")

@@ -19,6 +19,7 @@ import os
 
 from .files import positive_env
 from .models import ModelConfig, parameter_shapes
+from .models.blocks import fuses
 
 HOST_LIMIT_VAR = "GGWGPU_MAX_HOST_BYTES"
 F32, F16 = 4, 2    # bytes per value
@@ -81,7 +82,8 @@ def estimate(cfg: ModelConfig, *, batch: int = 0, trained: int = 0, weight_bytes
     if batch:
         tokens = batch * cfg.n_ctx
         acts = tokens * (cfg.n_embd * (cfg.n_layer + 4) + 3 * cfg.n_ff)
-        if not flash_attn or cfg.attn_logit_softcap:    # capped scores run unfused
+        # capped scores, heads too wide for the kernels run unfused
+        if not flash_attn or not fuses(cfg, cfg.head_dim + cfg.family.attention_sinks):
             acts += batch * cfg.n_head * cfg.n_ctx * cfg.n_ctx * score_copies(cfg)
         need["activations"] = value_bytes * acts
     if decoder:

@@ -503,7 +503,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     temperature of its position after rope (`_attention_temperature`). hunyuan-dense: neox rope,
     per-head RMS norms of Q and K after it.
     gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. gpt-oss:
-    `gpt_oss_reference_logits`. Every rope's cos
+    `gpt_oss_reference_logits`. deepseek2: `deepseek2_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
     first)."""
@@ -518,6 +518,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch == "gpt-oss":
         return gpt_oss_reference_logits(cfg, values, tokens)
+    if arch == "deepseek2":
+        return deepseek2_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
@@ -772,6 +774,63 @@ def gpt_oss_reference_logits(cfg, values, tokens) -> np.ndarray:
                 y = g / (1 + np.exp(-1.702 * g)) * (u + 1)
                 ffn[t] += weight * (p("ffn_down_exps.weight")[e] @ y + p("ffn_down_exps.bias")[e])
         x = x + ffn
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def deepseek2_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's deepseek2 graph in float64, with its latent attention decompressed (as
+    transformers computes DeepSeek-V2, with the weights llama.cpp's converter splits): each
+    head's query from attn_q, or attn_q_b of the normed attn_q_a; the latent (normed) and the
+    shared rope key from attn_kv_a_mqa; a head's key without rope latent @ attn_k_b[h], its
+    value attn_v_b[h] @ latent; rope (normal) on the last rope dims of queries and key; scores
+    times mscale^2 / sqrt(key_length_mla), mscale from YaRN's factor and log multiplier
+    (the context's attn_factor for deepseek2: 1 with a log multiplier, so only that
+    multiplier's mscale remains); SwiGLU on the first n_dense_lead blocks, else the experts
+    (`_experts`, weights normalized where cfg.expert_weights_norm, times
+    expert_weights_scale) plus the shared experts' SwiGLU."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, heads, rope = len(tokens), cfg.norm_eps, cfg.n_head, cfg.rot
+    rank, nope = cfg.head_dim - rope, cfg.mla_key_length - rope
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    stretch = np.log(1 / cfg.rope_freq_scale)
+    if yarn and cfg.yarn_log_mul:
+        attn_factor = cfg.rope_attn_factor / (1 + 0.1 * stretch)
+    mscale = attn_factor * (1 + 0.1 * stretch) * (1 + 0.1 * cfg.yarn_log_mul * stretch)
+    kq_scale = mscale ** 2 / np.sqrt(cfg.mla_key_length)
+
+    def roped(y):
+        return _rope(y, positions, rope, False, cfg.rope_freq_base, cfg.rope_freq_scale,
+                     np.ones(rope // 2), attn_factor, yarn)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        if cfg.q_lora_rank:
+            q = _rms_norm(h @ p("attn_q_a.weight").T, p("attn_q_a_norm.weight"), eps) @ \
+                p("attn_q_b.weight").T
+        else:
+            q = h @ p("attn_q.weight").T
+        q = q.reshape(n, heads, cfg.mla_key_length)
+        q = np.concatenate([q[..., :nope], roped(q[..., nope:])], axis=-1)
+        kv = h @ p("attn_kv_a_mqa.weight").T
+        latent = _rms_norm(kv[:, :rank], p("attn_kv_a_norm.weight"), eps)
+        k_rope = roped(kv[:, None, rank:])
+        k_nope = np.einsum("tr,hrn->thn", latent, p("attn_k_b.weight"))
+        k = np.concatenate([k_nope, np.repeat(k_rope, heads, axis=1)], axis=-1)
+        v = np.einsum("hvr,tr->thv", p("attn_v_b.weight"), latent)
+        x = x + _attention(q, k, v, kq_scale) @ p("attn_output.weight").T
+        h = _rms_norm(x, p("ffn_norm.weight"), eps)
+        if il < cfg.n_dense_lead:
+            x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
+                         _silu)
+            continue
+        routed = _experts(cfg, p, h, cfg.expert_weights_norm,
+                          w.get(f"blk.{il}.exp_probs_b.bias", 0.0))
+        x = x + (cfg.expert_weights_scale or 1.0) * routed + _glu(
+            h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"), p("ffn_down_shexp.weight"),
+            _silu)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 

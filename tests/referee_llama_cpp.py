@@ -232,6 +232,23 @@ CONFIGS = {
                            sliding_window=16, rope_freq_base=1.5e5, rope_scaling="yarn",
                            rope_freq_scale=1 / 32, rope_orig_ctx=16, n_expert=8,
                            n_expert_used=2, n_ff_exp=32, arch="gpt-oss"),
+    # DeepSeek-V2-Lite's pieces: latent attention (attn_q; a latent of 32, 16 rope dims,
+    # heads of 16 + 16 in and 24 out), a dense first block, 8 experts (2 taken, softmax,
+    # times 1.5) and 2 shared, YaRN (factor 4 over 16 positions) with its log multiplier
+    "deepseek2": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=48, n_rot=16,
+                             n_layer=3, n_dense_lead=1, n_expert=8, n_expert_used=2,
+                             n_ff_exp=32, n_ff_shexp=64, expert_weights_scale=1.5,
+                             mla_key_length=32, mla_value_length=24, rope_scaling="yarn",
+                             rope_freq_scale=0.25, rope_orig_ctx=16, yarn_log_mul=0.707,
+                             arch="deepseek2"),
+    # GLM-4.7-Flash's: queries through a normed rank of 32, experts by sigmoids ranked with
+    # a bias, normalized, times 1.8, one shared expert, tied
+    "deepseek2-glm": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=48, n_rot=16,
+                                 n_layer=2, n_expert=8, n_expert_used=2, n_ff_exp=32,
+                                 n_ff_shexp=32, expert_gating=2, expert_bias=True,
+                                 expert_weights_norm=True, expert_weights_scale=1.8,
+                                 q_lora_rank=32, mla_key_length=32, mla_value_length=24,
+                                 tied_embeddings=True, rope_freq_base=1e6, arch="deepseek2"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

@@ -184,6 +184,23 @@ FAMILIES = {
                            sliding_window=4, rope_freq_base=1.5e5, rope_scaling="yarn",
                            rope_freq_scale=0.125, rope_orig_ctx=8, n_expert=4, n_expert_used=2,
                            n_ff_exp=32, arch="gpt-oss"),
+    # DeepSeek-V2-Lite: latent attention (queries from attn_q, a latent of 16 and 4 rope
+    # dims, heads of 12 + 4 in and 8 out), the first block dense, then 4 experts (2 taken,
+    # softmax, not normalized, times 2) and 2 shared experts, YaRN with its log multiplier
+    "deepseek2": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=20, n_rot=4,
+                             n_layer=2, n_expert=4, n_expert_used=2, n_ff_exp=16,
+                             n_ff_shexp=32, n_dense_lead=1, expert_weights_scale=2.0,
+                             mla_key_length=16, mla_value_length=8, rope_scaling="yarn",
+                             rope_freq_scale=0.25, rope_orig_ctx=8, yarn_log_mul=0.5,
+                             arch="deepseek2"),
+    # GLM-4.7-Flash: queries through a normed rank of 12, sigmoid gating ranked with a bias,
+    # weights normalized, one shared expert
+    "deepseek2-glm": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=20, n_rot=4,
+                                 n_layer=2, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                                 n_ff_shexp=32, expert_gating=2, expert_bias=True,
+                                 expert_weights_norm=True, expert_weights_scale=1.8,
+                                 q_lora_rank=12, mla_key_length=16, mla_value_length=8,
+                                 arch="deepseek2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -200,7 +217,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "lfm2moe": "shortconv.in_proj.weight", "granitemoe": "ffn_up_shexp.weight",
                "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
-               "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight"}
+               "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
+               "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -619,6 +637,17 @@ def test_lora_targets_are_the_matrices_each_block_has():
     assert "blk.0.attn_qkv.weight" in lora.lora_ranks(FAMILIES["phi3"], 2)
     with pytest.raises(ValueError, match="a phi3 has no attn_q.weight for a LoRA pair"):
         lora.lora_ranks(FAMILIES["phi3"], 2, {"wq": 4})
+    # deepseek2: llama.cpp adapts attn_output and the feed-forwards, not attn_q (nor the
+    # latent attention's other products, no target) or the output matrix
+    deepseek2 = lora.lora_ranks(FAMILIES["deepseek2"], 2)
+    assert {n for n in deepseek2 if n.startswith("blk.1.")} == {
+        f"blk.1.{w}.weight" for w in ("attn_output", "ffn_gate_exps", "ffn_down_exps",
+                                      "ffn_up_exps", "ffn_gate_shexp", "ffn_down_shexp",
+                                      "ffn_up_shexp")}
+    assert "output.weight" not in deepseek2 and "blk.0.ffn_gate.weight" in deepseek2
+    with pytest.raises(ValueError, match="llama.cpp's deepseek2 applies no LoRA pair to "
+                                         "output.weight"):
+        lora.lora_ranks(FAMILIES["deepseek2"], 2, {"out": 4})
     gemma4 = lora.lora_ranks(FAMILIES["gemma4"], 2)
     assert {"blk.0.inp_gate.weight", "blk.0.proj.weight", "blk.3.attn_k.weight"} <= set(gemma4)
     assert "blk.4.attn_k.weight" not in gemma4 and "blk.5.attn_v.weight" not in gemma4
@@ -916,3 +945,67 @@ def test_convolution_taps_stored_in_f16_are_read_as_values(arch, taps, tmp_path)
         plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
         logits.append(g.read_logits(plan))
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_deepseek2_files_read_past_their_prediction_block_and_say_their_gating(tmp_path):
+    """A deepseek2 file as the converter writes it: expert_shared_count, kv_lora_rank and
+    the 0.1 * mscale_all_dim log multiplier read back as ggwgpu holds them; a
+    multi-token-prediction block (GLM-4.7-Flash's, counted in block_count) read past; a file
+    without expert_gating_func takes llama.cpp's rule (sigmoids for GLM-4.7-Flash's 47
+    blocks and 154 880 tokens, else the softmax); grouped routing and a latent that is not
+    key_length - rope dims are refused by name."""
+    cfg = FAMILIES["deepseek2"]
+    values = family_values(cfg)
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    assert meta["deepseek2.expert_shared_count"][0] == 2
+    assert meta["deepseek2.attention.kv_lora_rank"][0] == 16
+    assert meta["deepseek2.attention.value_length"][0] == 16
+    assert np.isclose(meta["deepseek2.rope.scaling.yarn_log_multiplier"][0], 0.05)
+
+    def read(path, values=values, **changes):
+        edited = {k: v for k, v in meta.items() if k not in changes}
+        edited.update({k: v for k, v in changes.items() if v is not None})
+        gguf_file.write_gguf(path, edited, values)
+        return load_model(path)[0]
+    mtp = dataclasses.replace(cfg, n_layer=3)
+    extra = {k: v for k, v in family_values(mtp).items() if k.startswith("blk.2.")}
+    extra["blk.2.nextn.eh_proj.weight"] = np.ones((16, 32), np.float32)
+    got = read(tmp_path / "mtp.gguf", values | extra, **{
+        "deepseek2.block_count": (3, GGUFValueType.UINT32),
+        "deepseek2.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    assert float32_fields(got) == float32_fields(cfg)
+    with pytest.raises(GGUFError, match="nextn_predict_layers leaves no block"):
+        read(tmp_path / "b.gguf", **{"deepseek2.nextn_predict_layers": (2, GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError, match="does not route by groups of experts"):
+        read(tmp_path / "c.gguf", **{"deepseek2.expert_group_count": (2, GGUFValueType.UINT32)})
+    with pytest.raises(GGUFError, match="key_length must be deepseek2.attention.kv_lora_rank"):
+        read(tmp_path / "d.gguf", **{"deepseek2.attention.kv_lora_rank":
+                                      (12, GGUFValueType.UINT32)})
+    # without expert_gating_func: the file's shape says (llama.cpp's rule), read from the
+    # keys as read so far (hp) and the file's vocabulary
+    path = tmp_path / "e.gguf"
+    read(path, **{"deepseek2.expert_gating_func": None})
+    f = gguf_file.GGUFFile(path)
+    hp = {"n_layer": 47, "n_rot": 4, "n_embd": 16, "n_head": 2, "n_embd_head": 20,
+          "n_ff_exp": 16, "expert_gating": 0}
+    family = FAMILIES["deepseek2"].family
+    assert "expert_gating" not in family.read_more_keys(f, hp)       # softmax
+    f.meta["tokenizer.ggml.tokens"] = ["t"] * 154880
+    assert family.read_more_keys(f, hp)["expert_gating"] == 2        # GLM-4.7-Flash's
+    assert "expert_gating" not in family.read_more_keys(f, {**hp, "expert_gating": 1})
+
+
+def test_latent_heads_wider_than_the_fused_kernels_take_the_unfused_path():
+    """DeepSeek's latent heads (512 + 64 there) exceed the fused kernels' bound: with flash
+    attention asked for, a deepseek2 of heads of 256 + 4 attends unfused, as the reference."""
+    from ggwgpu.ops.attention import MAX_D
+    from ggwgpu.testing import reference_logits
+    cfg = dataclasses.replace(FAMILIES["deepseek2"], n_embd_head=MAX_D + 4)
+    values = family_values(cfg)
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    g = build_train_graph(cfg, values, 1, flash=True, frozen=True)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
+                               rtol=1e-10, atol=1e-12)

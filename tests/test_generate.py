@@ -156,7 +156,13 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             # gpt-oss: sinks in the decoder's softmax, the even layers windowed
             "gpt-oss": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6,
                                    n_layer=2, n_ff=12, n_ctx=8, sliding_window=3, n_expert=3,
-                                   n_expert_used=2, n_ff_exp=4, arch="gpt-oss")}
+                                   n_expert_used=2, n_ff_exp=4, arch="gpt-oss"),
+            # deepseek2: the latent and the rope key cached, one K/V head
+            "deepseek2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1,
+                                     n_embd_head=10, n_rot=4, n_layer=2, n_ff=12, n_ctx=8,
+                                     n_expert=3, n_expert_used=2, n_ff_exp=4, n_ff_shexp=4,
+                                     n_dense_lead=1, q_lora_rank=6, mla_key_length=8,
+                                     mla_value_length=6, arch="deepseek2")}
 
 
 @pytest.mark.parametrize("cfg", FAMILIES.values(), ids=FAMILIES)

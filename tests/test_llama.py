@@ -148,6 +148,14 @@ PHI2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12, 
 GPT_OSS = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=6, n_layer=2,
                       n_ff=12, n_ctx=5, sliding_window=3, n_expert=3, n_expert_used=2,
                       n_ff_exp=4, **YARN, arch="gpt-oss")
+# DeepSeek-V2: latent attention with queries through a normed rank, the first block dense,
+# experts by sigmoids ranked with a bias, normalized and scaled, a shared expert, YaRN
+DEEPSEEK2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head=10, n_rot=4,
+                        n_layer=2, n_ff=12, n_ctx=5, n_expert=3, n_expert_used=2, n_ff_exp=4,
+                        n_ff_shexp=4, n_dense_lead=1, expert_gating=2, expert_bias=True,
+                        expert_weights_norm=True, expert_weights_scale=2.5, q_lora_rank=6,
+                        mla_key_length=8, mla_value_length=6, yarn_log_mul=0.5, **YARN,
+                        arch="deepseek2")
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
@@ -165,7 +173,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
                                              tied_embeddings=True),
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
-           "gpt-oss": GPT_OSS}
+           "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2}
 BATCH = 2
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from .. import ops as O
+from ..ops.attention import MAX_D
 from ..tensor import constant
 
 TOKEN_EMBD = "token_embd.weight"
@@ -223,11 +224,12 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None, 
     causal rule and is added to the scores (document masks of packed rows, sliding
     windows). The scores are scaled by `scale` (default 1/sqrt(head_dim)), and soft-capped
     where cfg.attn_logit_softcap is set (`attention_scores`); with `sinks` (n_head,) each
-    head's softmax has one more logit no value reads (`sink_probs`; fused: `sink_key`). The
-    fused kernels have no cap, so capped scores take the unfused path even with `flash`."""
+    head's softmax has one more logit no value reads (`sink_probs`; fused: `sink_key`).
+    Where the fused kernels cannot (`fuses`), the scores take the unfused path even with
+    `flash`."""
     q, k, v = (O.permute(t, (0, 2, 1, 3)) for t in (q, k, v))   # (batch, head, ctx, dim)
     scale = 1.0 / np.sqrt(cfg.head_dim) if scale is None else scale
-    if flash and not cfg.attn_logit_softcap:
+    if flash and fuses(cfg, q.shape[-1] + (sinks is not None)):
         if sinks is not None:
             (q, k, v), mask, dim = sink_key(q, k, v, mask, scale, sinks), first_open(mask), \
                 q.shape[-1]
@@ -244,6 +246,13 @@ def attention(cfg, q, k, v, flash: bool, mask=None, scale: float | None = None, 
                                                                                  scale)
         out = O.mul_mat(O.transpose(v), probs)                    # (batch, head, q, dim)
     return O.permute(out, (0, 2, 1, 3))                          # (batch, ctx, head, dim)
+
+
+def fuses(cfg, head_dim: int) -> bool:
+    """Whether flash attention computes heads of `head_dim` of cfg: the fused kernels have no
+    soft cap, and keep a head in private memory (up to ops.attention.MAX_D: deepseek2's
+    latent heads of 576 are beyond)."""
+    return not cfg.attn_logit_softcap and head_dim <= MAX_D
 
 
 def sink_key(q, k, v, mask, scale: float, sinks):
@@ -342,7 +351,7 @@ def geglu(p: dict, b: str, h):
 
 
 def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.swiglu,
-            gating: str | None = None):
+            gating: str | None = None, scale: float = 0.0):
     """Block b's mixture of experts on h (llama.cpp's build_moe_ffn, SwiGLU experts): the
     router ffn_gate_inp (plus its bias where the block has one) gives each token a
     probability per expert (its softmax, or with cfg.expert_gating 2 each logit's sigmoid),
@@ -354,9 +363,10 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     swiglu_oai) weighted by their probabilities, divided by the sum of those where
     `normalize` (llama.cpp's norm_w). With `gating` "softmax_taken" (gpt-oss's
     SOFTMAX_WEIGHT) the largest logits are taken and their weights are the softmax of those
-    alone. The router reads `router_input` where given (gemma4's), else h. Where the block
-    has ffn_down_exps.scale, each expert's output is times its value (before its LoRA
-    pairs' terms, as llama.cpp scales it)."""
+    alone. The weights are times `scale` where it is neither 0 nor 1 (llama.cpp's
+    expert_weights_scale). The router reads `router_input` where given (gemma4's), else h.
+    Where the block has ffn_down_exps.scale, each expert's output is times its value
+    (before its LoRA pairs' terms, as llama.cpp scales it)."""
     rows, e = h.shape[:-1], h.shape[-1]
     n, k = cfg.n_expert, cfg.n_expert_used
     t = int(np.prod(rows))
@@ -382,6 +392,8 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
         weights = O.soft_max(weights, 1.0)
     if normalize:
         weights = O.div(weights, O.sum_rows(weights))
+    if scale not in (0.0, 1.0):
+        weights = O.scale(weights, scale)
     x = O.reshape(x, (t, 1, e))
     if cfg.fused_gate_up:
         gated = act(*columns(routed(p, b + "ffn_gate_up_exps.weight", x, taken), 2))

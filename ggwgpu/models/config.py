@@ -108,6 +108,16 @@ class ModelConfig:
     fused_gate_up: bool = False     # the experts' gate and up stacks are one, gate | up
                                     # (ffn_gate_up_exps: gemma4's files, the converter's
                                     # --fuse-gate-up-exps)
+    expert_weights_scale: float = 0.0   # the taken experts' weights times this (0: 1)
+    expert_weights_norm: bool = False   # deepseek2: the taken experts' weights divided by
+                                        # their sum (other families: Family.expert_norm)
+    expert_bias: bool = False       # deepseek2: exp_probs_b.bias ranks the experts, where
+                                    # the file has one (lfm2moe: always)
+    q_lora_rank: int = 0            # deepseek2: queries from attn_q_b of a normed attn_q_a
+                                    # of this width (0: one attn_q)
+    mla_key_length: int = 0         # deepseek2: a query head's width, nope + rope dims
+                                    # (attention.key_length_mla)
+    mla_value_length: int = 0       # deepseek2: an output head's width (value_length_mla)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -185,7 +195,9 @@ class ModelConfig:
                     "yarn_beta_fast", "yarn_beta_slow", "yarn_log_mul", "attn_temp_scale",
                     "no_rope", "ssm_inner", "mlp_layers", "mamba_norm", "n_expert",
                     "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
-                    "n_dense_lead", "fused_gate_up", "qkv_bias")
+                    "n_dense_lead", "fused_gate_up", "qkv_bias", "expert_weights_scale",
+                    "expert_weights_norm", "expert_bias", "q_lora_rank", "mla_key_length",
+                    "mla_value_length")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

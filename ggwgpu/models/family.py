@@ -17,17 +17,40 @@ hyper-parameters of one layer, which every per-layer rule reads.
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 from gguf import Keys
 
 from .. import ops as O
+from ..gguf_file import GGUFError
 from . import blocks as B
 
 # The hyper-parameters of a mixture of experts (the keys of a family with `experts`)
 EXPERT_KEYS = {"n_expert": Keys.LLM.EXPERT_COUNT, "n_expert_used": Keys.LLM.EXPERT_USED_COUNT}
 EXPERT_FF = {"n_ff_exp": Keys.LLM.EXPERT_FEED_FORWARD_LENGTH}
 SHARED_FF = {"n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
+
+
+NEXTN = "{arch}.nextn_predict_layers"
+
+
+def trunk_layers(f, arch: str, blocks: int) -> int:
+    """The model's blocks in file `f` of block_count `blocks`, which counts the
+    multi-token-prediction blocks (nextn_predict_layers) the converter appends after them:
+    llama.cpp's main graph reads past those (it runs them only to draft tokens), as ggwgpu
+    does (`past_trunk`); files ggwgpu writes leave them out."""
+    n_layer = blocks - f.int_key(NEXTN.format(arch=arch), default=0, minimum=0)
+    if n_layer < 1:
+        raise GGUFError(f"{f.path}: {NEXTN.format(arch=arch)} leaves no block of the "
+                        f"{blocks} for the model")
+    return n_layer
+
+
+def past_trunk(cfg, name: str) -> bool:
+    """Whether tensor `name` is in a block past the model's (a multi-token-prediction one)."""
+    block = re.match(r"blk\.(\d+)\.", name)
+    return block is not None and int(block[1]) >= cfg.n_layer
 
 
 class Family:
@@ -83,6 +106,12 @@ class Family:
     attention_sinks = False
     experts = False
     expert_norm = True
+    # Whether attention is latent (deepseek2's MLA): its value_length, the latent, differs
+    # from key_length
+    mla = False
+    # Weights llama.cpp multiplies without their LoRA pairs (an adapter on them would do
+    # nothing there): ggwgpu gives them none
+    unadapted: tuple = ()
     shared_expert = None
     selection_bias = False
 
@@ -136,7 +165,7 @@ class Family:
         if cfg.fused_gate_up:
             del shapes["ffn_gate_exps.weight"], shapes["ffn_up_exps.weight"]
             shapes["ffn_gate_up_exps.weight"] = (n, 2 * x, e)
-        if self.selection_bias:
+        if self.selection_bias or cfg.expert_bias:
             shapes["exp_probs_b.bias"] = (n,)
         if self.shared_expert == "gated":
             shapes["ffn_gate_inp_shexp.weight"] = (e,)
@@ -145,6 +174,10 @@ class Family:
             shapes.update({"ffn_gate_shexp.weight": (s, e), "ffn_down_shexp.weight": (e, s),
                            "ffn_up_shexp.weight": (s, e)})
         return shapes
+
+    def normalizes(self, cfg) -> bool:
+        """Whether the taken experts' weights are divided by their sum (norm_w)."""
+        return self.expert_norm
 
     def expert_ff(self, cfg) -> int:
         """One expert's feed-forward width: n_ff (llama's, olmoe's files give it there)."""
@@ -204,7 +237,8 @@ class Family:
         where those differ per layer (ModelConfig.n_head_kv_layers, n_ff_layers), and no
         experts in the leading dense blocks (n_dense_lead)."""
         if i < cfg.n_dense_lead:        # lfm2moe's first blocks: a dense feed-forward
-            cfg = dataclasses.replace(cfg, n_dense_lead=0, n_expert=0, n_expert_used=0)
+            cfg = dataclasses.replace(cfg, n_dense_lead=cfg.n_layer, n_expert=0,
+                                      n_expert_used=0)
         if not (cfg.n_head_kv_layers or cfg.n_ff_layers):
             return cfg
         return dataclasses.replace(
@@ -292,7 +326,7 @@ class Family:
     def mixture(self, cfg, p: dict, b: str, h):
         """Block b's mixture of experts on h (its ffn_norm), with the shared expert added
         where the model has one (times the sigmoid of its gate where it is "gated")."""
-        y = B.experts(cfg, p, b, h, self.expert_norm)
+        y = B.experts(cfg, p, b, h, self.normalizes(cfg), scale=cfg.expert_weights_scale)
         if not self.shared_ff(cfg):
             return y
         shared = B.linear(p, b + "ffn_down_shexp.weight", O.swiglu(

@@ -23,7 +23,6 @@ offsets from 1). The multi-token-prediction block that the converter appends by 
 (nextn_predict_layers blocks past the model's, counted in block_count) is read past, as
 llama.cpp's main graph does (it runs it only to draft tokens); files ggwgpu writes leave it
 out."""
-import re
 
 from gguf import GGUFValueType as _T
 
@@ -32,14 +31,13 @@ from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from . import blocks as B
 from .delta_net import l2_norm
-from .family import Family
+from .family import Family, past_trunk, trunk_layers
 
 # Qwen3.5's keys, as llama.cpp's converter writes them (strings: gguf-py names some of them
 # only in releases newer than the oldest this package supports)
 FULL_ATTENTION_INTERVAL = "{arch}.full_attention_interval"
 RECURRENT_LAYERS = "{arch}.attention.recurrent_layers"
 DIMENSION_SECTIONS = "{arch}.rope.dimension_sections"
-NEXTN = "{arch}.nextn_predict_layers"
 INNER_SIZE = "{arch}.ssm.inner_size"
 DEFAULT_INTERVAL = 4        # llama.cpp's full_attention_interval when the file has none
 
@@ -120,10 +118,7 @@ class Qwen35(Family):
 
     def read_more_keys(self, f, hp: dict) -> dict:
         blocks, arch = hp["n_layer"], self.arch
-        n_layer = blocks - f.int_key(NEXTN.format(arch=arch), default=0, minimum=0)
-        if n_layer < 1:
-            raise GGUFError(f"{f.path}: {NEXTN.format(arch=arch)} leaves no block of the "
-                            f"{blocks} for the model")
+        n_layer = trunk_layers(f, arch, blocks)
         sections = f.meta.get(DIMENSION_SECTIONS.format(arch=arch))
         if not isinstance(sections, list) or len(sections) < 4 or \
                 not all(isinstance(s, int) and s >= 0 for s in sections[:4]):
@@ -149,8 +144,7 @@ class Qwen35(Family):
 
     def ignored(self, cfg, name):
         """The multi-token-prediction blocks' tensors, past the model's blocks."""
-        block = re.match(r"blk\.(\d+)\.", name)
-        return block is not None and int(block[1]) >= cfg.n_layer
+        return past_trunk(cfg, name)
 
     # -- tensors ---------------------------------------------------------------------------
 
