@@ -419,6 +419,10 @@ def _silu(x):
     return x / (1 + np.exp(-x))
 
 
+def _relu_sqr(x):
+    return np.maximum(x, 0) ** 2
+
+
 def _gelu(x):     # ggml's gelu: the tanh approximation
     return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * x * (1 + 0.044715 * x * x)))
 
@@ -429,15 +433,17 @@ def _glu(h, gate, up, down, act):
     return (act(h @ gate.T) * (h @ up.T)) @ down.T
 
 
-def _experts(cfg, p, h, normalize: bool, bias=0.0, act=_silu, router=None, scales=None):
+def _experts(cfg, p, h, normalize: bool, bias=0.0, act=_silu, router=None, scales=None,
+             sigmoid=None, gated=True):
     """llama.cpp's build_moe_ffn (`act`-gated experts, SwiGLU by default; gate and up one
-    stack where cfg.fused_gate_up), token by token: the router (reading `router` where
-    given, else h)'s softmax, or its sigmoids (cfg.expert_gating 2), as the
-    probabilities; the cfg.n_expert_used most probable experts (ranked with `bias` added;
-    ties: the lower index), their outputs times their `scales` where given, weighted by
-    their probabilities (divided by their sum where `normalize`)."""
+    stack where cfg.fused_gate_up; without a gate (`gated` False) down(act(up h))), token by
+    token: the router (reading `router` where given, else h)'s softmax, or its sigmoids
+    (`sigmoid`, by default cfg.expert_gating 2), as the probabilities; the cfg.n_expert_used
+    most probable experts (ranked with `bias` added; ties: the lower index), their outputs
+    times their `scales` where given, weighted by their probabilities (divided by their sum
+    where `normalize`)."""
     logits = (h if router is None else router) @ p("ffn_gate_inp.weight").T
-    if cfg.expert_gating == 2:
+    if cfg.expert_gating == 2 if sigmoid is None else sigmoid:
         probs = 1 / (1 + np.exp(-logits))
     else:
         probs = np.exp(logits - logits.max(axis=1, keepdims=True))
@@ -447,6 +453,10 @@ def _experts(cfg, p, h, normalize: bool, bias=0.0, act=_silu, router=None, scale
         taken = np.argsort(-(probs[t] + bias), kind="stable")[:cfg.n_expert_used]
         weights = probs[t, taken] / (probs[t, taken].sum() if normalize else 1.0)
         for e, weight in zip(taken, weights):
+            if not gated:
+                y = act(h[t] @ p("ffn_up_exps.weight")[e].T) @ p("ffn_down_exps.weight")[e].T
+                out[t] += weight * y
+                continue
             if cfg.fused_gate_up:
                 gate, up = np.split(p("ffn_gate_up_exps.weight")[e], 2)
             else:
@@ -510,7 +520,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)
-    if arch in ("granitehybrid", "nemotron_h", "falcon-h1"):
+    if arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
     if arch in ("phi2", "starcoder2", "stablelm"):
         return phi2_reference_logits(cfg, values, tokens)
@@ -878,13 +888,14 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
     y * silu(z) RMS-normed in groups by ssm_norm; ssm_out), elsewhere attention, roped
     (normal) unless cfg.no_rope. nemotron_h (src/models/nemotron-h.cpp): each block x +
     one mixer of attn_norm(x): that Mamba2 (d_inner ssm_inner), ffn_down(relu(ffn_up h)^2)
-    on cfg.mlp_layers, else attention without rope. falcon-h1 (src/models/falcon-h1.cpp):
+    on cfg.mlp_layers (nemotron_h_moe: experts of relu(up)^2 by sigmoids ranked with
+    exp_probs_b, and a shared one), else attention without rope. falcon-h1 (src/models/falcon-h1.cpp):
     attention (neox rope) and the Mamba2 side by side in every block, then the SwiGLU
     feed-forward normed by ffn_norm."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     eps, n, hd = cfg.norm_eps, len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
-    nemotron = cfg.arch == "nemotron_h"
+    nemotron = cfg.arch in ("nemotron_h", "nemotron_h_moe")
     d = cfg.ssm_inner or 2 * cfg.n_embd
     heads, groups, state = cfg.ssm_heads, cfg.ssm_groups, cfg.ssm_state
     x = w["token_embd.weight"][tokens] * cfg.embedding_scale
@@ -917,8 +928,14 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
             out = attention(p, h) + mamba(p, h)
         elif il in cfg.recurrent_layers:
             out = mamba(p, h)
+        elif il in cfg.mlp_layers and cfg.n_expert:     # nemotron_h_moe's: experts of
+            # relu(up)^2 by sigmoids, times expert_weights_scale, and the shared expert
+            out = (cfg.expert_weights_scale or 1.0) * _experts(
+                cfg, p, h, cfg.expert_weights_norm, p("exp_probs_b.bias"), _relu_sqr,
+                sigmoid=True, gated=False) + \
+                _relu_sqr(h @ p("ffn_up_shexp.weight").T) @ p("ffn_down_shexp.weight").T
         elif il in cfg.mlp_layers:      # nemotron_h's feed-forward blocks
-            out = np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
+            out = _relu_sqr(h @ p("ffn_up.weight").T) @ p("ffn_down.weight").T
         else:
             out = attention(p, h)
         x = x + cfg.residual_scale * out

@@ -100,6 +100,14 @@ CONFIGS = {
                               recurrent_layers=(0, 3, 5), mlp_layers=(1, 4), conv_kernel=4,
                               ssm_state=16, ssm_heads=16, ssm_groups=2, ssm_inner=128,
                               arch="nemotron_h"),
+    # Nemotron 3 Nano: those blocks, the feed-forward ones 8 experts of relu(up)^2 (2 taken
+    # by sigmoids ranked with a bias, normalized, times 2.5) and a shared expert of 96
+    "nemotron_h_moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=6,
+                                  recurrent_layers=(0, 3, 5), mlp_layers=(1, 4), conv_kernel=4,
+                                  ssm_state=16, ssm_heads=16, ssm_groups=2, ssm_inner=128,
+                                  n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=96,
+                                  expert_weights_norm=True, expert_weights_scale=2.5,
+                                  arch="nemotron_h_moe"),
     # Falcon-H1: attention (neox rope) and a Mamba2 (8 heads over 2 groups, state 16) side by
     # side in every block; and without ssm_norm
     "falcon-h1": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=3,

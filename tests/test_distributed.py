@@ -210,9 +210,19 @@ def test_a_preference_finetune_over_two_ranks_matches_one_process(tmp_path, mpie
             "--val-every", "3"]
     one, two = one_and_two_ranks(tmp_path, mpiexec, args, packing)
     # rewards: beta (logp - ref), of log-probabilities of tens of nats summed in float32
-    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin", "accuracy"):
+    for key in ("loss", "rewards_chosen", "rewards_rejected", "margin"):
         np.testing.assert_allclose([x[key] for x in two], [x[key] for x in one], rtol=1e-5,
                                    atol=1e-5, err_msg=key)
+    # DPO's first step has the policy at the reference: its rewards are float32 noise
+    # around 0, and which answer of a pair has the larger noise (the accuracy) depends on
+    # the summation order, which differs on two ranks; later steps decide it
+    decided = 0
+    if objective == "dpo":
+        assert all(abs(x[k]) < 1e-4 for x in (one[0], two[0])
+                   for k in ("rewards_chosen", "rewards_rejected"))
+        decided = 1
+    np.testing.assert_allclose([x["accuracy"] for x in two[decided:]],
+                               [x["accuracy"] for x in one[decided:]], rtol=1e-5, atol=1e-5)
     for key in ("val_loss", "val_accuracy", "val_margin"):
         np.testing.assert_allclose(two[-1][key], one[-1][key], rtol=1e-5, atol=1e-5,
                                    err_msg=key)

@@ -96,6 +96,15 @@ FAMILIES = {
                               recurrent_layers=(0, 3), mlp_layers=(1,), conv_kernel=4,
                               ssm_state=4, ssm_heads=8, ssm_groups=2, ssm_inner=32,
                               arch="nemotron_h"),
+    # Nemotron 3 Nano 30B-A3B: nemotron_h's blocks, the feed-forward ones experts of
+    # relu(up)^2 by sigmoids ranked with a bias (4, 2 taken, normalized, times 2.5) and a
+    # shared expert
+    "nemotron_h_moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4,
+                                  recurrent_layers=(2,), mlp_layers=(0, 1), conv_kernel=4,
+                                  ssm_state=4, ssm_heads=8, ssm_groups=2, ssm_inner=32,
+                                  n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=48,
+                                  expert_weights_norm=True, expert_weights_scale=2.5,
+                                  arch="nemotron_h_moe"),
     # Falcon-H1-0.5B: attention and a Mamba2 in every block, the feed-forward's norm named
     # blk.N.ffn_norm, tied
     "falcon-h1": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, recurrent_layers=(0, 1),
@@ -218,7 +227,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "qwen35moe": "ffn_gate_inp_shexp.weight", "gemma4-moe": "ffn_gate_up_exps.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
-               "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight"}
+               "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
+               "nemotron_h_moe": "ffn_up_shexp.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -1009,3 +1019,19 @@ def test_latent_heads_wider_than_the_fused_kernels_take_the_unfused_path():
     plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
     np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
                                rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("key, value, words", [
+    ("moe_latent_size", 8, "has no latent experts"),
+    ("expert_group_count", 2, "does not route by groups of experts"),
+    ("nextn_predict_layers", 1, "does not read multi-token-prediction blocks")])
+def test_nemotron_3_files_of_what_ggwgpu_does_not_compute_are_refused_by_name(key, value, words,
+                                                                             tmp_path):
+    """Nemotron 3 Super's latent experts, grouped routing and prediction blocks."""
+    cfg = FAMILIES["nemotron_h_moe"]
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    meta[f"nemotron_h_moe.{key}"] = (value, GGUFValueType.UINT32)
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    with pytest.raises(GGUFError, match=f"nemotron_h_moe.{key}: ggwgpu's nemotron_h_moe {words}"):
+        load_model(tmp_path / "m.gguf")

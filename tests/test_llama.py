@@ -173,7 +173,11 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
                                              tied_embeddings=True),
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
-           "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2}
+           "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2,
+           "nemotron_h_moe": dataclasses.replace(NEMOTRON, arch="nemotron_h_moe", n_expert=3,
+                                                 n_expert_used=2, n_ff_exp=4, n_ff_shexp=6,
+                                                 expert_weights_norm=True,
+                                                 expert_weights_scale=1.5)}
 BATCH = 2
 
 

@@ -360,10 +360,11 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     of their feed-forwards (ffn_{gate,up,down}_exps, one matrix per expert, each with its
     row of the stack's bias where there is one; gate and up as one ffn_gate_up_exps where
     cfg.fused_gate_up; `act` of gate and up, SwiGLU, gemma4's GeGLU or gpt-oss's
-    swiglu_oai) weighted by their probabilities, divided by the sum of those where
-    `normalize` (llama.cpp's norm_w). With `gating` "softmax_taken" (gpt-oss's
-    SOFTMAX_WEIGHT) the largest logits are taken and their weights are the softmax of those
-    alone. The weights are times `scale` where it is neither 0 nor 1 (llama.cpp's
+    swiglu_oai; without ffn_gate_exps `act` of up alone, nemotron_h_moe's relu^2) weighted
+    by their probabilities, divided by the sum of those where `normalize` (llama.cpp's
+    norm_w). `gating` "sigmoid" takes the sigmoids whatever cfg says (nemotron_h_moe's
+    graph); "softmax_taken" (gpt-oss's SOFTMAX_WEIGHT) takes the largest logits, their
+    weights the softmax of those alone. The weights are times `scale` where it is neither 0 nor 1 (llama.cpp's
     expert_weights_scale). The router reads `router_input` where given (gemma4's), else h.
     Where the block has ffn_down_exps.scale, each expert's output is times its value
     (before its LoRA pairs' terms, as llama.cpp scales it)."""
@@ -381,8 +382,10 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
         logits = O.add(logits, p[b + "ffn_gate_inp.bias"])
     if gating == "softmax_taken":
         probs = logits
+    elif gating == "sigmoid" or gating is None and cfg.expert_gating == 2:
+        probs = O.sigmoid(logits)
     else:
-        probs = O.sigmoid(logits) if cfg.expert_gating == 2 else O.soft_max(logits, 1.0)
+        probs = O.soft_max(logits, 1.0)
     bias = p.get(b + "exp_probs_b.bias")
     taken = O.top_k(probs if bias is None else O.add(probs, bias), k)        # (t, k) ids
     picks = O.one_hot(taken, n)                                              # (t, k, n)
@@ -395,7 +398,9 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     if scale not in (0.0, 1.0):
         weights = O.scale(weights, scale)
     x = O.reshape(x, (t, 1, e))
-    if cfg.fused_gate_up:
+    if b + "ffn_gate_exps.weight" not in p and not cfg.fused_gate_up:   # no gate: act(up)
+        gated = act(routed(p, b + "ffn_up_exps.weight", x, taken))
+    elif cfg.fused_gate_up:
         gated = act(*columns(routed(p, b + "ffn_gate_up_exps.weight", x, taken), 2))
     else:
         gated = act(routed(p, b + "ffn_gate_exps.weight", x, taken),

@@ -32,7 +32,8 @@ from .. import ops as O
 from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from . import blocks as B
-from .family import EXPERT_FF, EXPERT_KEYS, Family, past_trunk, trunk_layers
+from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, read_weights_norm,
+                     trunk_layers, weights_norm_key)
 
 GLM47_VOCAB = 154880    # llama.cpp tells GLM-4.7-Flash's files (sigmoid gating) by it
 
@@ -85,8 +86,7 @@ class Deepseek2(Family):
                 Keys.Attention.VALUE_LENGTH.format(arch=self.arch): (kv_lora_rank(cfg), _T.UINT32),
                 Keys.LLM.EXPERT_SHARED_COUNT.format(arch=self.arch):
                     (cfg.n_ff_shexp // cfg.n_ff_exp, _T.UINT32),
-                Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=self.arch):
-                    (bool(cfg.expert_weights_norm), _T.BOOL)}
+                **weights_norm_key(self.arch, cfg)}
         if cfg.yarn_log_mul:    # the converter's 0.1 * mscale_all_dim
             keys[Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=self.arch)] = \
                 (0.1 * cfg.yarn_log_mul, _T.FLOAT32)
@@ -107,10 +107,7 @@ class Deepseek2(Family):
                             f"{key(Keys.Rope.DIMENSION_COUNT)} ({rope}), and "
                             f"{key(Keys.Attention.VALUE_LENGTH)} the former")
         shared = f.int_key(key(Keys.LLM.EXPERT_SHARED_COUNT), minimum=0)
-        norm = f.meta.get(key(Keys.LLM.EXPERT_WEIGHTS_NORM), False)
-        if not isinstance(norm, bool):
-            raise GGUFError(f"{f.path}: {key(Keys.LLM.EXPERT_WEIGHTS_NORM)} must be a bool")
-        more = {"n_ff_shexp": shared * hp["n_ff_exp"], "expert_weights_norm": norm,
+        more = {"n_ff_shexp": shared * hp["n_ff_exp"], **read_weights_norm(f, self.arch),
                 "expert_bias": any(n.endswith(".exp_probs_b.bias") for n in f.tensors),
                 "yarn_log_mul": f.float_key(key(Keys.Rope.SCALING_YARN_LOG_MUL), default=0.0,
                                             allow_zero=True) / 0.1}

@@ -20,7 +20,7 @@ import dataclasses
 import re
 
 import numpy as np
-from gguf import Keys
+from gguf import GGUFValueType, Keys
 
 from .. import ops as O
 from ..gguf_file import GGUFError
@@ -33,6 +33,21 @@ SHARED_FF = {"n_ff_shexp": Keys.LLM.EXPERT_SHARED_FEED_FORWARD_LENGTH}
 
 
 NEXTN = "{arch}.nextn_predict_layers"
+
+
+def weights_norm_key(arch: str, cfg) -> dict:
+    """The expert_weights_norm key of cfg (a bool, as the converter writes it)."""
+    return {Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch):
+            (bool(cfg.expert_weights_norm), GGUFValueType.BOOL)}
+
+
+def read_weights_norm(f, arch: str) -> dict:
+    """ModelConfig.expert_weights_norm from file `f` (false where absent, as llama.cpp)."""
+    key = Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch)
+    norm = f.meta.get(key, False)
+    if not isinstance(norm, bool):
+        raise GGUFError(f"{f.path}: {key} must be a bool")
+    return {"expert_weights_norm": norm}
 
 
 def trunk_layers(f, arch: str, blocks: int) -> int:

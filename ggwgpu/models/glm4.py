@@ -5,11 +5,10 @@ rows gate | up: silu(gate) * up), and rope mode normal over the first rope.dimen
 dims of each head (half of them in the published models). Files with M-RoPE sections
 (GLM-4.1V) or multi-token-prediction blocks are refused."""
 from ..gguf_file import GGUFError
-from .family import Family
+from .family import NEXTN, Family
 from .phi3 import fused_gate
 
 SECTIONS = "{arch}.rope.dimension_sections"
-NEXTN = "{arch}.nextn_predict_layers"
 
 
 class Glm4(Family):
