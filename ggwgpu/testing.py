@@ -481,8 +481,9 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     written out. All: RMS norms, grouped-query causal attention, SwiGLU, Q/K/V biases where
     given, output.weight or else token_embd.weight; with cfg.n_expert a mixture of experts
     for the feed-forward past the first cfg.n_dense_lead blocks (`_experts`; normalized
-    weights but for qwen2moe and olmoe, lfm2moe's ranking bias exp_probs_b; qwen2moe's shared
-    expert times the sigmoid of its gate, granite's as it is). qwen3moe: qwen3's attention.
+    weights but for qwen2moe and olmoe, lfm2moe's and ernie4_5-moe's ranking bias
+    exp_probs_b; qwen2moe's shared expert times the sigmoid of its gate, granite's and
+    ernie4_5-moe's as it is). qwen3moe: qwen3's attention.
     olmoe: Q and K normed as olmo2's, pre-norms. lfm2moe: lfm2's. granitemoe: granite's. llama: rope NORM with Llama 3's
     frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
     gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
@@ -533,10 +534,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
-                    "granitemoe"):
+                    "granitemoe", "ernie4_5-moe"):
         raise ValueError(f"no reference for arch {arch!r}")
     normalize = arch not in ("qwen2moe", "olmoe")       # the experts' weights (norm_w)
-    arch = {"lfm2moe": "lfm2", "granitemoe": "granite"}.get(arch, arch)   # their blocks
+    arch = {"lfm2moe": "lfm2", "granitemoe": "granite",
+            "ernie4_5-moe": "ernie4_5"}.get(arch, arch)                     # their blocks
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd = len(tokens), cfg.head_dim
@@ -616,7 +618,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             ffn = _experts(cfg, p, h, normalize, w.get(f"blk.{il}.exp_probs_b.bias", 0.0))
             if arch == "qwen2moe":
                 ffn = _shared_experts(cfg, p, h, normalize=False)
-            elif arch == "granite" and cfg.n_ff_shexp:
+            elif arch in ("granite", "ernie4_5") and cfg.n_ff_shexp:
                 ffn = ffn + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
                                  p("ffn_down_shexp.weight"), _silu)
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate

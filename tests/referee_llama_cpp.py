@@ -257,6 +257,12 @@ CONFIGS = {
                                  expert_weights_norm=True, expert_weights_scale=1.8,
                                  q_lora_rank=32, mla_key_length=32, mla_value_length=24,
                                  tied_embeddings=True, rope_freq_base=1e6, arch="deepseek2"),
+    # ERNIE-4.5-21B-A3B's pieces: the first block dense, then 8 experts (2 taken, softmax,
+    # normalized) ranked with a bias and a shared expert of 64; heads of 32; tied
+    "ernie4_5-moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=3,
+                                n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64,
+                                n_dense_lead=1, expert_bias=True, tied_embeddings=True,
+                                rope_freq_base=5e5, arch="ernie4_5-moe"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

@@ -210,6 +210,12 @@ FAMILIES = {
                                  expert_weights_norm=True, expert_weights_scale=1.8,
                                  q_lora_rank=12, mla_key_length=16, mla_value_length=8,
                                  arch="deepseek2"),
+    # ERNIE-4.5-21B-A3B: ernie4_5's blocks, the first dense, then 4 experts (2 taken,
+    # softmax, normalized) ranked with a bias, and a shared expert, tied
+    "ernie4_5-moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=3,
+                                n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64,
+                                n_dense_lead=1, expert_bias=True, tied_embeddings=True,
+                                rope_freq_base=5e5, arch="ernie4_5-moe"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -228,7 +234,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
-               "nemotron_h_moe": "ffn_up_shexp.weight"}
+               "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -1034,4 +1040,19 @@ def test_nemotron_3_files_of_what_ggwgpu_does_not_compute_are_refused_by_name(ke
     meta[f"nemotron_h_moe.{key}"] = (value, GGUFValueType.UINT32)
     gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
     with pytest.raises(GGUFError, match=f"nemotron_h_moe.{key}: ggwgpu's nemotron_h_moe {words}"):
+        load_model(tmp_path / "m.gguf")
+
+
+def test_an_ernie4_5_moe_file_with_experts_on_every_other_block_is_refused(tmp_path):
+    """llama.cpp's graph puts experts on every interleave_moe_layer_step-th block but loads
+    them on all: only a step of 1 (the published models', the one ggwgpu writes) makes one
+    model of both."""
+    cfg = FAMILIES["ernie4_5-moe"]
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    assert meta["ernie4_5-moe.interleave_moe_layer_step"][0] == 1
+    del meta[gguf_llama.K_CONFIG_JSON]
+    meta["ernie4_5-moe.interleave_moe_layer_step"] = (2, GGUFValueType.UINT32)
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    with pytest.raises(GGUFError, match="interleave_moe_layer_step = 2: ggwgpu's ernie4_5-moe "
+                                        "takes experts on every block past the dense ones"):
         load_model(tmp_path / "m.gguf")
