@@ -355,7 +355,7 @@ def test_unsupported_tensor_types_are_named(tmp_path):
             load_model(path, keep_quantized=keep)
 
 
-@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "bf16"])
+@pytest.mark.parametrize("dtype", ["q4_0", "q4_1", "bf16", "mxfp4"])
 def test_quantize_command_makes_a_frozen_base(tmp_path, dtype):
     values = init_parameters(TINY, seed=6)
     save_model(tmp_path / "f32.gguf", TINY, values, ByteTokenizer())
