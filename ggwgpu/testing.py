@@ -891,9 +891,9 @@ def granitehybrid_reference_logits(cfg, values, tokens) -> np.ndarray:
     (normal) unless cfg.no_rope. nemotron_h (src/models/nemotron-h.cpp): each block x +
     one mixer of attn_norm(x): that Mamba2 (d_inner ssm_inner), ffn_down(relu(ffn_up h)^2)
     on cfg.mlp_layers (nemotron_h_moe: experts of relu(up)^2 by sigmoids ranked with
-    exp_probs_b, and a shared one), else attention without rope. falcon-h1 (src/models/falcon-h1.cpp):
-    attention (neox rope) and the Mamba2 side by side in every block, then the SwiGLU
-    feed-forward normed by ffn_norm."""
+    exp_probs_b, and a shared one), else attention without rope. falcon-h1
+    (src/models/falcon-h1.cpp): attention (neox rope) and the Mamba2 side by side in every
+    block, then the SwiGLU feed-forward normed by ffn_norm."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     eps, n, hd = cfg.norm_eps, len(tokens), cfg.head_dim
     positions = np.arange(n, dtype=np.float64)

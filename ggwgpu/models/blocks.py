@@ -269,7 +269,8 @@ def sink_key(q, k, v, mask, scale: float, sinks):
     def zeros(shape, dtype):
         return constant(np.zeros(shape), dtype, name="sink zeros")
     b, heads, n_q, _ = q.shape
-    column = O.repeat(O.reshape(O.scale(sinks, 1.0 / scale), (1, heads, 1, 1)), (b, heads, n_q, 1))
+    column = O.repeat(O.reshape(O.scale(sinks, 1.0 / scale), (1, heads, 1, 1)),
+                      (b, heads, n_q, 1))
     q = widened(q, column if column.dtype == q.dtype else O.cast(column, q.dtype))
     bk, kv_heads, n_kv, d = k.shape
     key = np.zeros((bk, kv_heads, 1, d + 1))
@@ -364,10 +365,10 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     by their probabilities, divided by the sum of those where `normalize` (llama.cpp's
     norm_w). `gating` "sigmoid" takes the sigmoids whatever cfg says (nemotron_h_moe's
     graph); "softmax_taken" (gpt-oss's SOFTMAX_WEIGHT) takes the largest logits, their
-    weights the softmax of those alone. The weights are times `scale` where it is neither 0 nor 1 (llama.cpp's
-    expert_weights_scale). The router reads `router_input` where given (gemma4's), else h.
-    Where the block has ffn_down_exps.scale, each expert's output is times its value
-    (before its LoRA pairs' terms, as llama.cpp scales it)."""
+    weights the softmax of those alone. The weights are times `scale` where it is neither 0
+    nor 1 (llama.cpp's expert_weights_scale). The router reads `router_input` where given
+    (gemma4's), else h. Where the block has ffn_down_exps.scale, each expert's output is
+    times its value (before its LoRA pairs' terms, as llama.cpp scales it)."""
     rows, e = h.shape[:-1], h.shape[-1]
     n, k = cfg.n_expert, cfg.n_expert_used
     t = int(np.prod(rows))

@@ -33,7 +33,7 @@ from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from . import blocks as B
 from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, read_weights_norm,
-                     trunk_layers, weights_norm_key)
+                     refuse_expert_groups, trunk_layers, weights_norm_key)
 
 GLM47_VOCAB = 154880    # llama.cpp tells GLM-4.7-Flash's files (sigmoid gating) by it
 
@@ -95,9 +95,7 @@ class Deepseek2(Family):
     def read_more_keys(self, f, hp):
         def key(template):
             return template.format(arch=self.arch)
-        if f.int_key(key(Keys.LLM.EXPERT_GROUP_COUNT), default=0, minimum=0) > 1:
-            raise GGUFError(f"{f.path}: {key(Keys.LLM.EXPERT_GROUP_COUNT)}: ggwgpu's "
-                            f"{self.arch} does not route by groups of experts (DeepSeek-V3's)")
+        refuse_expert_groups(f, self.arch)
         rope = hp["n_rot"]
         lora_rank = f.int_key(key(Keys.Attention.KV_LORA_RANK))
         if lora_rank + rope != (hp.get("n_embd_head") or hp["n_embd"] // hp["n_head"]) or \
@@ -161,8 +159,9 @@ class Deepseek2(Family):
         b, lead, heads, rope = f"blk.{i}.", seq.lead, cfg.n_head, cfg.rot
         rank, k, rows = kv_lora_rank(cfg), cfg.mla_key_length, int(np.prod(seq.lead))
         if cfg.q_lora_rank:
-            q = B.linear(p, b + "attn_q_a.weight", h)
-            q = B.linear(p, b + "attn_q_b.weight", B.rms_norm(cfg, q, p[b + "attn_q_a_norm.weight"]))
+            q = B.rms_norm(cfg, B.linear(p, b + "attn_q_a.weight", h),
+                           p[b + "attn_q_a_norm.weight"])
+            q = B.linear(p, b + "attn_q_b.weight", q)
         else:
             q = B.linear(p, b + "attn_q.weight", h)
         q = O.reshape(q, (rows, heads, k))

@@ -41,6 +41,15 @@ def weights_norm_key(arch: str, cfg) -> dict:
             (bool(cfg.expert_weights_norm), GGUFValueType.BOOL)}
 
 
+def refuse_expert_groups(f, arch: str):
+    """Raise a GGUFError where file `f` routes by groups of experts (DeepSeek-V3's
+    expert_group_count > 1), which ggwgpu's top_k over all experts does not."""
+    key = Keys.LLM.EXPERT_GROUP_COUNT.format(arch=arch)
+    if f.int_key(key, default=0, minimum=0) > 1:
+        raise GGUFError(f"{f.path}: {key}: ggwgpu's {arch} does not route by groups of "
+                        f"experts")
+
+
 def read_weights_norm(f, arch: str) -> dict:
     """ModelConfig.expert_weights_norm from file `f` (false where absent, as llama.cpp)."""
     key = Keys.LLM.EXPERT_WEIGHTS_NORM.format(arch=arch)

@@ -12,7 +12,7 @@ from .. import ops as O
 from ..gguf_file import GGUFError
 from . import blocks as B
 from .family import (EXPERT_FF, EXPERT_KEYS, NEXTN, SHARED_FF, read_weights_norm,
-                     weights_norm_key)
+                     refuse_expert_groups, weights_norm_key)
 from .nemotron_h import NemotronH
 
 LATENT = "latent experts (Nemotron 3 Super's moe_latent_size)"
@@ -47,9 +47,7 @@ class NemotronHMoe(NemotronH):
     def read_more_keys(self, f, hp):
         def key(template):
             return template.format(arch=self.arch)
-        if f.int_key(key(Keys.LLM.EXPERT_GROUP_COUNT), default=0, minimum=0) > 1:
-            raise GGUFError(f"{f.path}: {key(Keys.LLM.EXPERT_GROUP_COUNT)}: ggwgpu's "
-                            f"{self.arch} does not route by groups of experts")
+        refuse_expert_groups(f, self.arch)
         if f.int_key(key(NEXTN), default=0, minimum=0):
             raise GGUFError(f"{f.path}: {key(NEXTN)}: ggwgpu's {self.arch} does not read "
                             f"multi-token-prediction blocks")

@@ -421,8 +421,8 @@ swiglu_oai_back_up = register(
 
 __all__ = ["add", "sub", "mul", "div", "add1", "scale", "neg", "abs", "sgn", "step", "relu",
            "sqr", "sqrt", "log", "exp", "silu", "gelu", "tanh", "sigmoid", "softplus",
-           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back", "geglu", "geglu_back", "swiglu_oai",
-           "swiglu_oai_back", "swiglu_oai_back_up"]
+           "silu_back", "gelu_back", "tanh_back", "sigmoid_back", "swiglu", "swiglu_back",
+           "geglu", "geglu_back", "swiglu_oai", "swiglu_oai_back", "swiglu_oai_back_up"]
 
 
 # Each op's kernel: the WGSL value of dst at an element, from a = src0, b = src1 and c = src2
