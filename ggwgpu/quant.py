@@ -189,8 +189,8 @@ def quantize_model(params: dict, dtype: str) -> dict:
     """A model's values with every 2-D weight and every stack of experts' matrices (3-D)
     whose rows are a multiple of 32 values (and of the block size) in `dtype`; 1-D values
     (norms), norms and convolution taps stored 2-D (Mamba2's grouped ssm_norm, ssm_conv1d),
-    the experts' router (ffn_gate_inp) and biases (gpt-oss's stacks of them), none of which
-    llama.cpp quantizes, and other shapes stay float32. Quantized inputs are dequantized
+    the experts' router (ffn_gate_inp) and biases (gpt-oss's stacks of them), gpt2's position
+    embedding, none of which llama.cpp quantizes, and other shapes stay float32. Quantized inputs are dequantized
     first (so q8_0 -> q4_0 works)."""
     if dtype not in QUANTIZABLE:
         raise ValueError(f"cannot quantize to {dtype!r}; one of {', '.join(QUANTIZABLE)}")
@@ -198,6 +198,7 @@ def quantize_model(params: dict, dtype: str) -> dict:
     for name, value in params.items():
         value = dequantize(value) if isinstance(value, Quantized) else np.asarray(value, np.float32)
         kept = name.endswith(("_norm.weight", ".bias", "ffn_gate_inp.weight")) or \
+            name == "position_embd.weight" or \
             "ssm_conv1d" in name or "conv.weight" in name
         out[name] = quantize(value, dtype) if value.ndim in (2, 3) and \
             value.shape[-1] % QK == 0 and not kept else value

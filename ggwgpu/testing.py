@@ -523,7 +523,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch in ("phi2", "starcoder2", "stablelm"):
+    if arch in ("phi2", "starcoder2", "stablelm", "gpt2"):
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
@@ -651,20 +651,31 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     neox rope; the final LayerNorm, the output matrix and its bias. starcoder2: the
     feed-forward after attention, on its own LayerNorm (ffn_norm), no logits' bias, tied
     embeddings where there is no output.weight. stablelm: starcoder2's order, SwiGLU without
-    biases, no attention output bias, Q/K/V biases where given."""
+    biases, no attention output bias, Q/K/V biases where given. gpt2: starcoder2's with the
+    position embedding's rows added to the token embeddings, Q, K and V from one fused
+    attn_qkv with its bias, and no rope."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
     positions = np.arange(n, dtype=np.float64)
     attn_factor, yarn = _context_rope(cfg)
     x = w["token_embd.weight"][tokens]
+    gpt2 = cfg.arch == "gpt2"
+    if gpt2:
+        x = x + w["position_embd.weight"][:n]
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
         bias = lambda name: w.get(f"blk.{il}.{name}.bias", 0.0)    # noqa: E731
         h = _layer_norm(x, p("attn_norm.weight"), p("attn_norm.bias"), eps)
-        q, k, v = ((h @ p(f"attn_{m}.weight").T + bias(f"attn_{m}")).reshape(n, -1, hd)
-                   for m in "qkv")
-        q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
-                      np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
+        if gpt2:
+            qkv = np.split(h @ p("attn_qkv.weight").T + bias("attn_qkv"),
+                           [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
+            q, k, v = (y.reshape(n, -1, hd) for y in qkv)
+        else:
+            q, k, v = ((h @ p(f"attn_{m}.weight").T + bias(f"attn_{m}")).reshape(n, -1, hd)
+                       for m in "qkv")
+            q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base,
+                          cfg.rope_freq_scale, np.ones(cfg.rot // 2), attn_factor, yarn)
+                    for y in (q, k))
         x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T + \
             bias("attn_output")
         if cfg.arch != "phi2":

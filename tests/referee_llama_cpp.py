@@ -263,6 +263,10 @@ CONFIGS = {
                                 n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64,
                                 n_dense_lead=1, expert_bias=True, tied_embeddings=True,
                                 rope_freq_base=5e5, arch="ernie4_5-moe"),
+    # GPT-2: learned positions (a table of 80 for the 64-token context), LayerNorms and
+    # biases, a fused attn_qkv, no rope, tied
+    "gpt2": ModelConfig(**BASE, n_head=4, n_layer=2, n_positions=80, tied_embeddings=True,
+                        arch="gpt2"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

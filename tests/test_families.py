@@ -216,6 +216,10 @@ FAMILIES = {
                                 n_expert=4, n_expert_used=2, n_ff_exp=32, n_ff_shexp=64,
                                 n_dense_lead=1, expert_bias=True, tied_embeddings=True,
                                 rope_freq_base=5e5, arch="ernie4_5-moe"),
+    # GPT-2: learned positions (a table of the context's 16; finetunes take 8 of them),
+    # LayerNorms and biases, one fused attn_qkv, no rope, tied
+    "gpt2": ModelConfig(**BYTES, n_head=2, n_layer=2, n_positions=16, tied_embeddings=True,
+                        arch="gpt2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,
@@ -234,7 +238,8 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
-               "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight"}
+               "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
+               "gpt2": "attn_qkv.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
@@ -1056,3 +1061,16 @@ def test_an_ernie4_5_moe_file_with_experts_on_every_other_block_is_refused(tmp_p
     with pytest.raises(GGUFError, match="interleave_moe_layer_step = 2: ggwgpu's ernie4_5-moe "
                                         "takes experts on every block past the dense ones"):
         load_model(tmp_path / "m.gguf")
+
+
+def test_a_gpt2_keeps_its_position_table_whatever_context_a_run_takes(tmp_path):
+    """The file's context_length is the table's rows even after a run at a shorter
+    context (llama.cpp reads the table's shape from it); a context beyond it is refused."""
+    cfg = FAMILIES["gpt2"]
+    short = dataclasses.replace(cfg, n_ctx=8)
+    save_model(tmp_path / "m.gguf", short, family_values(short), ByteTokenizer())
+    assert GGUFReader(tmp_path / "m.gguf").fields["gpt2.context_length"].contents() == 16
+    got = write_tensors(tmp_path / "plain.gguf", short, family_values(short))
+    assert float32_fields(load_model(got)[0]) == float32_fields(cfg)
+    with pytest.raises(ShapeError, match="gpt2 of 16 learned positions .* context of 32"):
+        dataclasses.replace(cfg, n_ctx=32)

@@ -159,6 +159,9 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
                                    n_expert_used=2, n_ff_exp=4, arch="gpt-oss"),
             "nemotron_h_moe": dataclasses.replace(NEMOTRON, arch="nemotron_h_moe", n_expert=3,
                                                   n_expert_used=2, n_ff_exp=4, n_ff_shexp=6),
+            # gpt2: each position's learned row added at its position in the cache
+            "gpt2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=8,
+                                n_positions=10, tied_embeddings=True, arch="gpt2"),
             # deepseek2: the latent and the rope key cached, one K/V head
             "deepseek2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1,
                                      n_embd_head=10, n_rot=4, n_layer=2, n_ff=12, n_ctx=8,

@@ -174,6 +174,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
                                              tied_embeddings=True),
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2,
+           "gpt2": dataclasses.replace(PHI2, arch="gpt2", n_rot=None, n_positions=7),
            "ernie4_5-moe": dataclasses.replace(ERNIE, arch="ernie4_5-moe", n_expert=3,
                                                n_expert_used=2, n_ff_exp=4, n_ff_shexp=6,
                                                n_dense_lead=1, expert_bias=True),

@@ -118,6 +118,8 @@ class ModelConfig:
     mla_key_length: int = 0         # deepseek2: a query head's width, nope + rope dims
                                     # (attention.key_length_mla)
     mla_value_length: int = 0       # deepseek2: an output head's width (value_length_mla)
+    n_positions: int = 0            # gpt2: the rows of its learned position embedding (the
+                                    # context it was trained at; n_ctx may be less)
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -197,7 +199,7 @@ class ModelConfig:
                     "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
                     "n_dense_lead", "fused_gate_up", "qkv_bias", "expert_weights_scale",
                     "expert_weights_norm", "expert_bias", "q_lora_rank", "mla_key_length",
-                    "mla_value_length")
+                    "mla_value_length", "n_positions")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their
