@@ -514,7 +514,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     temperature of its position after rope (`_attention_temperature`). hunyuan-dense: neox rope,
     per-head RMS norms of Q and K after it.
     gemma4: `gemma4_reference_logits`. qwen35: `qwen35_reference_logits`. gpt-oss:
-    `gpt_oss_reference_logits`. deepseek2: `deepseek2_reference_logits`. Every rope's cos
+    `gpt_oss_reference_logits`. deepseek2: `deepseek2_reference_logits`. command-r,
+    cohere2: `command_r_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
     first)."""
@@ -529,6 +530,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return qwen35_reference_logits(cfg, values, tokens)
     if arch == "gpt-oss":
         return gpt_oss_reference_logits(cfg, values, tokens)
+    if arch in ("command-r", "cohere2"):
+        return command_r_reference_logits(cfg, values, tokens)
     if arch == "deepseek2":
         return deepseek2_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -688,6 +691,32 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x + up @ p("ffn_down.weight").T + p("ffn_down.bias")
     h = _layer_norm(x, w["output_norm.weight"], w["output_norm.bias"], eps)
     return h @ w.get("output.weight", w["token_embd.weight"]).T + w.get("output.bias", 0.0)
+
+
+def command_r_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's command-r graph in float64: per block h = LayerNorm(x) (weight, no bias),
+    x + attention(h) (rope normal) + SwiGLU(h); the final LayerNorm; the token embedding as
+    the output matrix, the logits times logit_scale. cohere2: rope and a window on the
+    layers i % 4 < 3 only, the others global without rope."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        local = cfg.arch == "cohere2" and cfg.sliding_window > 0 and il % 4 < 3
+        h = _layer_norm(x, p("attn_norm.weight"), 0.0, eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
+        if local or cfg.arch == "command-r":
+            q, k = (_rope(y, positions, cfg.rot, False, cfg.rope_freq_base,
+                          cfg.rope_freq_scale, np.ones(cfg.rot // 2), attn_factor, yarn)
+                    for y in (q, k))
+        att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0)
+        x = x + att @ p("attn_output.weight").T + _glu(
+            h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+    logits = _layer_norm(x, w["output_norm.weight"], 0.0, eps) @ w["token_embd.weight"].T
+    return logits * cfg.logit_scale
 
 
 def gemma4_reference_logits(cfg, values, tokens) -> np.ndarray:

@@ -267,6 +267,13 @@ CONFIGS = {
     # biases, a fused attn_qkv, no rope, tied
     "gpt2": ModelConfig(**BASE, n_head=4, n_layer=2, n_positions=80, tied_embeddings=True,
                         arch="gpt2"),
+    # Aya Expanse (command-r): parallel blocks on one LayerNorm without bias, logits times
+    # logit_scale; Command R7B (cohere2): windows of 16 and rope on three layers of four
+    "command-r": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, logit_scale=0.125,
+                             tied_embeddings=True, rope_freq_base=4e6, arch="command-r"),
+    "cohere2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, sliding_window=16,
+                           logit_scale=0.25, tied_embeddings=True, rope_freq_base=5e4,
+                           arch="cohere2"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

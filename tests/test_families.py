@@ -220,6 +220,15 @@ FAMILIES = {
     # LayerNorms and biases, one fused attn_qkv, no rope, tied
     "gpt2": ModelConfig(**BYTES, n_head=2, n_layer=2, n_positions=16, tied_embeddings=True,
                         arch="gpt2"),
+    # Aya Expanse 8B (command-r): parallel blocks on one LayerNorm without bias, logits times
+    # logit_scale, tied
+    "command-r": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, logit_scale=0.125,
+                             tied_embeddings=True, rope_freq_base=4e6, arch="command-r"),
+    # Command R7B (cohere2): those blocks, three layers of four windowed and roped, the fourth
+    # global without rope
+    "cohere2": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=4, sliding_window=4,
+                           logit_scale=0.25, tied_embeddings=True, rope_freq_base=5e4,
+                           arch="cohere2"),
     # Granite 3.x: the four scales, untied
     "granite": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.015625, logit_scale=8.0,

@@ -162,6 +162,10 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             # gpt2: each position's learned row added at its position in the cache
             "gpt2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=8,
                                 n_positions=10, tied_embeddings=True, arch="gpt2"),
+            # cohere2: the windowed layers roped, the global one not
+            "cohere2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4,
+                                   n_ff=12, n_ctx=8, sliding_window=3, logit_scale=0.5,
+                                   tied_embeddings=True, arch="cohere2"),
             # deepseek2: the latent and the rope key cached, one K/V head
             "deepseek2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1,
                                      n_embd_head=10, n_rot=4, n_layer=2, n_ff=12, n_ctx=8,

@@ -122,11 +122,12 @@ def embed(p: dict, tokens, precision: str = "f32", scale: float = 1.0):
 def output(cfg, p: dict, x):
     """The logits of x (after the final norm): the output matrix, or with tied embeddings
     the token embedding (as llama.cpp does; LoRA pairs on output.weight apply either way),
-    plus output.bias where the model has one (phi2), divided by logit_scale (granite) and
-    soft-capped (final_logit_softcap, gemma)."""
+    plus output.bias where the model has one (phi2), times the family's logit factor
+    (granite's 1 / logit_scale, command-r's logit_scale) and soft-capped
+    (final_logit_softcap, gemma)."""
     leaves = p if OUTPUT in p else {**p, OUTPUT: p[TOKEN_EMBD]}
     cap = cfg.final_logit_softcap
-    y = linear(leaves, OUTPUT, x, alpha=1.0 / cfg.logit_scale / (cap or 1.0))
+    y = linear(leaves, OUTPUT, x, alpha=cfg.family.logit_factor(cfg) / (cap or 1.0))
     if OUTPUT_BIAS in p:
         y = O.add(y, p[OUTPUT_BIAS])
     return O.scale(O.tanh(y), cap) if cap else y

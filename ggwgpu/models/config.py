@@ -47,7 +47,8 @@ class ModelConfig:
     embedding_scale: float = 1.0    # granite: the input embeddings times this
     residual_scale: float = 1.0     # granite: each block's branch times this before its add
     attention_scale: float = 0.0    # the scores' scale (0: the family's own, 1/sqrt(head_dim))
-    logit_scale: float = 1.0        # granite: the logits divided by this
+    logit_scale: float = 1.0        # granite: the logits divided by this (command-r, cohere2:
+                                    # times this; Family.logit_factor)
     longrope: bool = False          # phi3, minicpm: rope_factors_long/short.weight, LongRoPE's
                                     # factors
     rope_orig_ctx: int = 0          # rope.scaling.original_context_length: YaRN's original

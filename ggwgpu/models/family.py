@@ -324,6 +324,10 @@ class Family:
         """The scale of the attention scores (llama.cpp's kq_scale)."""
         return cfg.attention_scale or 1.0 / np.sqrt(cfg.head_dim)
 
+    def logit_factor(self, cfg) -> float:
+        """What the logits are multiplied by: 1 / logit_scale (granite's division)."""
+        return 1.0 / cfg.logit_scale
+
     def input_scale(self, cfg) -> float:
         """What the token embeddings are multiplied by before the first block."""
         return cfg.embedding_scale
