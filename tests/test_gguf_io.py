@@ -425,8 +425,8 @@ def test_missing_required_key(tmp_path, key):
 
 
 def test_wrong_architecture_and_bad_key_values(tmp_path):
-    path = forge(tmp_path / "a.gguf", set_keys={"general.architecture": ("gpt2", T.STRING)})
-    raises_naming(path, "general.architecture", "gpt2")
+    path = forge(tmp_path / "a.gguf", set_keys={"general.architecture": ("jais", T.STRING)})
+    raises_naming(path, "general.architecture", "jais")
     path = forge(tmp_path / "b.gguf", set_keys={"llama.embedding_length": ("8", T.STRING)})
     raises_naming(path, "llama.embedding_length")
     path = forge(tmp_path / "c.gguf", set_keys={"llama.attention.head_count_kv": (3, T.UINT32)})

@@ -5,7 +5,8 @@ and feed_forward_length are both 0, attention without rope (scores times attenti
 1/sqrt(head size) when unset) where only feed_forward_length is 0, else a feed-forward of no
 gate, ffn_down(relu(ffn_up h)^2). The files may give only the layer norm's epsilon
 (attention.layer_norm_epsilon, which llama.cpp requires: written beside the RMS one).
-Mixture-of-experts blocks (nemotron_h_moe) and biases are refused by name."""
+Experts in a nemotron_h file (they are nemotron_h_moe's: nemotron_h_moe.py) and biases are
+refused by name."""
 from gguf import GGUFValueType, Keys
 
 from ..tensor import ShapeError
