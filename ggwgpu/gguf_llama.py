@@ -123,7 +123,7 @@ def save_model(path, cfg: ModelConfig, params: dict, tokenizer: Tokenizer,
     write_gguf(path, metadata, tensors)
 
 
-def _file_type(tensors) -> LlamaFileType:
+def _file_type(tensors) -> int:
     """llama.cpp's general.file_type: the block type that holds most values, else all f32."""
     counts = {}
     for t in tensors.values():

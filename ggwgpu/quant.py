@@ -40,12 +40,15 @@ class BlockType:
     block: int                 # values per block
     size: int                  # bytes per block
     ggml: GGMLQuantizationType
-    file_type: LlamaFileType   # llama.cpp's general.file_type of a file mostly in this type
+    file_type: int             # llama.cpp's general.file_type (LlamaFileType) of a file
+                               # mostly in this type
     halves: tuple[int, ...]    # byte offsets of a block's f16 scales (d, m, dmin)
     quantizable: bool          # gguf.quants can quantize to it
 
 
 _G, _F = GGMLQuantizationType, LlamaFileType
+# llama.cpp's LLAMA_FTYPE_MOSTLY_MXFP4_MOE, which gguf-py names only from 0.19 on
+MOSTLY_MXFP4_MOE = getattr(_F, "MOSTLY_MXFP4_MOE", 38)
 TYPES = {
     "f16": BlockType(1, 2, _G.F16, _F.MOSTLY_F16, (), True),
     "bf16": BlockType(1, 2, _G.BF16, _F.MOSTLY_BF16, (), True),
@@ -54,7 +57,7 @@ TYPES = {
     "q5_0": BlockType(32, 22, _G.Q5_0, _F.MOSTLY_Q5_0, (0,), True),
     "q5_1": BlockType(32, 24, _G.Q5_1, _F.MOSTLY_Q5_1, (0, 2), True),
     "q8_0": BlockType(32, 34, _G.Q8_0, _F.MOSTLY_Q8_0, (0,), True),
-    "mxfp4": BlockType(32, 17, _G.MXFP4, _F.MOSTLY_MXFP4_MOE, (), True),
+    "mxfp4": BlockType(32, 17, _G.MXFP4, MOSTLY_MXFP4_MOE, (), True),
     "q2_k": BlockType(256, 84, _G.Q2_K, _F.MOSTLY_Q2_K, (80, 82), False),
     "q3_k": BlockType(256, 110, _G.Q3_K, _F.MOSTLY_Q3_K_M, (108,), False),
     "q4_k": BlockType(256, 144, _G.Q4_K, _F.MOSTLY_Q4_K_M, (0, 2), False),
