@@ -6,9 +6,14 @@ from . import blocks as B
 from .family import Family
 
 
+def squared_relu(x):
+    """relu(x)^2 (llama.cpp's LLM_FFN_RELU_SQR)."""
+    return O.sqr(O.relu(x))
+
+
 def relu_squared(p: dict, b: str, h):
-    """AFM's feed-forward before ffn_down: relu(ffn_up h)^2 (llama.cpp's LLM_FFN_RELU_SQR)."""
-    return O.sqr(O.relu(B.linear(p, b + "ffn_up.weight", h)))
+    """AFM's feed-forward before ffn_down: relu(ffn_up h)^2."""
+    return squared_relu(B.linear(p, b + "ffn_up.weight", h))
 
 
 class Arcee(Family):

@@ -269,10 +269,7 @@ def sink_key(q, k, v, mask, scale: float, sinks):
 
     def zeros(shape, dtype):
         return constant(np.zeros(shape), dtype, name="sink zeros")
-    b, heads, n_q, _ = q.shape
-    column = O.repeat(O.reshape(O.scale(sinks, 1.0 / scale), (1, heads, 1, 1)),
-                      (b, heads, n_q, 1))
-    q = widened(q, column if column.dtype == q.dtype else O.cast(column, q.dtype))
+    q = widened(q, sink_column(sinks, q, scale))
     bk, kv_heads, n_kv, d = k.shape
     key = np.zeros((bk, kv_heads, 1, d + 1))
     key[..., d] = 1.0
@@ -281,6 +278,14 @@ def sink_key(q, k, v, mask, scale: float, sinks):
     v = O.concat(zeros((bk, kv_heads, 1, d + 1), v.dtype),
                  widened(v, zeros((bk, kv_heads, n_kv, 1), v.dtype)), 2)
     return q, k, v
+
+
+def sink_column(sinks, t, scale: float):
+    """Each head's sink / scale as a column beside t (batch, head, rows, ..), in t's dtype."""
+    b, heads, rows = t.shape[:3]
+    column = O.reshape(sinks if scale == 1.0 else O.scale(sinks, 1.0 / scale), (1, heads, 1, 1))
+    column = O.repeat(column, (b, heads, rows, 1))
+    return column if column.dtype == t.dtype else O.cast(column, t.dtype)
 
 
 def first_open(mask):
@@ -298,16 +303,10 @@ def sink_probs(kq, scale: float, mask, sinks):
     k), takes its share of the row's softmax and passes on nothing. The sinks are a first
     column of the scores, which no mask hides (without a mask: the causal rule one column
     further on); the probabilities of the keys are the other columns, a view."""
-    b, heads, n_q, n_k = kq.shape
-    column = O.repeat(O.reshape(sinks, (1, heads, 1, 1)), (b, heads, n_q, 1))
-    if scale != 1.0:
-        column = O.scale(column, 1.0 / scale)
-    if column.dtype != kq.dtype:
-        column = O.cast(column, kq.dtype)
-    scores = O.concat(column, kq, 3)
+    scores = O.concat(sink_column(sinks, kq, scale), kq, 3)
     probs = (O.soft_max(scores, scale, 1) if mask is None
              else O.soft_max_ext(scores, first_open(mask), scale))
-    return columns(probs, (1, n_k))[1]
+    return columns(probs, (1, kq.shape[-1]))[1]
 
 
 def attention_scores(cfg, k, q, scale: float, folded: bool = False):

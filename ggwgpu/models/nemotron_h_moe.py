@@ -11,16 +11,13 @@ from gguf import Keys
 from .. import ops as O
 from ..gguf_file import GGUFError
 from . import blocks as B
+from .arcee import squared_relu
 from .family import (EXPERT_FF, EXPERT_KEYS, NEXTN, SHARED_FF, read_weights_norm,
                      refuse_expert_groups, weights_norm_key)
 from .nemotron_h import NemotronH
 
 LATENT = "latent experts (Nemotron 3 Super's moe_latent_size)"
 LATENT_SIZE = "{arch}.moe_latent_size"
-
-
-def squared_relu(x):
-    return O.sqr(O.relu(x))
 
 
 class NemotronHMoe(NemotronH):
