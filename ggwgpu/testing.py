@@ -524,7 +524,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch in ("phi2", "starcoder2", "stablelm", "gpt2"):
+    if arch in ("phi2", "starcoder2", "stablelm", "gpt2", "gptneox"):
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
@@ -656,7 +656,9 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     embeddings where there is no output.weight. stablelm: starcoder2's order, SwiGLU without
     biases, no attention output bias, Q/K/V biases where given. gpt2: starcoder2's with the
     position embedding's rows added to the token embeddings, Q, K and V from one fused
-    attn_qkv with its bias, and no rope."""
+    attn_qkv with its bias, and no rope. gptneox: gpt2's fused attn_qkv with phi2's partial
+    rope, no position embedding, the feed-forward on its own LayerNorm of the block's input
+    where parallel_residual, else starcoder2's order."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
     positions = np.arange(n, dtype=np.float64)
@@ -669,20 +671,23 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
         bias = lambda name: w.get(f"blk.{il}.{name}.bias", 0.0)    # noqa: E731
         h = _layer_norm(x, p("attn_norm.weight"), p("attn_norm.bias"), eps)
-        if gpt2:
+        if cfg.arch in ("gpt2", "gptneox"):
             qkv = np.split(h @ p("attn_qkv.weight").T + bias("attn_qkv"),
                            [cfg.q_dim, cfg.q_dim + cfg.kv_dim], axis=1)
             q, k, v = (y.reshape(n, -1, hd) for y in qkv)
         else:
             q, k, v = ((h @ p(f"attn_{m}.weight").T + bias(f"attn_{m}")).reshape(n, -1, hd)
                        for m in "qkv")
+        if not gpt2:
             q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base,
                           cfg.rope_freq_scale, np.ones(cfg.rot // 2), attn_factor, yarn)
                     for y in (q, k))
+        block_input = x
         x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T + \
             bias("attn_output")
         if cfg.arch != "phi2":
-            h = _layer_norm(x, p("ffn_norm.weight"), p("ffn_norm.bias"), eps)
+            h = _layer_norm(block_input if cfg.parallel_residual else x, p("ffn_norm.weight"),
+                            p("ffn_norm.bias"), eps)
         if cfg.arch == "stablelm":
             x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                          _silu)

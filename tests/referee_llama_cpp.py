@@ -274,6 +274,11 @@ CONFIGS = {
     "cohere2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, sliding_window=16,
                            logit_scale=0.25, tied_embeddings=True, rope_freq_base=5e4,
                            arch="cohere2"),
+    # Pythia: a fused attn_qkv and biases, 8 of 32 dims roped (neox), parallel LayerNorm
+    # branches; and GPT-NeoX's sequential order
+    "gptneox": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, parallel_residual=True,
+                           arch="gptneox"),
+    "gptneox-sequential": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, arch="gptneox"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,
                            arch="granite"),

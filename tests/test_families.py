@@ -180,6 +180,10 @@ FAMILIES = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, partial
     # neox rope, an output bias
     "phi2": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="phi2"),
+    # Pythia: LayerNorm blocks with biases, a fused attn_qkv, partial neox rope, attention
+    # and feed-forward each on its own LayerNorm of the block's input
+    "gptneox": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, parallel_residual=True,
+                           arch="gptneox"),
     # StableLM 2 1.6B: LayerNorms, Q/K/V biases (read from the file), partial rope, SwiGLU
     "stablelm": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, qkv_bias=True,
                             arch="stablelm"),
@@ -248,7 +252,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
-               "gpt2": "attn_qkv.bias"}
+               "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",

@@ -166,6 +166,9 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "cohere2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4,
                                    n_ff=12, n_ctx=8, sliding_window=3, logit_scale=0.5,
                                    tied_embeddings=True, arch="cohere2"),
+            # gptneox: partial rope, both branches on the block's input
+            "gptneox": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12,
+                                   n_ctx=8, parallel_residual=True, arch="gptneox"),
             # deepseek2: the latent and the rope key cached, one K/V head
             "deepseek2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1,
                                      n_embd_head=10, n_rot=4, n_layer=2, n_ff=12, n_ctx=8,

@@ -178,6 +178,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
                                   n_ctx=5, sliding_window=3, logit_scale=0.5,
                                   tied_embeddings=True, arch="cohere2"),
            "gpt2": dataclasses.replace(PHI2, arch="gpt2", n_rot=None, n_positions=7),
+           "gptneox": dataclasses.replace(PHI2, arch="gptneox", parallel_residual=True),
+           "gptneox-sequential": dataclasses.replace(PHI2, arch="gptneox"),
            "ernie4_5-moe": dataclasses.replace(ERNIE, arch="ernie4_5-moe", n_expert=3,
                                                n_expert_used=2, n_ff_exp=4, n_ff_shexp=6,
                                                n_dense_lead=1, expert_bias=True),

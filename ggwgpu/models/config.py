@@ -121,6 +121,8 @@ class ModelConfig:
     mla_value_length: int = 0       # deepseek2: an output head's width (value_length_mla)
     n_positions: int = 0            # gpt2: the rows of its learned position embedding (the
                                     # context it was trained at; n_ctx may be less)
+    parallel_residual: bool = False     # gptneox: x + attention(attn_norm x) + feed-forward
+                                        # (ffn_norm x), both branches on the block's input
 
     def __post_init__(self):
         from . import FAMILIES       # the families import this module
@@ -200,7 +202,7 @@ class ModelConfig:
                     "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
                     "n_dense_lead", "fused_gate_up", "qkv_bias", "expert_weights_scale",
                     "expert_weights_norm", "expert_bias", "q_lora_rank", "mla_key_length",
-                    "mla_value_length", "n_positions")
+                    "mla_value_length", "n_positions", "parallel_residual")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their
