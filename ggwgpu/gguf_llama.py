@@ -301,6 +301,8 @@ def read_model(f: GGUFFile) -> tuple[ModelConfig, Tokenizer]:
                         f"size {head_dim}")
     hp["tied_embeddings"] = OUTPUT not in f.tensors
     hp["fused_gate_up"] = any(name.endswith(".ffn_gate_up_exps.weight") for name in f.tensors)
+    hp["fused_qkv"] = FAMILIES[arch].fusable_qkv and \
+        any(name.endswith(".attn_qkv.weight") for name in f.tensors)
     hp["rope_freqs"] = ROPE_FREQS in f.tensors
     hp["longrope"] = ROPE_LONG in f.tensors or ROPE_SHORT in f.tensors
     scaling = f.meta.get(k.scaling_type, RopeScalingType.LINEAR.value)
@@ -396,9 +398,9 @@ def _exact_config(f: GGUFFile, cfg: ModelConfig) -> ModelConfig:
     if exact.rope_freq_scale == 1.0 and cfg.rope_freq_scale != 1.0:
         return cfg
     # the file's arch, what the tensors say (tied embeddings, rope factors), the head size rule
-    told = ("arch", "tied_embeddings", "fused_gate_up", "qkv_bias", "rope_freqs", "longrope",
-            "head_dim", "swa_layers", "layer_output_scale", "n_head_kv_layers", "n_ff_layers",
-            "rope_scaling", "rope_orig_ctx")
+    told = ("arch", "tied_embeddings", "fused_gate_up", "fused_qkv", "qkv_bias", "rope_freqs",
+            "longrope", "head_dim", "swa_layers", "layer_output_scale", "n_head_kv_layers",
+            "n_ff_layers", "rope_scaling", "rope_orig_ctx")
     if any(getattr(exact, n) != getattr(cfg, n) for n in told):
         return cfg
     if any(np.float32(getattr(exact, n) or 0) != np.float32(getattr(cfg, n) or 0)
@@ -420,6 +422,9 @@ def read_params(f: GGUFFile, cfg: ModelConfig, checkpoint: bool,
             if block and block[2] in family.unsupported:
                 raise GGUFError(f"{f.path}: tensor {name}: ggwgpu's {cfg.arch} does not "
                                 f"support {family.unsupported[block[2]]}")
+            if block and block[2] == "attn_qkv.weight" and not family.fusable_qkv:
+                raise GGUFError(f"{f.path}: tensor {name}: ggwgpu's {cfg.arch} reads no fused "
+                                f"attn_qkv, as llama.cpp's reads none")
             why = (f"{arch_keys(cfg.arch).layers} = {cfg.n_layer} has no block {block[1]}"
                    if block and int(block[1]) >= cfg.n_layer
                    else f"a {cfg.arch} with these hyper-parameters has no such parameter")

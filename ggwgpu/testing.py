@@ -15,6 +15,8 @@ Every registered op carries its test cases. For each case:
 """
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -475,6 +477,19 @@ def _shared_experts(cfg, p, h, normalize=True):
         _silu)
 
 
+def split_qkv(cfg, values: dict) -> dict:
+    """`values` with each fused attn_qkv.weight (and .bias) as attn_q, attn_k and attn_v."""
+    split = {}
+    for name, value in values.items():
+        fused = re.fullmatch(r"(blk\.\d+\.)attn_qkv\.(weight|bias)", name)
+        if fused is None:
+            split[name] = value
+            continue
+        parts = np.split(value, [cfg.q_dim, cfg.q_dim + cfg.kv_dim])
+        split.update({f"{fused[1]}attn_{m}.{fused[2]}": v for m, v in zip("qkv", parts)})
+    return split
+
+
 def reference_logits(cfg, values, tokens) -> np.ndarray:
     """The logits (T, n_vocab) of one token sequence at positions 0..T-1, in float64 and
     plain NumPy, independent of ggwgpu's ops and graphs: llama.cpp's graph of cfg.arch
@@ -518,7 +533,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     cohere2: `command_r_reference_logits`. Every rope's cos
     and sin are times rope_attn_factor, and a YaRN model's are YaRN (`_context_rope`), but
     olmo2's windowed layers' (plain rope). `values` are float arrays (dequantize block types
-    first)."""
+    first). A model of one fused attn_qkv (cfg.fused_qkv) is the same model with its rows
+    q | k | v (and its bias's) as attn_q, attn_k and attn_v."""
+    if cfg.fused_qkv:
+        return reference_logits(dataclasses.replace(cfg, fused_qkv=False),
+                                split_qkv(cfg, values), tokens)
     arch, eps = cfg.arch, cfg.norm_eps
     if arch == "gemma4":
         return gemma4_reference_logits(cfg, values, tokens)

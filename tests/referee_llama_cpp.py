@@ -274,6 +274,13 @@ CONFIGS = {
     "cohere2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, sliding_window=16,
                            logit_scale=0.25, tied_embeddings=True, rope_freq_base=5e4,
                            arch="cohere2"),
+    # the converter's --fuse-qkv: Q, K and V (and Qwen2's biases) one attn_qkv; Phi-2's
+    # older checkpoints' Wqkv
+    "llama-fused-qkv": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, fused_qkv=True),
+    "qwen2-fused-qkv": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, fused_qkv=True,
+                                   tied_embeddings=True, arch="qwen2"),
+    "phi2-fused-qkv": ModelConfig(**BASE, n_head=2, n_rot=16, n_layer=2, fused_qkv=True,
+                                  arch="phi2"),
     # Pythia: a fused attn_qkv and biases, 8 of 32 dims roped (neox), parallel LayerNorm
     # branches; and GPT-NeoX's sequential order
     "gptneox": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, parallel_residual=True,

@@ -180,6 +180,9 @@ FAMILIES = {
     # Phi-2: LayerNorm blocks with biases, attention and feed-forward side by side, partial
     # neox rope, an output bias
     "phi2": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="phi2"),
+    # Qwen2.5 converted with --fuse-qkv: Q, K, V and their biases as one attn_qkv
+    "qwen2-fused-qkv": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, fused_qkv=True,
+                                   tied_embeddings=True, rope_freq_base=1e6, arch="qwen2"),
     # Pythia: LayerNorm blocks with biases, a fused attn_qkv, partial neox rope, attention
     # and feed-forward each on its own LayerNorm of the block's input
     "gptneox": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, parallel_residual=True,
@@ -588,6 +591,46 @@ def test_fused_gate_and_up_expert_stacks_read_as_the_two_they_hold(tmp_path):
     fused["blk.1.ffn_gate_exps.weight"] = values["blk.1.ffn_gate_exps.weight"]
     with pytest.raises(GGUFError, match="unexpected tensor blk.1.ffn_gate_exps.weight"):
         load_model(write_tensors(tmp_path / "both.gguf", fused_cfg, fused))
+
+
+@pytest.mark.parametrize("config", ["llama3", "qwen2", "phi2", "lfm2", "granitehybrid"])
+def test_a_fused_attn_qkv_reads_as_the_three_it_holds(config, tmp_path):
+    """A file whose Q, K and V (and their biases) are one attn_qkv (the converter's
+    --fuse-qkv; Phi-2's older checkpoints) reads as such (fused_qkv), gives the logits of the
+    file with the three, finetunes with a pair on attn_qkv, and writes it back fused; one with
+    both kinds is refused, as a family llama.cpp reads no fused attn_qkv of."""
+    from ggwgpu.testing import reference_logits
+    cfg = dataclasses.replace(FAMILIES[config], n_ctx=8)
+    values = family_values(cfg)
+    fused = dict(values)
+    for i in range(cfg.n_layer):
+        for kind in ("weight", "bias"):
+            parts = [f"blk.{i}.attn_{m}.{kind}" for m in "qkv"]
+            if parts[0] in values:
+                fused[f"blk.{i}.attn_qkv.{kind}"] = np.concatenate([fused.pop(n) for n in parts])
+    fused_cfg = dataclasses.replace(cfg, fused_qkv=True)
+    got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", fused_cfg, fused))
+    assert float32_fields(got_cfg) == float32_fields(fused_cfg) and got.keys() == fused.keys()
+    tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
+    g = build_train_graph(got_cfg, got, 1, frozen=True)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
+                               rtol=1e-6, atol=1e-7)
+    assert "blk.0.attn_qkv.weight" in lora.lora_ranks(got_cfg, 2) or config in ("lfm2",
+                                                                              "granitehybrid")
+    attention = next(i for i in range(cfg.n_layer) if cfg.family.attends(cfg, i))
+    both = fused | {f"blk.{attention}.attn_q.weight": values[f"blk.{attention}.attn_q.weight"]}
+    with pytest.raises(GGUFError, match=f"unexpected tensor blk.{attention}.attn_q.weight"):
+        load_model(write_tensors(tmp_path / "both.gguf", fused_cfg, both))
+    with pytest.raises(ShapeError, match="ggwgpu's hunyuan-dense reads no fused attn_qkv"):
+        dataclasses.replace(FAMILIES["hunyuan-dense"], fused_qkv=True)
+    hunyuan = FAMILIES["hunyuan-dense"]
+    path = write_tensors(tmp_path / "hunyuan.gguf", hunyuan, family_values(hunyuan) | {
+        "blk.0.attn_qkv.weight": np.ones((32, 16), np.float32)})
+    with pytest.raises(GGUFError, match="tensor blk.0.attn_qkv.weight: ggwgpu's hunyuan-dense "
+                                        "reads no fused attn_qkv, as llama.cpp's reads none"):
+        load_model(path)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

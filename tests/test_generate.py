@@ -166,6 +166,8 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "cohere2": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4,
                                    n_ff=12, n_ctx=8, sliding_window=3, logit_scale=0.5,
                                    tied_embeddings=True, arch="cohere2"),
+            # a fused attn_qkv and its bias (the converter's --fuse-qkv)
+            "qwen2-fused-qkv": dataclasses.replace(QWEN2, fused_qkv=True),
             # gptneox: partial rope, both branches on the block's input
             "gptneox": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12,
                                    n_ctx=8, parallel_residual=True, arch="gptneox"),

@@ -180,6 +180,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "gpt2": dataclasses.replace(PHI2, arch="gpt2", n_rot=None, n_positions=7),
            "gptneox": dataclasses.replace(PHI2, arch="gptneox", parallel_residual=True),
            "gptneox-sequential": dataclasses.replace(PHI2, arch="gptneox"),
+           "qwen2-fused-qkv": dataclasses.replace(QWEN2, fused_qkv=True),
            "ernie4_5-moe": dataclasses.replace(ERNIE, arch="ernie4_5-moe", n_expert=3,
                                                n_expert_used=2, n_ff_exp=4, n_ff_shexp=6,
                                                n_dense_lead=1, expert_bias=True),

@@ -121,6 +121,9 @@ class ModelConfig:
     mla_value_length: int = 0       # deepseek2: an output head's width (value_length_mla)
     n_positions: int = 0            # gpt2: the rows of its learned position embedding (the
                                     # context it was trained at; n_ctx may be less)
+    fused_qkv: bool = False         # Q, K and V from one attn_qkv (rows q | k | v, with its
+                                    # bias where the family has biases): the files of the
+                                    # converter's --fuse-qkv; read from the tensors
     parallel_residual: bool = False     # gptneox: x + attention(attn_norm x) + feed-forward
                                         # (ffn_norm x), both branches on the block's input
 
@@ -182,6 +185,8 @@ class ModelConfig:
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
+        if self.fused_qkv and not self.family.fusable_qkv:
+            raise ShapeError(f"ggwgpu's {self.arch} reads no fused attn_qkv (fused_qkv)")
         self.family.check(self)
 
     @property
@@ -202,7 +207,8 @@ class ModelConfig:
                     "n_expert_used", "n_ff_exp", "n_ff_shexp", "expert_gating",
                     "n_dense_lead", "fused_gate_up", "qkv_bias", "expert_weights_scale",
                     "expert_weights_norm", "expert_bias", "q_lora_rank", "mla_key_length",
-                    "mla_value_length", "n_positions", "parallel_residual")
+                    "mla_value_length", "n_positions", "parallel_residual",
+                    "fused_qkv")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

@@ -40,6 +40,7 @@ GLM47_VOCAB = 154880    # llama.cpp tells GLM-4.7-Flash's files (sigmoid gating)
 
 class Deepseek2(Family):
     arch = "deepseek2"
+    fusable_qkv = False     # latent attention: no attn_q, attn_k, attn_v to fuse
     rope_mode = "normal"
     experts = True
     shared_expert = "plain"

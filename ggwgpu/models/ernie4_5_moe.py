@@ -17,6 +17,7 @@ MOE_STEP = Keys.LLM.INTERLEAVE_MOE_LAYER_STEP
 
 class Ernie45Moe(Ernie45):
     arch = "ernie4_5-moe"
+    fusable_qkv = False     # llama.cpp's ernie4_5-moe reads attn_q, attn_k, attn_v only
     experts = True
     shared_expert = "plain"
     keys = {**EXPERT_KEYS, **EXPERT_FF, **SHARED_FF,

@@ -77,6 +77,20 @@ def past_trunk(cfg, name: str) -> bool:
     return block is not None and int(block[1]) >= cfg.n_layer
 
 
+def fuse_qkv(shapes: dict) -> dict:
+    """A block's tensors (name -> shape) with attn_q, attn_k and attn_v, and their biases, as
+    one attn_qkv of rows q | k | v in attn_q's place."""
+    fused = {}
+    for name, shape in shapes.items():
+        part = re.fullmatch(r"attn_([qkv])\.(weight|bias)", name)
+        if part is None:
+            fused[name] = shape
+        elif part[1] == "q":
+            rows = sum(shapes[f"attn_{m}.{part[2]}"][0] for m in "qkv")
+            fused[f"attn_qkv.{part[2]}"] = (rows, *shape[1:])
+    return fused
+
+
 class Family:
     arch = "llama"
     rope_mode = "normal"      # llama.cpp's rope type of the arch: "normal" or "neox"
@@ -138,6 +152,9 @@ class Family:
     unadapted: tuple = ()
     shared_expert = None
     selection_bias = False
+    # Whether llama.cpp reads the family's Q, K and V from one attn_qkv where a file has it
+    # (its create_tensor_qkv; the converter's --fuse-qkv writes them so): ModelConfig.fused_qkv
+    fusable_qkv = True
 
     def __repr__(self):
         return f"<family {self.arch}>"
@@ -149,7 +166,10 @@ class Family:
         shapes = {B.TOKEN_EMBD: (cfg.n_vocab, cfg.n_embd)}
         shapes.update({name: (cfg.rot // 2,) for name in self.rope_tables(cfg)})
         for i in range(cfg.n_layer):
-            shapes.update({f"blk.{i}.{n}": s for n, s in self.block_shapes(cfg, i).items()})
+            block = self.block_shapes(cfg, i)
+            if cfg.fused_qkv:
+                block = fuse_qkv(block)
+            shapes.update({f"blk.{i}.{n}": s for n, s in block.items()})
         shapes[self.output_norm] = (cfg.n_embd,)
         if not cfg.tied_embeddings:
             shapes[B.OUTPUT] = (cfg.n_vocab, cfg.n_embd)
@@ -412,7 +432,14 @@ class Family:
 
     def project_qkv(self, cfg, p: dict, b: str, h, lead):
         """Block b's q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim) of h,
-        with their biases where the family has them."""
+        with their biases where the family has them (from one attn_qkv where cfg.fused_qkv)."""
+        if cfg.fused_qkv:
+            qkv = B.linear(p, b + "attn_qkv.weight", h)
+            if self.qkv_bias or cfg.qkv_bias:
+                qkv = O.add(qkv, p[b + "attn_qkv.bias"])
+            return B.columns(O.reshape(qkv, (*lead, qkv.shape[-1])),
+                             (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
+
         def project(n, heads):
             y = B.linear(p, b + f"attn_{n}.weight", h)
             if self.qkv_bias or cfg.qkv_bias:

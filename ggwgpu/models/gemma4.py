@@ -78,6 +78,7 @@ class Gemma4(Family):
     required = ("sliding_window", "head_dim_swa", "n_rot_swa", "n_embd_per_layer")
     absent = {"final_logit_softcap": 30.0}     # llama.cpp's default: no key, a softcap of 30
     unsupported = {"attn_qkv.weight": "a fused attn_qkv"}
+    fusable_qkv = False     # llama.cpp's gemma4 reads attn_q, attn_k, attn_v only
 
     def check(self, cfg):
         if cfg.head_dim_swa < 1 or cfg.n_rot_swa < 1:

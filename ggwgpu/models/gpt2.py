@@ -22,7 +22,7 @@ class GPT2(Phi2):
     qkv_bias = False
     parallel = False
     output_bias = False
-    unsupported = {}
+    fusable_qkv = False     # always fused (project_qkv)
 
     def check(self, cfg):
         if not cfg.n_ctx <= cfg.n_positions:

@@ -23,7 +23,7 @@ class GPTNeoX(Phi2):
     arch = "gptneox"
     qkv_bias = False        # the fused attn_qkv's bias (project_qkv)
     output_bias = False
-    unsupported = {}
+    fusable_qkv = False     # always fused (project_qkv)
     block_shapes = GPT2.block_shapes
     project_qkv = GPT2.project_qkv
 

@@ -14,6 +14,7 @@ ALPHA = "{arch}.rope.scaling.alpha"     # (gguf-py 0.17 lacks it)
 
 class HunyuanDense(Family):
     arch = "hunyuan-dense"
+    fusable_qkv = False     # llama.cpp's hunyuan-dense reads attn_q, attn_k, attn_v only
     rope_mode = "neox"
     qk_norm = True
     qk_norm_after_rope = True

@@ -22,6 +22,7 @@ LATENT_SIZE = "{arch}.moe_latent_size"
 
 class NemotronHMoe(NemotronH):
     arch = "nemotron_h_moe"
+    fusable_qkv = False     # llama.cpp's nemotron_h_moe reads attn_q, attn_k, attn_v only
     experts = True
     selection_bias = True
     shared_expert = "plain"

@@ -21,7 +21,6 @@ class Phi2(Family):
     partial_rope = True
     qkv_bias = True
     layer_norm_eps_fallback = True
-    unsupported = {"attn_qkv.weight": "a fused attn_qkv (the older Phi-2 checkpoints' Wqkv)"}
     # attention and the feed-forward side by side on one norm (else one after the other,
     # the feed-forward on its own ffn_norm: starcoder2), and the logits' bias
     parallel = True

@@ -22,6 +22,7 @@ def fused_gate(p: dict, b: str, h):
 
 class Phi3(Family):
     arch = "phi3"
+    fusable_qkv = False     # always fused (project_qkv)
     rope_mode = "neox"
     partial_rope = True
     reads_longrope = True

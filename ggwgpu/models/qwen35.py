@@ -62,6 +62,7 @@ def still_pairs(n_rot: int, sections) -> list:
 
 class Qwen35(Family):
     arch = "qwen35"
+    fusable_qkv = False     # attn_qkv is the delta-nets'; the attention's attn_q has the gate
     rope_mode = "neox"
     partial_rope = True
     qk_norm = True

@@ -15,15 +15,15 @@ class StableLM(Phi2):
     qkv_bias = False
     parallel = False
     output_bias = False
-    unsupported = {"attn_q_norm.weight": "per-head LayerNorms of Q and K (StableLM 2 12B)",
-                   "attn_qkv.weight": "a fused attn_qkv"}
+    unsupported = {"attn_q_norm.weight": "per-head LayerNorms of Q and K (StableLM 2 12B)"}
 
     def check(self, cfg):
         if cfg.tied_embeddings:
             raise ShapeError("llama.cpp's stablelm needs its own output matrix")
 
     def read_more_keys(self, f, hp):
-        return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors}
+        return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors or
+                "blk.0.attn_qkv.bias" in f.tensors}
 
     def block_shapes(self, cfg, i):
         e = cfg.n_embd

@@ -11,7 +11,6 @@ class StarCoder2(Phi2):
     partial_rope = False
     parallel = False
     output_bias = False
-    unsupported = {"attn_qkv.weight": "a fused attn_qkv"}
 
 
 FAMILY = StarCoder2()
