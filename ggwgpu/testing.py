@@ -316,11 +316,11 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
 
 # llama_model_rope_type NEOX; others NORM
 NEOX = ("qwen2", "qwen3", "gemma2", "gemma3", "phi3", "lfm2", "olmo2", "exaone4", "hunyuan-dense",
-        "qwen3moe", "qwen2moe", "olmoe")
+        "qwen3moe", "qwen2moe", "olmoe", "exaone")
 # llama.cpp's set_swa_pattern(n) of the archs that window with a sliding_window
 SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 # graphs passing rope_freqs.weight to rope
-ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm", "arcee")
+ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm", "arcee", "exaone")
 
 
 def _rms_norm(x, w, eps):
@@ -556,7 +556,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
-                    "granitemoe", "ernie4_5-moe"):
+                    "granitemoe", "ernie4_5-moe", "exaone", "internlm2"):
         raise ValueError(f"no reference for arch {arch!r}")
     normalize = arch not in ("qwen2moe", "olmoe")       # the experts' weights (norm_w)
     arch = {"lfm2moe": "lfm2", "granitemoe": "granite",

@@ -120,6 +120,11 @@ CONFIGS = {
                                    tied_embeddings=True, arch="falcon-h1"),
     "ernie4_5": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_embd_head=32, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
+    # EXAONE 3.5: llama's block, neox rope with rope factors, tied; InternLM2.5: llama's
+    "exaone": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
+                          rope_freqs=True, rope_freq_base=1e6, arch="exaone"),
+    "internlm2": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, rope_freq_base=1e6,
+                             arch="internlm2"),
     "exaone4": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                            rope_freqs=True, rope_freq_base=1e6, arch="exaone4"),
     # the 32B's 64 layers: windows on three layers of four, which alone are roped

@@ -58,6 +58,12 @@ FAMILIES = {
     "ernie4_5": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=12, n_layer=2,
                             tied_embeddings=True, rope_freq_base=5e5, arch="ernie4_5"),
     # EXAONE-4.0-1.2B: post-norms only, per-head QK norms, rope frequency factors, tied
+    # EXAONE 3.5 2.4B: llama's block with neox rope and rope factors, tied
+    "exaone": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
+                          rope_freqs=True, rope_freq_base=1e6, arch="exaone"),
+    # InternLM2.5 1.8B: llama's block, untied
+    "internlm2": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, rope_freq_base=1e6,
+                             arch="internlm2"),
     "exaone4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
                            rope_freqs=True, rope_freq_base=1e6, arch="exaone4"),
     # Ministral-3-3B: heads wider than n_embd / n_head, YaRN (factor 16, its log multiplier),
@@ -1117,6 +1123,12 @@ def test_an_ernie4_5_moe_file_with_experts_on_every_other_block_is_refused(tmp_p
     with pytest.raises(GGUFError, match="interleave_moe_layer_step = 2: ggwgpu's ernie4_5-moe "
                                         "takes experts on every block past the dense ones"):
         load_model(tmp_path / "m.gguf")
+
+
+@pytest.mark.parametrize("arch", ["internlm2", "gptneox"])
+def test_families_whose_llama_cpp_loader_needs_an_output_matrix_refuse_tied_embeddings(arch):
+    with pytest.raises(ShapeError, match=f"llama.cpp's {arch} needs its own output matrix"):
+        dataclasses.replace(FAMILIES[arch], tied_embeddings=True)
 
 
 def test_a_gpt2_keeps_its_position_table_whatever_context_a_run_takes(tmp_path):

@@ -159,6 +159,7 @@ DEEPSEEK2 = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_embd_head
 CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope": LLAMA3,
            "qwen2": QWEN2, "qwen3": QWEN3, "gemma2": GEMMA2, "gemma3": GEMMA3,
            "olmo2": OLMO2, "olmo3": OLMO3, "ernie4_5": ERNIE, "exaone4": EXAONE4,
+           "exaone": dataclasses.replace(EXAONE4, arch="exaone"),
            "qwen3-yarn": dataclasses.replace(QWEN3, **YARN, rope_attn_factor=0.8),
            "mistral3": MISTRAL3, "hunyuan-dense": HUNYUAN, "arcee": ARCEE, "glm4": GLM4,
            "granitehybrid": GRANITEH, "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,

@@ -185,6 +185,9 @@ class ModelConfig:
         if not 0 <= self.shared_kv_layers < max(1, self.n_layer):
             raise ShapeError(f"shared_kv_layers {self.shared_kv_layers} must be less than "
                              f"n_layer {self.n_layer}")
+        if self.tied_embeddings and self.family.needs_output:
+            raise ShapeError(f"llama.cpp's {self.arch} needs its own output matrix "
+                             f"(tied_embeddings is not one)")
         if self.fused_qkv and not self.family.fusable_qkv:
             raise ShapeError(f"ggwgpu's {self.arch} reads no fused attn_qkv (fused_qkv)")
         self.family.check(self)

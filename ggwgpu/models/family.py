@@ -155,6 +155,8 @@ class Family:
     # Whether llama.cpp reads the family's Q, K and V from one attn_qkv where a file has it
     # (its create_tensor_qkv; the converter's --fuse-qkv writes them so): ModelConfig.fused_qkv
     fusable_qkv = True
+    # Whether llama.cpp requires the model's own output.weight (no tied embeddings)
+    needs_output = False
 
     def __repr__(self):
         return f"<family {self.arch}>"

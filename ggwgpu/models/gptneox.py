@@ -11,7 +11,6 @@ from gguf import GGUFValueType, Keys
 
 from .. import ops as O
 from ..gguf_file import GGUFError
-from ..tensor import ShapeError
 from . import blocks as B
 from .gpt2 import GPT2
 from .phi2 import Phi2
@@ -24,13 +23,9 @@ class GPTNeoX(Phi2):
     qkv_bias = False        # the fused attn_qkv's bias (project_qkv)
     output_bias = False
     fusable_qkv = False     # always fused (project_qkv)
+    needs_output = True
     block_shapes = GPT2.block_shapes
     project_qkv = GPT2.project_qkv
-
-    def check(self, cfg):
-        if cfg.tied_embeddings:
-            raise ShapeError("llama.cpp's gptneox needs its own output matrix (tied_embeddings "
-                             "is not one)")
 
     def more_keys(self, cfg):
         return {**super().more_keys(cfg),
