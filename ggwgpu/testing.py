@@ -553,6 +553,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return command_r_reference_logits(cfg, values, tokens)
     if arch == "deepseek2":
         return deepseek2_reference_logits(cfg, values, tokens)
+    if arch == "minicpm3":
+        return minicpm3_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
@@ -909,6 +911,49 @@ def deepseek2_reference_logits(cfg, values, tokens) -> np.ndarray:
             _silu)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def minicpm3_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's minicpm3 graph in float64: the token embeddings times 12; per block x +
+    b * attention(rms(x)) and x + b * SwiGLU(rms(x)), b = 1.4 / sqrt(n_layer); each head's
+    query attn_q_b of the normed attn_q_a; from attn_kv_a_mqa the latent (normed) and one
+    rope key; attn_kv_b of the latent each head's key without rope | value; neox rope on the
+    last rope dims of queries and key (LongRoPE's factors by the context); scores times
+    1/sqrt(key_length); the logits of the final norm times 256 / n_embd."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, heads, rope, k = len(tokens), cfg.norm_eps, cfg.n_head, cfg.rot, cfg.head_dim
+    rank, nope, v_dim = cfg.kv_lora_rank, k - rope, cfg.mla_value_length
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    factors = np.ones(rope // 2)
+    if "rope_factors_long.weight" in w:
+        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
+        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+
+    def roped(y):
+        return _rope(y, positions, rope, True, cfg.rope_freq_base, cfg.rope_freq_scale,
+                     factors, attn_factor, yarn)
+    branch = 1.4 / np.sqrt(cfg.n_layer)
+    x = 12.0 * w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q = _rms_norm(h @ p("attn_q_a.weight").T, p("attn_q_a_norm.weight"), eps) @ \
+            p("attn_q_b.weight").T
+        q = q.reshape(n, heads, k)
+        q = np.concatenate([q[..., :nope], roped(q[..., nope:])], axis=-1)
+        kv = h @ p("attn_kv_a_mqa.weight").T
+        latent = _rms_norm(kv[:, :rank], p("attn_kv_a_norm.weight"), eps)
+        kv_b = (latent @ p("attn_kv_b.weight").T).reshape(n, heads, nope + v_dim)
+        key = np.concatenate([kv_b[..., :nope], np.repeat(roped(kv[:, None, rank:]), heads,
+                                                          axis=1)], axis=-1)
+        att = _attention(q, key, kv_b[..., nope:], 1 / np.sqrt(k))
+        x = x + branch * (att @ p("attn_output.weight").T)
+        h = _rms_norm(x, p("ffn_norm.weight"), eps)
+        x = x + branch * _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
+                              _silu)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return 256.0 / cfg.n_embd * _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 
 
 def delta_rule_steps(q, k, v, g, beta, state=None, delta=True, scale=None):

@@ -67,6 +67,11 @@ CONFIGS = {
                                  arch="hunyuan-dense"),
     # MiniCPM4: granite's scales, LongRoPE ("longrope" files: the long factors past an
     # original context of 32, the short ones within 4096)
+    # MiniCPM3-4B: latent attention (keys of 16 + 8 rope dims, values of 16, queries through
+    # a rank of 24, a latent of 16), LongRoPE (long factors), its fixed scales
+    "minicpm3": ModelConfig(**BASE, n_head=4, n_embd_head=24, n_rot=8, n_layer=2,
+                            mla_value_length=16, q_lora_rank=24, kv_lora_rank=16, longrope=True,
+                            rope_scaling="longrope", rope_orig_ctx=32, arch="minicpm3"),
     "minicpm": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, tied_embeddings=True,
                            longrope=True, rope_scaling="longrope", rope_orig_ctx=32,
                            embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,

@@ -78,6 +78,11 @@ FAMILIES = {
                                  arch="hunyuan-dense"),
     # MiniCPM4-0.5B: granite's scales (12, 1.4 / sqrt(n_layer), n_embd / 64), LongRoPE's
     # factors, tied
+    # MiniCPM3-4B: latent attention (keys of 8 + 4 rope dims, values of 8 = n_embd / n_head,
+    # queries through a rank of 8, a latent of 6), LongRoPE, its fixed scales, untied
+    "minicpm3": ModelConfig(**BYTES, n_head=2, n_embd_head=12, n_rot=4, n_layer=2,
+                            mla_value_length=8, q_lora_rank=8, kv_lora_rank=6, longrope=True,
+                            rope_scaling="longrope", rope_orig_ctx=8, arch="minicpm3"),
     "minicpm": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, tied_embeddings=True,
                            longrope=True, rope_scaling="longrope", rope_orig_ctx=8,
                            embedding_scale=12.0, residual_scale=0.99, logit_scale=0.25,
@@ -263,7 +268,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
-          "minicpm": "rope_factors_long.weight",
+          "minicpm": "rope_factors_long.weight", "minicpm3": "rope_factors_short.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
           "gemma4-moe": "rope_freqs.weight"}
 
@@ -1123,6 +1128,16 @@ def test_an_ernie4_5_moe_file_with_experts_on_every_other_block_is_refused(tmp_p
     with pytest.raises(GGUFError, match="interleave_moe_layer_step = 2: ggwgpu's ernie4_5-moe "
                                         "takes experts on every block past the dense ones"):
         load_model(tmp_path / "m.gguf")
+
+
+def test_a_minicpm3_file_without_its_value_length_has_values_of_n_embd_over_n_head(tmp_path):
+    """The converter writes MiniCPM3's key_length and no value_length, which llama.cpp then
+    takes as n_embd / n_head."""
+    cfg = FAMILIES["minicpm3"]
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON], meta["minicpm3.attention.value_length"]
+    gguf_file.write_gguf(tmp_path / "m.gguf", meta, family_values(cfg))
+    assert float32_fields(load_model(tmp_path / "m.gguf")[0]) == float32_fields(cfg)
 
 
 @pytest.mark.parametrize("arch", ["internlm2", "gptneox"])

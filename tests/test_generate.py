@@ -144,6 +144,11 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "gemma3": GEMMA3, "olmo2": OLMO2, "olmo3": OLMO3, "olmo3-yarn": OLMO3_YARN,
             "ernie4_5": ERNIE, "exaone4": EXAONE4, "mistral3": MISTRAL3,
             "hunyuan-dense": HUNYUAN, "minicpm": MINICPM,
+            # minicpm3: each head's key and (zero-padded) value cached
+            "minicpm3": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_embd_head=6, n_rot=2,
+                                    n_layer=2, n_ff=12, n_ctx=8, mla_value_length=4,
+                                    q_lora_rank=4, kv_lora_rank=3, tied_embeddings=True,
+                                    arch="minicpm3"),
             "arcee": ARCEE, "glm4": GLM4, "granitehybrid": GRANITEH,
             "nemotron_h": NEMOTRON, "falcon-h1": FALCON_H1,
             "smollm3": SMOLLM3, "granite": GRANITE, "phi3": PHI3, "lfm2": LFM2,
