@@ -543,7 +543,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gemma4_reference_logits(cfg, values, tokens)
     if arch in ("granitehybrid", "nemotron_h", "nemotron_h_moe", "falcon-h1"):
         return granitehybrid_reference_logits(cfg, values, tokens)
-    if arch in ("phi2", "starcoder2", "stablelm", "gpt2", "gptneox"):
+    if arch in ("phi2", "starcoder2", "stablelm", "gpt2", "gptneox", "nemotron"):
         return phi2_reference_logits(cfg, values, tokens)
     if arch in ("qwen35", "qwen35moe"):
         return qwen35_reference_logits(cfg, values, tokens)
@@ -679,7 +679,8 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
     position embedding's rows added to the token embeddings, Q, K and V from one fused
     attn_qkv with its bias, and no rope. gptneox: gpt2's fused attn_qkv with phi2's partial
     rope, no position embedding, the feed-forward on its own LayerNorm of the block's input
-    where parallel_residual, else starcoder2's order."""
+    where parallel_residual, else starcoder2's order. nemotron: stablelm's without biases,
+    the feed-forward ffn_down(relu(ffn_up h)^2)."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd, eps = len(tokens), cfg.head_dim, cfg.norm_eps
     positions = np.arange(n, dtype=np.float64)
@@ -712,6 +713,9 @@ def phi2_reference_logits(cfg, values, tokens) -> np.ndarray:
         if cfg.arch == "stablelm":
             x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                          _silu)
+            continue
+        if cfg.arch == "nemotron":
+            x = x + np.maximum(h @ p("ffn_up.weight").T, 0) ** 2 @ p("ffn_down.weight").T
             continue
         up = _gelu(h @ p("ffn_up.weight").T + p("ffn_up.bias"))
         x = x + up @ p("ffn_down.weight").T + p("ffn_down.bias")

@@ -295,6 +295,8 @@ CONFIGS = {
     # branches; and GPT-NeoX's sequential order
     "gptneox": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, parallel_residual=True,
                            arch="gptneox"),
+    # Minitron: LayerNorm blocks, relu(up)^2, half of each head of 16 roped (neox)
+    "nemotron": ModelConfig(**BASE, n_head=4, n_rot=8, n_layer=2, arch="nemotron"),
     "gptneox-sequential": ModelConfig(**BASE, n_head=2, n_rot=8, n_layer=2, arch="gptneox"),
     "granite": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, embedding_scale=12.0,
                            residual_scale=0.22, attention_scale=0.0625, logit_scale=0.5,

@@ -198,6 +198,9 @@ FAMILIES = {
     # and feed-forward each on its own LayerNorm of the block's input
     "gptneox": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, parallel_residual=True,
                            arch="gptneox"),
+    # Minitron-4B: stablelm's LayerNorm blocks with relu(up)^2 and no biases, half the head
+    # roped
+    "nemotron": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, arch="nemotron"),
     # StableLM 2 1.6B: LayerNorms, Q/K/V biases (read from the file), partial rope, SwiGLU
     "stablelm": ModelConfig(**BYTES, n_head=2, n_rot=4, n_layer=2, qkv_bias=True,
                             arch="stablelm"),

@@ -178,6 +178,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "starcoder2": dataclasses.replace(PHI2, arch="starcoder2", n_rot=None, n_head_kv=1,
                                              tied_embeddings=True),
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
+           "nemotron": dataclasses.replace(PHI2, arch="nemotron"),
            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2,
            "cohere2": ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12,
                                   n_ctx=5, sliding_window=3, logit_scale=0.5,

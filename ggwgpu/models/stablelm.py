@@ -4,7 +4,6 @@ before attention and the feed-forward and after the last block, biases on Q, K a
 the file has them (StableLM 2; qkv_bias), partial neox rope (a quarter of the head), SwiGLU,
 an untied output matrix. StableLM 2 12B's per-head QK LayerNorms and parallel blocks are
 refused by name."""
-from ..tensor import ShapeError
 from . import blocks as B
 from .family import Family
 from .phi2 import Phi2
@@ -15,11 +14,8 @@ class StableLM(Phi2):
     qkv_bias = False
     parallel = False
     output_bias = False
+    needs_output = True
     unsupported = {"attn_q_norm.weight": "per-head LayerNorms of Q and K (StableLM 2 12B)"}
-
-    def check(self, cfg):
-        if cfg.tied_embeddings:
-            raise ShapeError("llama.cpp's stablelm needs its own output matrix")
 
     def read_more_keys(self, f, hp):
         return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors or
