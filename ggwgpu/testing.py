@@ -555,6 +555,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return deepseek2_reference_logits(cfg, values, tokens)
     if arch == "minicpm3":
         return minicpm3_reference_logits(cfg, values, tokens)
+    if arch == "glm4moe":
+        return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
@@ -913,6 +915,43 @@ def deepseek2_reference_logits(cfg, values, tokens) -> np.ndarray:
         x = x + (cfg.expert_weights_scale or 1.0) * routed + _glu(
             h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"), p("ffn_down_shexp.weight"),
             _silu)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's glm4moe graph in float64: llama's pre-norm blocks with Q/K/V biases and
+    per-head RMS norms of Q and K where given, neox rope over cfg.rot dims, the feed-forward's
+    norm post_attention_norm; SwiGLU on the first n_dense_lead blocks, else the experts by
+    sigmoids (softmax where expert_gating is 1) ranked with exp_probs_b, normalized where
+    expert_weights_norm, times expert_weights_scale, plus the shared experts' SwiGLU."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0))
+                   .reshape(n, -1, hd) for m in "qkv")
+        if cfg.qk_norm:
+            q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
+                k, p("attn_k_norm.weight"), eps)
+        q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
+                      np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
+        x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T
+        h = _rms_norm(x, p("post_attention_norm.weight"), eps)
+        if il < cfg.n_dense_lead:
+            x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
+                         _silu)
+            continue
+        routed = _experts(cfg, p, h, cfg.expert_weights_norm, p("exp_probs_b.bias"),
+                          sigmoid=cfg.expert_gating != 1)
+        x = x + (cfg.expert_weights_scale or 1.0) * routed
+        if cfg.n_ff_shexp:
+            x = x + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
+                         p("ffn_down_shexp.weight"), _silu)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 

@@ -253,6 +253,17 @@ CONFIGS = {
     # DeepSeek-V2-Lite's pieces: latent attention (attn_q; a latent of 32, 16 rope dims,
     # heads of 16 + 16 in and 24 out), a dense first block, 8 experts (2 taken, softmax,
     # times 1.5) and 2 shared, YaRN (factor 4 over 16 positions) with its log multiplier
+    # GLM-4.5: Q/K/V biases and QK norms, 8 of 16 dims roped, the first block dense, 8
+    # experts (2 taken by sigmoids ranked with a bias, normalized, times 2.5) and a shared
+    # one; GLM-4.5-Air: without QK norms
+    "glm4moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=8, n_layer=3, n_dense_lead=1,
+                           n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
+                           expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
+                           qkv_bias=True, qk_norm=True, arch="glm4moe"),
+    "glm4moe-air": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=8, n_layer=2, n_expert=8,
+                               n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
+                               expert_weights_norm=True, qkv_bias=True, tied_embeddings=True,
+                               arch="glm4moe"),
     "deepseek2": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=48, n_rot=16,
                              n_layer=3, n_dense_lead=1, n_expert=8, n_expert_used=2,
                              n_ff_exp=32, n_ff_shexp=64, expert_weights_scale=1.5,

@@ -223,6 +223,17 @@ FAMILIES = {
                              mla_key_length=16, mla_value_length=8, rope_scaling="yarn",
                              rope_freq_scale=0.25, rope_orig_ctx=8, yarn_log_mul=0.5,
                              arch="deepseek2"),
+    # GLM-4.5: Q/K/V biases and QK norms, half of each head roped, the first block dense,
+    # then 4 experts (2 taken, sigmoids ranked with a bias, normalized, times 2.5) and a
+    # shared expert; the Air: neither QK norms nor a dense block, one more layer
+    "glm4moe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, n_rot=4, n_expert=4,
+                           n_expert_used=2, n_ff_exp=16, n_ff_shexp=16, n_dense_lead=1,
+                           expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
+                           qkv_bias=True, qk_norm=True, arch="glm4moe"),
+    "glm4moe-air": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=3, n_rot=4, n_expert=4,
+                               n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
+                               expert_weights_norm=True, qkv_bias=True, tied_embeddings=True,
+                               arch="glm4moe"),
     # GLM-4.7-Flash: queries through a normed rank of 12, sigmoid gating ranked with a bias,
     # weights normalized, one shared expert
     "deepseek2-glm": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=20, n_rot=4,
@@ -268,11 +279,13 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
+               "glm4moe": "attn_k_norm.weight", "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight", "minicpm3": "rope_factors_short.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
+          "glm4moe-air": "blk.1.exp_probs_b.bias",
           "gemma4-moe": "rope_freqs.weight"}
 
 
@@ -1036,6 +1049,37 @@ def test_convolution_taps_stored_in_f16_are_read_as_values(arch, taps, tmp_path)
         plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
         logits.append(g.read_logits(plan))
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
+
+
+def test_glm4moe_files_read_past_their_prediction_block_and_refuse_m_rope(tmp_path):
+    """A glm4moe file as the converter writes it (expert_shared_count, sigmoid gating,
+    QK norms and biases told by the tensors) reads back as ggwgpu holds it; a
+    multi-token-prediction block (counted in block_count) is read past; a file without
+    expert_gating_func takes the sigmoids, as llama.cpp; GLM-4.5V's M-RoPE is refused."""
+    cfg = FAMILIES["glm4moe"]
+    values = family_values(cfg)
+    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
+    del meta[gguf_llama.K_CONFIG_JSON]
+    assert meta["glm4moe.expert_shared_count"][0] == 1
+
+    def read(path, values=values, **changes):
+        edited = {k: v for k, v in meta.items() if k not in changes}
+        edited.update({k: v for k, v in changes.items() if v is not None})
+        gguf_file.write_gguf(path, edited, values)
+        return load_model(path)[0]
+    mtp = dataclasses.replace(cfg, n_layer=3)
+    extra = {k: v for k, v in family_values(mtp).items() if k.startswith("blk.2.")}
+    extra["blk.2.nextn.eh_proj.weight"] = np.ones((16, 32), np.float32)
+    got = read(tmp_path / "mtp.gguf", values | extra, **{
+        "glm4moe.block_count": (3, GGUFValueType.UINT32),
+        "glm4moe.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    assert float32_fields(got) == float32_fields(cfg)
+    unset = read(tmp_path / "unset.gguf", **{"glm4moe.expert_gating_func": None})
+    assert cfg.family.expert_gating(unset) == "sigmoid"
+    with pytest.raises(GGUFError, match="glm4moe.rope.dimension_sections: ggwgpu's glm4moe "
+                                        "has no M-RoPE"):
+        read(tmp_path / "mrope.gguf", **{"glm4moe.rope.dimension_sections":
+                                         ([8, 12, 12, 0], GGUFValueType.ARRAY)})
 
 
 def test_deepseek2_files_read_past_their_prediction_block_and_say_their_gating(tmp_path):

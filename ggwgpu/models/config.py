@@ -121,6 +121,8 @@ class ModelConfig:
     mla_value_length: int = 0       # deepseek2: an output head's width (value_length_mla)
     n_positions: int = 0            # gpt2: the rows of its learned position embedding (the
                                     # context it was trained at; n_ctx may be less)
+    qk_norm: bool = False           # glm4moe: attn_q_norm / attn_k_norm where the file has them
+                                    # (the families that always have them: Family.qk_norm)
     kv_lora_rank: int = 0           # minicpm3: the latent K and V come from (attention.
                                     # kv_lora_rank; deepseek2's is head_dim less its rope dims)
     fused_qkv: bool = False         # Q, K and V from one attn_qkv (rows q | k | v, with its
@@ -213,7 +215,7 @@ class ModelConfig:
                     "n_dense_lead", "fused_gate_up", "qkv_bias", "expert_weights_scale",
                     "expert_weights_norm", "expert_bias", "q_lora_rank", "mla_key_length",
                     "mla_value_length", "n_positions", "parallel_residual",
-                    "fused_qkv", "kv_lora_rank")
+                    "fused_qkv", "kv_lora_rank", "qk_norm")
 
     def described(self) -> dict:
         """The config as a JSON-ready dict: every field, but LATER_FIELDS at their

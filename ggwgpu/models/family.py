@@ -59,6 +59,12 @@ def read_weights_norm(f, arch: str) -> dict:
     return {"expert_weights_norm": norm}
 
 
+def qkv_bias_of(f) -> bool:
+    """Whether file `f` has Q/K/V biases (ModelConfig.qkv_bias: llama.cpp reads them where a
+    file has them), separate or fused."""
+    return "blk.0.attn_q.bias" in f.tensors or "blk.0.attn_qkv.bias" in f.tensors
+
+
 def trunk_layers(f, arch: str, blocks: int) -> int:
     """The model's blocks in file `f` of block_count `blocks`, which counts the
     multi-token-prediction blocks (nextn_predict_layers) the converter appends after them:
@@ -111,6 +117,7 @@ class Family:
     # long ones when the context exceeds rope_orig_ctx, else the short ones
     reads_longrope = False
     output_norm = B.OUTPUT_NORM   # the final norm's tensor (lfm2 names it token_embd_norm)
+    ffn_norm = "ffn_norm.weight"    # the feed-forward's norm in a block (glm4moe's name differs)
     partial_rope = False      # whether llama.cpp's graph allows n_rot < head_dim (it asserts not)
     # The family's own hyper-parameters: ModelConfig field -> its <arch>.* key template
     # (gguf-py's Keys), beyond those every family has (gguf_llama.ARCH_KEY_TEMPLATES).
@@ -186,12 +193,12 @@ class Family:
                        "attn_v.weight": (kv, e), "attn_output.weight": (e, q)})
         if self.qkv_bias or cfg.qkv_bias:
             shapes.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
-        if self.qk_norm:
+        if self.qk_norm or cfg.qk_norm:
             shapes.update({"attn_q_norm.weight": (hd,), "attn_k_norm.weight": (hd,)})
         if self.post_norms:
             shapes["post_attention_norm.weight"] = (e,)
         if self.pre_norms:
-            shapes["ffn_norm.weight"] = (e,)
+            shapes[self.ffn_norm] = (e,)
         shapes.update(self.ffn_shapes(c))
         if self.post_norms:
             shapes["post_ffw_norm.weight"] = (e,)
@@ -220,6 +227,10 @@ class Family:
             shapes.update({"ffn_gate_shexp.weight": (s, e), "ffn_down_shexp.weight": (e, s),
                            "ffn_up_shexp.weight": (s, e)})
         return shapes
+
+    def expert_gating(self, cfg) -> str | None:
+        """blocks.experts' `gating` of the family (None: cfg.expert_gating's)."""
+        return None
 
     def normalizes(self, cfg) -> bool:
         """Whether the taken experts' weights are divided by their sum (norm_w)."""
@@ -364,7 +375,7 @@ class Family:
     def feed_forward(self, cfg, p: dict, i: int, x):
         """x + block i's feed-forward of ffn_norm(x): the gate's, or a mixture of experts."""
         b = f"blk.{i}."
-        h = self.pre_norm(cfg, p, b + "ffn_norm.weight", x)
+        h = self.pre_norm(cfg, p, b + self.ffn_norm, x)
         if self.layer(cfg, i).n_expert:
             y = self.mixture(cfg, p, b, h)
             if self.post_norms:
@@ -376,7 +387,8 @@ class Family:
     def mixture(self, cfg, p: dict, b: str, h):
         """Block b's mixture of experts on h (its ffn_norm), with the shared expert added
         where the model has one (times the sigmoid of its gate where it is "gated")."""
-        y = B.experts(cfg, p, b, h, self.normalizes(cfg), scale=cfg.expert_weights_scale)
+        y = B.experts(cfg, p, b, h, self.normalizes(cfg), gating=self.expert_gating(cfg),
+                      scale=cfg.expert_weights_scale)
         if not self.shared_ff(cfg):
             return y
         shared = B.linear(p, b + "ffn_down_shexp.weight", O.swiglu(
@@ -421,11 +433,12 @@ class Family:
         def norm(q, k):
             return tuple(B.rms_norm(cfg, t, p[b + f"attn_{n}_norm.weight"])
                          for n, t in zip("qk", (q, k)))
-        if self.qk_norm and not self.qk_norm_after_rope:
+        qk_norm = self.qk_norm or cfg.qk_norm
+        if qk_norm and not self.qk_norm_after_rope:
             q, k = norm(q, k)
         if self.ropes(cfg, i):
             q, k = (self.rope(cfg, p, i, t, seq.positions) for t in (q, k))
-        if self.qk_norm and self.qk_norm_after_rope:
+        if qk_norm and self.qk_norm_after_rope:
             q, k = norm(q, k)
         if seq.temperature is not None:
             q = O.mul(q, seq.temperature)

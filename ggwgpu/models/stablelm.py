@@ -5,7 +5,7 @@ the file has them (StableLM 2; qkv_bias), partial neox rope (a quarter of the he
 an untied output matrix. StableLM 2 12B's per-head QK LayerNorms and parallel blocks are
 refused by name."""
 from . import blocks as B
-from .family import Family
+from .family import Family, qkv_bias_of
 from .phi2 import Phi2
 
 
@@ -18,8 +18,7 @@ class StableLM(Phi2):
     unsupported = {"attn_q_norm.weight": "per-head LayerNorms of Q and K (StableLM 2 12B)"}
 
     def read_more_keys(self, f, hp):
-        return {"qkv_bias": "blk.0.attn_q.bias" in f.tensors or
-                "blk.0.attn_qkv.bias" in f.tensors}
+        return {"qkv_bias": qkv_bias_of(f)}
 
     def block_shapes(self, cfg, i):
         e = cfg.n_embd
