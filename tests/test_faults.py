@@ -148,6 +148,7 @@ def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch
         if args[-1].step == 3:                        # the train state
             os.kill(os.getpid(), signal.SIGINT)       # handled right here, mid-save
         real_save(*args)
+    before = signal.getsignal(signal.SIGINT)    # SIG_IGN in a background job, else Python's
     monkeypatch.setattr(Trainer, "train_step", train_step)
     monkeypatch.setattr(checkpoint, "save_checkpoint", save_checkpoint)
     ckpt = tmp_path / "ckpt.gguf"
@@ -156,7 +157,7 @@ def test_signals_while_a_checkpoint_is_written_wait_for_it(tmp_path, monkeypatch
     assert r.exit_code == 130, r.output
     assert "SIGINT: stopped after step 3" in r.output
     assert checkpoint_step(ckpt) == 3
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    assert signal.getsignal(signal.SIGINT) is before      # restored
 
 
 # -- SIGKILL --------------------------------------------------------------------------------
@@ -517,13 +518,14 @@ def test_a_signal_during_the_final_write_waits_for_it(tmp_path, monkeypatch):
         os.kill(os.getpid(), signal.SIGINT)
         os.kill(os.getpid(), signal.SIGINT)
         real(*args, **kwargs)
+    before = signal.getsignal(signal.SIGINT)    # SIG_IGN in a background job, else Python's
     monkeypatch.setattr(gguf_llama, "save_model", save_model)
     out = tmp_path / "m.gguf"
     r = run_cli(train_args(tmp_path, "--steps", "3", "--out", str(out)))
     assert r.exit_code == 0, r.output
     assert f"model written to {out}" in r.output
     gguf_llama.load_model(out)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # restored
+    assert signal.getsignal(signal.SIGINT) is before      # restored
 
 
 def test_a_final_write_on_a_full_disk_keeps_the_weights_in_a_checkpoint(tmp_path,
