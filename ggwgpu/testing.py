@@ -310,6 +310,33 @@ def spot_check_gradients(loss, analytic: dict, feeds, samples: int = 8, seed: in
                 f"{p.name}{list(i)}: backward {grad[i]} vs finite differences {numeric}"
 
 
+def directional_check_gradients(loss, analytic: dict, feeds, directions: int = 2,
+                                seed: int = 0, eps: float = 1e-6, atol: float = 1e-6,
+                                rtol: float = 1e-4):
+    """A whole model's gradients ({param: array}) against central finite differences of
+    `loss` in float64 NumPy along `directions` random directions d of each param (normal
+    entries): (loss(p + eps d) - loss(p - eps d)) / 2 eps against the gradient's projection
+    sum(grad * d), as gradcheck's fast mode checks. Every element's error enters each
+    projection: two loss evaluations a direction check what `spot_check_gradients` checks
+    at one sampled element with the same two. Raises AssertionError naming the param."""
+    fwd = NumpyBackend(np.float64).plan([loss])
+    rng = np.random.default_rng(seed)
+    for p, grad in analytic.items():
+        base = p.value.astype(np.float64)
+        for k in range(directions):
+            d = rng.standard_normal(p.shape)
+            losses = []
+            for sign in (1, -1):
+                fwd.write(p, base + sign * eps * d)
+                fwd.run(feeds)
+                losses.append(fwd.read(loss)[0])
+            fwd.write(p, base)
+            numeric, projected = (losses[0] - losses[1]) / (2 * eps), float(np.sum(grad * d))
+            assert abs(projected - numeric) <= atol + rtol * abs(numeric), \
+                f"{p.name} along direction {k}: backward {projected} vs finite differences " \
+                f"{numeric}"
+
+
 # -- the model families in plain NumPy ----------------------------------------------------------
 # Written from llama.cpp's graphs (src/models/<arch>.cpp, src/llama-graph.cpp), not from
 # ggwgpu's: an independent float64 reference for the logits of every family.

@@ -11,7 +11,7 @@ import ggwgpu as gg
 from ggwgpu.backends.numpy_backend import NumpyBackend
 from ggwgpu.models import (ModelConfig, build_train_graph, init_parameters, parameter_shapes,
                            vector_like)
-from ggwgpu.testing import reference_logits, spot_check_gradients
+from ggwgpu.testing import directional_check_gradients, reference_logits
 
 TINY = ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=1, n_ff=12, n_ctx=5, n_rot=4)
 # grouped-query attention (4 query heads over 2 K/V heads) with tied embeddings, and heads
@@ -262,7 +262,20 @@ def test_llama_gradients_match_finite_differences(flash, checkpoint, model):
     g, grads, feeds = setup(flash, checkpoint, CONFIGS[model])
     backend = NumpyBackend(np.float64)
     _, analytic = run(backend, g, grads, feeds)
-    spot_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
+    directional_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
+
+
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_the_directional_check_finds_one_wrong_element_of_a_gradient(where):
+    """A backward rule wrong at a single element of a matrix (an edge case: the first
+    position, the last head) moves each random projection of it: the check names it."""
+    g, grads, feeds = setup()
+    _, analytic = run(NumpyBackend(np.float64), g, grads, feeds)
+    wrong = {p: analytic[p.name].copy() for p in grads}
+    param = next(p for p in wrong if p.name == "blk.0.attn_k.weight")
+    wrong[param][(0, 0) if where == "first" else (-1, -1)] += 1e-2
+    with pytest.raises(AssertionError, match="blk.0.attn_k.weight along direction"):
+        directional_check_gradients(g.loss, wrong, feeds)
 
 
 def test_flash_and_unfused_attention_agree_and_checkpointing_changes_nothing(wgpu):
@@ -377,7 +390,7 @@ def test_logits_in_row_chunks_give_the_loss_and_gradients_of_whole_logits(reques
 def test_chunked_logits_with_ignored_targets_match_finite_differences():
     g, grads, feeds = setup(chunk_rows=3, ignored=IGNORED)
     _, analytic = run(NumpyBackend(np.float64), g, grads, feeds)
-    spot_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
+    directional_check_gradients(g.loss, {p: analytic[p.name] for p in grads}, feeds)
 
 
 def test_target_ids_are_checked_and_all_ignored_gives_zero():
