@@ -97,6 +97,16 @@ def fuse_qkv(shapes: dict) -> dict:
     return fused
 
 
+def fused_qkv_heads(cfg, p: dict, b: str, h, lead, bias: bool):
+    """Block b's q, k and v of h in heads (Family.project_qkv) from its one attn_qkv of rows
+    q | k | v, plus its bias where `bias`."""
+    qkv = B.linear(p, b + "attn_qkv.weight", h)
+    if bias:
+        qkv = O.add(qkv, p[b + "attn_qkv.bias"])
+    return B.columns(O.reshape(qkv, (*lead, qkv.shape[-1])),
+                     (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
+
+
 class Family:
     arch = "llama"
     rope_mode = "normal"      # llama.cpp's rope type of the arch: "normal" or "neox"
@@ -449,11 +459,7 @@ class Family:
         """Block b's q (*lead, n_head, head_dim), k and v (*lead, n_head_kv, head_dim) of h,
         with their biases where the family has them (from one attn_qkv where cfg.fused_qkv)."""
         if cfg.fused_qkv:
-            qkv = B.linear(p, b + "attn_qkv.weight", h)
-            if self.qkv_bias or cfg.qkv_bias:
-                qkv = O.add(qkv, p[b + "attn_qkv.bias"])
-            return B.columns(O.reshape(qkv, (*lead, qkv.shape[-1])),
-                             (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
+            return fused_qkv_heads(cfg, p, b, h, lead, self.qkv_bias or cfg.qkv_bias)
 
         def project(n, heads):
             y = B.linear(p, b + f"attn_{n}.weight", h)

@@ -12,6 +12,7 @@ from gguf import GGUFValueType, Keys
 from .. import ops as O
 from ..tensor import ShapeError
 from . import blocks as B
+from .family import fused_qkv_heads
 from .phi2 import Phi2
 
 POSITIONS = "position_embd.weight"
@@ -56,10 +57,7 @@ class GPT2(Phi2):
                 "ffn_down.bias": (e,)}
 
     def project_qkv(self, cfg, p, b, h, lead):
-        qkv = O.add(B.linear(p, b + "attn_qkv.weight", h), p[b + "attn_qkv.bias"])
-        q, k, v = B.columns(O.reshape(qkv, (*lead, qkv.shape[-1])),
-                            (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
-        return q, k, v
+        return fused_qkv_heads(cfg, p, b, h, lead, bias=True)
 
     def block(self, cfg, p, i, x, seq):
         if i == 0:      # the positions' rows added to the token embeddings

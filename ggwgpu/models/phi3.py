@@ -10,7 +10,7 @@ fused matrices, as llama.cpp applies them."""
 
 from .. import ops as O
 from . import blocks as B
-from .family import Family
+from .family import Family, fused_qkv_heads
 
 
 def fused_gate(p: dict, b: str, h):
@@ -35,9 +35,7 @@ class Phi3(Family):
                 "ffn_down.weight": (e, f), "ffn_up.weight": (2 * f, e)}
 
     def project_qkv(self, cfg, p, b, h, lead):
-        qkv = B.linear(p, b + "attn_qkv.weight", h)
-        qkv = O.reshape(qkv, (*lead, qkv.shape[-1]))              # (*lead, q | k | v)
-        return B.columns(qkv, (cfg.q_dim, cfg.kv_dim, cfg.kv_dim), cfg.head_dim)
+        return fused_qkv_heads(cfg, p, b, h, lead, bias=False)
 
 
 FAMILY = Phi3()
