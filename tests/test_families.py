@@ -1051,29 +1051,44 @@ def test_convolution_taps_stored_in_f16_are_read_as_values(arch, taps, tmp_path)
     np.testing.assert_allclose(logits[0], logits[1], rtol=1e-5, atol=1e-5)
 
 
-def test_glm4moe_files_read_past_their_prediction_block_and_refuse_m_rope(tmp_path):
-    """A glm4moe file as the converter writes it (expert_shared_count, sigmoid gating,
-    QK norms and biases told by the tensors) reads back as ggwgpu holds it; a
-    multi-token-prediction block (counted in block_count) is read past; a file without
-    expert_gating_func takes the sigmoids, as llama.cpp; GLM-4.5V's M-RoPE is refused."""
-    cfg = FAMILIES["glm4moe"]
+def converter_file(cfg, tmp_path):
+    """(meta, read): cfg's keys as llama.cpp's converter writes them (no config JSON), and
+    read(path, values=cfg's, **changes), which writes a file of them with `changes` (a None
+    drops a key) and reads its config back."""
     values = family_values(cfg)
     meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
     del meta[gguf_llama.K_CONFIG_JSON]
-    assert meta["glm4moe.expert_shared_count"][0] == 1
 
     def read(path, values=values, **changes):
         edited = {k: v for k, v in meta.items() if k not in changes}
         edited.update({k: v for k, v in changes.items() if v is not None})
         gguf_file.write_gguf(path, edited, values)
         return load_model(path)[0]
-    mtp = dataclasses.replace(cfg, n_layer=3)
-    extra = {k: v for k, v in family_values(mtp).items() if k.startswith("blk.2.")}
-    extra["blk.2.nextn.eh_proj.weight"] = np.ones((16, 32), np.float32)
-    got = read(tmp_path / "mtp.gguf", values | extra, **{
-        "glm4moe.block_count": (3, GGUFValueType.UINT32),
-        "glm4moe.nextn_predict_layers": (1, GGUFValueType.UINT32)})
+    return meta, read
+
+
+def reads_past_a_prediction_block(cfg, read, tmp_path):
+    """A file of cfg with one multi-token-prediction block after its own (counted in
+    block_count, as the converter writes it) reads as cfg."""
+    last = f"blk.{cfg.n_layer}."
+    mtp = dataclasses.replace(cfg, n_layer=cfg.n_layer + 1)
+    extra = {k: v for k, v in family_values(mtp).items() if k.startswith(last)}
+    extra[last + "nextn.eh_proj.weight"] = np.ones((cfg.n_embd, 2 * cfg.n_embd), np.float32)
+    got = read(tmp_path / "mtp.gguf", family_values(cfg) | extra, **{
+        f"{cfg.arch}.block_count": (cfg.n_layer + 1, GGUFValueType.UINT32),
+        f"{cfg.arch}.nextn_predict_layers": (1, GGUFValueType.UINT32)})
     assert float32_fields(got) == float32_fields(cfg)
+
+
+def test_glm4moe_files_read_past_their_prediction_block_and_refuse_m_rope(tmp_path):
+    """A glm4moe file as the converter writes it (expert_shared_count, sigmoid gating,
+    QK norms and biases told by the tensors) reads back as ggwgpu holds it; a
+    multi-token-prediction block (counted in block_count) is read past; a file without
+    expert_gating_func takes the sigmoids, as llama.cpp; GLM-4.5V's M-RoPE is refused."""
+    cfg = FAMILIES["glm4moe"]
+    meta, read = converter_file(cfg, tmp_path)
+    assert meta["glm4moe.expert_shared_count"][0] == 1
+    reads_past_a_prediction_block(cfg, read, tmp_path)
     unset = read(tmp_path / "unset.gguf", **{"glm4moe.expert_gating_func": None})
     assert cfg.family.expert_gating(unset) == "sigmoid"
     with pytest.raises(GGUFError, match="glm4moe.rope.dimension_sections: ggwgpu's glm4moe "
@@ -1090,26 +1105,12 @@ def test_deepseek2_files_read_past_their_prediction_block_and_say_their_gating(t
     blocks and 154 880 tokens, else the softmax); grouped routing and a latent that is not
     key_length - rope dims are refused by name."""
     cfg = FAMILIES["deepseek2"]
-    values = family_values(cfg)
-    meta = gguf_llama.model_metadata(tmp_path / "m.gguf", cfg, ByteTokenizer(), None)
-    del meta[gguf_llama.K_CONFIG_JSON]
+    meta, read = converter_file(cfg, tmp_path)
     assert meta["deepseek2.expert_shared_count"][0] == 2
     assert meta["deepseek2.attention.kv_lora_rank"][0] == 16
     assert meta["deepseek2.attention.value_length"][0] == 16
     assert np.isclose(meta["deepseek2.rope.scaling.yarn_log_multiplier"][0], 0.05)
-
-    def read(path, values=values, **changes):
-        edited = {k: v for k, v in meta.items() if k not in changes}
-        edited.update({k: v for k, v in changes.items() if v is not None})
-        gguf_file.write_gguf(path, edited, values)
-        return load_model(path)[0]
-    mtp = dataclasses.replace(cfg, n_layer=3)
-    extra = {k: v for k, v in family_values(mtp).items() if k.startswith("blk.2.")}
-    extra["blk.2.nextn.eh_proj.weight"] = np.ones((16, 32), np.float32)
-    got = read(tmp_path / "mtp.gguf", values | extra, **{
-        "deepseek2.block_count": (3, GGUFValueType.UINT32),
-        "deepseek2.nextn_predict_layers": (1, GGUFValueType.UINT32)})
-    assert float32_fields(got) == float32_fields(cfg)
+    reads_past_a_prediction_block(cfg, read, tmp_path)
     with pytest.raises(GGUFError, match="nextn_predict_layers leaves no block"):
         read(tmp_path / "b.gguf", **{"deepseek2.nextn_predict_layers": (2, GGUFValueType.UINT32)})
     with pytest.raises(GGUFError, match="does not route by groups of experts"):
