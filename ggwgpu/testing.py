@@ -582,7 +582,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return deepseek2_reference_logits(cfg, values, tokens)
     if arch == "minicpm3":
         return minicpm3_reference_logits(cfg, values, tokens)
-    if arch == "glm4moe":
+    if arch in ("glm4moe", "seed_oss"):
         return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
@@ -951,7 +951,8 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
     per-head RMS norms of Q and K where given, neox rope over cfg.rot dims, the feed-forward's
     norm post_attention_norm; SwiGLU on the first n_dense_lead blocks, else the experts by
     sigmoids (softmax where expert_gating is 1) ranked with exp_probs_b, normalized where
-    expert_weights_norm, times expert_weights_scale, plus the shared experts' SwiGLU."""
+    expert_weights_norm, times expert_weights_scale, plus the shared experts' SwiGLU.
+    seed_oss: the same blocks, every one SwiGLU."""
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
@@ -969,7 +970,7 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
                       np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
         x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T
         h = _rms_norm(x, p("post_attention_norm.weight"), eps)
-        if il < cfg.n_dense_lead:
+        if il < cfg.n_dense_lead or not cfg.n_expert:
             x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                          _silu)
             continue

@@ -260,6 +260,9 @@ CONFIGS = {
                            n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
                            expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
                            qkv_bias=True, qk_norm=True, arch="glm4moe"),
+    # Seed-OSS: Q/K/V biases, neox rope, the feed-forward's norm post_attention_norm
+    "seed_oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
+                            arch="seed_oss"),
     "glm4moe-air": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_rot=8, n_layer=2, n_expert=8,
                                n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
                                expert_weights_norm=True, qkv_bias=True, tied_embeddings=True,

@@ -180,6 +180,8 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
            "nemotron": dataclasses.replace(PHI2, arch="nemotron"),
            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2,
+           "seed_oss": dataclasses.replace(QWEN2, arch="seed_oss", qkv_bias=True,
+                                           tied_embeddings=False),
            "glm4moe": ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_head_kv=1, n_rot=2,
                                   n_layer=2, n_ff=12, n_ctx=5, n_expert=3, n_expert_used=2,
                                   n_ff_exp=4, n_ff_shexp=4, n_dense_lead=1, expert_gating=2,
