@@ -582,6 +582,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return deepseek2_reference_logits(cfg, values, tokens)
     if arch == "minicpm3":
         return minicpm3_reference_logits(cfg, values, tokens)
+    if arch == "phimoe":
+        return phimoe_reference_logits(cfg, values, tokens)
     if arch in ("glm4moe", "seed_oss"):
         return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -982,6 +984,36 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
                          p("ffn_down_shexp.weight"), _silu)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def phimoe_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's phi3 graph of a phimoe in float64: RMS norms plus a bias; Q, K, V with
+    biases where given, neox rope over cfg.rot dims with LongRoPE's factors by the context;
+    attn_output with its bias; the experts by softmax, weights normalized; the final norm
+    with its bias, the output matrix with its bias."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    factors = np.ones(cfg.rot // 2)
+    if "rope_factors_long.weight" in w:
+        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
+        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+
+    def norm(x, name):
+        return _rms_norm(x, w[name + ".weight"], eps) + w[name + ".bias"]
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        h = norm(x, f"blk.{il}.attn_norm")
+        q, k, v = ((h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0))
+                   .reshape(n, -1, hd) for m in "qkv")
+        q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
+                      factors, attn_factor, yarn) for y in (q, k))
+        x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T + \
+            p("attn_output.bias")
+        x = x + _experts(cfg, p, norm(x, f"blk.{il}.ffn_norm"), True)
+    return norm(x, "output_norm") @ w["output.weight"].T + w["output.bias"]
 
 
 def minicpm3_reference_logits(cfg, values, tokens) -> np.ndarray:

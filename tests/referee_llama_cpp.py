@@ -260,6 +260,11 @@ CONFIGS = {
                            n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
                            expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
                            qkv_bias=True, qk_norm=True, arch="glm4moe"),
+    # Phi-3.5-MoE: biased RMS norms, Q/K/V and output biases, 8 experts of 96 (2 taken by
+    # softmax, normalized), LongRoPE (long factors), an output bias
+    "phimoe": ModelConfig(**BASE, n_head=4, n_layer=2, n_expert=8, n_expert_used=2,
+                          qkv_bias=True, longrope=True, rope_scaling="longrope",
+                          rope_orig_ctx=32, arch="phimoe"),
     # Seed-OSS: Q/K/V biases, neox rope, the feed-forward's norm post_attention_norm
     "seed_oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),

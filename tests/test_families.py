@@ -230,6 +230,10 @@ FAMILIES = {
                            n_expert_used=2, n_ff_exp=16, n_ff_shexp=16, n_dense_lead=1,
                            expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
                            qkv_bias=True, qk_norm=True, arch="glm4moe"),
+    # Phi-3.5-MoE: biased RMS norms, Q/K/V and output biases, 4 experts (2 taken), LongRoPE
+    "phimoe": ModelConfig(**BYTES, n_head=2, n_layer=2, n_expert=4, n_expert_used=2,
+                          qkv_bias=True, longrope=True, rope_scaling="longrope",
+                          rope_orig_ctx=8, arch="phimoe"),
     # Seed-OSS-36B: Q/K/V biases, the feed-forward's norm post_attention_norm, untied
     "seed_oss": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),
@@ -282,13 +286,14 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "phi2": "attn_norm.bias", "starcoder2": "ffn_norm.bias",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
-               "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight", "glm4moe-air": "post_attention_norm.weight",
+               "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight",
+               "phimoe": "ffn_norm.bias", "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
           "minicpm": "rope_factors_long.weight", "minicpm3": "rope_factors_short.weight",
           "gemma4": "rope_freqs.weight", "lfm2moe": "blk.1.exp_probs_b.bias",
-          "glm4moe-air": "blk.1.exp_probs_b.bias",
+          "glm4moe-air": "blk.1.exp_probs_b.bias", "phimoe": "rope_factors_short.weight",
           "gemma4-moe": "rope_freqs.weight"}
 
 
