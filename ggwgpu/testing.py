@@ -526,8 +526,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     weights but for qwen2moe and olmoe, lfm2moe's and ernie4_5-moe's ranking bias
     exp_probs_b; qwen2moe's shared expert times the sigmoid of its gate, granite's and
     ernie4_5-moe's as it is). qwen3moe: qwen3's attention.
-    olmoe: Q and K normed as olmo2's, pre-norms. lfm2moe: lfm2's. granitemoe: granite's. llama: rope NORM with Llama 3's
-    frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
+    olmoe: Q and K normed as olmo2's, pre-norms. lfm2moe: lfm2's. granitemoe: granite's.
+    llama: rope NORM with Llama 3's frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
     gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
     forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
     n_head) at 62 layers) and scores times 1, and with a sliding window, five layers of six
