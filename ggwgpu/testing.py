@@ -589,11 +589,11 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
                     "minicpm", "arcee", "glm4", "qwen3moe", "qwen2moe", "olmoe", "lfm2moe",
-                    "granitemoe", "ernie4_5-moe", "exaone", "internlm2"):
+                    "granitemoe", "ernie4_5-moe", "exaone", "internlm2", "hunyuan-moe"):
         raise ValueError(f"no reference for arch {arch!r}")
     normalize = arch not in ("qwen2moe", "olmoe")       # the experts' weights (norm_w)
-    arch = {"lfm2moe": "lfm2", "granitemoe": "granite",
-            "ernie4_5-moe": "ernie4_5"}.get(arch, arch)                     # their blocks
+    arch = {"lfm2moe": "lfm2", "granitemoe": "granite", "ernie4_5-moe": "ernie4_5",
+            "hunyuan-moe": "hunyuan-dense"}.get(arch, arch)                 # their blocks
     gemma, granite = arch in ("gemma2", "gemma3"), arch in ("granite", "minicpm")
     w = {k: np.asarray(v, np.float64) for k, v in values.items()}
     n, hd = len(tokens), cfg.head_dim
@@ -673,7 +673,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
             ffn = _experts(cfg, p, h, normalize, w.get(f"blk.{il}.exp_probs_b.bias", 0.0))
             if arch == "qwen2moe":
                 ffn = _shared_experts(cfg, p, h, normalize=False)
-            elif arch in ("granite", "ernie4_5") and cfg.n_ff_shexp:
+            elif arch in ("granite", "ernie4_5") and cfg.n_ff_shexp or \
+                    arch == "hunyuan-dense":        # hunyuan-moe's shared expert
                 ffn = ffn + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
                                  p("ffn_down_shexp.weight"), _silu)
         elif arch == "arcee":   # LLM_FFN_RELU_SQR, no gate

@@ -62,6 +62,11 @@ CONFIGS = {
     "mistral3-plain": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
                                   rope_freq_base=1e8, arch="mistral3"),
     # Hunyuan dense: QK norms after rope, an alpha-scaled base
+    # Hunyuan-A13B: QK norms after rope; 8 experts of n_ff 96 (2 taken, normalized; the
+    # file's expert_feed_forward_length, 48, sizes nothing) and a shared expert of 64
+    "hunyuan-moe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, n_expert=8,
+                               n_expert_used=2, n_ff_exp=48, n_ff_shexp=64,
+                               rope_freq_base=1e6, arch="hunyuan-moe"),
     "hunyuan-dense": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2,
                                  tied_embeddings=True, rope_freq_base=1.1e7,
                                  arch="hunyuan-dense"),

@@ -73,6 +73,10 @@ FAMILIES = {
                             rope_freq_scale=0.0625, rope_orig_ctx=8, yarn_log_mul=1.0,
                             attn_temp_scale=0.1, arch="mistral3"),
     # Hunyuan-0.5B: QK norms after rope, a rope base scaled by its alpha, tied
+    # Hunyuan-A13B: hunyuan-dense's attention, 4 experts of n_ff (2 taken) and a shared one
+    "hunyuan-moe": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, n_expert=4,
+                               n_expert_used=2, n_ff_exp=32, n_ff_shexp=16,
+                               rope_freq_base=1e6, arch="hunyuan-moe"),
     "hunyuan-dense": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2,
                                  tied_embeddings=True, rope_freq_base=1.1e7,
                                  arch="hunyuan-dense"),
