@@ -527,7 +527,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     exp_probs_b; qwen2moe's shared expert times the sigmoid of its gate, granite's and
     ernie4_5-moe's as it is). qwen3moe: qwen3's attention.
     olmoe: Q and K normed as olmo2's, pre-norms. lfm2moe: lfm2's. granitemoe: granite's.
-    llama: rope NORM with Llama 3's frequency factors. qwen2: rope NEOX. qwen3: per-head RMS norms of Q and K before rope.
+    llama: rope NORM with Llama 3's frequency factors. qwen2: rope NEOX. qwen3: per-head RMS
+    norms of Q and K before rope.
     gemma3: inputs times sqrt(n_embd), QK norms, a norm after attention and after the feed-
     forward before each residual add, GeGLU, Q times 1/sqrt(head_dim) (1/sqrt(n_embd /
     n_head) at 62 layers) and scores times 1, and with a sliding window, five layers of six
@@ -584,7 +585,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return minicpm3_reference_logits(cfg, values, tokens)
     if arch == "phimoe":
         return phimoe_reference_logits(cfg, values, tokens)
-    if arch in ("glm4moe", "seed_oss"):
+    if arch in ("glm4moe", "seed_oss", "bailingmoe2"):
         return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
                     "lfm2", "olmo2", "ernie4_5", "exaone4", "mistral3", "hunyuan-dense",
@@ -955,8 +956,12 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
     norm post_attention_norm; SwiGLU on the first n_dense_lead blocks, else the experts by
     sigmoids (softmax where expert_gating is 1) ranked with exp_probs_b, normalized where
     expert_weights_norm, times expert_weights_scale, plus the shared experts' SwiGLU.
-    seed_oss: the same blocks, every one SwiGLU."""
-    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    seed_oss: the same blocks, every one SwiGLU. bailingmoe2: glm4moe's with QK norms always,
+    the feed-forward's norm ffn_norm, a ranking bias where given and a shared expert always
+    (Q, K and V from one attn_qkv: `split_qkv` makes them three)."""
+    bailing = cfg.arch == "bailingmoe2"
+    w = {k: np.asarray(v, np.float64) for k, v in
+         (split_qkv(cfg, values) if bailing else values).items()}
     n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
     attn_factor, yarn = _context_rope(cfg)
@@ -966,21 +971,21 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         q, k, v = ((h @ p(f"attn_{m}.weight").T + w.get(f"blk.{il}.attn_{m}.bias", 0.0))
                    .reshape(n, -1, hd) for m in "qkv")
-        if cfg.qk_norm:
+        if cfg.qk_norm or bailing:
             q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
                 k, p("attn_k_norm.weight"), eps)
         q, k = (_rope(y, positions, cfg.rot, True, cfg.rope_freq_base, cfg.rope_freq_scale,
                       np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
         x = x + _attention(q, k, v, 1 / np.sqrt(hd)) @ p("attn_output.weight").T
-        h = _rms_norm(x, p("post_attention_norm.weight"), eps)
+        h = _rms_norm(x, p("ffn_norm.weight" if bailing else "post_attention_norm.weight"), eps)
         if il < cfg.n_dense_lead or not cfg.n_expert:
             x = x + _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"),
                          _silu)
             continue
-        routed = _experts(cfg, p, h, cfg.expert_weights_norm, p("exp_probs_b.bias"),
-                          sigmoid=cfg.expert_gating != 1)
+        routed = _experts(cfg, p, h, cfg.expert_weights_norm,
+                          w.get(f"blk.{il}.exp_probs_b.bias", 0.0), sigmoid=cfg.expert_gating != 1)
         x = x + (cfg.expert_weights_scale or 1.0) * routed
-        if cfg.n_ff_shexp:
+        if f"blk.{il}.ffn_gate_shexp.weight" in w:
             x = x + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
                          p("ffn_down_shexp.weight"), _silu)
     out = w.get("output.weight", w["token_embd.weight"])

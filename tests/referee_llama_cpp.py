@@ -270,6 +270,13 @@ CONFIGS = {
     "phimoe": ModelConfig(**BASE, n_head=4, n_layer=2, n_expert=8, n_expert_used=2,
                           qkv_bias=True, longrope=True, rope_scaling="longrope",
                           rope_orig_ctx=32, arch="phimoe"),
+    # Ling-mini-2.0: one attn_qkv, QK norms, 8 of 16 dims roped, the first block dense, 8
+    # experts of 32 (2 taken by sigmoids ranked with a bias, normalized, times 2.5) and a
+    # shared one of 32
+    "bailingmoe2": ModelConfig(**BASE, n_head=4, n_rot=8, n_layer=3, n_dense_lead=1,
+                               n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
+                               expert_gating=2, expert_bias=True, expert_weights_norm=True,
+                               expert_weights_scale=2.5, arch="bailingmoe2"),
     # Seed-OSS: Q/K/V biases, neox rope, the feed-forward's norm post_attention_norm
     "seed_oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),

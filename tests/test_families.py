@@ -238,6 +238,13 @@ FAMILIES = {
     "phimoe": ModelConfig(**BYTES, n_head=2, n_layer=2, n_expert=4, n_expert_used=2,
                           qkv_bias=True, longrope=True, rope_scaling="longrope",
                           rope_orig_ctx=8, arch="phimoe"),
+    # Ling-mini-2.0: one attn_qkv, QK norms, half of each head roped, the first block dense,
+    # then 4 experts of 32 (2 taken by sigmoids ranked with a bias, normalized, times 2.5)
+    # and a shared expert of 32
+    "bailingmoe2": ModelConfig(**BYTES, n_head=2, n_layer=2, n_rot=4, n_expert=4,
+                               n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, n_dense_lead=1,
+                               expert_gating=2, expert_bias=True, expert_weights_norm=True,
+                               expert_weights_scale=2.5, arch="bailingmoe2"),
     # Seed-OSS-36B: Q/K/V biases, the feed-forward's norm post_attention_norm, untied
     "seed_oss": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),
@@ -291,7 +298,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "stablelm": "attn_k.bias", "gpt-oss": "attn_sinks.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
                "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight",
-               "phimoe": "ffn_norm.bias", "glm4moe-air": "post_attention_norm.weight",
+               "phimoe": "ffn_norm.bias", "bailingmoe2": "attn_qkv.weight", "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
 TABLES = {"llama3": "rope_freqs.weight", "phi3": "rope_factors_long.weight",
@@ -1107,6 +1114,23 @@ def test_glm4moe_files_read_past_their_prediction_block_and_refuse_m_rope(tmp_pa
                                         "has no M-RoPE"):
         read(tmp_path / "mrope.gguf", **{"glm4moe.rope.dimension_sections":
                                          ([8, 12, 12, 0], GGUFValueType.ARRAY)})
+
+
+def test_bailingmoe2_shared_experts_are_as_wide_as_llama_cpp_makes_them(tmp_path):
+    """llama.cpp sizes bailingmoe2's shared experts expert_shared_feed_forward_length (else
+    the experts' width) times expert_shared_count; ggwgpu reads that width and writes it
+    back as one shared expert of it. A prediction block is read past."""
+    cfg = FAMILIES["bailingmoe2"]
+    meta, read = converter_file(cfg, tmp_path)
+    assert meta["bailingmoe2.expert_shared_count"][0] == 1
+    reads_past_a_prediction_block(cfg, read, tmp_path)
+    two = read(tmp_path / "two.gguf", **{
+        "bailingmoe2.expert_shared_count": (2, GGUFValueType.UINT32),
+        "bailingmoe2.expert_shared_feed_forward_length": (16, GGUFValueType.UINT32)})
+    assert float32_fields(two) == float32_fields(cfg)
+    unset = read(tmp_path / "unset.gguf", **{
+        "bailingmoe2.expert_shared_feed_forward_length": None})
+    assert unset.n_ff_shexp == cfg.n_ff_exp
 
 
 def test_deepseek2_files_read_past_their_prediction_block_and_say_their_gating(tmp_path):
