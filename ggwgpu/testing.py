@@ -585,6 +585,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return minicpm3_reference_logits(cfg, values, tokens)
     if arch == "phimoe":
         return phimoe_reference_logits(cfg, values, tokens)
+    if arch == "afmoe":
+        return afmoe_reference_logits(cfg, values, tokens)
     if arch in ("glm4moe", "seed_oss", "bailingmoe2"):
         return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -988,6 +990,50 @@ def glm4moe_reference_logits(cfg, values, tokens) -> np.ndarray:
         if f"blk.{il}.ffn_gate_shexp.weight" in w:
             x = x + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
                          p("ffn_down_shexp.weight"), _silu)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def afmoe_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's afmoe graph in float64: the inputs times sqrt(n_embd); per block
+    x + post_attention_norm(attn_output(attention * sigmoid(attn_gate h))), h = attn_norm(x),
+    Q and K RMS-normed per head, neox rope but on every fourth layer, three layers of four
+    within sliding_window where set (at rope_freq_base_swa where set); then
+    x + post_ffw_norm(ffn(ffn_norm x)): SwiGLU on the first n_dense_lead blocks, else the
+    experts by sigmoids (softmax where expert_gating is 1) ranked with exp_probs_b,
+    normalized where expert_weights_norm, times expert_weights_scale, plus the shared
+    experts' SwiGLU."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    x = np.sqrt(cfg.n_embd) * w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        local = cfg.sliding_window > 0 and il % 4 < 3
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
+        q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
+            k, p("attn_k_norm.weight"), eps)
+        if (il + 1) % 4:
+            base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa \
+                else cfg.rope_freq_base
+            q, k = (_rope(y, positions, cfg.rot, True, base, cfg.rope_freq_scale,
+                          np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
+        att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0)
+        att = att * (1 / (1 + np.exp(-(h @ p("attn_gate.weight").T))))
+        x = x + _rms_norm(att @ p("attn_output.weight").T, p("post_attention_norm.weight"), eps)
+        h = _rms_norm(x, p("ffn_norm.weight"), eps)
+        if il < cfg.n_dense_lead:
+            y = _glu(h, p("ffn_gate.weight"), p("ffn_up.weight"), p("ffn_down.weight"), _silu)
+        else:
+            y = (cfg.expert_weights_scale or 1.0) * _experts(
+                cfg, p, h, cfg.expert_weights_norm, p("exp_probs_b.bias"),
+                sigmoid=cfg.expert_gating != 1)
+            if cfg.n_ff_shexp:
+                y = y + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
+                             p("ffn_down_shexp.weight"), _silu)
+        x = x + _rms_norm(y, p("post_ffw_norm.weight"), eps)
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 

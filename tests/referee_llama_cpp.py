@@ -277,6 +277,13 @@ CONFIGS = {
                                n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
                                expert_gating=2, expert_bias=True, expert_weights_norm=True,
                                expert_weights_scale=2.5, arch="bailingmoe2"),
+    # Trinity Nano: sandwich norms, gated attention, QK norms, windows of 16 on three layers
+    # of four (the fourth unroped), the first block dense, 8 experts of 32 by sigmoids with
+    # a bias (normalized, times 2.5) and a shared one
+    "afmoe": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=4, n_dense_lead=1, n_expert=8,
+                         n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
+                         expert_weights_norm=True, expert_weights_scale=2.5, sliding_window=16,
+                         rope_freq_base_swa=1e4, rope_freq_base=1e6, arch="afmoe"),
     # Seed-OSS: Q/K/V biases, neox rope, the feed-forward's norm post_attention_norm
     "seed_oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),

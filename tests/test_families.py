@@ -245,6 +245,15 @@ FAMILIES = {
                                n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, n_dense_lead=1,
                                expert_gating=2, expert_bias=True, expert_weights_norm=True,
                                expert_weights_scale=2.5, arch="bailingmoe2"),
+    # Trinity Nano: inputs times sqrt(n_embd), sandwich norms, gated attention, QK norms,
+    # three layers of four in a window of 4 (the fourth unroped), the first block dense, then
+    # 4 experts of 32 (2 taken by sigmoids ranked with a bias, normalized, times 2.5) and a
+    # shared expert
+    "afmoe": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=4, n_expert=4,
+                         n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, n_dense_lead=1,
+                         expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
+                         sliding_window=4, rope_freq_base_swa=1e4, rope_freq_base=1e6,
+                         tied_embeddings=True, arch="afmoe"),
     # Seed-OSS-36B: Q/K/V biases, the feed-forward's norm post_attention_norm, untied
     "seed_oss": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),
@@ -299,6 +308,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
                "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight",
                "phimoe": "ffn_norm.bias", "bailingmoe2": "attn_qkv.weight",
+               "afmoe": "attn_gate.weight",
                "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}

@@ -177,6 +177,10 @@ FAMILIES = {"mha": TINY, "gqa-tied": GQA, "qwen2": QWEN2, "qwen3": QWEN3, "gemma
             "gptneox": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_rot=2, n_layer=2, n_ff=12,
                                    n_ctx=8, parallel_residual=True, arch="gptneox"),
             # deepseek2: the latent and the rope key cached, one K/V head
+            # afmoe: windowed, unroped and gated layers in the cache
+            "afmoe": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_layer=4, n_ff=12,
+                                 n_ctx=8, n_expert=3, n_expert_used=2, n_ff_exp=4, n_ff_shexp=4,
+                                 n_dense_lead=1, sliding_window=3, arch="afmoe"),
             "glm4moe": ModelConfig(n_vocab=13, n_embd=8, n_head=2, n_head_kv=1, n_rot=2,
                                    n_layer=2, n_ff=12, n_ctx=8, n_expert=3, n_expert_used=2,
                                    n_ff_exp=4, n_ff_shexp=4, n_dense_lead=1, qkv_bias=True,

@@ -32,8 +32,9 @@ from .. import ops as O
 from ..gguf_file import GGUFError
 from ..tensor import ShapeError
 from . import blocks as B
-from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, read_weights_norm,
-                     refuse_expert_groups, trunk_layers, weights_norm_key)
+from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, read_shared_count,
+                     read_weights_norm, refuse_expert_groups, shared_count_key, trunk_layers,
+                     weights_norm_key)
 
 GLM47_VOCAB = 154880    # llama.cpp tells GLM-4.7-Flash's files (sigmoid gating) by it
 
@@ -85,9 +86,7 @@ class Deepseek2(Family):
     def more_keys(self, cfg):
         keys = {Keys.Attention.KV_LORA_RANK.format(arch=self.arch): (kv_lora_rank(cfg), _T.UINT32),
                 Keys.Attention.VALUE_LENGTH.format(arch=self.arch): (kv_lora_rank(cfg), _T.UINT32),
-                Keys.LLM.EXPERT_SHARED_COUNT.format(arch=self.arch):
-                    (cfg.n_ff_shexp // cfg.n_ff_exp, _T.UINT32),
-                **weights_norm_key(self.arch, cfg)}
+                **shared_count_key(self.arch, cfg), **weights_norm_key(self.arch, cfg)}
         if cfg.yarn_log_mul:    # the converter's 0.1 * mscale_all_dim
             keys[Keys.Rope.SCALING_YARN_LOG_MUL.format(arch=self.arch)] = \
                 (0.1 * cfg.yarn_log_mul, _T.FLOAT32)
@@ -105,8 +104,7 @@ class Deepseek2(Family):
                             f"{key(Keys.Attention.KV_LORA_RANK)} ({lora_rank}) + "
                             f"{key(Keys.Rope.DIMENSION_COUNT)} ({rope}), and "
                             f"{key(Keys.Attention.VALUE_LENGTH)} the former")
-        shared = f.int_key(key(Keys.LLM.EXPERT_SHARED_COUNT), minimum=0)
-        more = {"n_ff_shexp": shared * hp["n_ff_exp"], **read_weights_norm(f, self.arch),
+        more = {**read_shared_count(f, self.arch, hp), **read_weights_norm(f, self.arch),
                 "expert_bias": any(n.endswith(".exp_probs_b.bias") for n in f.tensors),
                 "yarn_log_mul": f.float_key(key(Keys.Rope.SCALING_YARN_LOG_MUL), default=0.0,
                                             allow_zero=True) / 0.1}

@@ -59,6 +59,18 @@ def read_weights_norm(f, arch: str) -> dict:
     return {"expert_weights_norm": norm}
 
 
+def shared_count_key(arch: str, cfg) -> dict:
+    """expert_shared_count: the shared experts' width n_ff_shexp in experts of n_ff_exp."""
+    return {Keys.LLM.EXPERT_SHARED_COUNT.format(arch=arch):
+            (cfg.n_ff_shexp // cfg.n_ff_exp, GGUFValueType.UINT32)}
+
+
+def read_shared_count(f, arch: str, hp: dict) -> dict:
+    """ModelConfig.n_ff_shexp from file `f`'s expert_shared_count experts of n_ff_exp."""
+    shared = f.int_key(Keys.LLM.EXPERT_SHARED_COUNT.format(arch=arch), minimum=0)
+    return {"n_ff_shexp": shared * hp["n_ff_exp"]}
+
+
 def qkv_bias_of(f) -> bool:
     """Whether file `f` has Q/K/V biases (ModelConfig.qkv_bias: llama.cpp reads them where a
     file has them), separate or fused."""

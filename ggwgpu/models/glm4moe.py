@@ -9,12 +9,13 @@ where expert_weights_norm and times expert_weights_scale, plus expert_shared_cou
 experts as one SwiGLU added as it is. Multi-token-prediction blocks (nextn_predict_layers,
 after the others) are read past, as llama.cpp's main graph does; M-RoPE files (GLM-4.5V's
 rope.dimension_sections) are refused."""
-from gguf import GGUFValueType as _T, Keys
+from gguf import Keys
 
 from ..gguf_file import GGUFError
 from ..tensor import ShapeError
-from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, read_weights_norm,
-                     qkv_bias_of, trunk_layers, weights_norm_key)
+from .family import (EXPERT_FF, EXPERT_KEYS, Family, past_trunk, qkv_bias_of,
+                     read_shared_count, read_weights_norm, shared_count_key, trunk_layers,
+                     weights_norm_key)
 
 
 class Glm4Moe(Family):
@@ -52,16 +53,14 @@ class Glm4Moe(Family):
     # -- files -----------------------------------------------------------------------------
 
     def more_keys(self, cfg):
-        return {Keys.LLM.EXPERT_SHARED_COUNT.format(arch=self.arch):
-                (cfg.n_ff_shexp // cfg.n_ff_exp, _T.UINT32), **weights_norm_key(self.arch, cfg)}
+        return {**shared_count_key(self.arch, cfg), **weights_norm_key(self.arch, cfg)}
 
     def read_more_keys(self, f, hp):
         sections = Keys.Rope.DIMENSION_SECTIONS.format(arch=self.arch)
         if any(f.meta.get(sections) or ()):
             raise GGUFError(f"{f.path}: {sections}: ggwgpu's {self.arch} has no M-RoPE (the "
                             f"vision models')")
-        shared = f.int_key(Keys.LLM.EXPERT_SHARED_COUNT.format(arch=self.arch), minimum=0)
-        return {"n_ff_shexp": shared * hp["n_ff_exp"], **read_weights_norm(f, self.arch),
+        return {**read_shared_count(f, self.arch, hp), **read_weights_norm(f, self.arch),
                 "qkv_bias": qkv_bias_of(f),
                 "qk_norm": "blk.0.attn_q_norm.weight" in f.tensors,
                 "n_layer": trunk_layers(f, self.arch, hp["n_layer"])}

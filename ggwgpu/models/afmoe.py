@@ -1,0 +1,87 @@
+"""afmoe (Arcee Trinity Nano, Mini, Large; llama.cpp's src/models/afmoe.cpp): the inputs times
+sqrt(n_embd); sandwich blocks (a norm before and after each branch: attn_norm,
+post_attention_norm, ffn_norm, post_ffw_norm); per-head RMS norms of Q and K before neox
+rope, which every fourth layer skips; attention's output times the sigmoid of attn_gate h
+before attn_output; with attention.sliding_window, three layers of four within it (at
+rope.freq_base_swa where set). The first leading_dense_block_count feed-forwards are SwiGLU,
+the others experts of expert_feed_forward_length by the router's sigmoids (the softmax where
+expert_gating_func says 1) ranked with exp_probs_b, weights normalized where
+expert_weights_norm and times expert_weights_scale, plus expert_shared_count shared experts
+as one SwiGLU added as it is."""
+import math
+
+from gguf import Keys
+
+from .. import ops as O
+from ..tensor import ShapeError
+from . import blocks as B
+from .family import (EXPERT_FF, EXPERT_KEYS, Family, read_shared_count, read_weights_norm,
+                     shared_count_key, weights_norm_key)
+
+NOPE_STEP = 4       # llama.cpp's n_no_rope_layer_step: layer i ropes unless (i + 1) % 4 == 0
+
+
+class AfMoe(Family):
+    arch = "afmoe"
+    rope_mode = "neox"
+    qk_norm = True
+    post_norms = True
+    swa_pattern = 4
+    experts = True
+    shared_expert = "plain"
+    selection_bias = True
+    keys = {**EXPERT_KEYS, **EXPERT_FF, "n_dense_lead": Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+            "expert_gating": Keys.LLM.EXPERT_GATING_FUNC,
+            "expert_weights_scale": Keys.LLM.EXPERT_WEIGHTS_SCALE,
+            "sliding_window": Keys.Attention.SLIDING_WINDOW,
+            "rope_freq_base_swa": "{arch}.rope.freq_base_swa"}
+    required = ("n_expert", "n_expert_used", "n_ff_exp")
+
+    def check(self, cfg):
+        if not (cfg.n_expert and cfg.n_ff_exp) and cfg.n_dense_lead < cfg.n_layer:
+            raise ShapeError(f"llama.cpp's {self.arch} needs n_expert and n_ff_exp > 0 "
+                             f"(expert_count, expert_feed_forward_length)")
+        if cfg.n_ff_exp and cfg.n_ff_shexp % cfg.n_ff_exp:
+            raise ShapeError(f"{self.arch}'s shared experts are expert_shared_count experts' "
+                             f"width: n_ff_shexp {cfg.n_ff_shexp} is no multiple of n_ff_exp "
+                             f"{cfg.n_ff_exp}")
+
+    def expert_ff(self, cfg):
+        return cfg.n_ff_exp
+
+    def normalizes(self, cfg):
+        return cfg.expert_weights_norm
+
+    def expert_gating(self, cfg):
+        return "softmax" if cfg.expert_gating == 1 else "sigmoid"   # sigmoid when unset
+
+    def input_scale(self, cfg):
+        return math.sqrt(cfg.n_embd)
+
+    def ropes(self, cfg, i):
+        return (i + 1) % NOPE_STEP != 0
+
+    def rope_params(self, cfg, i):
+        base = cfg.rope_freq_base_swa if self.local(cfg, i) and cfg.rope_freq_base_swa \
+            else cfg.rope_freq_base
+        return B.rope_params(cfg, base, cfg.rope_freq_scale)
+
+    # -- files -----------------------------------------------------------------------------
+
+    def more_keys(self, cfg):
+        return {**shared_count_key(self.arch, cfg), **weights_norm_key(self.arch, cfg)}
+
+    def read_more_keys(self, f, hp):
+        return {**read_shared_count(f, self.arch, hp), **read_weights_norm(f, self.arch)}
+
+    # -- tensors and graph -----------------------------------------------------------------
+
+    def block_shapes(self, cfg, i):
+        return {**super().block_shapes(cfg, i), "attn_gate.weight": (cfg.q_dim, cfg.n_embd)}
+
+    def attend(self, cfg, p, i, h, seq):
+        gate = B.linear(p, f"blk.{i}.attn_gate.weight", h)
+        return O.mul(super().attend(cfg, p, i, h, seq), O.sigmoid(gate))
+
+
+FAMILY = AfMoe()
