@@ -587,6 +587,8 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return phimoe_reference_logits(cfg, values, tokens)
     if arch == "afmoe":
         return afmoe_reference_logits(cfg, values, tokens)
+    if arch == "smallthinker":
+        return smallthinker_reference_logits(cfg, values, tokens)
     if arch in ("glm4moe", "seed_oss", "bailingmoe2"):
         return glm4moe_reference_logits(cfg, values, tokens)
     if arch not in ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "smollm3", "granite", "phi3",
@@ -1034,6 +1036,35 @@ def afmoe_reference_logits(cfg, values, tokens) -> np.ndarray:
                 y = y + _glu(h, p("ffn_gate_shexp.weight"), p("ffn_up_shexp.weight"),
                              p("ffn_down_shexp.weight"), _silu)
         x = x + _rms_norm(y, p("post_ffw_norm.weight"), eps)
+    out = w.get("output.weight", w["token_embd.weight"])
+    return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
+
+
+def smallthinker_reference_logits(cfg, values, tokens) -> np.ndarray:
+    """llama.cpp's smallthinker graph in float64: llama's pre-norm attention with neox rope,
+    with a sliding_window the layers i % 4 != 0 windowed (at rope_freq_base_swa where set)
+    and the others unroped; then the experts on ffn_norm of the residual, relu(gate) * up,
+    routed by the block's input (softmax, or sigmoids where expert_gating is 2), weights
+    normalized."""
+    w = {k: np.asarray(v, np.float64) for k, v in values.items()}
+    n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
+    positions = np.arange(n, dtype=np.float64)
+    attn_factor, yarn = _context_rope(cfg)
+    x = w["token_embd.weight"][tokens]
+    for il in range(cfg.n_layer):
+        p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
+        local = cfg.sliding_window > 0 and il % 4 != 0
+        h = _rms_norm(x, p("attn_norm.weight"), eps)
+        q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
+        if local or not cfg.sliding_window:
+            base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa \
+                else cfg.rope_freq_base
+            q, k = (_rope(y, positions, cfg.rot, True, base, cfg.rope_freq_scale,
+                          np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
+        att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0)
+        y = x + att @ p("attn_output.weight").T
+        x = y + _experts(cfg, p, _rms_norm(y, p("ffn_norm.weight"), eps), True, router=x,
+                         act=lambda g: np.maximum(g, 0))
     out = w.get("output.weight", w["token_embd.weight"])
     return _rms_norm(x, w["output_norm.weight"], eps) @ out.T
 

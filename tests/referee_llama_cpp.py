@@ -284,6 +284,16 @@ CONFIGS = {
                          n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
                          expert_weights_norm=True, expert_weights_scale=2.5, sliding_window=16,
                          rope_freq_base_swa=1e4, rope_freq_base=1e6, arch="afmoe"),
+    # SmallThinker: 8 ReGLU experts of 32 (2 taken by sigmoids, normalized) routed by each
+    # block's input; windowed (4096) layers i % 4 != 0, the others unroped; and without
+    # windows (every layer roped, the router by softmax)
+    "smallthinker": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, n_expert=8,
+                                n_expert_used=2, n_ff_exp=32, expert_gating=2,
+                                sliding_window=4096, rope_freq_base=1.5e6,
+                                rope_freq_base_swa=1e4, arch="smallthinker"),
+    "smallthinker-global": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, n_expert=8,
+                                       n_expert_used=2, n_ff_exp=32, expert_gating=1,
+                                       tied_embeddings=True, arch="smallthinker"),
     # Seed-OSS: Q/K/V biases, neox rope, the feed-forward's norm post_attention_norm
     "seed_oss": ModelConfig(**BASE, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),

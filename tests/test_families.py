@@ -254,6 +254,14 @@ FAMILIES = {
                          expert_gating=2, expert_weights_norm=True, expert_weights_scale=2.5,
                          sliding_window=4, rope_freq_base_swa=1e4, rope_freq_base=1e6,
                          tied_embeddings=True, arch="afmoe"),
+    # SmallThinker-4B-A0.6B: 4 ReGLU experts of 32 (2 taken by sigmoids, normalized) routed
+    # by each block's input; windows (4096: wider than these contexts) on three layers of
+    # four, the first of each four unroped
+    "smallthinker": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_layer=2, n_expert=4,
+                                n_expert_used=2, n_ff_exp=32, expert_gating=2,
+                                sliding_window=4096, rope_freq_base=1.5e6,
+                                rope_freq_base_swa=1e4, tied_embeddings=True,
+                                arch="smallthinker"),
     # Seed-OSS-36B: Q/K/V biases, the feed-forward's norm post_attention_norm, untied
     "seed_oss": ModelConfig(**BYTES, n_head=4, n_head_kv=2, n_layer=2, qkv_bias=True,
                             arch="seed_oss"),
@@ -308,7 +316,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
                "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight",
                "phimoe": "ffn_norm.bias", "bailingmoe2": "attn_qkv.weight",
-               "afmoe": "attn_gate.weight",
+               "afmoe": "attn_gate.weight", "smallthinker": "ffn_gate_inp.weight",
                "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}
@@ -1142,6 +1150,18 @@ def test_bailingmoe2_shared_experts_are_as_wide_as_llama_cpp_makes_them(tmp_path
     unset = read(tmp_path / "unset.gguf", **{
         "bailingmoe2.expert_shared_feed_forward_length": None})
     assert unset.n_ff_shexp == cfg.n_ff_exp
+
+
+def test_a_smallthinker_file_s_window_is_llama_cpp_s_4096_whatever_it_says(tmp_path):
+    cfg = FAMILIES["smallthinker"]
+    meta, read = converter_file(cfg, tmp_path)
+    got = read(tmp_path / "w.gguf", **{
+        "smallthinker.attention.sliding_window": (512, GGUFValueType.UINT32)})
+    assert got.sliding_window == 4096
+    got = read(tmp_path / "none.gguf", **{"smallthinker.attention.sliding_window": None})
+    assert got.sliding_window == 0 and all(got.family.ropes(got, i) for i in range(2))
+    with pytest.raises(ShapeError, match="windows a smallthinker's layers at 4096"):
+        dataclasses.replace(cfg, sliding_window=512)
 
 
 def test_deepseek2_files_read_past_their_prediction_block_and_say_their_gating(tmp_path):

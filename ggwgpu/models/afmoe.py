@@ -16,7 +16,7 @@ from .. import ops as O
 from ..tensor import ShapeError
 from . import blocks as B
 from .family import (EXPERT_FF, EXPERT_KEYS, Family, read_shared_count, read_weights_norm,
-                     shared_count_key, weights_norm_key)
+                     shared_count_key, swa_base_rope, weights_norm_key)
 
 NOPE_STEP = 4       # llama.cpp's n_no_rope_layer_step: layer i ropes unless (i + 1) % 4 == 0
 
@@ -62,9 +62,7 @@ class AfMoe(Family):
         return (i + 1) % NOPE_STEP != 0
 
     def rope_params(self, cfg, i):
-        base = cfg.rope_freq_base_swa if self.local(cfg, i) and cfg.rope_freq_base_swa \
-            else cfg.rope_freq_base
-        return B.rope_params(cfg, base, cfg.rope_freq_scale)
+        return swa_base_rope(self, cfg, i)
 
     # -- files -----------------------------------------------------------------------------
 

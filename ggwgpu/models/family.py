@@ -71,6 +71,14 @@ def read_shared_count(f, arch: str, hp: dict) -> dict:
     return {"n_ff_shexp": shared * hp["n_ff_exp"]}
 
 
+def swa_base_rope(family, cfg, i: int) -> dict:
+    """Layer i's rope parameters at rope_freq_base_swa where the layer is windowed and that
+    base is set, else at the model's base; the model's scale either way."""
+    base = cfg.rope_freq_base_swa if family.local(cfg, i) and cfg.rope_freq_base_swa \
+        else cfg.rope_freq_base
+    return B.rope_params(cfg, base, cfg.rope_freq_scale)
+
+
 def qkv_bias_of(f) -> bool:
     """Whether file `f` has Q/K/V biases (ModelConfig.qkv_bias: llama.cpp reads them where a
     file has them), separate or fused."""

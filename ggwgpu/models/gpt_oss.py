@@ -13,7 +13,7 @@ from gguf import Keys
 from .. import ops as O
 from ..tensor import ShapeError
 from . import blocks as B
-from .family import EXPERT_FF, EXPERT_KEYS, Family
+from .family import EXPERT_FF, EXPERT_KEYS, Family, swa_base_rope
 
 SINKS = "attn_sinks.weight"
 
@@ -52,9 +52,7 @@ class GptOss(Family):
         return 0.0 if name.endswith(SINKS) else super().initial(name)
 
     def rope_params(self, cfg, i):
-        base = cfg.rope_freq_base_swa if self.local(cfg, i) and cfg.rope_freq_base_swa \
-            else cfg.rope_freq_base
-        return B.rope_params(cfg, base, cfg.rope_freq_scale)
+        return swa_base_rope(self, cfg, i)
 
     def mix(self, cfg, p, i, x, seq):
         b = f"blk.{i}."
