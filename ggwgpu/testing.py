@@ -579,7 +579,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
         return gpt_oss_reference_logits(cfg, values, tokens)
     if arch in ("command-r", "cohere2"):
         return command_r_reference_logits(cfg, values, tokens)
-    if arch == "deepseek2":
+    if arch in ("deepseek2", "mistral4"):
         return deepseek2_reference_logits(cfg, values, tokens)
     if arch == "minicpm3":
         return minicpm3_reference_logits(cfg, values, tokens)

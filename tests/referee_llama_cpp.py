@@ -301,6 +301,13 @@ CONFIGS = {
                                n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
                                expert_weights_norm=True, qkv_bias=True, tied_embeddings=True,
                                arch="glm4moe"),
+    # Mistral Large 3 (deepseek2's graph): queries through a normed rank of 32, 8 experts of
+    # 32 (gate | up one stack) by sigmoids ranked with a bias, normalized, and a shared one
+    "mistral4": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=48, n_rot=16, n_layer=2,
+                            n_expert=8, n_expert_used=2, n_ff_exp=32, n_ff_shexp=32,
+                            expert_gating=2, expert_bias=True, expert_weights_norm=True,
+                            fused_gate_up=True, q_lora_rank=32, mla_key_length=32,
+                            mla_value_length=24, arch="mistral4"),
     "deepseek2": ModelConfig(**BASE, n_head=4, n_head_kv=1, n_embd_head=48, n_rot=16,
                              n_layer=3, n_dense_lead=1, n_expert=8, n_expert_used=2,
                              n_ff_exp=32, n_ff_shexp=64, expert_weights_scale=1.5,

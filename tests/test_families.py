@@ -269,6 +269,13 @@ FAMILIES = {
                                n_expert_used=2, n_ff_exp=32, n_ff_shexp=32, expert_gating=2,
                                expert_weights_norm=True, qkv_bias=True, tied_embeddings=True,
                                arch="glm4moe"),
+    # Mistral Large 3: deepseek2's latent attention (queries through a normed rank of 12) and
+    # experts (gate | up one stack, sigmoids ranked with a bias, normalized) and a shared one
+    "mistral4": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=20, n_rot=4,
+                            n_layer=2, n_expert=4, n_expert_used=2, n_ff_exp=32,
+                            n_ff_shexp=32, expert_gating=2, expert_bias=True,
+                            expert_weights_norm=True, fused_gate_up=True, q_lora_rank=12,
+                            mla_key_length=16, mla_value_length=8, arch="mistral4"),
     # GLM-4.7-Flash: queries through a normed rank of 12, sigmoid gating ranked with a bias,
     # weights normalized, one shared expert
     "deepseek2-glm": ModelConfig(**BYTES, n_head=2, n_head_kv=1, n_embd_head=20, n_rot=4,
@@ -316,7 +323,7 @@ OWN_TENSORS = {"qwen2": "attn_q.bias", "glm4": "post_ffw_norm.weight",
                "deepseek2": "attn_kv_a_mqa.weight", "deepseek2-glm": "attn_q_a_norm.weight",
                "glm4moe": "attn_k_norm.weight", "seed_oss": "post_attention_norm.weight",
                "phimoe": "ffn_norm.bias", "bailingmoe2": "attn_qkv.weight",
-               "afmoe": "attn_gate.weight", "smallthinker": "ffn_gate_inp.weight",
+               "afmoe": "attn_gate.weight", "mistral4": "ffn_gate_up_exps.weight", "smallthinker": "ffn_gate_inp.weight",
                "glm4moe-air": "post_attention_norm.weight",
                "nemotron_h_moe": "ffn_up_shexp.weight", "ernie4_5-moe": "attn_q.weight",
                "gpt2": "attn_qkv.bias", "gptneox": "ffn_norm.bias"}

@@ -183,6 +183,7 @@ CONFIGS = {"mha": TINY, "gqa-tied": GQA_TIED, "gqa-wide": GQA_WIDE, "llama3-rope
            "stablelm": dataclasses.replace(PHI2, arch="stablelm", qkv_bias=True),
            "nemotron": dataclasses.replace(PHI2, arch="nemotron"),
            "gpt-oss": GPT_OSS, "deepseek2": DEEPSEEK2,
+           "mistral4": dataclasses.replace(DEEPSEEK2, arch="mistral4", fused_gate_up=True),
            "phimoe": ModelConfig(n_vocab=11, n_embd=8, n_head=2, n_layer=2, n_ff=12, n_ctx=5,
                                  n_expert=3, n_expert_used=2, qkv_bias=True, longrope=True,
                                  rope_scaling="longrope", rope_orig_ctx=4, arch="phimoe"),

@@ -5,7 +5,7 @@ FAMILIES maps llama.cpp's general.architecture to its family."""
 from . import (afmoe, arcee, bailingmoe2, cohere2, command_r, deepseek2, ernie4_5, ernie4_5_moe,
                exaone, exaone4, falcon_h1, gemma2, gemma3, gemma4, glm4, glm4moe, gpt2, gpt_oss,
                gptneox, granite, granitehybrid, granitemoe, hunyuan_dense, hunyuan_moe, internlm2,
-               lfm2, lfm2moe, llama, minicpm, minicpm3, mistral3, nemotron, nemotron_h,
+               lfm2, lfm2moe, llama, minicpm, minicpm3, mistral3, mistral4, nemotron, nemotron_h,
                nemotron_h_moe, olmo2, olmoe, phi2, phi3, phimoe, qwen2, qwen2moe, qwen3, qwen35,
                qwen35moe, qwen3moe, seed_oss, smallthinker, smollm3, stablelm, starcoder2)
 
@@ -16,13 +16,13 @@ FAMILIES = {m.FAMILY.arch: m.FAMILY
                        granitemoe, lfm2moe, qwen35moe, phi2, starcoder2, stablelm, gpt_oss,
                        deepseek2, nemotron_h_moe, ernie4_5_moe, gpt2, command_r, cohere2, gptneox,
                        exaone, internlm2, minicpm3, nemotron, glm4moe, seed_oss, phimoe,
-                       hunyuan_moe, bailingmoe2, afmoe, smallthinker)}
+                       hunyuan_moe, bailingmoe2, afmoe, smallthinker, mistral4)}
 
 
 # Archs of well-known models that ggwgpu does not compute yet, and what it lacks for them:
 # a file of one is refused saying so (gguf_llama.read_model), not only that it is unknown.
 MISSING = {
-    **dict.fromkeys(("mistral4", "llama4", "qwen3next"),
+    **dict.fromkeys(("llama4", "qwen3next"),
                     "mixture-of-experts blocks"),
     "mamba2": "Mamba2 models without attention", "jamba": "Jamba's Mamba and experts",
     "mamba": "Mamba layers", "rwkv7": "RWKV-7 layers",
