@@ -13,47 +13,20 @@ import math
 from gguf import Keys
 
 from .. import ops as O
-from ..tensor import ShapeError
 from . import blocks as B
-from .family import (EXPERT_FF, EXPERT_KEYS, Family, read_shared_count, read_weights_norm,
-                     shared_count_key, swa_base_rope, weights_norm_key)
+from .family import SharedSigmoidExperts, swa_base_rope
 
 NOPE_STEP = 4       # llama.cpp's n_no_rope_layer_step: layer i ropes unless (i + 1) % 4 == 0
 
 
-class AfMoe(Family):
+class AfMoe(SharedSigmoidExperts):
     arch = "afmoe"
     rope_mode = "neox"
     qk_norm = True
     post_norms = True
     swa_pattern = 4
-    experts = True
-    shared_expert = "plain"
-    selection_bias = True
-    keys = {**EXPERT_KEYS, **EXPERT_FF, "n_dense_lead": Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
-            "expert_gating": Keys.LLM.EXPERT_GATING_FUNC,
-            "expert_weights_scale": Keys.LLM.EXPERT_WEIGHTS_SCALE,
-            "sliding_window": Keys.Attention.SLIDING_WINDOW,
+    keys = {**SharedSigmoidExperts.keys, "sliding_window": Keys.Attention.SLIDING_WINDOW,
             "rope_freq_base_swa": "{arch}.rope.freq_base_swa"}
-    required = ("n_expert", "n_expert_used", "n_ff_exp")
-
-    def check(self, cfg):
-        if not (cfg.n_expert and cfg.n_ff_exp) and cfg.n_dense_lead < cfg.n_layer:
-            raise ShapeError(f"llama.cpp's {self.arch} needs n_expert and n_ff_exp > 0 "
-                             f"(expert_count, expert_feed_forward_length)")
-        if cfg.n_ff_exp and cfg.n_ff_shexp % cfg.n_ff_exp:
-            raise ShapeError(f"{self.arch}'s shared experts are expert_shared_count experts' "
-                             f"width: n_ff_shexp {cfg.n_ff_shexp} is no multiple of n_ff_exp "
-                             f"{cfg.n_ff_exp}")
-
-    def expert_ff(self, cfg):
-        return cfg.n_ff_exp
-
-    def normalizes(self, cfg):
-        return cfg.expert_weights_norm
-
-    def expert_gating(self, cfg):
-        return "softmax" if cfg.expert_gating == 1 else "sigmoid"   # sigmoid when unset
 
     def input_scale(self, cfg):
         return math.sqrt(cfg.n_embd)
@@ -63,14 +36,6 @@ class AfMoe(Family):
 
     def rope_params(self, cfg, i):
         return swa_base_rope(self, cfg, i)
-
-    # -- files -----------------------------------------------------------------------------
-
-    def more_keys(self, cfg):
-        return {**shared_count_key(self.arch, cfg), **weights_norm_key(self.arch, cfg)}
-
-    def read_more_keys(self, f, hp):
-        return {**read_shared_count(f, self.arch, hp), **read_weights_norm(f, self.arch)}
 
     # -- tensors and graph -----------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from gguf import GGUFValueType, Keys
 
 from .. import ops as O
 from ..gguf_file import GGUFError
+from ..tensor import ShapeError
 from . import blocks as B
 
 # The hyper-parameters of a mixture of experts (the keys of a family with `experts`)
@@ -493,3 +494,43 @@ class Family:
         """Layer i's rope of x (q or k): its parameters, the model's factor table."""
         return B.rope(x, positions, self.rope_params(cfg, i), self.rope_factors(cfg, p, i))
 
+
+class SharedSigmoidExperts(Family):
+    """The mixtures of glm4moe and afmoe: past the first leading_dense_block_count blocks,
+    experts of expert_feed_forward_length by the router's sigmoids (the softmax where
+    expert_gating_func says 1; sigmoids where unset, as llama.cpp takes them) ranked with
+    exp_probs_b, weights normalized where expert_weights_norm and times
+    expert_weights_scale, plus expert_shared_count shared experts as one SwiGLU of their
+    width added as it is."""
+    experts = True
+    shared_expert = "plain"
+    selection_bias = True
+    keys = {**EXPERT_KEYS, **EXPERT_FF, "n_dense_lead": Keys.LLM.LEADING_DENSE_BLOCK_COUNT,
+            "expert_gating": Keys.LLM.EXPERT_GATING_FUNC,
+            "expert_weights_scale": Keys.LLM.EXPERT_WEIGHTS_SCALE}
+    required = ("n_expert", "n_expert_used", "n_ff_exp")
+
+    def check(self, cfg):
+        if not (cfg.n_expert and cfg.n_ff_exp) and cfg.n_dense_lead < cfg.n_layer:
+            raise ShapeError(f"llama.cpp's {self.arch} needs n_expert and n_ff_exp > 0 "
+                             f"(expert_count, expert_feed_forward_length) past its "
+                             f"{cfg.n_dense_lead} dense blocks")
+        if cfg.n_ff_exp and cfg.n_ff_shexp % cfg.n_ff_exp:
+            raise ShapeError(f"{self.arch}'s shared experts are expert_shared_count experts' "
+                             f"width: n_ff_shexp {cfg.n_ff_shexp} is no multiple of n_ff_exp "
+                             f"{cfg.n_ff_exp}")
+
+    def expert_ff(self, cfg):
+        return cfg.n_ff_exp
+
+    def normalizes(self, cfg):
+        return cfg.expert_weights_norm
+
+    def expert_gating(self, cfg):
+        return "softmax" if cfg.expert_gating == 1 else "sigmoid"
+
+    def more_keys(self, cfg):
+        return {**shared_count_key(self.arch, cfg), **weights_norm_key(self.arch, cfg)}
+
+    def read_more_keys(self, f, hp):
+        return {**read_shared_count(f, self.arch, hp), **read_weights_norm(f, self.arch)}
