@@ -42,6 +42,9 @@ class MiniCPM3(Family):
             raise ShapeError(f"a minicpm3 needs key_length {cfg.head_dim} above its rope dims "
                              f"{cfg.rot} and at least its mla_value_length (value_length) "
                              f"{cfg.mla_value_length}")
+        if min(cfg.q_lora_rank, cfg.kv_lora_rank) < 1:
+            raise ShapeError(f"a minicpm3 needs q_lora_rank and kv_lora_rank, got "
+                             f"{cfg.q_lora_rank} and {cfg.kv_lora_rank}")
         if cfg.kv_heads != cfg.n_head:
             raise ShapeError(f"minicpm3's latent attention gives every head its K/V: n_head_kv "
                              f"{cfg.kv_heads} must be n_head {cfg.n_head}")
