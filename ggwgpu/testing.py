@@ -350,6 +350,20 @@ SWA_PATTERNS = {"gemma2": 2, "gemma3": 6, "olmo2": 4}
 ROPE_FACTORS = ("llama", "granite", "exaone4", "mistral3", "minicpm", "arcee", "exaone")
 
 
+def _longrope_factors(cfg, w):
+    """LongRoPE's factor table of weights `w` (None where they have none): the long factors
+    when the context exceeds rope_orig_ctx, else the short ones, as llama.cpp picks them."""
+    if "rope_factors_long.weight" not in w:
+        return None
+    long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
+    return w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+
+
+def _swa_base(cfg, local: bool) -> float:
+    """A layer's rope base: rope_freq_base_swa where it is windowed and that is set."""
+    return cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa else cfg.rope_freq_base
+
+
 def _rms_norm(x, w, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -605,8 +619,7 @@ def reference_logits(cfg, values, tokens) -> np.ndarray:
     positions = np.arange(n, dtype=np.float64)
     factors = w.get("rope_freqs.weight") if arch in ROPE_FACTORS else None
     if "rope_factors_long.weight" in w:     # LongRoPE (phi3, minicpm)
-        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
-        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+        factors = _longrope_factors(cfg, w)
     attn_factor, yarn = _context_rope(cfg)
     factors = np.ones(cfg.rot // 2) if factors is None else factors
     q_scale, kq_scale = 1.0, 1 / np.sqrt(hd)
@@ -871,7 +884,7 @@ def gpt_oss_reference_logits(cfg, values, tokens) -> np.ndarray:
     for il in range(cfg.n_layer):
         p = lambda name: w[f"blk.{il}.{name}"]                 # noqa: E731
         local = cfg.sliding_window > 0 and il % 2 == 0
-        base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa else cfg.rope_freq_base
+        base = _swa_base(cfg, local)
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         q, k, v = ((h @ p(f"attn_{m}.weight").T + p(f"attn_{m}.bias")).reshape(n, -1, hd)
                    for m in "qkv")
@@ -1018,9 +1031,7 @@ def afmoe_reference_logits(cfg, values, tokens) -> np.ndarray:
         q, k = _rms_norm(q, p("attn_q_norm.weight"), eps), _rms_norm(
             k, p("attn_k_norm.weight"), eps)
         if (il + 1) % 4:
-            base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa \
-                else cfg.rope_freq_base
-            q, k = (_rope(y, positions, cfg.rot, True, base, cfg.rope_freq_scale,
+            q, k = (_rope(y, positions, cfg.rot, True, _swa_base(cfg, local), cfg.rope_freq_scale,
                           np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
         att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0)
         att = att * (1 / (1 + np.exp(-(h @ p("attn_gate.weight").T))))
@@ -1057,9 +1068,7 @@ def smallthinker_reference_logits(cfg, values, tokens) -> np.ndarray:
         h = _rms_norm(x, p("attn_norm.weight"), eps)
         q, k, v = ((h @ p(f"attn_{m}.weight").T).reshape(n, -1, hd) for m in "qkv")
         if local or not cfg.sliding_window:
-            base = cfg.rope_freq_base_swa if local and cfg.rope_freq_base_swa \
-                else cfg.rope_freq_base
-            q, k = (_rope(y, positions, cfg.rot, True, base, cfg.rope_freq_scale,
+            q, k = (_rope(y, positions, cfg.rot, True, _swa_base(cfg, local), cfg.rope_freq_scale,
                           np.ones(cfg.rot // 2), attn_factor, yarn) for y in (q, k))
         att = _attention(q, k, v, 1 / np.sqrt(hd), cfg.sliding_window if local else 0)
         y = x + att @ p("attn_output.weight").T
@@ -1078,10 +1087,8 @@ def phimoe_reference_logits(cfg, values, tokens) -> np.ndarray:
     n, eps, hd = len(tokens), cfg.norm_eps, cfg.head_dim
     positions = np.arange(n, dtype=np.float64)
     attn_factor, yarn = _context_rope(cfg)
-    factors = np.ones(cfg.rot // 2)
-    if "rope_factors_long.weight" in w:
-        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
-        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    factors = _longrope_factors(cfg, w)
+    factors = np.ones(cfg.rot // 2) if factors is None else factors
 
     def norm(x, name):
         return _rms_norm(x, w[name + ".weight"], eps) + w[name + ".bias"]
@@ -1111,10 +1118,8 @@ def minicpm3_reference_logits(cfg, values, tokens) -> np.ndarray:
     rank, nope, v_dim = cfg.kv_lora_rank, k - rope, cfg.mla_value_length
     positions = np.arange(n, dtype=np.float64)
     attn_factor, yarn = _context_rope(cfg)
-    factors = np.ones(rope // 2)
-    if "rope_factors_long.weight" in w:
-        long = cfg.rope_orig_ctx and cfg.n_ctx > cfg.rope_orig_ctx
-        factors = w["rope_factors_long.weight" if long else "rope_factors_short.weight"]
+    factors = _longrope_factors(cfg, w)
+    factors = np.ones(rope // 2) if factors is None else factors
 
     def roped(y):
         return _rope(y, positions, rope, True, cfg.rope_freq_base, cfg.rope_freq_scale,

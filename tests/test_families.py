@@ -367,6 +367,15 @@ def family_file(path, cfg, values=None, config_json=True):
     return path
 
 
+def float64_logits(cfg, values, tokens, **options):
+    """The logits (1, n_ctx, n_vocab) of one row of `tokens` at positions 0.. in float64
+    NumPy, from a frozen graph of cfg on `values` (build_train_graph's `options`)."""
+    g = build_train_graph(cfg, values, 1, frozen=True, **options)
+    plan = NumpyBackend(np.float64).plan(g.logits)
+    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
+    return g.read_logits(plan)
+
+
 def invoke(*args):
     return CliRunner().invoke(cli, ["--backend", "numpy", *args], env={ENV_VAR: None})
 
@@ -656,11 +665,8 @@ def test_fused_gate_and_up_expert_stacks_read_as_the_two_they_hold(tmp_path):
     got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", fused_cfg, fused))
     assert float32_fields(got_cfg) == float32_fields(fused_cfg) and got.keys() == fused.keys()
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
-    g = build_train_graph(got_cfg, got, 1, frozen=True)
-    plan = NumpyBackend(np.float64).plan(g.logits)
-    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
-    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float64_logits(got_cfg, got, tokens)[0],
+                               reference_logits(cfg, values, tokens[0]), rtol=1e-6, atol=1e-7)
     fused["blk.1.ffn_gate_exps.weight"] = values["blk.1.ffn_gate_exps.weight"]
     with pytest.raises(GGUFError, match="unexpected tensor blk.1.ffn_gate_exps.weight"):
         load_model(write_tensors(tmp_path / "both.gguf", fused_cfg, fused))
@@ -685,11 +691,8 @@ def test_a_fused_attn_qkv_reads_as_the_three_it_holds(config, tmp_path):
     got_cfg, got, _ = load_model(write_tensors(tmp_path / "m.gguf", fused_cfg, fused))
     assert float32_fields(got_cfg) == float32_fields(fused_cfg) and got.keys() == fused.keys()
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
-    g = build_train_graph(got_cfg, got, 1, frozen=True)
-    plan = NumpyBackend(np.float64).plan(g.logits)
-    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
-    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float64_logits(got_cfg, got, tokens)[0],
+                               reference_logits(cfg, values, tokens[0]), rtol=1e-6, atol=1e-7)
     assert "blk.0.attn_qkv.weight" in lora.lora_ranks(got_cfg, 2) or config in ("lfm2",
                                                                               "granitehybrid")
     attention = next(i for i in range(cfg.n_layer) if cfg.family.attends(cfg, i))
@@ -828,11 +831,8 @@ def test_lora_pairs_on_the_experts_add_alpha_over_r_times_b_a_to_each_expert():
                                       adapter.tensors[n + ".lora_a"])
                if n + ".lora_a" in adapter.tensors else v for n, v in values.items()}
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
-    g = build_train_graph(cfg, values, 1, adapters=(adapter,), frozen=True)
-    plan = NumpyBackend(np.float64).plan(g.logits)
-    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
-    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, by_hand, tokens[0]),
-                               rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(float64_logits(cfg, values, tokens, adapters=(adapter,))[0],
+                               reference_logits(cfg, by_hand, tokens[0]), rtol=1e-6, atol=1e-7)
 
 
 def test_a_merge_gives_the_adapted_logits_where_experts_scale_their_outputs():
@@ -844,12 +844,8 @@ def test_a_merge_gives_the_adapted_logits_where_experts_scale_their_outputs():
     assert not np.allclose(values["blk.0.ffn_down_exps.scale"], 1.0)
     adapter = trained_adapter(cfg, lora.lora_ranks(cfg, 2), 4.0)
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
-    logits = []
-    for c, v, adapters in ((cfg, values, (adapter,)), (*lora.merge(cfg, values, [adapter]), ())):
-        g = build_train_graph(c, v, 1, adapters=adapters, frozen=True)
-        plan = NumpyBackend(np.float64).plan(g.logits)
-        plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
-        logits.append(g.read_logits(plan)[0])
+    logits = [float64_logits(c, v, tokens, adapters=adapters)[0] for c, v, adapters in
+              ((cfg, values, (adapter,)), (*lora.merge(cfg, values, [adapter]), ()))]
     np.testing.assert_allclose(logits[1], logits[0], rtol=1e-5, atol=1e-6)
 
 
@@ -1215,11 +1211,8 @@ def test_latent_heads_wider_than_the_fused_kernels_take_the_unfused_path():
     cfg = dataclasses.replace(FAMILIES["deepseek2"], n_embd_head=MAX_D + 4)
     values = family_values(cfg)
     tokens = np.random.default_rng(2).integers(0, cfg.n_vocab, (1, cfg.n_ctx))
-    g = build_train_graph(cfg, values, 1, flash=True, frozen=True)
-    plan = NumpyBackend(np.float64).plan(g.logits)
-    plan.run({g.tokens: tokens, g.positions: np.arange(cfg.n_ctx, dtype=np.int32)})
-    np.testing.assert_allclose(g.read_logits(plan)[0], reference_logits(cfg, values, tokens[0]),
-                               rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(float64_logits(cfg, values, tokens, flash=True)[0],
+                               reference_logits(cfg, values, tokens[0]), rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("key, value, words", [
