@@ -364,8 +364,9 @@ def experts(cfg, p: dict, b: str, h, normalize: bool, router_input=None, act=O.s
     swiglu_oai; without ffn_gate_exps `act` of up alone, nemotron_h_moe's relu^2) weighted
     by their probabilities, divided by the sum of those where `normalize` (llama.cpp's
     norm_w). `gating` "sigmoid" or "softmax" takes those whatever cfg says
-    (nemotron_h_moe's graph; glm4moe's and afmoe's, Family.expert_gating); "softmax_taken" (gpt-oss's SOFTMAX_WEIGHT) takes the largest logits, their
-    weights the softmax of those alone. The weights are times `scale` where it is neither 0
+    (nemotron_h_moe's graph; glm4moe's and afmoe's, Family.expert_gating); "softmax_taken"
+    (gpt-oss's SOFTMAX_WEIGHT) takes the largest logits, their weights the softmax of those
+    alone. The weights are times `scale` where it is neither 0
     nor 1 (llama.cpp's expert_weights_scale). The router reads `router_input` where given
     (gemma4's), else h. Where the block has ffn_down_exps.scale, each expert's output is
     times its value (before its LoRA pairs' terms, as llama.cpp scales it)."""
